@@ -1,0 +1,91 @@
+"""`vit-serve convert`, run as a user would: through the installed console script when present."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import vit_serve
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("vit-serve")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "vit_serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def timm_file(tmp_path, randomize):
+    timm = pytest.importorskip("timm")
+    ref = randomize(timm.create_model("vit_tiny_patch16_224", num_classes=1000, depth=2))
+    path = tmp_path / "timm_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    return ref, path
+
+
+def test_convert_at_new_resolution_with_new_head(timm_file, tmp_path):
+    ref, src = timm_file
+    dst = tmp_path / "out" / "tiny384.safetensors"
+    r = run_cli("convert", str(src), str(dst), "--res", "384", "--num-classes", "10",
+                "--arch", "vit_tiny_patch16_224")
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {dst}" in r.stdout and "384x384, 10 classes" in r.stdout
+    model = vit_serve.load(dst)
+    assert model.cfg.img_size == (384, 384) and model.cfg.num_classes == 10
+    assert model.preprocess_cfg.input_size == (384, 384)
+    assert not model.head.weight.any()
+    # The converted trunk equals timm's own on-the-fly resampling at 384.
+    from timm.layers import resample_abs_pos_embed
+
+    expected = resample_abs_pos_embed(ref.pos_embed.detach(), [24, 24], [14, 14])
+    assert (model.pos_embed - expected).abs().max() <= 1e-6
+
+
+def test_convert_keeps_labels_and_refuses_to_overwrite(timm_file, tmp_path):
+    _, src = timm_file
+    dst = tmp_path / "m.safetensors"
+    assert run_cli("convert", str(src), str(dst)).returncode == 0
+    assert vit_serve.load(dst).labels[:2] == ["tench", "goldfish"]
+    before = dst.read_bytes()
+    r = run_cli("convert", str(src), str(dst), "--res", "256")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip() == f"vit-serve convert: error: {dst} exists; pass overwrite=True (CLI: --force) to " \
+                               "replace it"
+    assert dst.read_bytes() == before
+    assert run_cli("convert", str(src), str(dst), "--res", "256", "--force").returncode == 0
+    assert vit_serve.load(dst).cfg.img_size == (256, 256)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--res", "380"], "input size 380x380 is not a multiple of the patch size 16; nearest valid sizes: "
+                       "height 368 or 384"),
+    (["--res", "big"], "bad resolution 'big'"),
+])
+def test_convert_bad_resolution(timm_file, tmp_path, args, message):
+    _, src = timm_file
+    dst = tmp_path / "m.safetensors"
+    r = run_cli("convert", str(src), str(dst), *args)
+    assert r.returncode != 0 and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not dst.exists()
+
+
+def test_convert_unknown_and_corrupt_inputs(tmp_path):
+    odd = tmp_path / "odd.safetensors"
+    save_file({"foo": torch.zeros(1)}, odd)
+    r = run_cli("convert", str(odd), str(tmp_path / "o.safetensors"))
+    assert r.returncode == 1 and "unknown checkpoint format" in r.stderr and "Traceback" not in r.stderr
+    assert "vit_jax / big_vision .npz" in r.stderr
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"PK\x03\x04 truncated")
+    r = run_cli("convert", str(bad), str(tmp_path / "o.safetensors"))
+    assert r.returncode == 1 and "truncated or corrupt .npz file" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_version_and_help():
+    assert run_cli("--version").stdout.strip() == f"vit-serve {vit_serve.__version__}"
+    assert "--num-classes" in run_cli("convert", "--help").stdout

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from vit_serve.config import SIZES, ViTConfig, get_config, preset_names
+from vit_serve.model import VisionTransformer
+
+# Parameter counts of timm's models of the same name with a 1000-way head (paper Table 1: B 86M, L 307M, H 632M).
+TIMM_PARAMS = {
+    "vit_tiny_patch16_224": 5_717_416,
+    "vit_small_patch16_224": 22_050_664,
+    "vit_base_patch16_224": 86_567_656,
+    "vit_base_patch32_224": 88_224_232,
+    "vit_large_patch16_224": 304_326_632,
+    "vit_huge_patch14_224": 632_045_800,
+}
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_builds(name):
+    cfg = get_config(name)
+    with torch.device("meta"):
+        model = VisionTransformer(cfg)
+    assert model.pos_embed.shape == (1, 1 + cfg.grid_size[0] * cfg.grid_size[1], cfg.embed_dim)
+
+
+@pytest.mark.parametrize("name", list(TIMM_PARAMS))
+def test_parameter_counts_match_timm(name):
+    """Reference: timm.create_model(name) parameter counts (built on the meta device)."""
+    timm = pytest.importorskip("timm")
+    with torch.device("meta"):
+        ref = sum(p.numel() for p in timm.create_model(name, pretrained=False, num_classes=1000).parameters())
+        ours = sum(p.numel() for p in VisionTransformer(get_config(name)).parameters())
+    assert ours == ref == TIMM_PARAMS[name]
+
+
+def test_paper_and_timm_names_agree():
+    for size, timm_size in [("Ti", "tiny"), ("S", "small"), ("B", "base"), ("L", "large"), ("H", "huge")]:
+        for patch in (8, 14, 16, 32):
+            assert get_config(f"{size}/{patch}") == get_config(f"vit_{timm_size}_patch{patch}_224")
+            assert get_config(f"ViT-{size}/{patch}") == get_config(f"{size}/{patch}")
+    assert get_config("R50+B/16") == get_config("vit_base_r50_s16_224")
+    assert get_config("R50+ViT-B/16").resnet_layers == (3, 4, 9)
+    assert get_config("vit_base_patch16_384.augreg_in21k_ft_in1k").img_size == (384, 384)
+    gap = get_config("vit_base_patch16_gap_224")
+    assert gap.pool == "gap" and not gap.class_token
+    assert get_config("L/16").embed_dim == SIZES["L"][0] == 1024
+
+
+def test_unknown_preset_lists_known_names():
+    with pytest.raises(ValueError, match=r"unknown model preset 'Z/16'.*B/16.*vit_base_patch16_224"):
+        get_config("Z/16")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(pool="max"), "pool='max'; expected one of token, gap"),
+    (dict(gelu="relu"), "gelu='relu'"),
+    (dict(resample_mode="nearest"), "resample_mode='nearest'"),
+    (dict(embed_dim=100, num_heads=3), "not divisible"),
+    (dict(img_size=(225, 224)), "not a positive multiple of patch_size 16"),
+    (dict(class_token=False), "pool='token' needs class_token=True"),
+])
+def test_bad_config_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ViTConfig(**bad)
+
+
+def test_config_dict_round_trip():
+    cfg = get_config("R50+B/16", num_classes=10, gelu="tanh", layer_norm_eps=1e-12, img_size=(384, 320))
+    assert ViTConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown ViTConfig fields: bogus"):
+        ViTConfig.from_dict({**cfg.to_dict(), "bogus": 1})

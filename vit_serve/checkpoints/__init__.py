@@ -1,0 +1,110 @@
+"""Checkpoints: our safetensors format, and one pure converter per source format.
+
+    load(src)   any supported checkpoint (file, folder or hub id) -> ready VisionTransformer
+    save(model, path)   our format, atomically
+    convert(src, dst, res=..., num_classes=...)   the `vit-serve convert` command
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from vit_serve.checkpoints.converted import CheckpointError, Converted, build_model, check_state_dict
+from vit_serve.checkpoints.hf_transformers import convert_hf, is_hf_layout, load_hf_dir
+from vit_serve.checkpoints.hub import download, parse_hub_id
+from vit_serve.checkpoints.io import from_ours, is_ours, read_weights, save
+from vit_serve.checkpoints.jax_npz import convert_npz, is_npz_layout
+from vit_serve.checkpoints.timm_state import convert_timm, is_timm_layout
+from vit_serve.checkpoints.torchvision_state import convert_torchvision, is_torchvision_layout
+from vit_serve.model import VisionTransformer
+
+__all__ = ["KNOWN_FORMATS", "CheckpointError", "Converted", "build_model", "check_state_dict", "convert",
+           "convert_hf", "convert_npz", "convert_timm", "convert_torchvision", "load", "read_checkpoint", "save"]
+
+KNOWN_FORMATS = (
+    "vit-serve .safetensors (ours)",
+    "vit_jax / big_vision .npz (incl. AugReg and R50 hybrids)",
+    "timm state dict (.pth/.bin/.safetensors, or a timm hub folder with config.json)",
+    "Hugging Face transformers ViT (folder with config.json and weights)",
+    "torchvision vit_* state dict (.pth)",
+    "hub ids: timm/<name>, google/vit-*, hf-hub:<repo>",
+)
+
+
+def _unknown(what: str) -> CheckpointError:
+    return CheckpointError(f"unknown checkpoint format: {what}; known formats: " + "; ".join(KNOWN_FORMATS))
+
+
+def _read_dir(path: Path, arch: str | None, overrides: dict[str, Any]) -> Converted:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise _unknown(f"folder {path} has no config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {cfg_file}: {e}") from e
+    if "model_type" in cfg:
+        return load_hf_dir(path, **overrides)
+    if "architecture" in cfg:  # timm hub layout
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (path / name).is_file():
+                weights, _ = read_weights(path / name)
+                return convert_timm(weights, arch=arch, hub_config=cfg, **overrides)
+        raise CheckpointError(f"timm folder {path} has no model.safetensors or pytorch_model.bin")
+    raise _unknown(f"{cfg_file} is neither a transformers nor a timm config")
+
+
+def read_checkpoint(src: str | os.PathLike, arch: str | None = None, **overrides: Any) -> Converted:
+    """Detect the format of `src` and convert it to our layout.
+
+    Args:
+        src: a file (.safetensors, .npz, .pth, .bin), a folder (transformers or timm hub layout), or a hub id.
+        arch: a preset / timm / torchvision architecture name, for formats that do not record the head count.
+        overrides: ViTConfig fields to replace (e.g. layer_norm_eps) — not applied to our own format.
+    """
+    if isinstance(src, str) and (repo := parse_hub_id(src)):
+        src = download(repo)
+    path = Path(src)
+    if path.is_dir():
+        return _read_dir(path, arch, overrides)
+    weights, meta = read_weights(path)
+    if is_ours(meta):
+        return from_ours(weights, meta, str(path))
+    if path.suffix.lower() == ".npz" or is_npz_layout(weights):
+        return convert_npz(weights, **overrides)
+    if is_timm_layout(weights):
+        hub_cfg = path.parent / "config.json"
+        cfg = json.loads(hub_cfg.read_text()) if hub_cfg.is_file() else None
+        return convert_timm(weights, arch=arch, hub_config=cfg if cfg and "architecture" in cfg else None,
+                            **overrides)
+    if is_hf_layout(weights):
+        if (path.parent / "config.json").is_file():
+            return load_hf_dir(path.parent, **overrides)
+        raise CheckpointError(f"{path} holds transformers ViT weights but no config.json lies beside it")
+    if is_torchvision_layout(weights):
+        return convert_torchvision(weights, arch=arch, **overrides)
+    sample = ", ".join(sorted(weights)[:5])
+    raise _unknown(f"{path} (first keys: {sample})")
+
+
+def load(src: str | os.PathLike, arch: str | None = None, **overrides: Any) -> VisionTransformer:
+    """A ready, eval-mode model with `.labels` and `.preprocess_cfg` from any supported checkpoint."""
+    return build_model(read_checkpoint(src, arch=arch, **overrides))
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int] | None = None,
+            num_classes: int | None = None, arch: str | None = None, resample_mode: str | None = None,
+            overwrite: bool = False) -> VisionTransformer:
+    """Convert any supported checkpoint to our format, optionally at a new resolution or with a new head."""
+    model = load(src, arch=arch)
+    if resample_mode:
+        model.cfg = model.cfg.replace(resample_mode=resample_mode)
+    if res:
+        model.set_resolution(*res)
+    if num_classes is not None and num_classes != model.cfg.num_classes:
+        model.reset_head(num_classes)
+    save(model, dst, overwrite=overwrite)
+    return model

@@ -1,0 +1,514 @@
+"""Hugging Face transformers ViT (`ViTForImageClassification`, `ViTModel`) -> our layout.
+
+Reference reproduced: `transformers.models.vit.modeling_vit` (transformers 5.x, read at 5.24). Its forward is
+the paper's pre-LN ViT, so the conversion is a renaming plus one fusion (separate q, k, v -> one qkv):
+
+    transformers name (on disk | in memory since 5.0)        ours                  shape
+    embeddings.patch_embeddings.projection                   patch_embed.proj      [D, C, P, P], [D]
+    embeddings.cls_token                                     cls_token             [1, 1, D]
+    embeddings.position_embeddings                           pos_embed             [1, 1 + N, D]
+    L.layernorm_before                                       blocks.{i}.norm1      [D]
+    L.attention.attention.{query,key,value} | L.attention.{q,k,v}_proj
+                                                             blocks.{i}.attn.qkv   3 x [D, D] -> [3D, D]
+    L.attention.output.dense | L.attention.o_proj            blocks.{i}.attn.proj  [D, D]
+    L.layernorm_after                                        blocks.{i}.norm2      [D]
+    L.intermediate.dense | L.mlp.fc1                         blocks.{i}.mlp.fc1    [M, D]
+    L.output.dense | L.mlp.fc2                               blocks.{i}.mlp.fc2    [D, M]
+    layernorm                                                norm                  [D]
+    classifier (ViTForImageClassification only)              head                  [K, D]
+
+with L = `encoder.layer.{i}` on disk, `layers.{i}` in memory; q, k, v rows (and biases) are concatenated
+in that order, which is how our fused qkv is split into heads.
+
+Keys may carry the `vit.` prefix (ViTForImageClassification) or not (ViTModel). Dropped on purpose:
+`pooler.dense` (ViTModel's dense + tanh pooler; ViTForImageClassification does not use it, it classifies the
+final-LayerNorm [class] token directly) and `embeddings.mask_token` (only used for masked image modelling).
+Anything else that is not consumed is an error, as is anything missing.
+
+Numerics carried over from config.json: `layer_norm_eps` (HF default 1e-12, not timm's 1e-6), `hidden_act`
+("gelu"/"gelu_python" -> exact erf GELU, "gelu_pytorch_tanh"/"gelu_new" -> tanh approximation), `qkv_bias`.
+Position embeddings are resampled for other resolutions the way `ViTEmbeddings.interpolate_pos_encoding`
+does (bicubic, align_corners=False, no antialias: resample_mode "hf").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict
+from vit_serve.checkpoints.io import read_weights
+from vit_serve.config import ViTConfig
+from vit_serve.model import VisionTransformer
+from vit_serve.pos_embed import resample_pos_embed
+from vit_serve.preprocess import PreprocessConfig
+
+__all__ = ["HF_ACTIVATIONS", "convert_hf", "hf_preprocess", "is_hf_layout", "load_hf_dir"]
+
+# config.json `hidden_act` -> our ViTConfig.gelu
+HF_ACTIVATIONS: dict[str, str] = {
+    "gelu": "exact",
+    "gelu_python": "exact",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_new": "tanh",
+}
+
+# PIL resample codes as stored in preprocessor_config.json -> PreprocessConfig.interpolation
+_PIL_RESAMPLE: dict[int, str] = {
+    0: "nearest",
+    1: "lanczos",
+    2: "bilinear",
+    3: "bicubic",
+    4: "box",
+    5: "hamming",
+}
+
+# Our per-block names -> (legacy on-disk suffix, transformers >= 5 in-memory suffix) for plain renames.
+_BLOCK_RENAMES: dict[str, tuple[str, str]] = {
+    "norm1": ("layernorm_before", "layernorm_before"),
+    "attn.proj": ("attention.output.dense", "attention.o_proj"),
+    "norm2": ("layernorm_after", "layernorm_after"),
+    "mlp.fc1": ("intermediate.dense", "mlp.fc1"),
+    "mlp.fc2": ("output.dense", "mlp.fc2"),
+}
+_QKV: tuple[tuple[str, ...], tuple[str, ...]] = (
+    ("attention.attention.query", "attention.attention.key", "attention.attention.value"),
+    ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
+)
+_LAYER_PREFIX = ("encoder.layer.", "layers.")
+_DROPPED = re.compile(r"^(pooler\.dense\.(weight|bias)|embeddings\.mask_token)$")
+_LAYER_NORM_KEY = re.compile(r"^(?:vit\.)?(?:encoder\.layer|layers)\.\d+\.layernorm_before\.weight$")
+
+
+def is_hf_layout(keys: Iterable[str]) -> bool:
+    """True for a transformers ViT state dict (with or without the `vit.` prefix, legacy or 5.x names)."""
+    keys = set(keys)
+    for prefix in ("", "vit."):
+        if {
+            f"{prefix}embeddings.patch_embeddings.projection.weight",
+            f"{prefix}embeddings.position_embeddings",
+        } <= keys:
+            return any(_LAYER_NORM_KEY.match(k) for k in keys)
+    return False
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _describe(keys: list[str], limit: int = 12) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _pair(value: Any, name: str) -> tuple[int, int]:
+    if isinstance(value, bool):
+        raise CheckpointError(f"config.json {name}={value!r} is not a size")
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    raise CheckpointError(f"config.json {name}={value!r}: expected an integer or a pair of integers")
+
+
+def _strip_vit_prefix(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in weights.items():
+        name = k[len("vit.") :] if k.startswith("vit.") else k
+        if name in out:
+            raise CheckpointError(f"transformers checkpoint holds both {name!r} and 'vit.{name}'")
+        out[name] = v
+    return out
+
+
+class _Taker:
+    """Pops tensors by name, remembering what was missing and converting to contiguous float32."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+
+    def __call__(self, key: str, required: bool = True) -> torch.Tensor | None:
+        if key not in self.sd:
+            if required:
+                self.missing.append(key)
+            return None
+        self.used.add(key)
+        t = self.sd[key]
+        if not isinstance(t, torch.Tensor):
+            t = torch.as_tensor(t)
+        return t.detach().to(torch.float32).contiguous()
+
+
+def _labels(config: Mapping[str, Any], num_classes: int) -> list[str] | None:
+    id2label = config.get("id2label")
+    if not num_classes or not id2label:
+        return None
+    try:
+        by_index = {int(k): str(v) for k, v in id2label.items()}
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json id2label is not a mapping of integer ids to names ({e})") from e
+    labels = [by_index.get(i) for i in range(len(by_index))]
+    if any(name is None for name in labels):
+        raise CheckpointError("config.json id2label ids are not 0..N-1")
+    if all(name == f"LABEL_{i}" for i, name in enumerate(labels)):
+        return None  # transformers' placeholder names carry no information
+    if len(labels) != num_classes:
+        raise CheckpointError(
+            f"config.json id2label names {len(labels)} classes but the classifier has {num_classes} outputs"
+        )
+    return labels  # type: ignore[return-value]
+
+
+def _size_dict(value: Any, name: str) -> dict[str, int]:
+    """transformers `get_size_dict` with default_to_square=True (ViTImageProcessor)."""
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items() if v is not None}
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"height": value, "width": value}
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return {"height": int(value[0]), "width": int(value[1])}
+    raise CheckpointError(f"preprocessor_config.json {name}={value!r} is not a size")
+
+
+def _crop_pct(crop: int, resize: int) -> float:
+    """crop / resize, nudged down an ulp if needed so that floor(crop / pct) == resize, as we resize."""
+    pct = crop / resize
+    if math.floor(crop / pct) != resize:
+        pct = math.nextafter(pct, 0.0)
+    return pct
+
+
+def _triple(value: Any, name: str) -> tuple[float, float, float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (float(value),) * 3
+    if isinstance(value, (list, tuple)) and len(value) == 3:
+        return tuple(float(v) for v in value)  # type: ignore[return-value]
+    raise CheckpointError(f"preprocessor_config.json {name}={value!r}: expected 3 numbers")
+
+
+def hf_preprocess(
+    preprocessor: Mapping[str, Any] | None, image_size: tuple[int, int] = (224, 224)
+) -> PreprocessConfig:
+    """The preprocessing contract of a transformers image processor, as our PreprocessConfig.
+
+    Without a preprocessor_config.json: `ViTImageProcessor` defaults (transformers 5.24): resize (squash,
+    aspect ratio not kept) to image_size with bilinear filtering, no crop, rescale 1/255, mean = std = 0.5.
+
+    With one: `size` {height, width} (or an int / [h, w]) -> squash resize, optionally followed by a centre
+    crop of `crop_size` (DeiT style); `size` {shortest_edge} + centre crop -> our "center" crop mode;
+    `resample` PIL code -> filter; `image_mean` / `image_std` (`do_normalize`), `rescale_factor`
+    (`do_rescale`; a factor other than 1/255 is folded into mean and std). Processors that output a size
+    that depends on the image (shortest_edge without a crop, no resize) raise CheckpointError.
+
+    Our resize goes through PIL, like transformers' `ViTImageProcessorPil`; the default torchvision-backend
+    `ViTImageProcessor` resizes tensors with antialiasing and can differ from PIL by a grey level.
+    """
+    p = dict(preprocessor or {})
+    if not p.get("do_resize", True):
+        raise CheckpointError(
+            "preprocessor_config.json has do_resize=false: the input size would depend on the image, "
+            "which a fixed preprocessing contract cannot express"
+        )
+    resample = p.get("resample", 2)
+    if isinstance(resample, str):
+        interpolation = resample.lower()
+    elif isinstance(resample, int) and resample in _PIL_RESAMPLE:
+        interpolation = _PIL_RESAMPLE[resample]
+    else:
+        raise CheckpointError(f"preprocessor_config.json resample={resample!r} is not a supported PIL filter")
+
+    size = _size_dict(p.get("size", {"height": image_size[0], "width": image_size[1]}), "size")
+    crop = _size_dict(p["crop_size"], "crop_size") if p.get("do_center_crop") and p.get("crop_size") else None
+    if crop is not None and not {"height", "width"} <= set(crop):
+        raise CheckpointError(
+            f"preprocessor_config.json crop_size={p['crop_size']!r}: expected height and width"
+        )
+
+    if {"height", "width"} <= set(size):
+        h, w = int(size["height"]), int(size["width"])
+        mode = "squash"
+        if crop is None:
+            out, pct = (h, w), 1.0
+        else:
+            out = (int(crop["height"]), int(crop["width"]))
+            pct = _crop_pct(out[0], h)
+            if math.floor(out[1] / pct) != w:
+                raise CheckpointError(
+                    f"preprocessor_config.json: resize {h}x{w} then crop {out[0]}x{out[1]} crops the two "
+                    "edges by different fractions, which our preprocessing contract cannot express"
+                )
+    elif "shortest_edge" in size and "longest_edge" not in size and crop is not None:
+        s = int(size["shortest_edge"])
+        out = (int(crop["height"]), int(crop["width"]))
+        if out[0] != out[1] or out[0] > s:
+            raise CheckpointError(
+                f"preprocessor_config.json: shortest_edge {s} with crop {out[0]}x{out[1]} "
+                "is not expressible (the crop must be square and no larger than the resize)"
+            )
+        mode, pct = "center", _crop_pct(out[0], s)
+    else:
+        raise CheckpointError(
+            f"preprocessor_config.json size={p.get('size')!r} (do_center_crop={p.get('do_center_crop')!r}) "
+            "gives an image-dependent input size; expected height/width, or shortest_edge with a centre crop"
+        )
+
+    if p.get("do_normalize", True):
+        mean = _triple(p.get("image_mean", 0.5), "image_mean")
+        std = _triple(p.get("image_std", 0.5), "image_std")
+    else:
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    factor = float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0
+    scale = factor * 255.0  # HF: (x * factor - mean) / std; ours: (x / 255 - mean') / std'
+    if scale <= 0:
+        raise CheckpointError(f"preprocessor_config.json rescale_factor={factor!r} must be positive")
+    if abs(scale - 1.0) > 1e-9:
+        mean = tuple(m / scale for m in mean)  # type: ignore[assignment]
+        std = tuple(s / scale for s in std)  # type: ignore[assignment]
+
+    if out != tuple(image_size):
+        warnings.warn(
+            f"preprocessor_config.json produces {out[0]}x{out[1]} images for a model configured at "
+            f"{image_size[0]}x{image_size[1]}; the contract uses the model's size",
+            stacklevel=3,
+        )
+    try:
+        return PreprocessConfig(
+            input_size=tuple(image_size),
+            mean=mean,
+            std=std,
+            interpolation=interpolation,
+            crop_pct=pct,
+            crop_mode=mode,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"preprocessor_config.json: {_one_line(e)}") from e
+
+
+def _config_fields(config: Mapping[str, Any], num_classes: int) -> dict[str, Any]:
+    model_type = config.get("model_type", "vit")
+    if model_type != "vit":
+        raise CheckpointError(
+            f"config.json model_type={model_type!r}: only transformers 'vit' models are supported"
+        )
+    act = config.get("hidden_act", "gelu")
+    if act not in HF_ACTIVATIONS:
+        raise CheckpointError(
+            f"config.json hidden_act={act!r} is not supported; expected one of {', '.join(HF_ACTIVATIONS)}"
+        )
+    if not isinstance(config.get("qkv_bias", True), bool):
+        raise CheckpointError(f"config.json qkv_bias={config.get('qkv_bias')!r} is not a boolean")
+    ph, pw = _pair(config.get("patch_size", 16), "patch_size")
+    if ph != pw:
+        raise CheckpointError(f"config.json patch_size={ph}x{pw}: only square patches are supported")
+    fields: dict[str, Any] = {
+        "img_size": _pair(config.get("image_size", 224), "image_size"),
+        "patch_size": ph,
+        "in_chans": config.get("num_channels", 3),
+        "num_classes": num_classes,
+        "embed_dim": config.get("hidden_size", 768),
+        "depth": config.get("num_hidden_layers", 12),
+        "num_heads": config.get("num_attention_heads", 12),
+        "mlp_dim": config.get("intermediate_size", 3072),
+        "qkv_bias": config.get("qkv_bias", True),
+        "class_token": True,
+        "pool": "token",
+        "representation_size": None,
+        "layer_norm_eps": float(config.get("layer_norm_eps", 1e-12)),
+        "gelu": HF_ACTIVATIONS[act],
+        "resample_mode": "hf",
+    }
+    for name in ("in_chans", "embed_dim", "depth", "num_heads", "mlp_dim"):
+        if not isinstance(fields[name], int) or isinstance(fields[name], bool) or fields[name] <= 0:
+            raise CheckpointError(f"config.json gives {name}={fields[name]!r}; expected a positive integer")
+    return fields
+
+
+def _make_config(
+    fields: dict[str, Any], overrides: Mapping[str, Any], what: str
+) -> tuple[ViTConfig, ViTConfig]:
+    """(config of the checkpoint as stored, config with the overrides applied)."""
+    try:
+        native = ViTConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{what}: {_one_line(e)}") from e
+    known = set(ViTConfig.__dataclass_fields__)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"unknown ViTConfig override(s): {', '.join(unknown)}")
+    try:
+        return native, native.replace(**overrides) if overrides else native
+    except ValueError as e:
+        raise CheckpointError(f"{what}: bad override ({_one_line(e)})") from e
+
+
+def _check_against_model(cfg: ViTConfig, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Shapes and names against our model for `cfg`, built on the meta device (no memory, no init cost)."""
+    try:
+        with torch.device("meta"):
+            ref = VisionTransformer(cfg)
+    except Exception:  # model code that cannot run on the meta device: build it for real
+        ref = VisionTransformer(cfg)
+    check_state_dict(ref, sd, source)
+
+
+def convert_hf(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    preprocessor: Mapping[str, Any] | None = None,
+    *,
+    source: str | None = None,
+    **overrides: Any,
+) -> Converted:
+    """Convert a transformers `ViTForImageClassification` / `ViTModel` checkpoint to our layout (pure).
+
+    Args:
+        config: the checkpoint's config.json as a dict (hidden_size, num_hidden_layers, num_attention_heads,
+            intermediate_size, layer_norm_eps, hidden_act, image_size, patch_size, num_channels, qkv_bias,
+            id2label).
+        weights: its state dict, legacy on-disk names (`encoder.layer.{i}.attention.attention.query`, what
+            `save_pretrained` writes and the hub holds) or transformers 5 in-memory names
+            (`layers.{i}.attention.q_proj`), with or without the `vit.` prefix; any float dtype.
+        preprocessor: preprocessor_config.json as a dict; None -> ViTImageProcessor defaults
+            (see :func:`hf_preprocess`).
+        source: where the checkpoint came from, for messages.
+        overrides: ViTConfig fields to replace. A different `img_size` resamples `pos_embed` with the
+            (possibly overridden) `resample_mode`.
+
+    Returns:
+        Converted with float32 tensors in our (timm) names. num_classes = classifier rows (0 for ViTModel:
+        our head is then the identity and `forward` returns the final-LayerNorm [class] token, i.e. HF's
+        `last_hidden_state[:, 0]`, not the pooler output). Labels come from id2label unless they are the
+        `LABEL_<i>` placeholders.
+
+    Raises:
+        CheckpointError: unsupported hidden_act / model_type, missing or unexpected keys (all listed),
+            shapes that disagree with config.json.
+    """
+    source = source or "transformers ViT checkpoint"
+    sd = _strip_vit_prefix(weights)
+    legacy = any(k.startswith(_LAYER_PREFIX[0]) for k in sd)
+    modern = any(k.startswith(_LAYER_PREFIX[1]) for k in sd)
+    if legacy and modern:
+        raise CheckpointError(f"{source}: mixes legacy 'encoder.layer.' and transformers 5 'layers.' names")
+    style = 1 if modern else 0
+    take = _Taker(sd)
+
+    classifier_w = take("classifier.weight", required=False)
+    num_classes = int(classifier_w.shape[0]) if classifier_w is not None else 0
+    fields = _config_fields(config, num_classes)
+    native, cfg = _make_config(fields, overrides, source)
+
+    out: dict[str, torch.Tensor | None] = {
+        "patch_embed.proj.weight": take("embeddings.patch_embeddings.projection.weight"),
+        "patch_embed.proj.bias": take("embeddings.patch_embeddings.projection.bias"),
+        "cls_token": take("embeddings.cls_token"),
+        "pos_embed": take("embeddings.position_embeddings"),
+    }
+    for i in range(native.depth):
+        pre = f"{_LAYER_PREFIX[style]}{i}."
+        for ours, theirs in _BLOCK_RENAMES.items():
+            for leaf in ("weight", "bias"):
+                out[f"blocks.{i}.{ours}.{leaf}"] = take(f"{pre}{theirs[style]}.{leaf}")
+        qkv_w = [take(f"{pre}{n}.weight") for n in _QKV[style]]
+        if all(t is not None for t in qkv_w):
+            if len({tuple(t.shape) for t in qkv_w}) != 1:
+                raise CheckpointError(
+                    f"{source}: layer {i} query/key/value weights differ in shape "
+                    f"{[tuple(t.shape) for t in qkv_w]}"
+                )
+            out[f"blocks.{i}.attn.qkv.weight"] = torch.cat(qkv_w, dim=0)
+        if native.qkv_bias:
+            qkv_b = [take(f"{pre}{n}.bias") for n in _QKV[style]]
+            if all(t is not None for t in qkv_b):
+                out[f"blocks.{i}.attn.qkv.bias"] = torch.cat(qkv_b, dim=0)
+    out["norm.weight"] = take("layernorm.weight")
+    out["norm.bias"] = take("layernorm.bias")
+    if classifier_w is not None:
+        out["head.weight"] = classifier_w
+        out["head.bias"] = take("classifier.bias")
+
+    # Name keys as the checkpoint spells them: with the `vit.` prefix when it uses one.
+    prefixed = any(k.startswith("vit.") for k in weights)
+
+    def spelled(key: str) -> str:
+        return f"vit.{key}" if prefixed and not key.startswith("classifier.") else key
+
+    if take.missing:
+        raise CheckpointError(f"{source}: missing keys: {_describe([spelled(k) for k in take.missing])}")
+    unexpected = sorted(
+        k if k in weights else spelled(k) for k in sd if k not in take.used and not _DROPPED.match(k)
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: unexpected keys (not part of a transformers ViT with "
+            f"{native.depth} layers): {_describe(unexpected)}"
+        )
+    state: dict[str, torch.Tensor] = {k: v for k, v in out.items() if v is not None}
+    _check_against_model(native, state, f"{source} (as described by its config.json)")
+
+    if cfg.img_size != native.img_size:
+        state["pos_embed"] = resample_pos_embed(
+            state["pos_embed"], native.grid_size, cfg.grid_size, native.num_prefix_tokens, cfg.resample_mode
+        ).contiguous()
+    labels = _labels(config, num_classes)
+    pre_cfg = hf_preprocess(preprocessor, native.img_size).with_size(*cfg.img_size)
+    return Converted(cfg, state, source=source, labels=labels, preprocess=pre_cfg)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_one_line(e)}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"cannot read {path}: expected a JSON object")
+    return data
+
+
+def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            weights, _ = read_weights(folder / single)
+            return weights
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            weight_map = _read_json(folder / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{folder / index} has no weight_map")
+            merged: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(weight_map.values())):
+                part, _ = read_weights(folder / shard)
+                merged.update(part)
+            return merged
+    raise CheckpointError(
+        f"{folder} has no model.safetensors, pytorch_model.bin or sharded index next to its config.json"
+    )
+
+
+def load_hf_dir(path: str | os.PathLike, **overrides: Any) -> Converted:
+    """Read a transformers model folder (e.g. what `save_pretrained` writes) and convert it.
+
+    The folder holds config.json, the weights (model.safetensors, else pytorch_model.bin read with
+    `torch.load(weights_only=True)`, or a sharded `*.index.json`) and optionally preprocessor_config.json.
+    Unreadable or truncated files raise CheckpointError with a one-line message.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"no such transformers model folder: {folder}")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json")
+    config = _read_json(folder / "config.json")
+    pre_file = folder / "preprocessor_config.json"
+    preprocessor = _read_json(pre_file) if pre_file.is_file() else None
+    weights = _read_hf_weights(folder)
+    return convert_hf(config, weights, preprocessor, source=f"transformers folder {folder}", **overrides)

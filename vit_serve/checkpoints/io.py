@@ -1,0 +1,149 @@
+"""Reading weight files safely, and our own checkpoint format.
+
+Our format is one `.safetensors` file; its string metadata holds the ViTConfig, the class labels and the
+preprocessing contract as JSON, so a file is a complete, ready-to-serve model. Nothing here unpickles
+arbitrary objects: `.pth`/`.bin` go through `torch.load(weights_only=True)`, `.npz` through
+`numpy.load(allow_pickle=False)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_save
+
+from vit_serve.checkpoints.converted import CheckpointError, Converted
+from vit_serve.config import ViTConfig
+from vit_serve.preprocess import PreprocessConfig
+
+FORMAT_NAME = "vit-serve"
+FORMAT_VERSION = "1"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and string metadata of a .safetensors file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 (safe_open is not iterable)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read {path}: truncated or corrupt safetensors file ({_one_line(e)})") from e
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Arrays of an .npz file (vit_jax / big_vision), loaded eagerly so corruption shows here."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as e:
+        raise CheckpointError(f"cannot read {path}: truncated or corrupt .npz file ({_one_line(e)})") from e
+
+
+def read_torch(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch state dict (.pth/.pt/.bin) with weights_only=True; unwraps {"state_dict"|"model": ...}."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for bad pickles, zips and disallowed globals
+        raise CheckpointError(f"cannot read {path}: not a readable PyTorch weights file ({_one_line(e)})") from e
+    for key in ("state_dict", "model", "model_state"):
+        if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
+            obj = obj[key]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"cannot read {path}: expected a mapping of parameter names to tensors")
+    return dict(obj)
+
+
+def read_weights(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+    """Any supported weight file -> (name -> array/tensor, metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no such file: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return read_safetensors(path)
+    if suffix == ".npz":
+        return read_npz(path), {}
+    if suffix in (".pth", ".pt", ".bin", ".ckpt"):
+        return read_torch(path), {}
+    raise CheckpointError(f"cannot read {path}: unknown file type {suffix!r} "
+                          "(expected .safetensors, .npz, .pth, .pt, .bin or .ckpt)")
+
+
+# -- our format -----------------------------------------------------------------------------------------
+
+def to_metadata(cfg: ViTConfig, labels: list[str] | None, preprocess: PreprocessConfig,
+                extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "config": cfg.to_json(),
+        "labels": json.dumps(labels),
+        "preprocess": json.dumps(preprocess.to_dict()),
+    }
+    for k, v in (extra or {}).items():
+        meta[k] = v if isinstance(v, str) else json.dumps(v)
+    return meta
+
+
+def is_ours(metadata: Mapping[str, str]) -> bool:
+    return metadata.get("format") == FORMAT_NAME
+
+
+def from_ours(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], source: str) -> Converted:
+    """Our safetensors payload -> Converted."""
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{source}: vit-serve format version {metadata.get('format_version')!r} "
+                              f"is not supported (this release reads version {FORMAT_VERSION})")
+    try:
+        cfg = ViTConfig.from_dict(json.loads(metadata["config"]))
+        labels = json.loads(metadata.get("labels", "null"))
+        pre = PreprocessConfig.from_dict(json.loads(metadata["preprocess"]))
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{source}: bad vit-serve metadata ({_one_line(e)})") from e
+    return Converted(cfg, tensors, source=f"vit-serve file {source}", labels=labels, preprocess=pre)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes, overwrite: bool = False) -> Path:
+    """Write bytes to `path` atomically: temp file in the same folder, fsync, rename, fsync the folder."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def save(model: torch.nn.Module, path: str | os.PathLike, overwrite: bool = False,
+         extra_metadata: Mapping[str, Any] | None = None) -> Path:
+    """Save a VisionTransformer (weights, config, labels, preprocessing contract) as one .safetensors file."""
+    pre = getattr(model, "preprocess_cfg", None) or PreprocessConfig(input_size=model.cfg.img_size)
+    meta = to_metadata(model.cfg, getattr(model, "labels", None), pre, extra_metadata)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    return atomic_write(path, safetensors_save(tensors, metadata=meta), overwrite=overwrite)

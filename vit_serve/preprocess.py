@@ -1,0 +1,422 @@
+"""Image -> tensor preprocessing and the preprocessing contract stored with the weights.
+
+Everything a served model needs to turn an uploaded image into its input tensor lives here:
+
+* :class:`PreprocessConfig` is the contract saved in checkpoint metadata (input size, normalisation,
+  resize filter, crop percentage and crop mode).
+* :func:`load_image` decodes bytes / paths / PIL images into an 8-bit RGB PIL image, defensively.
+* :func:`resize_and_crop` and :func:`to_tensor` reproduce timm's eval transform bit-for-bit.
+* :func:`preprocess` is the one function that chains them; :func:`preprocess_batch` stacks several.
+
+Only PIL, numpy and torch are needed at runtime; timm/torchvision are used by the tests as the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+__all__ = [
+    "CROP_MODES",
+    "IMAGENET_DEFAULT_MEAN",
+    "IMAGENET_DEFAULT_STD",
+    "IMAGENET_INCEPTION_MEAN",
+    "IMAGENET_INCEPTION_STD",
+    "INTERPOLATIONS",
+    "ImageDecodeError",
+    "ImageSource",
+    "ImageTooLargeError",
+    "PreprocessConfig",
+    "load_image",
+    "preprocess",
+    "preprocess_batch",
+    "resize_and_crop",
+    "to_tensor",
+]
+
+IMAGENET_DEFAULT_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_DEFAULT_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+IMAGENET_INCEPTION_MEAN: tuple[float, float, float] = (0.5, 0.5, 0.5)
+IMAGENET_INCEPTION_STD: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+# Same name -> PIL filter mapping as timm's str_to_pil_interp / torchvision's pil_modes_mapping.
+_PIL_FILTERS: dict[str, Image.Resampling] = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+    "box": Image.Resampling.BOX,
+    "hamming": Image.Resampling.HAMMING,
+}
+INTERPOLATIONS: tuple[str, ...] = tuple(_PIL_FILTERS)
+CROP_MODES: tuple[str, ...] = ("center", "squash")
+
+ImageSource = Image.Image | bytes | bytearray | memoryview | str | os.PathLike[str]
+
+
+class ImageDecodeError(ValueError):
+    """The input could not be decoded as an image (corrupt, truncated, empty or not an image)."""
+
+
+class ImageTooLargeError(ValueError):
+    """The image has more pixels than allowed (``max_pixels`` or PIL's decompression-bomb limit)."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# The contract
+# --------------------------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Preprocessing contract stored in checkpoint metadata.
+
+    Attributes:
+        input_size: model input (H, W) in pixels.
+        mean, std: per-channel RGB normalisation applied to values in [0, 1].
+        interpolation: PIL resize filter, one of :data:`INTERPOLATIONS`.
+        crop_pct: fraction of the resized image kept by the centre crop, in (0, 1].
+        crop_mode: "center" (resize the shorter side to size / crop_pct keeping aspect ratio, then
+            centre-crop, as timm) or "squash" (resize each edge to size / crop_pct, then centre-crop).
+    """
+
+    input_size: tuple[int, int] = (224, 224)
+    mean: tuple[float, float, float] = IMAGENET_INCEPTION_MEAN
+    std: tuple[float, float, float] = IMAGENET_INCEPTION_STD
+    interpolation: str = "bicubic"
+    crop_pct: float = 0.9
+    crop_mode: str = "center"
+
+    def __post_init__(self) -> None:
+        # Coerce list inputs (e.g. from JSON) to tuples so the frozen config stays hashable.
+        size = self.input_size
+        if not isinstance(size, (tuple, list)) or len(size) != 2 or not all(_is_int(v) for v in size):
+            raise ValueError(f"input_size must be a pair of integers (H, W), got {size!r}")
+        if size[0] <= 0 or size[1] <= 0:
+            raise ValueError(f"input_size must be positive, got {tuple(size)!r}")
+        object.__setattr__(self, "input_size", (int(size[0]), int(size[1])))
+
+        for name in ("mean", "std"):
+            vals = getattr(self, name)
+            if not isinstance(vals, (tuple, list)) or len(vals) != 3:
+                raise ValueError(f"{name} must have exactly 3 values (one per RGB channel), got {vals!r}")
+            if not all(_is_real(v) and math.isfinite(v) for v in vals):
+                raise ValueError(f"{name} must contain finite numbers, got {vals!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in vals))
+        if any(v <= 0 for v in self.std):
+            raise ValueError(f"std values must be > 0, got {self.std!r}")
+
+        if self.interpolation not in _PIL_FILTERS:
+            raise ValueError(
+                f"unknown interpolation {self.interpolation!r}; expected one of {', '.join(INTERPOLATIONS)}"
+            )
+        if not _is_real(self.crop_pct) or not (0.0 < self.crop_pct <= 1.0):
+            raise ValueError(f"crop_pct must be a number in (0, 1], got {self.crop_pct!r}")
+        object.__setattr__(self, "crop_pct", float(self.crop_pct))
+        if self.crop_mode not in CROP_MODES:
+            raise ValueError(f"unknown crop_mode {self.crop_mode!r}; expected one of {', '.join(CROP_MODES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples become lists)."""
+        return {
+            "input_size": list(self.input_size),
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "interpolation": self.interpolation,
+            "crop_pct": self.crop_pct,
+            "crop_mode": self.crop_mode,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PreprocessConfig:
+        """Build from a dict as written by :meth:`to_dict`; missing keys take defaults, unknown keys fail."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"PreprocessConfig.from_dict expects a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown PreprocessConfig key(s): {', '.join(unknown)}; expected a subset of {sorted(known)}"
+            )
+        return cls(**dict(d))
+
+    def with_size(self, h: int, w: int) -> PreprocessConfig:
+        """Copy of this config with ``input_size=(h, w)``."""
+        return dataclasses.replace(self, input_size=(h, w))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = " ".join(str(exc).split())
+    return msg or type(exc).__name__
+
+
+def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
+    if max_pixels is None:
+        return
+    w, h = img.size
+    if w * h > max_pixels:
+        raise ImageTooLargeError(f"image has {w * h} pixels ({w}x{h}), more than max_pixels={max_pixels}")
+
+
+def _open_and_load(fp: Any, max_pixels: int | None) -> Image.Image:
+    """Open ``fp`` with PIL, check the size from the header, then force the full pixel decode."""
+    try:
+        img = Image.open(fp)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageTooLargeError(_one_line(e)) from e
+    except UnidentifiedImageError as e:
+        raise ImageDecodeError("cannot decode image: unrecognized or unsupported image format") from e
+    except MemoryError:
+        raise
+    except Exception as e:  # PIL plugins raise a zoo of types (OSError, SyntaxError, struct.error, ...)
+        raise ImageDecodeError(f"cannot decode image: {_one_line(e)}") from e
+    _check_pixels(img, max_pixels)  # before any pixel data is decoded
+    try:
+        img.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageTooLargeError(_one_line(e)) from e
+    except MemoryError:
+        raise
+    except Exception as e:
+        raise ImageDecodeError(f"cannot decode image: {_one_line(e)}") from e
+    return img
+
+
+def _exif_transpose(img: Image.Image) -> Image.Image:
+    try:
+        out = ImageOps.exif_transpose(img)
+    except (OSError, SyntaxError, ValueError, KeyError, IndexError, TypeError, struct.error):
+        # Broken EXIF metadata should not make otherwise-valid pixels unusable; treat as "no orientation".
+        return img
+    return img if out is None else out
+
+
+def _composite_over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """Straight-alpha composite over white: round((c * a + 255 * (255 - a)) / 255), all in uint8 range."""
+    c = rgb.astype(np.uint32)
+    a = alpha.astype(np.uint32)[..., None]
+    return ((c * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Convert any PIL mode to 8-bit RGB (see :func:`load_image` for the rules)."""
+    mode = img.mode
+    if mode == "RGB" and not img.has_transparency_data:
+        return img
+    if mode in ("1", "L") and not img.has_transparency_data:
+        return img.convert("RGB")
+    if mode.startswith("I;16") or mode == "I":
+        # PIL's convert("RGB") clips 16-bit values at 255; scale the 0..65535 range to 0..255 instead.
+        a = np.asarray(img).astype(np.int64)
+        a = np.clip(a, 0, 65535)
+        g = ((a + 128) // 257).astype(np.uint8)  # == round(a / 257); exact halves cannot occur
+        return Image.fromarray(np.repeat(g[..., None], 3, axis=-1))
+    if mode == "F":
+        a = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+        g = np.rint(np.clip(a, 0.0, 255.0)).astype(np.uint8)
+        return Image.fromarray(np.repeat(g[..., None], 3, axis=-1))
+    if mode in ("La", "RGBa"):
+        # Premultiplied alpha: over white, c_out = c_premult + (255 - a). PIL cannot convert "La" at all.
+        a = np.asarray(img).astype(np.int32)
+        colour = a[..., :-1] if mode == "RGBa" else np.repeat(a[..., :1], 3, axis=-1)
+        out = np.clip(colour + (255 - a[..., -1:]), 0, 255).astype(np.uint8)
+        return Image.fromarray(out)
+    if img.has_transparency_data:
+        # RGBA, LA, PA, P with transparency / RGBA palette, and L/RGB with a tRNS colour key.
+        rgba = np.asarray(img.convert("RGBA"))
+        return Image.fromarray(_composite_over_white(rgba[..., :3], rgba[..., 3]))
+    # P without transparency, CMYK, YCbCr, LAB, HSV, RGBX, ...
+    try:
+        return img.convert("RGB")
+    except (ValueError, OSError) as e:
+        reason = f"cannot convert mode {mode!r} to RGB ({_one_line(e)})"
+        raise ImageDecodeError(f"cannot decode image: {reason}") from e
+
+
+def load_image(src: ImageSource, max_pixels: int | None = None) -> Image.Image:
+    """Decode ``src`` into an RGB PIL image with EXIF orientation applied.
+
+    Args:
+        src: a PIL image, encoded image bytes (``bytes``/``bytearray``/``memoryview``) or a file path.
+            A path that cannot be opened raises the usual ``OSError`` (e.g. ``FileNotFoundError``).
+        max_pixels: if given, images with width * height above it raise :class:`ImageTooLargeError`;
+            for encoded input this is checked from the header, before any pixel data is decoded.
+
+    Mode handling:
+        * "RGB" is kept; "L" and "1" are replicated to 3 channels.
+        * Anything with alpha ("RGBA", "LA", "PA", "La", "RGBa", "P" with transparency, L/RGB with a
+          PNG tRNS key) is alpha-composited over a **white** background.
+        * "P", "CMYK", "YCbCr", "LAB", "HSV", "RGBX" use PIL's ``convert("RGB")``.
+        * 16-bit greyscale ("I;16", "I;16B", "I;16L", "I;16N") is scaled to 8 bits as round(v / 257);
+          32-bit "I" is clipped to 0..65535 first (it normally holds 16-bit PNG data), then scaled alike.
+        * "F" (float) is clipped to 0..255 and rounded (NaN -> 0).
+        * Multi-frame images (GIF, APNG, TIFF) use their first frame; ICC profiles are ignored.
+
+    Raises:
+        ImageDecodeError: corrupt, truncated, empty or non-image input (one-line message).
+        ImageTooLargeError: more than ``max_pixels`` pixels, or PIL's decompression-bomb limit hit.
+        TypeError: ``src`` is of an unsupported type.
+    """
+    if max_pixels is not None and (not _is_int(max_pixels) or max_pixels <= 0):
+        raise ValueError(f"max_pixels must be a positive integer or None, got {max_pixels!r}")
+
+    if isinstance(src, Image.Image):
+        _check_pixels(src, max_pixels)
+        try:
+            src.load()  # a lazily opened image may still fail to decode here
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise ImageTooLargeError(_one_line(e)) from e
+        except MemoryError:
+            raise
+        except Exception as e:
+            raise ImageDecodeError(f"cannot decode image: {_one_line(e)}") from e
+        img = src
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        if not data:
+            raise ImageDecodeError("cannot decode image: empty input")
+        img = _open_and_load(io.BytesIO(data), max_pixels)
+    elif isinstance(src, (str, os.PathLike)):
+        # Open the file ourselves so a missing/unreadable path stays an OSError, not a decode error.
+        with open(src, "rb") as f:
+            return _to_rgb(_exif_transpose(_open_and_load(f, max_pixels)))
+    else:
+        raise TypeError(
+            "image must be a PIL.Image.Image, bytes, bytearray, memoryview, str or os.PathLike, "
+            f"got {type(src).__name__}"
+        )
+
+    # exif_transpose drops the orientation tag from its result, so applying it to an already
+    # transposed PIL image is a no-op: bytes, path and Image.open(...) inputs all agree.
+    img = _exif_transpose(img)
+    return _to_rgb(img)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Geometry (mirrors timm 1.0.31 transforms_imagenet_eval + torchvision's PIL code path)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _resize_exact(img: Image.Image, size_hw: tuple[int, int], interpolation: str) -> Image.Image:
+    # torchvision.transforms.functional.resize returns the input untouched when the size already matches.
+    if (img.height, img.width) == tuple(size_hw):
+        return img
+    return img.resize((size_hw[1], size_hw[0]), _PIL_FILTERS[interpolation])
+
+
+def _shorter_side_size(img: Image.Image, short_target: int) -> tuple[int, int]:
+    """torchvision ``_compute_resized_output_size`` for an int size (long side truncated with int())."""
+    h, w = img.height, img.width
+    short, long = (w, h) if w <= h else (h, w)
+    new_short, new_long = short_target, int(short_target * long / short)
+    new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+    return new_h, new_w
+
+
+def _keep_ratio_size(img: Image.Image, target_hw: tuple[int, int]) -> tuple[int, int]:
+    """timm ``ResizeKeepRatio.get_params`` with longest=0 (shorter side fits), no randomness."""
+    h, w = img.height, img.width
+    ratio = min(h / target_hw[0], w / target_hw[1])
+    return round(h / ratio), round(w / ratio)  # Python's round-half-even, as timm
+
+
+def _center_crop(img: Image.Image, size_hw: tuple[int, int]) -> Image.Image:
+    """torchvision ``center_crop`` on PIL: zero-pad when smaller than the crop, then crop."""
+    crop_h, crop_w = size_hw
+    h, w = img.height, img.width
+    if crop_w > w or crop_h > h:
+        pad_ltrb = (
+            (crop_w - w) // 2 if crop_w > w else 0,
+            (crop_h - h) // 2 if crop_h > h else 0,
+            (crop_w - w + 1) // 2 if crop_w > w else 0,
+            (crop_h - h + 1) // 2 if crop_h > h else 0,
+        )
+        img = ImageOps.expand(img, border=pad_ltrb, fill=0)
+        h, w = img.height, img.width
+        if crop_w == w and crop_h == h:
+            return img
+    top = round((h - crop_h) / 2.0)  # torchvision: int(round(...)), Python's round-half-even
+    left = round((w - crop_w) / 2.0)
+    return img.crop((left, top, left + crop_w, top + crop_h))
+
+
+def resize_and_crop(img: Image.Image, cfg: PreprocessConfig) -> Image.Image:
+    """Resize and centre-crop ``img`` to ``cfg.input_size`` exactly as timm's eval transform does.
+
+    "center": scale = floor(size / crop_pct) per edge; if both scales are equal the shorter side is resized to
+    it (torchvision ``Resize(int)``), otherwise timm's ``ResizeKeepRatio`` fits the shorter side; then
+    torchvision ``CenterCrop``. "squash": resize to exactly the scale size, then centre-crop.
+    The returned image is ``cfg.input_size`` (H, W); its mode is that of ``img``.
+    """
+    size = cfg.input_size
+    scale = (math.floor(size[0] / cfg.crop_pct), math.floor(size[1] / cfg.crop_pct))
+    if cfg.crop_mode == "squash":
+        img = _resize_exact(img, scale, cfg.interpolation)
+    elif scale[0] == scale[1]:
+        img = _resize_exact(img, _shorter_side_size(img, scale[0]), cfg.interpolation)
+    else:
+        img = _resize_exact(img, _keep_ratio_size(img, scale), cfg.interpolation)
+    return _center_crop(img, size)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tensor conversion and the one entry point
+# --------------------------------------------------------------------------------------------------------
+
+
+def to_tensor(img: Image.Image, cfg: PreprocessConfig) -> torch.Tensor:
+    """RGB PIL image -> float32 tensor [3, H, W], as torchvision ``ToTensor`` + ``Normalize``.
+
+    Values are uint8 / 255 then (x - mean) / std, all in float32.
+    """
+    if img.mode != "RGB":
+        raise ValueError(f"to_tensor expects an RGB image, got mode {img.mode!r}; use load_image first")
+    arr = np.array(img, dtype=np.uint8, copy=True)  # [H, W, 3]
+    t = torch.from_numpy(arr).permute(2, 0, 1).contiguous().to(dtype=torch.float32).div(255)
+    mean = torch.tensor(cfg.mean, dtype=torch.float32).view(-1, 1, 1)
+    std = torch.tensor(cfg.std, dtype=torch.float32).view(-1, 1, 1)
+    return t.sub_(mean).div_(std)
+
+
+def preprocess(image: ImageSource, cfg: PreprocessConfig, max_pixels: int | None = None) -> torch.Tensor:
+    """Decode, resize, crop and normalise one image into a float32 tensor of shape [3, H, W].
+
+    ``(H, W) = cfg.input_size``. The result equals timm's
+    ``create_transform(**resolve_data_config({}, pretrained_cfg=...))`` eval pipeline applied to the RGB image
+    returned by :func:`load_image` (bit-identical on PIL's resize path). Errors are those of
+    :func:`load_image`.
+    """
+    return to_tensor(resize_and_crop(load_image(image, max_pixels), cfg), cfg)
+
+
+def preprocess_batch(
+    images: Iterable[ImageSource], cfg: PreprocessConfig, max_pixels: int | None = None
+) -> torch.Tensor:
+    """:func:`preprocess` each image and stack: float32 tensor [B, 3, H, W] (B may be 0)."""
+    tensors = [preprocess(im, cfg, max_pixels) for im in images]
+    if not tensors:
+        return torch.empty((0, 3, *cfg.input_size), dtype=torch.float32)
+    return torch.stack(tensors)
