@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -10,27 +11,36 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 
+_POSITIONS = ("pos_embed", "position_embeddings", "pos_embedding")
+_CLASS_TOKENS = ("cls_token", "class_token")
+_HEADS = ("head.", "heads.head.", "classifier.")
+
+
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0, head_std: float = 0.2) -> torch.nn.Module:
-    """Non-trivial random weights so that a wrong mapping cannot hide behind zeros and ones.
+    """Non-trivial random weights, for any library's ViT, so that a wrong mapping cannot hide.
 
-    Position embeddings get std 1 (they dominate a wrong resampling), LayerNorm scales N(1, 0.2), biases
-    N(0, 0.1), the head std `head_std` (logits O(1-10): a 1e-5 absolute tolerance stays meaningful).
+    Position embeddings and the [class] token N(0, 1) (they dominate a wrong resampling, and make attention
+    far from uniform, exposing a q/k mix-up); weight matrices N(0, 1/fan_in); LayerNorm scales N(1, 0.2);
+    biases N(0, 0.1); the head std `head_std` (logits O(1-10): a 1e-5 absolute tolerance stays meaningful;
+    about 0.2 at width 192, 0.1 at 768).
     """
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if "pos_embed" in name or "position_embedding" in name or "pos_embedding" in name:
+        if leaf in _POSITIONS or leaf in _CLASS_TOKENS:
             p.copy_(torch.randn(p.shape, generator=g))
-        elif name.startswith(("head", "classifier", "heads")):
+        elif name.startswith(_HEADS) or name.startswith(tuple(f"vit.{h}" for h in _HEADS)):
             p.copy_(torch.randn(p.shape, generator=g) * head_std)
-        elif p.ndim == 1 and leaf in ("weight", "scale"):
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-        elif leaf == "bias" or p.ndim == 1:
+        elif p.ndim >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
+        elif leaf == "bias":
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def randomize():
     return randomize_

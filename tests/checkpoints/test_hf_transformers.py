@@ -53,32 +53,9 @@ def _hf_config(**kw) -> transformers.ViTConfig:
     return transformers.ViTConfig(**args)
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random weights such that a wrong mapping cannot hide behind zeros, ones or near-uniform attention.
-
-    Position embeddings and the [class] token N(0, 1); weight matrices N(0, 1/fan_in) (HF's 0.02 init would
-    make attention almost uniform and hide a q/k mix-up); classifier std 0.2 (logits O(1-10)); LayerNorm
-    scales N(1, 0.2); biases N(0, 0.1).
-    """
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "position_embeddings" in name or name.endswith("cls_token"):
-            p.copy_(torch.randn(p.shape, generator=g))
-        elif name.startswith("classifier"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        elif p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
-        elif name.endswith("bias"):
-            p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    model = _randomize(transformers.ViTForImageClassification(_hf_config()), seed=1)
+def hf_dir(tmp_path_factory, randomize) -> tuple[Path, torch.nn.Module]:
+    model = randomize(transformers.ViTForImageClassification(_hf_config()), seed=1)
     folder = tmp_path_factory.mktemp("hf_vit")
     model.save_pretrained(folder)  # offline: config.json + model.safetensors (legacy key names)
     return folder, model
@@ -159,9 +136,9 @@ def test_img_size_override_resamples(hf_dir):
     assert err <= 1e-4
 
 
-def test_vit_model_without_classifier(tmp_path):
+def test_vit_model_without_classifier(tmp_path, randomize):
     cfg = _hf_config(layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
-    ref = _randomize(transformers.ViTModel(cfg), seed=5)
+    ref = randomize(transformers.ViTModel(cfg), seed=5)
     ref.save_pretrained(tmp_path)  # no "vit." prefix, includes pooler.dense.*
     conv = load_hf_dir(tmp_path)
     assert conv.config.num_classes == 0 and conv.labels is None

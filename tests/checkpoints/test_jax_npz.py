@@ -124,30 +124,16 @@ def timm_to_npz(
 # --------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def _nontrivial(model: torch.nn.Module, randomize, seed: int = 0) -> torch.nn.Module:
-    """Fan-in scaled matrices, N(0, 1) [class] token (non-uniform attention), then conftest's randomize_."""
-    g = torch.Generator().manual_seed(seed + 1000)
-    for name, prm in model.named_parameters():
-        if name.startswith("head") or "pos_embed" in name:
-            continue
-        if "cls_token" in name:
-            prm.copy_(torch.randn(prm.shape, generator=g))
-        elif prm.ndim >= 2:
-            prm.copy_(torch.randn(prm.shape, generator=g) / math.sqrt(prm[0].numel()))
-    return randomize(model, seed)
-
-
 def _timm_tiny(randomize, seed: int = 0) -> torch.nn.Module:
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, act_layer="gelu_tanh")
-    return _nontrivial(model, randomize, seed)
+    return randomize(model, seed)
 
 
 def _timm_small_vit(randomize, seed: int = 0, **kw) -> torch.nn.Module:
     args = dict(
         img_size=64, patch_size=16, embed_dim=192, depth=2, num_heads=3, num_classes=10, act_layer="gelu_tanh"
     )
-    return _nontrivial(TimmViT(**{**args, **kw}), randomize, seed)
+    return randomize(TimmViT(**{**args, **kw}), seed)
 
 
 def _timm_hybrid(randomize, layers: tuple[int, ...], kernel: int, seed: int = 0) -> torch.nn.Module:
@@ -162,7 +148,7 @@ def _timm_hybrid(randomize, layers: tuple[int, ...], kernel: int, seed: int = 0)
         act_layer="gelu_tanh",
         embed_layer=embed,
     )
-    return _nontrivial(model, randomize, seed)
+    return randomize(model, seed)
 
 
 def _fresh_like(model: torch.nn.Module) -> torch.nn.Module:

@@ -26,29 +26,6 @@ from vit_serve.checkpoints.torchvision_state import (  # noqa: E402
 )
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int, head_std: float = 0.2) -> torch.nn.Module:
-    """Random weights such that a wrong mapping cannot hide behind zeros, ones or near-uniform attention.
-
-    torchvision zero-initialises the head and the class token; here position embeddings and the class
-    token are N(0, 1), weight matrices N(0, 1/fan_in), the head std `head_std` (logits O(1-10): about
-    0.2 at width 192, 0.1 at 768), LayerNorm scales N(1, 0.2), biases N(0, 0.1).
-    """
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name in ("encoder.pos_embedding", "class_token"):
-            p.copy_(torch.randn(p.shape, generator=g))
-        elif name.startswith("heads.head"):
-            p.copy_(torch.randn(p.shape, generator=g) * head_std)
-        elif p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
-        elif "bias" in name.rsplit(".", 1)[-1]:
-            p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
 def _small(image_size: int = 64) -> TVViT:
     return TVViT(
         image_size=image_size,
@@ -63,13 +40,13 @@ def _small(image_size: int = 64) -> TVViT:
 
 
 @pytest.fixture(scope="module")
-def vit_b_16() -> torch.nn.Module:
-    return _randomize(torchvision.models.vit_b_16(weights=None), seed=0, head_std=0.1)
+def vit_b_16(randomize) -> torch.nn.Module:
+    return randomize(torchvision.models.vit_b_16(weights=None), seed=0, head_std=0.1)
 
 
 @pytest.fixture(scope="module")
-def small() -> torch.nn.Module:
-    return _randomize(_small(), seed=1)
+def small(randomize) -> torch.nn.Module:
+    return randomize(_small(), seed=1)
 
 
 def test_layout_sniffer(small):
@@ -209,8 +186,8 @@ def test_not_torchvision(small):
         convert_torchvision({"patch_embed.proj.weight": torch.zeros(192, 3, 16, 16)})
 
 
-def test_unknown_width_needs_heads():
-    m = _randomize(
+def test_unknown_width_needs_heads(randomize):
+    m = randomize(
         TVViT(
             image_size=32,
             patch_size=16,

@@ -35,7 +35,13 @@ class Converted:
             self.preprocess = self.preprocess.with_size(*self.config.img_size)
 
 
-def _describe(keys: list[str], limit: int = 12) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message folded onto one line (library errors often span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def describe_keys(keys: list[str], limit: int = 12) -> str:
+    """A short, comma-separated list of state-dict keys for error messages."""
     shown = ", ".join(keys[:limit])
     return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
@@ -49,11 +55,11 @@ def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
                        for k, v in expected.items() if k in state_dict and state_dict[k].shape != v.shape)
     problems = []
     if missing:
-        problems.append(f"missing keys: {_describe(missing)}")
+        problems.append(f"missing keys: {describe_keys(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys: {_describe(unexpected)}")
+        problems.append(f"unexpected keys: {describe_keys(unexpected)}")
     if misshaped:
-        problems.append(f"mis-shaped keys: {_describe(misshaped)}")
+        problems.append(f"mis-shaped keys: {describe_keys(misshaped)}")
     if problems:
         where = f" in {source}" if source else ""
         raise CheckpointError(f"checkpoint{where} does not fit the model: " + "; ".join(problems))

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict
+from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict, describe_keys, one_line
 from vit_serve.checkpoints.io import read_weights
 from vit_serve.config import ViTConfig
 from vit_serve.model import VisionTransformer
@@ -100,13 +100,6 @@ def is_hf_layout(keys: Iterable[str]) -> bool:
     return False
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _describe(keys: list[str], limit: int = 12) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _pair(value: Any, name: str) -> tuple[int, int]:
@@ -291,7 +284,7 @@ def hf_preprocess(
             crop_mode=mode,
         )
     except ValueError as e:
-        raise CheckpointError(f"preprocessor_config.json: {_one_line(e)}") from e
+        raise CheckpointError(f"preprocessor_config.json: {one_line(e)}") from e
 
 
 def _config_fields(config: Mapping[str, Any], num_classes: int) -> dict[str, Any]:
@@ -340,7 +333,7 @@ def _make_config(
     try:
         native = ViTConfig(**fields)
     except ValueError as e:
-        raise CheckpointError(f"{what}: {_one_line(e)}") from e
+        raise CheckpointError(f"{what}: {one_line(e)}") from e
     known = set(ViTConfig.__dataclass_fields__)
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -348,7 +341,7 @@ def _make_config(
     try:
         return native, native.replace(**overrides) if overrides else native
     except ValueError as e:
-        raise CheckpointError(f"{what}: bad override ({_one_line(e)})") from e
+        raise CheckpointError(f"{what}: bad override ({one_line(e)})") from e
 
 
 def _check_against_model(cfg: ViTConfig, sd: dict[str, torch.Tensor], source: str) -> None:
@@ -444,14 +437,14 @@ def convert_hf(
         return f"vit.{key}" if prefixed and not key.startswith("classifier.") else key
 
     if take.missing:
-        raise CheckpointError(f"{source}: missing keys: {_describe([spelled(k) for k in take.missing])}")
+        raise CheckpointError(f"{source}: missing keys: {describe_keys([spelled(k) for k in take.missing])}")
     unexpected = sorted(
         k if k in weights else spelled(k) for k in sd if k not in take.used and not _DROPPED.match(k)
     )
     if unexpected:
         raise CheckpointError(
             f"{source}: unexpected keys (not part of a transformers ViT with "
-            f"{native.depth} layers): {_describe(unexpected)}"
+            f"{native.depth} layers): {describe_keys(unexpected)}"
         )
     state: dict[str, torch.Tensor] = {k: v for k, v in out.items() if v is not None}
     _check_against_model(native, state, f"{source} (as described by its config.json)")
@@ -469,7 +462,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {_one_line(e)}") from e
+        raise CheckpointError(f"cannot read {path}: {one_line(e)}") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"cannot read {path}: expected a JSON object")
     return data

@@ -21,16 +21,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_save
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted
+from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line
 from vit_serve.config import ViTConfig
 from vit_serve.preprocess import PreprocessConfig
 
 FORMAT_NAME = "vit-serve"
 FORMAT_VERSION = "1"
 
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -40,7 +37,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
             meta = f.metadata() or {}
             return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 (safe_open is not iterable)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"cannot read {path}: truncated or corrupt safetensors file ({_one_line(e)})") from e
+        raise CheckpointError(f"cannot read {path}: truncated or corrupt safetensors file ({one_line(e)})") from e
 
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -49,7 +46,7 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as e:
-        raise CheckpointError(f"cannot read {path}: truncated or corrupt .npz file ({_one_line(e)})") from e
+        raise CheckpointError(f"cannot read {path}: truncated or corrupt .npz file ({one_line(e)})") from e
 
 
 def read_torch(path: Path) -> dict[str, torch.Tensor]:
@@ -57,7 +54,7 @@ def read_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for bad pickles, zips and disallowed globals
-        raise CheckpointError(f"cannot read {path}: not a readable PyTorch weights file ({_one_line(e)})") from e
+        raise CheckpointError(f"cannot read {path}: not a readable PyTorch weights file ({one_line(e)})") from e
     for key in ("state_dict", "model", "model_state"):
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
             obj = obj[key]
@@ -112,7 +109,7 @@ def from_ours(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], sou
         labels = json.loads(metadata.get("labels", "null"))
         pre = PreprocessConfig.from_dict(json.loads(metadata["preprocess"]))
     except (KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: bad vit-serve metadata ({_one_line(e)})") from e
+        raise CheckpointError(f"{source}: bad vit-serve metadata ({one_line(e)})") from e
     return Converted(cfg, tensors, source=f"vit-serve file {source}", labels=labels, preprocess=pre)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict
+from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict, describe_keys, one_line
 from vit_serve.config import HEADS_BY_WIDTH, ViTConfig, get_config
 from vit_serve.model import VisionTransformer
 from vit_serve.pos_embed import resample_pos_embed
@@ -82,13 +82,6 @@ def is_torchvision_layout(keys: Iterable[str]) -> bool:
     return {"class_token", "encoder.pos_embedding"} <= keys and any(k.startswith("conv_proj.") for k in keys)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _describe(keys: list[str], limit: int = 12) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def torchvision_preprocess(
@@ -246,14 +239,14 @@ def convert_torchvision(
     try:
         native = ViTConfig(**fields)
     except ValueError as e:
-        raise CheckpointError(f"{source}: {_one_line(e)}") from e
+        raise CheckpointError(f"{source}: {one_line(e)}") from e
     unknown = sorted(set(overrides) - set(ViTConfig.__dataclass_fields__))
     if unknown:
         raise TypeError(f"unknown ViTConfig override(s): {', '.join(unknown)}")
     try:
         cfg = native.replace(**overrides) if overrides else native
     except ValueError as e:
-        raise CheckpointError(f"{source}: bad override ({_one_line(e)})") from e
+        raise CheckpointError(f"{source}: bad override ({one_line(e)})") from e
 
     renames = {
         "patch_embed.proj.weight": "conv_proj.weight",
@@ -285,10 +278,10 @@ def convert_torchvision(
 
     missing = [theirs for theirs in renames.values() if theirs not in sd]
     if missing:
-        raise CheckpointError(f"{source}: missing keys: {_describe(missing)}")
+        raise CheckpointError(f"{source}: missing keys: {describe_keys(missing)}")
     unexpected = sorted(set(sd) - set(renames.values()))
     if unexpected:
-        raise CheckpointError(f"{source}: unexpected keys: {_describe(unexpected)}")
+        raise CheckpointError(f"{source}: unexpected keys: {describe_keys(unexpected)}")
     state = {ours: sd[theirs].detach().to(torch.float32).contiguous() for ours, theirs in renames.items()}
     try:  # names and shapes against our model, built on the meta device (no memory, no init cost)
         with torch.device("meta"):
