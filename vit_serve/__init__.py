@@ -23,11 +23,11 @@ def load(src, arch=None, **overrides) -> VisionTransformer:
     return _load(src, arch=arch, **overrides)
 
 
-def save(model: VisionTransformer, path, overwrite: bool = False):
+def save(model: VisionTransformer, path, overwrite: bool = False, extra_metadata=None):
     """Save in vit-serve's .safetensors format (config, labels, preprocessing contract), atomically."""
     from vit_serve.checkpoints import save as _save
 
-    return _save(model, path, overwrite=overwrite)
+    return _save(model, path, overwrite=overwrite, extra_metadata=extra_metadata)
 
 
 __all__ = ["PreprocessConfig", "ViTConfig", "VisionTransformer", "__version__", "create_model", "get_config",

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import re
 import sys
+import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from vit_serve import __version__
 from vit_serve.config import RESAMPLE_MODES
+from vit_serve.explain import HEAD_FUSIONS
 
 
 def parse_res(text: str) -> tuple[int, int]:
@@ -41,6 +46,100 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        from vit_serve import inspect
+    except ImportError as e:  # matplotlib is not a runtime dependency
+        raise OSError(str(e)) from e
+    from vit_serve.checkpoints import load
+
+    inspect.check_settings(args.head_fusion, args.discard_ratio)
+    images = inspect.find_images(args.images) if args.images else None
+    inspect.check_out_dir(args.out, overwrite=args.force)
+    model = load(args.ckpt)
+    result = inspect.inspect_model(model, images, args.out, head_fusion=args.head_fusion,
+                                   discard_ratio=args.discard_ratio, overwrite=args.force)
+    for name in result["files"]:
+        print(Path(args.out) / name)
+    if "skipped" in result["filters"]:
+        print(f"filters.png skipped: {result['filters']['skipped']}")
+    return 0
+
+
+def _parse_kv(text: str) -> dict[str, object]:
+    """"depth=4,embed_dim=96,gelu=tanh" -> {"depth": 4, "embed_dim": 96, "gelu": "tanh"} (JSON values)."""
+    out: dict[str, object] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"bad key=value {part!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+_TRAIN_HELP = {
+    "mode": "pretrain (Adam, wd 0.1) or finetune (SGD momentum 0.9, new zero head, resampled position embeddings)",
+    "objective": "classify, or mpp (masked patch prediction, paper §4.6)",
+    "data": "digits (embedded default), an ImageFolder root with train/ and val/, cifar10:DIR or cifar100:DIR",
+    "model": "preset for pretraining (digits, S/16, vit_base_patch16_224, ...)",
+    "model_args": "ViTConfig overrides, e.g. depth=6,embed_dim=128",
+    "init": "checkpoint to fine-tune (any supported format)",
+    "res": "training resolution, e.g. 384 or 384x512",
+    "batch_size": "global batch per optimizer step (across processes and accumulation)",
+    "device": "auto, cpu, cuda or xla",
+}
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    from vit_serve.train.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
+        kw: dict[str, object] = {"default": None, "help": _TRAIN_HELP.get(f.name, f"default: {f.default}")}
+        if hint is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if f.name == "res":
+            kw["type"] = parse_res
+        elif f.name == "model_args":
+            kw["type"] = _parse_kv
+        elif f.name == "few_shot":
+            kw["type"] = _parse_ints
+        else:
+            base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+            kw["type"] = base[0] if base[0] in (int, float) else str
+        p.add_argument(flag, **kw)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from vit_serve.train.config import TrainConfig, resolve
+    from vit_serve.train.loop import train
+
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    train(resolve(args.config, flags))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from vit_serve.train.eval_checkpoint import run_eval
+
+    result = run_eval(args.checkpoint, args.data, res=args.res, out=args.out, few_shot=args.few_shot,
+                      batch_size=args.batch_size, workers=args.workers)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vit-serve {__version__}")
@@ -58,6 +157,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="position-embedding resampling to use and record (default: the source's own)")
     c.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     c.set_defaults(func=_cmd_convert)
+
+    i = sub.add_parser("inspect", help="the ViT paper's Figure 6/7 inspections of a checkpoint, as PNGs + JSON",
+                       description="Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
+                                   "embedding similarity and mean attention distance (Figure 7) figures and "
+                                   "inspect.json with every number behind them.")
+    i.add_argument("ckpt", metavar="CKPT", help="checkpoint (any format `convert` reads)")
+    i.add_argument("--images", metavar="DIR",
+                   help="folder of jpg/jpeg/png/bmp/webp images (default: matplotlib's sample pictures)")
+    i.add_argument("--out", metavar="DIR", required=True, help="output folder (created; must be new or empty)")
+    i.add_argument("--head-fusion", choices=HEAD_FUSIONS, default="mean", help="rollout head fusion (default mean)")
+    i.add_argument("--discard-ratio", type=float, default=0.9,
+                   help="rollout: fraction of the weakest attention weights to drop per layer, in [0, 1) (default 0.9)")
+    i.add_argument("--force", action="store_true", help="write into an existing non-empty output folder")
+    i.set_defaults(func=_cmd_inspect)
+
+    t = sub.add_parser("train", help="pre-train or fine-tune a ViT (flags override --config)",
+                       description="Pre-train or fine-tune a ViT with the paper's recipes. Multi-process: "
+                                   "torchrun --nproc-per-node N -m vit_serve train ...")
+    t.add_argument("--config", help="a .json or .toml file of options (flags override it)")
+    _add_train_flags(t)
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("eval", help="top-1/top-5, confusion matrix and few-shot accuracy of a checkpoint")
+    e.add_argument("checkpoint")
+    e.add_argument("--data", default="digits", help=_TRAIN_HELP["data"])
+    e.add_argument("--res", type=parse_res, help="evaluate at this resolution (position embeddings resampled)")
+    e.add_argument("--out", help="folder for confusion.png and eval.json")
+    e.add_argument("--few-shot", type=_parse_ints, default=(), help="e.g. 1,5,10,25 images per class")
+    e.add_argument("--batch-size", type=int, default=128)
+    e.add_argument("--workers", type=int, default=0)
+    e.set_defaults(func=_cmd_eval)
     return p
 
 

@@ -11,10 +11,12 @@ Parameter names follow timm, so a timm state dict is our state dict.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from vit_serve.config import ViTConfig, get_config
 from vit_serve.pos_embed import is_tracing, resample_pos_embed
@@ -59,6 +61,8 @@ class Attention(nn.Module):
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
+        # The fused kernel; swappable for an accelerator's own (e.g. Pallas flash attention on TPU).
+        self.attention_fn: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, N, C = x.shape
@@ -67,9 +71,9 @@ class Attention(nn.Module):
         probs = None
         if return_attention:
             probs = (q * self.scale @ k.transpose(-2, -1)).softmax(dim=-1)
-            x = F.dropout(probs, drop) @ v
+            x = (F.dropout(probs, drop) if drop else probs) @ v
         else:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
+            x = self.attention_fn(q, k, v, dropout_p=drop)
         x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
         return x, probs
 
@@ -145,6 +149,7 @@ class VisionTransformer(nn.Module):
         # preprocessing contract (vit_serve.preprocess.PreprocessConfig).
         self.labels: list[str] | None = None
         self.preprocess_cfg = None
+        self.grad_checkpointing = False  # recompute each block in backward: memory for time (L/H models)
 
     @staticmethod
     def _make_pre_logits(cfg: ViTConfig) -> nn.Module:
@@ -230,7 +235,10 @@ class VisionTransformer(nn.Module):
         x = self._pos_embed(self.patch_embed(x), grid)
         attentions = []
         for blk in self.blocks:
-            x, attn = blk(x, return_attention)
+            if self.grad_checkpointing and self.training and not return_attention:
+                x, attn = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x, attn = blk(x, return_attention)
             if return_attention:
                 attentions.append(attn)
         x = self.norm(x)

@@ -1,0 +1,476 @@
+"""`vit-serve inspect`: the ViT paper's Figure 6 and 7 inspections as figures, plus every number behind them.
+
+    result = inspect_model(model, ["cat.jpg", "dog.png"], "inspect_out")
+
+writes into `inspect_out/`:
+
+* ``filters.png`` (Figure 7 left): the top 28 principal components of the RGB patch-embedding filters
+  (skipped, with the reason in the JSON, for hybrids, whose projection is a 1x1 conv over ResNet features);
+* ``pos_embed_similarity.png`` (Figure 7 centre): cosine similarity of each position embedding to all others;
+* ``mean_attention_distance.png`` (Figure 7 right): mean attention distance per head against depth;
+* ``rollout.png`` (Figure 6) and one ``rollout_<name>.png`` per image: attention rollout over the input crop;
+* ``inspect.json``: the numbers of all of the above, the model's config and the settings used.
+
+The math lives in :mod:`vit_serve.explain`, the colour overlays in :mod:`vit_serve.overlay`; this module only
+lays them out. matplotlib (not a runtime dependency of the server) is needed here, and only here; figures are
+drawn on Agg canvases through ``matplotlib.figure.Figure``, never through pyplot, so no global backend or
+figure registry is touched and nothing is left open.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vit_serve import explain
+from vit_serve.overlay import overlay
+from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, resize_and_crop
+
+try:
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+except ImportError as e:  # pragma: no cover - matplotlib is in the [test] extra
+    raise ImportError(f"vit_serve.inspect needs matplotlib (pip install matplotlib): {e}") from e
+
+__all__ = ["IMAGE_SUFFIXES", "check_out_dir", "check_settings", "default_images", "find_images", "inspect_model"]
+
+IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+NUM_FILTER_COMPONENTS = 28  # the paper's Figure 7 left: 28 components in a 4 x 7 grid
+MAX_SIMILARITY_PANELS = 16  # per side of the position-embedding figure
+DPI = 120
+OVERLAY_ALPHA = 0.5
+OVERLAY_COLORMAP = "jet"
+
+ImageInput = Image.Image | str | os.PathLike
+
+
+# --------------------------------------------------------------------------------------------------------
+# Inputs and outputs
+# --------------------------------------------------------------------------------------------------------
+
+
+def find_images(directory: str | os.PathLike) -> list[Path]:
+    """The image files (jpg, jpeg, png, bmp, webp; any case) directly in `directory`, sorted by name.
+
+    Raises NotADirectoryError / FileNotFoundError for a bad directory, ValueError when it holds no images.
+    """
+    d = Path(directory)
+    if not d.exists():
+        raise FileNotFoundError(f"image folder {d} does not exist")
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is not a folder")
+    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"no image files ({', '.join(s[1:] for s in IMAGE_SUFFIXES)}) in {d}")
+    return files
+
+
+def default_images() -> list[Path]:
+    """The sample pictures matplotlib ships: grace_hopper.jpg first, then its other jpg/png files, sorted."""
+    from matplotlib import cbook
+
+    hopper = Path(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
+    others = sorted(p for p in hopper.parent.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p != hopper)
+    return [hopper, *others]
+
+
+def check_out_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse an existing non-empty folder (FileExistsError) unless `overwrite`; refuse a file outright."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) to write into it")
+    return out
+
+
+def check_settings(head_fusion: str, discard_ratio: float) -> None:
+    """ValueError unless head_fusion is one of mean/max/min and 0 <= discard_ratio < 1 (rollout settings)."""
+    if head_fusion not in explain.HEAD_FUSIONS:
+        raise ValueError(f"unknown head_fusion {head_fusion!r}; expected one of {', '.join(explain.HEAD_FUSIONS)}")
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+
+
+def _safe_stem(text: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "image"
+    return stem[:64]
+
+
+def _names(images: Sequence[ImageInput], names: Sequence[str] | None) -> list[str]:
+    """Unique, file-name-safe names: the given ones, else each file's stem, else image<i>."""
+    if names is not None and len(names) != len(images):
+        raise ValueError(f"{len(names)} names for {len(images)} images")
+    out: list[str] = []
+    seen: set[str] = set()
+    for i, im in enumerate(images):
+        if names is not None:
+            raw = str(names[i])
+        elif isinstance(im, Image.Image):
+            raw = Path(getattr(im, "filename", "") or f"image{i}").stem
+        else:
+            raw = Path(im).stem
+        name, n = _safe_stem(raw), 2
+        while name in seen:
+            name, n = f"{_safe_stem(raw)}_{n}", n + 1
+        seen.add(name)
+        out.append(name)
+    return out
+
+
+def _preprocess_cfg(model: torch.nn.Module) -> PreprocessConfig:
+    return getattr(model, "preprocess_cfg", None) or PreprocessConfig(input_size=model.cfg.img_size)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Figures (matplotlib, Agg)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> None:
+    fig.savefig(path, dpi=DPI, facecolor="white")
+
+
+def _filters_figure(components: np.ndarray, ratios: np.ndarray, path: Path) -> None:
+    """components [k, 3, P, P], ratios [k] -> a 4 x 7 grid of P x P RGB tiles, each min-max scaled."""
+    rows, cols = 4, 7
+    p = components.shape[-1]
+    fig = _figure(cols * 1.3, rows * 1.45 + 0.5)
+    axes = fig.subplots(rows, cols)
+    for i, ax in enumerate(axes.flat):
+        ax.set_axis_off()
+        if i >= len(components):
+            continue
+        tile = components[i].transpose(1, 2, 0)
+        lo, hi = tile.min(), tile.max()
+        tile = (tile - lo) / (hi - lo) if hi > lo else np.zeros_like(tile)
+        ax.imshow(tile, interpolation="nearest")
+        ax.set_title(f"PC{i + 1}: {100 * ratios[i]:.1f}%", fontsize=8)
+    fig.suptitle(
+        f"RGB embedding filters: top {len(components)} principal components ({p}×{p}, each tile "
+        "min-max scaled; % = explained variance)",
+        fontsize=10,
+    )
+    _save(fig, path)
+
+
+def _subsample(n: int, limit: int) -> np.ndarray:
+    """Indices of at most `limit` evenly spaced items of range(n), first and last included."""
+    if n <= limit:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, limit).round().astype(int))
+
+
+def _similarity_figure(sim: np.ndarray, path: Path) -> dict[str, list[int]]:
+    """sim [gh, gw, gh, gw] -> one (gh, gw) similarity panel per shown position, in a grid laid out like the patches.
+
+    Panels are drawn into one mosaic image (white gaps between them) with a shared colour bar over [-1, 1];
+    big grids show evenly spaced rows/columns only. Returns the (0-based) rows and columns shown.
+    """
+    gh, gw = sim.shape[:2]
+    rows, cols = _subsample(gh, MAX_SIMILARITY_PANELS), _subsample(gw, MAX_SIMILARITY_PANELS)
+    pad = max(1, round(0.2 * max(gh, gw)))
+    mosaic = np.full((len(rows) * (gh + pad) - pad, len(cols) * (gw + pad) - pad), np.nan)
+    for a, i in enumerate(rows):
+        for b, j in enumerate(cols):
+            mosaic[a * (gh + pad) : a * (gh + pad) + gh, b * (gw + pad) : b * (gw + pad) + gw] = sim[i, j]
+    h, w = mosaic.shape
+    side = 7.0 if max(len(rows), len(cols)) <= 8 else 8.5
+    width, height = (side, side * h / w) if w >= h else (side * w / h, side)
+    fig = _figure(max(width, 4.0) + 1.4, max(height, 2.5) + 1.3)
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+    im = ax.imshow(mosaic, cmap=cmap, vmin=-1.0, vmax=1.0, interpolation="nearest")
+    fs = 8 if max(len(rows), len(cols)) > 10 else 9
+    ax.set_xticks([b * (gw + pad) + (gw - 1) / 2 for b in range(len(cols))], [str(j + 1) for j in cols], fontsize=fs)
+    ax.set_yticks([a * (gh + pad) + (gh - 1) / 2 for a in range(len(rows))], [str(i + 1) for i in rows], fontsize=fs)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_xlabel("input patch column")
+    ax.set_ylabel("input patch row")
+    title = f"Position embedding similarity ({gh}×{gw} patch grid)"
+    if len(rows) < gh or len(cols) < gw:
+        title += f"\nshowing {len(rows)} of {gh} rows × {len(cols)} of {gw} columns (evenly spaced)"
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, shrink=0.8, aspect=30, label="cosine similarity")
+    _save(fig, path)
+    return {"rows": rows.tolist(), "cols": cols.tolist()}
+
+
+def _distance_figure(mad: np.ndarray, num_images: int, input_size: tuple[int, int], patch: int, path: Path) -> None:
+    """mad [L, heads] in pixels -> scatter against depth 1..L, one colour per head."""
+    layers, heads = mad.shape
+    fig = _figure(7.2 if heads <= 16 else 6.2, 4.6)
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps["tab20" if heads > 10 else "tab10"]
+    depth = np.arange(1, layers + 1)
+    for h in range(heads):
+        ax.scatter(depth, mad[:, h], s=22, color=cmap(h % cmap.N), label=f"head {h + 1}", alpha=0.85, linewidths=0)
+    ax.set_xlabel("network depth (layer)")
+    ax.set_ylabel("mean attention distance (pixels)")
+    step = max(1, math.ceil(layers / 24))
+    ax.set_xticks(depth[::step])
+    ax.set_xlim(0.5, layers + 0.5)
+    ax.set_ylim(0, max(float(np.nanmax(mad)) * 1.1, 1.0))
+    ax.grid(alpha=0.3)
+    plural = "s" if num_images != 1 else ""
+    ax.set_title(
+        f"Mean attention distance per head ({input_size[0]}×{input_size[1]} input, patch {patch}, "
+        f"{num_images} image{plural})",
+        fontsize=10,
+    )
+    if heads <= 16:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
+    _save(fig, path)
+
+
+def _short(text: str, n: int = 28) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _rollout_figure(
+    crops: list[Image.Image], overlays: list[Image.Image], titles: list[tuple[str, str]], query: str, path: Path
+) -> None:
+    """Per image, the input crop and its rollout overlay side by side; up to 3 pairs per row; one colour bar."""
+    n = len(crops)
+    per_row = min(n, 3)
+    nrows = math.ceil(n / per_row)
+    w, h = crops[0].size
+    panel_w = 2.8
+    panel_h = panel_w * h / w + 0.55
+    gap = 0.15  # a narrow empty column between pairs, so that each overlay stays next to its own image
+    fig = _figure(per_row * (2 + gap) * panel_w + 1.0 - gap * panel_w, max(nrows * panel_h + 0.6, 3.6))
+    ratios = ([1.0, 1.0, gap] * per_row)[:-1]
+    axes = fig.subplots(nrows, len(ratios), squeeze=False, gridspec_kw={"width_ratios": ratios})
+    for ax in axes.flat:
+        ax.set_axis_off()
+    for k in range(n):
+        r, c = divmod(k, per_row)
+        left, right = axes[r, 3 * c], axes[r, 3 * c + 1]
+        left.imshow(np.asarray(crops[k]))
+        left.set_title(titles[k][0], fontsize=8)
+        right.imshow(np.asarray(overlays[k]))
+        right.set_title(titles[k][1], fontsize=8)
+    sm = ScalarMappable(norm=Normalize(0.0, 1.0), cmap=matplotlib.colormaps[OVERLAY_COLORMAP])
+    fig.colorbar(sm, ax=axes, shrink=0.8 if nrows > 1 else 0.9, fraction=0.03, label="relevance (min-max per image)")
+    what = "the [class] token" if query == "cls" else "the mean of the patch tokens (GAP model)"
+    fig.suptitle(f"Attention rollout over the model-input crop, read from {what}", fontsize=10)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The inspection
+# --------------------------------------------------------------------------------------------------------
+
+
+def _top_k(logits: torch.Tensor, labels: Sequence[str] | None, k: int = 5) -> list[list[dict[str, Any]]]:
+    """logits [B, K] -> per image the top-k {index, label, score (softmax probability)}."""
+    probs = logits.float().softmax(dim=-1)
+    scores, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    out = []
+    for s_row, i_row in zip(scores.tolist(), idx.tolist(), strict=True):
+        out.append(
+            [
+                {"index": i, "label": labels[i] if labels and i < len(labels) else f"class {i}", "score": s}
+                for s, i in zip(s_row, i_row, strict=True)
+            ]
+        )
+    return out
+
+
+@torch.no_grad()
+def inspect_model(
+    model: torch.nn.Module,
+    images: Sequence[ImageInput] | str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.9,
+    names: Sequence[str] | None = None,
+    overwrite: bool = False,
+    batch_size: int = 8,
+) -> dict[str, Any]:
+    """Run the paper's Figure 6/7 inspections of `model` on `images` and write figures + ``inspect.json``.
+
+    Args:
+        model: a VisionTransformer (e.g. from ``vit_serve.load``); run in eval mode here, its mode restored after.
+        images: PIL images and/or image paths; a folder (its image files, see :func:`find_images`); or None for
+            matplotlib's sample pictures (:func:`default_images`). Each is preprocessed with the model's
+            ``preprocess_cfg`` (``vit_serve.preprocess``); the overlays are drawn on the same crop
+            (``resize_and_crop``), so maps and pixels align.
+        out_dir: created if needed; an existing non-empty folder is refused (FileExistsError) unless
+            `overwrite` (files are then replaced, other files left alone).
+        head_fusion, discard_ratio: attention-rollout settings (:func:`vit_serve.explain.rollout`).
+        names: one name per image for titles and ``rollout_<name>.png`` (default: file stems, image<i>).
+        batch_size: images per forward pass; all attentions come from one ``model(x, return_attention=True)``
+            pass per batch, under no_grad.
+
+    Returns the dict written to ``inspect.json``: ``files`` (names inside out_dir), ``model`` (config,
+    preprocessing, grids), ``settings``, ``filters`` (explained-variance ratios, or ``skipped`` with the reason),
+    ``pos_embed_similarity`` ([gh, gw, gh, gw] nested lists), ``mean_attention_distance`` ([L, heads] in
+    pixels, averaged over the images) and ``rollout`` (per image: name, source path, the raw [gh, gw] map, its
+    ``query`` ("cls", or "patch-mean" for GAP models) and the top-5 labels and softmax scores).
+    """
+    check_settings(head_fusion, discard_ratio)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out = check_out_dir(out_dir, overwrite)
+    if images is None:
+        images = default_images()
+    elif isinstance(images, (str, os.PathLike)):
+        images = find_images(images)
+    images = list(images)
+    if not images:
+        raise ValueError("no images to inspect")
+    image_names = _names(images, names)
+
+    cfg = model.cfg
+    pcfg = _preprocess_cfg(model)
+    patch = cfg.patch_size
+    grid = model.check_size(*pcfg.input_size)
+    prefix = model.num_prefix_tokens
+    param = next(model.parameters())
+
+    # One forward pass per batch; everything image-dependent comes from it.
+    decoded = [load_image(im) for im in images]
+    crops = [resize_and_crop(im, pcfg) for im in decoded]
+    maps: list[torch.Tensor] = []
+    tops: list[list[dict[str, Any]]] = []
+    mad_sum = None
+    query = "cls"
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(decoded), batch_size):
+            chunk = decoded[start : start + batch_size]
+            x = torch.stack([preprocess(im, pcfg) for im in chunk]).to(param.device, param.dtype)
+            logits, attentions = model(x, return_attention=True)
+            attentions = [a.float() for a in attentions]
+            heat = explain.rollout(attentions, grid, prefix, cfg.pool, head_fusion, discard_ratio)
+            query = heat.query
+            maps.extend(heat.map.double().cpu())
+            mad = explain.mean_attention_distance(attentions, grid, patch, prefix) * len(chunk)
+            mad_sum = mad if mad_sum is None else mad_sum + mad
+            tops.extend(_top_k(logits, model.labels) if cfg.num_classes else [[] for _ in chunk])
+    finally:
+        model.train(was_training)
+    mad_px = (mad_sum / len(decoded)).numpy()
+
+    sim = explain.pos_embed_similarity(model.pos_embed.detach().cpu(), model.grid_size, prefix).numpy()
+    weight = model.patch_embed.proj.weight.detach().cpu()
+    if cfg.resnet_layers is not None:
+        filters_skip = (
+            "hybrid model: the patch embedding is a 1x1 projection of ResNet features, not filters over RGB pixels"
+        )
+    elif weight.shape[1] != 3:
+        filters_skip = f"the patch embedding has {weight.shape[1]} input channels, not RGB"
+    else:
+        filters_skip = None
+
+    # Figures and JSON.
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[str] = []
+    result: dict[str, Any] = {"files": files}
+    result["model"] = {
+        "config": cfg.to_dict(),
+        "preprocess": pcfg.to_dict(),
+        "num_prefix_tokens": prefix,
+        "input_grid": list(grid),
+        "pos_embed_grid": list(model.grid_size),
+        "has_labels": bool(getattr(model, "labels", None)),
+    }
+    result["settings"] = {
+        "head_fusion": head_fusion,
+        "discard_ratio": discard_ratio,
+        "num_images": len(decoded),
+        "overlay": {"alpha": OVERLAY_ALPHA, "colormap": OVERLAY_COLORMAP},
+        "filter_components": NUM_FILTER_COMPONENTS,
+    }
+
+    if filters_skip is None:
+        comps, ratios = explain.filter_pca(weight, NUM_FILTER_COMPONENTS)
+        _filters_figure(comps.numpy(), ratios.numpy(), out / "filters.png")
+        files.append("filters.png")
+        result["filters"] = {
+            "file": "filters.png",
+            "filter_shape": list(weight.shape[1:]),
+            "num_components": len(ratios),
+            "explained_variance_ratio": ratios.tolist(),
+        }
+    else:
+        result["filters"] = {"skipped": filters_skip}
+
+    shown = _similarity_figure(sim, out / "pos_embed_similarity.png")
+    files.append("pos_embed_similarity.png")
+    result["pos_embed_similarity"] = {
+        "file": "pos_embed_similarity.png",
+        "grid": list(model.grid_size),
+        "measure": "cosine",
+        "panels_shown": shown,
+        "similarity": np.round(sim, 6).tolist(),
+    }
+
+    _distance_figure(mad_px, len(decoded), pcfg.input_size, patch, out / "mean_attention_distance.png")
+    files.append("mean_attention_distance.png")
+    result["mean_attention_distance"] = {
+        "file": "mean_attention_distance.png",
+        "unit": "pixels",
+        "shape": list(mad_px.shape),
+        "input_size": list(pcfg.input_size),
+        "patch_size": patch,
+        "num_images": len(decoded),
+        "values": mad_px.tolist(),
+    }
+
+    overlays = [overlay(c, m, OVERLAY_ALPHA, OVERLAY_COLORMAP) for c, m in zip(crops, maps, strict=True)]
+    per_image = []
+    titles = []
+    for src, name, crop, ov, m, top in zip(images, image_names, crops, overlays, maps, tops, strict=True):
+        file = f"rollout_{name}.png"
+        ov.save(out / file)
+        files.append(file)
+        source = str(src) if isinstance(src, (str, os.PathLike)) else getattr(src, "filename", "") or None
+        per_image.append(
+            {
+                "name": name,
+                "source": source,
+                "file": file,
+                "query": query,
+                "grid": list(m.shape),
+                "map": m.tolist(),
+                "top5": top,
+            }
+        )
+        top1 = f"top-1: {_short(top[0]['label'])} ({100 * top[0]['score']:.1f}%)" if top else "no classifier head"
+        titles.append((f"{_short(name)} ({crop.width}×{crop.height})", top1))
+    _rollout_figure(crops, overlays, titles, query, out / "rollout.png")
+    files.insert(len(files) - len(per_image), "rollout.png")
+    result["rollout"] = {
+        "file": "rollout.png",
+        "query": query,
+        "head_fusion": head_fusion,
+        "discard_ratio": discard_ratio,
+        "images": per_image,
+    }
+
+    files.append("inspect.json")
+    (out / "inspect.json").write_text(json.dumps(result, default=str) + "\n")
+    return result
