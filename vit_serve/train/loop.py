@@ -130,8 +130,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         xla.use_pallas_attention(model)
     model.to(device)
 
-    train_ds = SeededTransform(train_base, train_transform(pre, cfg.inception_crop, cfg.flip, cfg.randaugment, cfg.translate),
-                               cfg.seed)
+    augment = train_transform(pre, cfg.inception_crop, cfg.flip, cfg.randaugment, cfg.translate)
+    train_ds = SeededTransform(train_base, augment, cfg.seed)
     val_ds = build_dataset(cfg.data, "test", eval_transform(pre), strict=cfg.strict)
     sampler = distributed.ResumableSampler(train_ds, world, rank, cfg.seed)
     pin = device.type == "cuda"
