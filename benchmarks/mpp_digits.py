@@ -41,7 +41,7 @@ def main() -> None:
     print(f"\nMasked patch prediction on digits 16x16 (CPU x{torch.get_num_threads()} threads)\n")
     print("| run | steps | wall time s | held-out top-1 |")
     print("|---|---:|---:|---:|")
-    print(f"| MPP pre-training (loss {losses[0]:.3f} -> {losses[-1]:.3f}) | {args.mpp_steps} | "
+    print(f"| MPP pre-training (loss at step 50 {losses[0]:.3f} -> {losses[-1]:.3f}) | {args.mpp_steps} | "
           f"{mpp['wall_s']:.0f} | - |")
     print(f"| fine-tune from MPP | {args.steps} | {ft['wall_s']:.0f} | {100 * ft['top1']:.2f}% |")
     print(f"| from scratch | {args.steps} | {scratch['wall_s']:.0f} | {100 * scratch['top1']:.2f}% |")

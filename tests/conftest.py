@@ -44,3 +44,13 @@ def randomize_(model: torch.nn.Module, seed: int = 0, head_std: float = 0.2) -> 
 @pytest.fixture(scope="session")
 def randomize():
     return randomize_
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine (or under pytest -n 2)
+    they stall on them: ~10x slower. One thread for the test, restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -99,16 +99,6 @@ def test_select_l2_matches_brute_force_leave_one_out(one_thread):
     assert select_l2(x, y, k, grid, **kw) == max(loo(l2) for l2 in grid)[2]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine (or under pytest -n 2)
-    they stall on them: ~10x slower. One thread for the test, restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def digits16():
     cfg = vit_serve.PreprocessConfig(input_size=(16, 16), crop_pct=1.0)

@@ -14,16 +14,6 @@ from vit_serve.train.mpp import MPPHead, MPPModel, corrupt_patches, denormalize,
 TINY = vit_serve.ViTConfig(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_dim=128, num_classes=10)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine (or under pytest -n 2)
-    they stall on them: ~10x slower. One thread for the test, restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_mpp_targets_by_hand():
     # A 2 x 3 grid of 4 x 4 patches with known colours.
     colours = [

@@ -12,14 +12,14 @@ import json
 import os
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as safetensors_save
+from safetensors.torch import save_file
 
 from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line
 from vit_serve.config import ViTConfig
@@ -113,8 +113,12 @@ def from_ours(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], sou
     return Converted(cfg, tensors, source=f"vit-serve file {source}", labels=labels, preprocess=pre)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes, overwrite: bool = False) -> Path:
-    """Write bytes to `path` atomically: temp file in the same folder, fsync, rename, fsync the folder."""
+def atomic_write(path: str | os.PathLike, data: bytes | Callable[[str], None], overwrite: bool = False) -> Path:
+    """Write to `path` atomically: temp file in the same folder, fsync, rename, fsync the folder.
+
+    `data` is the bytes, or a function that writes the temp file at the path it is given (so that a large
+    checkpoint streams to disk instead of being built in memory first).
+    """
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
@@ -122,7 +126,10 @@ def atomic_write(path: str | os.PathLike, data: bytes, overwrite: bool = False) 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(tmp)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -142,5 +149,5 @@ def save(model: torch.nn.Module, path: str | os.PathLike, overwrite: bool = Fals
     """Save a VisionTransformer (weights, config, labels, preprocessing contract) as one .safetensors file."""
     pre = getattr(model, "preprocess_cfg", None) or PreprocessConfig(input_size=model.cfg.img_size)
     meta = to_metadata(model.cfg, getattr(model, "labels", None), pre, extra_metadata)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    return atomic_write(path, safetensors_save(tensors, metadata=meta), overwrite=overwrite)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), overwrite=overwrite)

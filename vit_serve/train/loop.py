@@ -139,7 +139,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # starts, which would shift every later dropout mask of a resumed run.
     loader = DataLoader(train_ds, batch_size=micro, sampler=sampler, num_workers=cfg.workers, drop_last=True,
                         collate_fn=collate_skip, pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
-    val_loader = DataLoader(val_ds, batch_size=max(micro, 64), num_workers=cfg.workers, collate_fn=collate_skip,
+    val_loader = DataLoader(val_ds, batch_size=micro, num_workers=cfg.workers, collate_fn=collate_skip,
                             pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
     if len(sampler) < micro:
         raise TrainingError(f"the training set ({len(train_ds)} images) is smaller than one batch per process")

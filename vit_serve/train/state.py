@@ -6,7 +6,6 @@ The file is a plain `torch.save` of tensors, numbers, strings and lists, so it l
 
 from __future__ import annotations
 
-import io
 import random
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_state(path: str | Path, **state: Any) -> Path:
     """Write the training state atomically (a crash mid-write leaves the previous file intact)."""
-    buf = io.BytesIO()
-    torch.save({**state, "rng": rng_state()}, buf)
-    return atomic_write(path, buf.getvalue(), overwrite=True)
+    payload = {**state, "rng": rng_state()}
+    return atomic_write(path, lambda tmp: torch.save(payload, tmp), overwrite=True)
 
 
 def load_state(path: str | Path) -> dict[str, Any]:
