@@ -64,7 +64,7 @@ def run_ours(model: str, res: int, batch: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         train(TrainConfig(model=model, data="digits", res=(res, res), batch_size=batch, steps=steps, log_every=1,
                           optimizer="adam", lr=1e-3, weight_decay=0.1, dropout=0.0, label_smoothing=0.0,
-                          warmup_steps=1, progress=False, out=out))
+                          warmup_steps=1, eval_every=0, progress=False, out=out))
         rates = [r["images_per_s"] for r in read_metrics(Path(out) / "metrics.jsonl") if "images_per_s" in r]
     steady = rates[2:]
     # Harmonic mean of per-step rates = total images / total time over the steady steps.

@@ -85,7 +85,7 @@ class TrainConfig:
     workers: int = 0
     seed: int = 0
 
-    eval_every: int = 0  # steps; 0 = only at the end
+    eval_every: int | None = None  # steps; default: 10 evaluations per run; 0 = only at the end
     eval_at_start: bool = False
     ckpt_every: int = 0  # steps; 0 = only at the end
     log_every: int = 10
@@ -113,6 +113,8 @@ class TrainConfig:
         for name, value in recipe.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.eval_every is None:
+            self.eval_every = max(1, self.steps // 10)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
         if self.steps <= 0 or self.batch_size <= 0 or self.accum_steps <= 0:
