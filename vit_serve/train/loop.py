@@ -110,7 +110,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     is_main = rank == 0
     out = Path(cfg.out)
     state_path = out / "checkpoints" / "last.pt"
-    if is_main and state_path.exists() and not cfg.resume:
+    if state_path.exists() and not cfg.resume:  # every rank: none may wait on a rank that stopped
         raise TrainingError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
