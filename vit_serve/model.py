@@ -150,6 +150,9 @@ class VisionTransformer(nn.Module):
         self.labels: list[str] | None = None
         self.preprocess_cfg = None
         self.grad_checkpointing = False  # recompute each block in backward: memory for time (L/H models)
+        # While tracing/exporting, resample even at the native grid so the graph serves any size; False bakes
+        # the position embeddings in as constants (a static-resolution export).
+        self.dynamic_size = True
 
     @staticmethod
     def _make_pre_logits(cfg: ViTConfig) -> nn.Module:
@@ -222,7 +225,7 @@ class VisionTransformer(nn.Module):
 
     def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         pos = self.pos_embed
-        if is_tracing() or grid != self.grid_size:
+        if (self.dynamic_size and is_tracing()) or grid != self.grid_size:  # no symbolic compare when tracing
             pos = resample_pos_embed(pos, self.grid_size, grid, self.num_prefix_tokens, self.cfg.resample_mode)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)

@@ -58,8 +58,10 @@ def resample_pos_embed(
     interp, align_corners, antialias = _MODES[mode]
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim = pos_embed.shape[-1]
-    # scipy.ndimage.zoom computes in float64; matching it within 2e-6 needs the same precision.
-    grid = grid.to(torch.float64 if mode == "jax" else torch.float32).reshape(1, gh, gw, dim).permute(0, 3, 1, 2)
+    # scipy.ndimage.zoom computes in float64; matching it within 2e-6 needs the same precision. Exported
+    # graphs stay in float32 (ONNX runtimes have no float64 Resize; logits move by ~1e-6).
+    wide = mode == "jax" and not is_tracing()
+    grid = grid.to(torch.float64 if wide else torch.float32).reshape(1, gh, gw, dim).permute(0, 3, 1, 2)
     grid = F.interpolate(grid, size=(new_grid[0], new_grid[1]), mode=interp,
                          align_corners=align_corners, antialias=antialias)
     grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(pos_embed.dtype)

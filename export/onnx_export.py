@@ -1,0 +1,260 @@
+"""ONNX export of a vit-serve model: static resolution (position embeddings baked in) or dynamic H x W.
+
+Two graphs per checkpoint:
+
+    <name>.onnx           pixel_values [B, 3, H, W] float32 -> logits [B, K] float32
+    <name>_explain.onnx   pixel_values [B, 3, H, W] float32 -> logits [B, K], rollout [B, H/P, W/P] float32
+
+The explain graph computes attention rollout (`vit_serve.explain.rollout`, Abnar & Zuidema 2020) inside the
+graph from the explicit attention path, so raw [B, heads, N, N] attention tensors never leave it.
+Exports use `torch.onnx.export(dynamo=True)` (torch.export + onnxscript, whose optimizer folds constants);
+if that exporter fails, the TorchScript exporter (`dynamo=False`) is tried and the fallback is reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Literal
+
+import onnx
+import torch
+import torch.nn as nn
+
+from vit_serve.checkpoints.io import atomic_write
+from vit_serve.explain import HEAD_FUSIONS, rollout
+from vit_serve.model import VisionTransformer
+
+INPUT_NAME = "pixel_values"
+PRECISIONS = ("fp32", "fp16")
+Res = tuple[int, int] | Literal["dynamic"] | None
+
+
+class LogitsGraph(nn.Module):
+    """pixel_values [B, 3, H, W] float32 -> logits [B, K] float32 (fp16 models: cast in, compute, cast out)."""
+
+    def __init__(self, model: VisionTransformer) -> None:
+        super().__init__()
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values.to(self.dtype)).float()
+
+
+class ExplainGraph(nn.Module):
+    """pixel_values [B, 3, H, W] -> (logits [B, K], rollout [B, H/P, W/P]): `vit_serve.explain.rollout` in-graph."""
+
+    def __init__(self, model: VisionTransformer, head_fusion: str = "mean", discard_ratio: float = 0.9) -> None:
+        super().__init__()
+        if head_fusion not in HEAD_FUSIONS:
+            raise ValueError(f"unknown head_fusion {head_fusion!r}; expected one of {', '.join(HEAD_FUSIONS)}")
+        if not 0.0 <= discard_ratio < 1.0:
+            raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.head_fusion = head_fusion
+        self.discard_ratio = discard_ratio
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.model.cfg.patch_size
+        grid = (pixel_values.shape[-2] // p, pixel_values.shape[-1] // p)
+        logits, attentions = self.model(pixel_values.to(self.dtype), return_attention=True)
+        heat = rollout(
+            [a.float() for a in attentions],
+            grid,
+            self.model.num_prefix_tokens,
+            self.model.cfg.pool,
+            self.head_fusion,
+            self.discard_ratio,
+        )
+        return logits.float(), heat.map
+
+
+class _FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 inside an fp16 model (its variance overflows / loses precision in fp16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(
+            x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps
+        ).to(x.dtype)
+
+
+def to_fp16(model: VisionTransformer) -> VisionTransformer:
+    """A copy with fp16 weights and compute, LayerNorm kept in fp32 (the softmax of SDPA/explicit path is fp16)."""
+    m = copy.deepcopy(model).half()
+    for mod in m.modules():
+        if isinstance(mod, nn.LayerNorm):
+            mod.__class__ = _FP32LayerNorm
+    return m
+
+
+def prepare(model: VisionTransformer, res: Res) -> VisionTransformer:
+    """An eval-mode copy for export.
+
+    Static (res = (H, W) or None): position embeddings resampled once with the checkpoint's own mode
+    (`set_resolution`, exactly the library's numbers) and added as a constant. "dynamic": resampled in the graph.
+    """
+    m = copy.deepcopy(model).eval()
+    if isinstance(res, tuple):
+        m.set_resolution(res[0], res[1], mode=m.cfg.resample_mode)
+    m.dynamic_size = res == "dynamic"
+    return m
+
+
+def _dynamic_shapes(model: VisionTransformer, res: Res, batch: str | int) -> dict[str, dict[int, object]] | None:
+    from torch.export import Dim
+
+    axes: dict[int, object] = {}
+    if batch == "dynamic":
+        axes[0] = Dim("batch", min=1, max=4096)
+    if res == "dynamic":
+        p = model.cfg.patch_size
+        axes[2] = p * Dim("grid_h", min=1, max=1024)
+        axes[3] = p * Dim("grid_w", min=1, max=1024)
+    return {INPUT_NAME: axes} if axes else None
+
+
+def _torch_export(
+    graph: nn.Module, x: torch.Tensor, output_names: list[str], dyn, opset: int
+) -> tuple[onnx.ModelProto, str]:
+    """Dynamo exporter first; the TorchScript exporter as a fallback. Returns (proto, exporter used)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = torch.onnx.export(
+                graph,
+                (x,),
+                dynamo=True,
+                opset_version=opset,
+                input_names=[INPUT_NAME],
+                output_names=output_names,
+                dynamic_shapes=dyn,
+                verbose=False,
+            )
+        return prog.model_proto, "dynamo"
+    except Exception as e:  # the dynamo exporter raises many types; keep its message for the report
+        dynamo_error = " ".join(str(e).split())[:300]
+    import io
+
+    buf = io.BytesIO()
+    axes = {}
+    if dyn:
+        names = {0: "batch", 2: "height", 3: "width"}
+        axes = {INPUT_NAME: {i: names[i] for i in dyn[INPUT_NAME]}}
+        for o in output_names:
+            axes[o] = {0: "batch"} if 0 in dyn[INPUT_NAME] else {}
+    torch.onnx.export(
+        graph,
+        (x,),
+        buf,
+        dynamo=False,
+        opset_version=opset,
+        input_names=[INPUT_NAME],
+        output_names=output_names,
+        dynamic_axes=axes or None,
+    )
+    return onnx.load_from_string(buf.getvalue()), f"torchscript (dynamo failed: {dynamo_error})"
+
+
+def check(proto: onnx.ModelProto) -> str:
+    """onnx.checker with full_check (shape inference) where it passes; returns which check passed."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+        return "full_check"
+    except onnx.checker.ValidationError:
+        raise
+    except Exception:  # shape inference cannot always handle symbolic dims; the structural check still must pass
+        onnx.checker.check_model(proto)
+        return "check_model"
+
+
+def export_onnx(
+    model: VisionTransformer,
+    path: str | Path,
+    res: Res = None,
+    batch: Literal["dynamic"] | int = "dynamic",
+    opset: int = 18,
+    explain: bool = False,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.9,
+    precision: str = "fp32",
+    overwrite: bool = False,
+) -> Path:
+    """Export `model` to ONNX at `path` (atomically; FileExistsError if it exists and not `overwrite`).
+
+    res: (H, W) -> position embeddings resampled with `model.cfg.resample_mode` and baked in (static H, W);
+        None -> the model's own resolution, static; "dynamic" -> resampling in the graph, H and W symbolic
+        multiples of the patch size. batch: "dynamic" (default) or a fixed N.
+    explain: the explain graph (outputs "logits" [B, K] and "rollout" [B, gh, gw]).
+    precision: "fp32", or "fp16" (fp16 weights and compute, LayerNorm in fp32, float32 inputs and outputs).
+    The export settings are stored in the ONNX metadata_props ("vit_export" key, JSON).
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass --force to replace it")
+    if opset < 17:
+        raise ValueError(f"opset {opset} is too old; LayerNormalization needs opset >= 17")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} for ONNX export; expected one of {', '.join(PRECISIONS)}")
+    if not (batch == "dynamic" or (isinstance(batch, int) and batch > 0)):
+        raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
+    if res == "dynamic" and model.cfg.resnet_layers is not None:
+        raise ValueError(
+            "--res dynamic is not supported for R50 hybrids yet (torch.export's symbolic shape solver stalls on "
+            "the ResNet stem's input-dependent SAME padding); export at a fixed resolution, e.g. --res 384"
+        )
+    if res is not None and res != "dynamic":
+        res = (int(res[0]), int(res[1]))
+        model.check_size(*res)
+    m = prepare(model, res)
+    if precision == "fp16":
+        m = to_fp16(m)
+    h, w = m.cfg.img_size
+    graph = ExplainGraph(m, head_fusion, discard_ratio) if explain else LogitsGraph(m)
+    outputs = ["logits", "rollout"] if explain else ["logits"]
+    # An example batch of 2 keeps a dynamic batch axis from being specialised to 1.
+    x = torch.randn(batch if isinstance(batch, int) else 2, 3, h, w)
+    with torch.no_grad():
+        proto, exporter = _torch_export(graph.eval(), x, outputs, _dynamic_shapes(m, res, batch), opset)
+    info = {
+        "resolution": "dynamic" if res == "dynamic" else [h, w],
+        "batch": batch,
+        "opset": opset,
+        "precision": precision,
+        "explain": explain,
+        "resample_mode": m.cfg.resample_mode,
+        "patch_size": m.cfg.patch_size,
+        "exporter": exporter,
+    }
+    if explain:
+        info.update(
+            head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=m.num_prefix_tokens, pool=m.cfg.pool
+        )
+    onnx.helper.set_model_props(proto, {"vit_export": json.dumps(info)})
+    info["checker"] = check(proto)
+    onnx.helper.set_model_props(proto, {"vit_export": json.dumps(info)})
+    return atomic_write(path, lambda tmp: onnx.save(proto, tmp), overwrite=overwrite)
+
+
+def export_info(onnx_path: str | Path) -> dict:
+    """The export settings stored by `export_onnx` in the model's metadata_props ({} if absent)."""
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    for prop in proto.metadata_props:
+        if prop.key == "vit_export":
+            return json.loads(prop.value)
+    return {}
+
+
+def io_spec(onnx_path: str | Path) -> dict[str, list[dict]]:
+    """Input and output names, element types and shapes (symbolic dims as strings) of an ONNX file."""
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+
+    def spec(v: onnx.ValueInfoProto) -> dict:
+        t = v.type.tensor_type
+        dims = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+        return {"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims}
+
+    return {"inputs": [spec(v) for v in proto.graph.input], "outputs": [spec(v) for v in proto.graph.output]}

@@ -1,0 +1,225 @@
+"""vit-export / vit_export: ONNX graphs checked with onnxruntime against the PyTorch model they came from.
+
+References: the PyTorch model (at the export resolution, position embeddings resampled with its own mode) and
+`vit_serve.explain.rollout` for the explain graph; onnxruntime (CPU) runs the exported graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vit_serve
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from vit_export.cli import main
+from vit_export.onnx_export import export_onnx
+from vit_export.parity import check_parity, session
+from vit_export.quantize import compare_int8, quantize_int8
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _images(folder: Path) -> list[Path]:
+    """Three real photographs (scikit-image's bundled samples) as PNG files."""
+    data = pytest.importorskip("skimage.data")
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in ("astronaut", "coffee", "chelsea"):
+        p = folder / f"{name}.png"
+        Image.fromarray(getattr(data, name)()).save(p)
+        paths.append(p)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, randomize):
+    """A 224 ViT-Ti (depth 2) and a small R50 hybrid checkpoint, random weights, plus real images."""
+    d = tmp_path_factory.mktemp("export")
+    vit = randomize(vit_serve.create_model("Ti/16", num_classes=10, depth=2), seed=0)
+    hybrid = randomize(
+        vit_serve.create_model("Ti/16", resnet_layers=(1, 1, 1), resnet_width=32, depth=2, num_classes=10), seed=1
+    )
+    vit_serve.save(vit, d / "vit.safetensors")
+    vit_serve.save(hybrid, d / "hybrid.safetensors")
+    return {"dir": d, "images": _images(d / "images")}
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess: the installed console script if present, else vit_export.cli.main."""
+    exe = shutil.which("vit-export")
+    cmd = [exe] if exe else [sys.executable, "-c", "from vit_export.cli import main; raise SystemExit(main())"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]))
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _run_onnx(path: Path, x: torch.Tensor) -> list[np.ndarray]:
+    return session(path).run(None, {"pixel_values": x.numpy()})
+
+
+@pytest.mark.parametrize("ckpt", ["vit", "hybrid"])
+def test_cli_res_384_equals_pytorch_resampled_to_384(work, ckpt, capsys):
+    """Reference: the PyTorch model with set_resolution(384) (its own resample mode); onnxruntime runs the file."""
+    d = work["dir"]
+    out = d / f"out_{ckpt}"
+    assert (
+        main(
+            [
+                str(d / f"{ckpt}.safetensors"),
+                "--res",
+                "384",
+                "--out",
+                str(out),
+                "--name",
+                "m",
+                "--check-images",
+                str(d / "images"),
+            ]
+        )
+        == 0
+    )
+    table = capsys.readouterr().out
+    print(table)
+    assert "parity passed" in table and "FAILED" not in table
+    ref = vit_serve.load(d / f"{ckpt}.safetensors")
+    ref.set_resolution(384)
+    x = vit_serve.preprocess_batch(work["images"], ref.preprocess_cfg)
+    x = torch.cat([x, torch.randn(2, 3, 384, 384)])
+    with torch.no_grad():
+        want = ref(x).numpy()
+    got = _run_onnx(out / "m.onnx", x)[0]
+    assert np.abs(got - want).max() <= 1e-4
+    side = json.loads((out / "m.json").read_text())
+    assert side["resolution"] == [384, 384] and side["parity"]["ok"] and side["opset"] == 18
+    assert side["preprocess"]["input_size"] == [384, 384]
+    assert side["io"]["inputs"][0]["shape"] == ["batch", 3, 384, 384]
+    assert len(side["source_checkpoint"]["sha256"]) == 64
+    assert (out / "m_explain.onnx").is_file() and (out / "m_explain.json").is_file()
+
+
+def test_dynamic_resolution_at_224_384_and_320x256(work, randomize):
+    """Reference: the PyTorch model at each size (on-the-fly resampling); one ONNX graph with symbolic H, W."""
+    model = vit_serve.load(work["dir"] / "vit.safetensors")
+    path = export_onnx(model, work["dir"] / "dyn.onnx", res="dynamic")
+    report = check_parity(
+        model, path, work["images"], batch_sizes=(1, 3), resolutions=[(224, 224), (384, 384), (320, 256)]
+    )
+    print(report.table())
+    assert report.ok and {r.res for r in report.rows} == {"224x224", "384x384", "320x256"}
+    assert max(r.max_abs for r in report.rows) <= 1e-4
+
+
+def test_dynamic_resolution_jax_mode(work, randomize):
+    """jax (bilinear, align_corners) resampling in-graph (in float32); reference: the PyTorch model at each size."""
+    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, resample_mode="jax"), seed=2)
+    path = export_onnx(model, work["dir"] / "dyn_jax.onnx", res="dynamic")
+    report = check_parity(model, path, None, batch_sizes=(2,), resolutions=[(224, 224), (384, 384), (320, 256)])
+    print(report.table())
+    assert report.ok
+
+
+def test_dynamic_resolution_hybrid_is_a_clear_error(work):
+    """Known limitation: torch.export stalls on the hybrid stem's input-dependent padding with symbolic H, W."""
+    model = vit_serve.load(work["dir"] / "hybrid.safetensors")
+    with pytest.raises(ValueError, match="not supported for R50 hybrids"):
+        export_onnx(model, work["dir"] / "dyn_hybrid.onnx", res="dynamic")
+
+
+def test_explain_graph_rollout_equals_library(work):
+    """Reference: vit_serve.explain.rollout over the PyTorch attentions (discard_ratio 0.9, mean fusion)."""
+    from vit_serve.explain import rollout
+
+    model = vit_serve.load(work["dir"] / "vit.safetensors")
+    path = export_onnx(model, work["dir"] / "explain_dyn.onnx", res="dynamic", explain=True)
+    x = torch.randn(2, 3, 320, 256)
+    logits, heat = _run_onnx(path, x)
+    with torch.no_grad():
+        ref_logits, attentions = model(x, return_attention=True)
+    ref = rollout(attentions, (20, 16), 1, "token", "mean", 0.9).map.numpy()
+    assert heat.shape == (2, 20, 16)
+    assert np.abs(heat - ref).max() <= 1e-5
+    assert np.abs(logits - ref_logits.numpy()).max() <= 1e-4
+    import onnx
+
+    names = [o.name for o in onnx.load(str(path)).graph.output]
+    assert names == ["logits", "rollout"]  # no raw attention tensors leave the graph
+    report = check_parity(model, path, work["images"], batch_sizes=(1,), resolutions=[(224, 224)])
+    assert report.ok and report.rows[0].rollout_max_abs <= 1e-5
+
+
+def test_fp16_top1_and_cosine(work):
+    """Reference: the fp32 PyTorch model; the fp16 graph (LayerNorm in fp32) must agree on top-1, cosine >= 0.9999."""
+    model = vit_serve.load(work["dir"] / "vit.safetensors")
+    path = export_onnx(model, work["dir"] / "fp16.onnx", precision="fp16")
+    report = check_parity(model, path, work["images"], batch_sizes=(1, 8))
+    print(report.table())
+    assert report.ok
+    assert all(r.top1 == 1.0 and r.cosine >= 0.9999 for r in report.rows)
+
+
+def test_int8_size_speed_agreement(work):
+    """Reference: the fp32 ONNX graph on the same inputs (onnxruntime, 2 threads, batch 1)."""
+    model = vit_serve.load(work["dir"] / "vit.safetensors")
+    fp32 = export_onnx(model, work["dir"] / "q_fp32.onnx")
+    int8 = quantize_int8(fp32, work["dir"] / "q_int8.onnx")
+    x = torch.cat([vit_serve.preprocess_batch(work["images"], model.preprocess_cfg), torch.randn(17, 3, 224, 224)])
+    rep = compare_int8(fp32, int8, x.numpy(), labels=None)
+    print(rep.table())
+    assert rep.int8_mb < rep.fp32_mb and rep.agreement >= 0.9 and rep.n == 20
+    assert rep.fp32_ms > 0 and rep.int8_ms > 0
+    with pytest.raises(FileExistsError):
+        quantize_int8(fp32, int8)
+
+
+def test_export_never_overwrites_silently(work):
+    model = vit_serve.load(work["dir"] / "vit.safetensors")
+    path = work["dir"] / "once.onnx"
+    export_onnx(model, path)
+    before = path.read_bytes()
+    with pytest.raises(FileExistsError):
+        export_onnx(model, path)
+    assert path.read_bytes() == before
+    assert not list(work["dir"].glob(".once.onnx.*"))  # no temp files left behind
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--res", "380"], "nearest valid sizes: height 368 or 384"),
+        (["--format", "coreml"], "unknown format 'coreml'; known formats: onnx"),
+        (["--format", "tensorrt"], "not available in this release yet"),
+        (["--opset", "13"], "opset"),
+    ],
+)
+def test_cli_bad_inputs_are_one_line_errors(work, args, needle):
+    r = _cli(str(work["dir"] / "vit.safetensors"), "--out", str(work["dir"] / "bad"), *args, cwd=work["dir"])
+    assert r.returncode != 0 and needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_existing_output_and_corrupt_checkpoint(work):
+    d = work["dir"]
+    out = d / "exists"
+    out.mkdir()
+    (out / "m.onnx").write_bytes(b"keep me")
+    r = _cli(str(d / "vit.safetensors"), "--out", str(out), "--name", "m", cwd=d)
+    assert r.returncode == 1 and "exists; pass --force" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert (out / "m.onnx").read_bytes() == b"keep me"
+    bad = d / "corrupt.safetensors"
+    bad.write_bytes((d / "vit.safetensors").read_bytes()[:1000])
+    r = _cli(str(bad), "--out", str(d / "c"), cwd=d)
+    assert r.returncode == 1 and "corrupt" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (d / "c").exists() or not list((d / "c").iterdir())
