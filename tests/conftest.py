@@ -9,6 +9,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per xdist worker: two workers with two threads each on two cores run several
+    # times slower than one thread each (subprocesses the tests start inherit this too).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 _POSITIONS = ("pos_embed", "position_embeddings", "pos_embedding")
