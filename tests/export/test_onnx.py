@@ -175,10 +175,13 @@ def test_int8_size_speed_agreement(work):
     model = vit_serve.load(work["dir"] / "vit.safetensors")
     fp32 = export_onnx(model, work["dir"] / "q_fp32.onnx")
     int8 = quantize_int8(fp32, work["dir"] / "q_int8.onnx")
-    x = torch.cat([vit_serve.preprocess_batch(work["images"], model.preprocess_cfg), torch.randn(17, 3, 224, 224)])
+    noise = torch.randn(17, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([vit_serve.preprocess_batch(work["images"], model.preprocess_cfg), noise])
     rep = compare_int8(fp32, int8, x.numpy(), labels=None)
     print(rep.table())
-    assert rep.int8_mb < rep.fp32_mb and rep.agreement >= 0.9 and rep.n == 20
+    # Random weights and inputs leave near-tied classes that int8 may flip: this checks the report, not the
+    # quality (agreement on a trained model is the export benchmark's job).
+    assert rep.int8_mb < 0.5 * rep.fp32_mb and 0.7 <= rep.agreement <= 1.0 and rep.n == 20
     assert rep.fp32_ms > 0 and rep.int8_ms > 0
     with pytest.raises(FileExistsError):
         quantize_int8(fp32, int8)
