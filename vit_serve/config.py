@@ -100,11 +100,15 @@ class ViTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ViTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ViTConfig fields: {', '.join(unknown)}")
+        check_fields(cls, d, "ViTConfig fields")
         return cls(**d)
+
+
+def check_fields(cls: type, d: dict[str, Any], what: str) -> None:
+    """ValueError naming every key of `d` that is not a field of the dataclass `cls`."""
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"unknown {what}: {', '.join(unknown)}")
 
 
 def backbone_stride(resnet_layers: tuple[int, ...] | None) -> int:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vit_serve.config import check_fields
+
 MODES = ("pretrain", "finetune")
 OBJECTIVES = ("classify", "mpp")
 OPTIMIZERS = ("adam", "sgd")
@@ -130,10 +132,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown training options: {', '.join(unknown)}")
+        check_fields(cls, d, "training options")
         return cls(**d)
 
 

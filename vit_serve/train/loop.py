@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -57,8 +58,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise TrainingError("--device cuda, but no CUDA device is available")
     if name == "cuda":
-        import os
-
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device(name)
 
