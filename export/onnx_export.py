@@ -22,6 +22,7 @@ from typing import Literal
 import onnx
 import torch
 import torch.nn as nn
+from vit_export.simplify import simplify as simplify_graph
 
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.explain import HEAD_FUSIONS, rollout
@@ -182,6 +183,7 @@ def export_onnx(
     discard_ratio: float = 0.9,
     precision: str = "fp32",
     overwrite: bool = False,
+    simplify: bool = True,
 ) -> Path:
     """Export `model` to ONNX at `path` (atomically; FileExistsError if it exists and not `overwrite`).
 
@@ -190,6 +192,7 @@ def export_onnx(
         multiples of the patch size. batch: "dynamic" (default) or a fixed N.
     explain: the explain graph (outputs "logits" [B, K] and "rollout" [B, gh, gw]).
     precision: "fp32", or "fp16" (fp16 weights and compute, LayerNorm in fp32, float32 inputs and outputs).
+    simplify: run onnxslim, kept only when onnxruntime's outputs are unchanged (`vit_export.simplify`).
     The export settings are stored in the ONNX metadata_props ("vit_export" key, JSON).
     """
     path = Path(path)
@@ -201,11 +204,6 @@ def export_onnx(
         raise ValueError(f"unknown precision {precision!r} for ONNX export; expected one of {', '.join(PRECISIONS)}")
     if not (batch == "dynamic" or (isinstance(batch, int) and batch > 0)):
         raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
-    if res == "dynamic" and model.cfg.resnet_layers is not None:
-        raise ValueError(
-            "--res dynamic is not supported for R50 hybrids yet (torch.export's symbolic shape solver stalls on "
-            "the ResNet stem's input-dependent SAME padding); export at a fixed resolution, e.g. --res 384"
-        )
     if res is not None and res != "dynamic":
         res = (int(res[0]), int(res[1]))
         model.check_size(*res)
@@ -219,6 +217,9 @@ def export_onnx(
     x = torch.randn(batch if isinstance(batch, int) else 2, 3, h, w)
     with torch.no_grad():
         proto, exporter = _torch_export(graph.eval(), x, outputs, _dynamic_shapes(m, res, batch), opset)
+    simplified = "off"
+    if simplify:
+        proto, simplified = simplify_graph(proto, tuple(x.shape))
     info = {
         "resolution": "dynamic" if res == "dynamic" else [h, w],
         "batch": batch,
@@ -228,6 +229,7 @@ def export_onnx(
         "resample_mode": m.cfg.resample_mode,
         "patch_size": m.cfg.patch_size,
         "exporter": exporter,
+        "simplified": simplified,
     }
     if explain:
         info.update(

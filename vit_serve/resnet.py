@@ -6,16 +6,20 @@ units. Module names follow timm's ResNetV2 so that timm hybrid state dicts load 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
 def _same_pad(size: int, kernel: int, stride: int) -> tuple[int, int]:
-    """TF 'SAME' padding for one axis: the extra pixel, if any, goes after (bottom / right)."""
-    total = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
+    """TF 'SAME' padding for one axis: the extra pixel, if any, goes after (bottom / right).
+
+    total = max((ceil(size / stride) - 1) * stride + kernel - size, 0), written with the remainder only: for
+    sizes that are multiples of the stride (every size a hybrid accepts) it is a constant, so torch.export with
+    symbolic H and W needs no guard on it.
+    """
+    rem = size % stride
+    total = max(kernel - (rem if rem else stride), 0)
     return total // 2, total - total // 2
 
 
