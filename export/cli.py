@@ -1,15 +1,24 @@
 """The `vit-export` command: parse, call the library, print. Errors are one line and a non-zero exit.
 
-    vit-export CKPT [--res 384 | 224x320 | dynamic] [--format onnx] [--batch dynamic|N]
-               [--precision fp32|fp16|int8] [--out DIR] [--name NAME] [--opset 18] [--check-images DIR] [--force]
+    vit-export CKPT [--res 384 | 224x320 | dynamic] [--format onnx,tensorrt,triton] [--batch dynamic|N]
+               [--precision fp32|fp16|int8] [--out DIR] [--repo DIR] [--name NAME] [--opset 18]
+               [--check-images DIR] [--force] [--trt-precision fp16|bf16|fp32] [--max-batch 16] [--instances 1]
+               [--triton-ensemble onnx|trt|py] [--triton-device cpu|gpu]
 
-Writes <out>/<name>.onnx and <out>/<name>_explain.onnx, each with a <name>.json sidecar, after a parity check
-against PyTorch (onnxruntime, CPU). A failed parity check prints its table and exits 1.
+Where things go:
+    <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
+    <out>/<name>_tensorrt/model_sm<XY>.plan                                --format tensorrt
+    <repo>/<name>_{onnx,explain_onnx,trt,py,explain_py,preprocess,ensemble}/ --format triton (versions added)
+
+Exit codes: 0 done; 1 error or failed parity check (the Triton repository and the engine are then not
+written); 2 bad usage; 3 TensorRT was asked for but cannot run here (no tensorrt package or no CUDA GPU):
+everything else is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -18,8 +27,8 @@ from pathlib import Path
 
 from vit_serve.cli import _Parser, parse_res
 
-FORMATS = ("onnx",)
-NOT_YET = ("tensorrt", "triton")  # tracked by the export issue; not in this release
+FORMATS = ("onnx", "tensorrt", "triton")
+EXIT_NO_TENSORRT = 3
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
@@ -38,25 +47,27 @@ def _batch(text: str) -> str | int:
 def _formats(text: str) -> list[str]:
     out = [f.strip().lower() for f in text.split(",") if f.strip()]
     for f in out:
-        if f in NOT_YET:
-            raise argparse.ArgumentTypeError(
-                f"format {f!r} is not available in this release yet; known formats: "
-                f"onnx (available), tensorrt and triton (not available in this release "
-                f"yet)"
-            )
         if f not in FORMATS:
-            raise argparse.ArgumentTypeError(
-                f"unknown format {f!r}; known formats: onnx (available), tensorrt and "
-                f"triton (not available in this release yet)"
-            )
-    return out or ["onnx"]
+            raise argparse.ArgumentTypeError(f"unknown format {f!r}; known formats: {', '.join(FORMATS)}")
+    return sorted(set(out), key=FORMATS.index) or ["onnx"]
+
+
+def _positive(text: str) -> int:
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="vit-export",
-        description="Export a vit-serve checkpoint to ONNX (plus an explain graph with "
-        "attention rollout), verified against PyTorch with onnxruntime.",
+        description="Export a vit-serve checkpoint to ONNX (plus an explain graph with attention rollout), "
+        "verified against PyTorch with onnxruntime; optionally a TensorRT engine and a Triton model repository.",
+        epilog="Layout: the ONNX files and sidecars always go to --out (<name>.onnx, <name>_explain.onnx); "
+        "tensorrt adds <out>/<name>_tensorrt/model_sm<XY>.plan; triton writes the models <name>_onnx, "
+        "<name>_explain_onnx, <name>_trt (with an engine), <name>_py, <name>_explain_py, <name>_preprocess and "
+        "<name>_ensemble into --repo, adding a version when a model exists. Exit codes: 0 done, 1 error or "
+        "failed parity, 2 bad usage, 3 tensorrt requested but unavailable here (everything else written).",
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint (any format `vit-serve convert` reads)")
     p.add_argument(
@@ -69,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         type=_formats,
         default=["onnx"],
-        help="onnx (tensorrt and triton are not available in this release yet)",
+        help="comma list of onnx, tensorrt, triton (default onnx; the ONNX files are always written)",
     )
     p.add_argument("--batch", type=_batch, default="dynamic", help="'dynamic' (default) or a fixed batch size")
     p.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp32")
-    p.add_argument("--out", default="exports", help="output folder (default: exports)")
+    p.add_argument("--out", default="exports", help="folder of the ONNX files and engines (default: exports)")
+    p.add_argument("--repo", default="model_repo", help="Triton model repository (default: model_repo)")
     p.add_argument("--name", help="file name stem (default: the checkpoint's name and the resolution)")
     p.add_argument("--opset", type=int, default=18, help="ONNX opset, >= 17 (default 18)")
     p.add_argument(
@@ -84,7 +96,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-fusion", choices=("mean", "max", "min"), default="mean", help="explain graph rollout")
     p.add_argument("--discard-ratio", type=float, default=0.9, help="explain graph rollout (default 0.9)")
     p.add_argument("--tol", type=float, default=1e-4, help="fp32 parity: max |Δ logit| (default 1e-4)")
-    p.add_argument("--force", action="store_true", help="replace existing output files")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace existing ONNX files and engines (never a repository's versions: a re-export adds one)",
+    )
+    trt = p.add_argument_group("tensorrt")
+    trt.add_argument(
+        "--trt-precision",
+        choices=("fp16", "bf16", "fp32"),
+        default="fp16",
+        help="engine precision (default fp16; normalisation layers stay fp32)",
+    )
+    tri = p.add_argument_group("triton")
+    tri.add_argument(
+        "--max-batch",
+        type=_positive,
+        default=16,
+        help="max_batch_size of every model, and the engine's largest batch (default 16)",
+    )
+    tri.add_argument("--instances", type=_positive, default=1, help="instances of each model (default 1)")
+    tri.add_argument(
+        "--triton-ensemble",
+        choices=("onnx", "trt", "py"),
+        help="the classifier the <name>_ensemble model calls (default: trt with an engine, else onnx)",
+    )
+    tri.add_argument(
+        "--triton-device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="instance kind of the onnxruntime models (default cpu; TensorRT is always gpu)",
+    )
+    tri.add_argument(
+        "--queue-delay-us",
+        type=int,
+        default=1000,
+        help="dynamic batching: longest wait to fill a batch, microseconds (default 1000)",
+    )
+    tri.add_argument(
+        "--max-queue",
+        type=_positive,
+        default=128,
+        help="dynamic batching: requests that may wait; more are rejected (default 128)",
+    )
     return p
 
 
@@ -120,6 +174,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.opset < 17:
         raise ValueError(f"--opset {args.opset} is too old; LayerNormalization needs opset >= 17")
+    _check_formats(args)
     images = _find_images(args.check_images) if args.check_images else None
     model = load(args.checkpoint)
     if isinstance(args.res, tuple):
@@ -172,13 +227,92 @@ def _run(args: argparse.Namespace) -> int:
             )
             _say(f"wrote {target} and {sidecar_path(target).name}")
     if failed:
+        later = [f for f in args.format if f != "onnx"]
         print(
             "vit-export: error: parity check failed (table above); the files are written with the failure "
-            "recorded in their sidecars",
+            "recorded in their sidecars" + (f"; {' and '.join(later)} skipped" if later else ""),
             file=sys.stderr,
         )
         return 1
-    return 0
+    code, engine = 0, None
+    if "tensorrt" in args.format:
+        engine, code = _tensorrt(targets[0], out / f"{name}_tensorrt", args)
+    if "triton" in args.format:
+        _triton(targets, name, engine, args)
+    return code
+
+
+def _check_formats(args: argparse.Namespace) -> None:
+    """Combinations refused before any work is done."""
+    if "triton" in args.format and args.batch != "dynamic":
+        raise ValueError(
+            f"--format triton needs --batch dynamic (got {args.batch}): Triton's dynamic batcher sends 1 to "
+            "--max-batch images per call"
+        )
+    if "tensorrt" in args.format and args.batch != "dynamic":
+        raise ValueError(f"--format tensorrt needs --batch dynamic (got {args.batch}); --max-batch sets its limit")
+    if "tensorrt" in args.format and args.precision == "int8":
+        raise ValueError(
+            "--format tensorrt builds from an fp32 or fp16 graph; --precision int8 is onnxruntime's dynamic "
+            "quantization (choose the engine's precision with --trt-precision)"
+        )
+    if args.triton_ensemble == "trt" and "tensorrt" not in args.format:
+        raise ValueError("--triton-ensemble trt needs --format tensorrt (the ensemble would have no engine)")
+
+
+def _tensorrt(onnx_path: Path, plan_dir: Path, args: argparse.Namespace) -> tuple[dict | None, int]:
+    """Build the engine; (None, 3) with a one-line message when TensorRT cannot run here."""
+    from vit_export.sidecar import sha256, sidecar_path, write_sidecar
+    from vit_export.tensorrt_build import build_engine, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"vit-export: tensorrt: {reason}; the ONNX files are written", file=sys.stderr)
+        return None, EXIT_NO_TENSORRT
+    precision = "fp16" if args.precision == "fp16" else args.trt_precision
+    hi = args.max_batch
+    _say(f"building the TensorRT engine ({precision}, batch 1..{hi}) ...")
+    info = build_engine(
+        onnx_path,
+        plan_dir,
+        precision=precision,
+        batch=(1, max(1, hi // 2), hi),
+        timing_cache=Path(args.out) / "tensorrt.cache",
+        progress=_say,
+        overwrite=args.force,
+    )
+    # `vit-serve serve <plan>` reads the ONNX sidecar's contract beside the engine (<plan stem>.json).
+    side = json.loads(sidecar_path(onnx_path).read_text())
+    side.update(format="tensorrt", file=info["file"], file_sha256=sha256(info["path"]), source_onnx=onnx_path.name,
+                tensorrt={k: (str(v) if isinstance(v, Path) else v) for k, v in info.items()})
+    write_sidecar(info["path"], side, overwrite=args.force)
+    _say(f"wrote {info['path']} and {sidecar_path(info['path']).name}")
+    return info, 0
+
+
+def _triton(targets: list[Path], name: str, engine: dict | None, args: argparse.Namespace) -> None:
+    from vit_export.triton_repo import write_repository
+
+    ensemble = args.triton_ensemble
+    if ensemble == "trt" and engine is None:
+        ensemble = "onnx"
+        _say("(no TensorRT engine: the ensemble calls the onnxruntime model)")
+    written = write_repository(
+        targets[0],
+        targets[1],
+        args.repo,
+        name,
+        engine,
+        max_batch=args.max_batch,
+        instances=args.instances,
+        ensemble_target=ensemble,
+        onnx_device=args.triton_device,
+        queue_delay_us=args.queue_delay_us,
+        max_queue=args.max_queue,
+    )
+    _say(f"Triton model repository {args.repo}:")
+    for w in written:
+        _say(f"  {w.model:<28} version {w.version}  {w.path}")
 
 
 def _quantize(model, fp32_path: Path, target: Path, images: list[Path] | None, args: argparse.Namespace) -> dict:
@@ -210,8 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
-        # CheckpointError and bad sizes are ValueErrors with a message written for the user.
+    except (ValueError, FileExistsError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
+        # CheckpointError and bad sizes are ValueErrors with a message written for the user; RuntimeError:
+        # a TensorRT build that failed; ImportError: an optional dependency (tritonclient, tensorrt) missing.
         print(f"vit-export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
 

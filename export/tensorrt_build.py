@@ -51,9 +51,9 @@ def compute_capability(device: int = 0) -> str:
     return f"{major}.{minor}"
 
 
-def engine_filename(cc: str) -> str:
-    """'9.0' -> 'model_sm90.plan'."""
-    return f"model_sm{cc.replace('.', '')}.plan"
+def engine_filename(cc: str, suffix: str = "") -> str:
+    """'9.0' -> 'model_sm90.plan' ('model_sm90_explain.plan' with suffix "_explain")."""
+    return f"model_sm{cc.replace('.', '')}{suffix}.plan"
 
 
 def _progress_monitor(trt, say: Callable[[str], None]):
@@ -93,12 +93,14 @@ def build_engine(
     progress: Callable[[str], None] = print,
     check_onnx: str | Path | None = None,
     overwrite: bool = False,
+    suffix: str = "",
 ) -> dict:
     """Build `out_dir/model_sm<cc>.plan` from `onnx_path` and check it against onnxruntime.
 
     batch: the optimisation profile's (min, opt, max) batch for input "pixel_values" [B, 3, H, W] (static H, W).
     timing_cache: file read before and written after the build (kernel timings, per GPU and TensorRT version).
-    check_onnx: the fp32 graph to compare against (default `onnx_path`).
+    check_onnx: the fp32 graph to compare against (default `onnx_path`). suffix: "_explain" for the explain graph
+    (`model_sm90_explain.plan`, found beside the logits engine by `vit-serve serve`).
     Returns {"path", "file", "compute_capability", "precision", "strongly_typed", "batch", "build_s", "parity"};
     raises RuntimeError with TensorRT's messages when parsing or building fails.
     """
@@ -114,7 +116,7 @@ def build_engine(
         raise ValueError(f"batch profile must satisfy 1 <= min <= opt <= max, got {batch}")
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
     cc = compute_capability()
-    plan_path = out_dir / engine_filename(cc)
+    plan_path = out_dir / engine_filename(cc, suffix)
     if plan_path.exists() and not overwrite:
         raise FileExistsError(f"{plan_path} exists; pass --force to replace it")
 
@@ -167,7 +169,7 @@ def build_engine(
         "compute_capability": cc,
         "precision": precision,
         "strongly_typed": strongly_typed,
-        "batch": {"min": lo, "opt": opt, "max": hi},
+        "batch": [lo, opt, hi],
         "build_s": round(build_s, 2),
         "parity": parity,
     }

@@ -208,7 +208,7 @@ def test_export_never_overwrites_silently(work):
     [
         (["--res", "380"], "nearest valid sizes: height 368 or 384"),
         (["--format", "coreml"], "unknown format 'coreml'; known formats: onnx"),
-        (["--format", "tensorrt"], "not available in this release yet"),
+        (["--format", "triton", "--batch", "4"], "--format triton needs --batch dynamic"),
         (["--opset", "13"], "opset"),
     ],
 )

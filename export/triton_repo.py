@@ -1,0 +1,413 @@
+"""The Triton model repository writer: an exported ONNX pair (+ optional TensorRT engine) -> Triton models.
+
+For an export named NAME (`NAME.onnx`, `NAME_explain.onnx` and their sidecars), the repository gets
+
+    NAME_onnx/            platform onnxruntime_onnx    pixel_values [3, H, W] -> logits [K] (labels.txt)
+    NAME_explain_onnx/    platform onnxruntime_onnx    pixel_values -> logits [K], rollout [gh, gw]
+    NAME_trt/             platform tensorrt_plan       (only with an engine) model_smXY.plan per compute capability
+    NAME_py/              backend python               the ONNX graph run by onnxruntime inside Triton's Python
+    NAME_explain_py/      backend python               backend (servers that have only that backend)
+    NAME_preprocess/      backend python               image [1] (encoded bytes) -> pixel_values [3, H, W]
+    NAME_ensemble/        platform ensemble            image -> NAME_preprocess -> classifier -> logits [K]
+
+each as `<model>/config.pbtxt` (+ labels.txt, warmup/) and `<model>/<version>/...`. Dims exclude the batch axis
+(max_batch_size > 0: Triton's dynamic batcher forms the batches). Every config carries a "vit_serve" parameter
+(JSON: resolution, patch size, labels, the preprocessing contract, the explain model's name, rollout settings,
+the sidecar's sha256) so that a gateway needs nothing but `get_model_config`.
+
+Writing a model that exists adds the next version and never touches existing versions; an export whose inputs,
+outputs or labels differ from the existing model is refused before anything is written. A new model is built
+in a hidden folder beside the repository (a polling Triton would try to load any folder inside it), a new
+version in a hidden folder inside its model folder (Triton ignores non-numeric ones), then renamed into place.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vit_export.sidecar import sha256, sidecar_path
+from vit_export.triton_config import (
+    Batching,
+    Tensor,
+    ensemble_config,
+    io_signature,
+    model_config,
+    parse,
+    to_text,
+)
+from vit_export.triton_models import template_text
+
+from vit_serve.checkpoints.io import atomic_write
+
+ENSEMBLE_TARGETS = ("onnx", "trt", "py")
+DEFAULT_MAX_PIXELS = 50_000_000
+LABELS_FILE = "labels.txt"
+WARMUP_IMAGE = "image.bin"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class WrittenModel:
+    """One model written: its name, the version added and the version folder."""
+
+    model: str
+    version: int
+    path: Path
+
+
+@dataclass
+class _Plan:
+    """A model to write: its config, files for the new version folder, and model-level files."""
+
+    name: str
+    config: Any
+    version_files: dict[str, Path | bytes] = field(default_factory=dict)
+    model_files: dict[str, bytes] = field(default_factory=dict)
+
+
+def model_names(name: str) -> dict[str, str]:
+    """Model names for an export named `name`, by role."""
+    return {
+        "onnx": f"{name}_onnx",
+        "explain_onnx": f"{name}_explain_onnx",
+        "trt": f"{name}_trt",
+        "py": f"{name}_py",
+        "explain_py": f"{name}_explain_py",
+        "preprocess": f"{name}_preprocess",
+        "ensemble": f"{name}_ensemble",
+    }
+
+
+def _read_sidecar(onnx_path: Path, explain: bool) -> dict[str, Any]:
+    side_path = sidecar_path(onnx_path)
+    if not onnx_path.is_file():
+        raise FileNotFoundError(f"no such ONNX file: {onnx_path}")
+    if not side_path.is_file():
+        raise FileNotFoundError(f"no sidecar beside {onnx_path} (expected {side_path}); export with vit-export")
+    side = json.loads(side_path.read_text())
+    if bool(side.get("explain")) != explain:
+        what = "an explain graph" if explain else "a logits graph (not the explain graph)"
+        raise ValueError(f"{onnx_path} is not {what}")
+    if side.get("batch") != "dynamic":
+        raise ValueError(
+            f"{onnx_path} has a fixed batch size ({side.get('batch')}); Triton's dynamic batcher needs a dynamic "
+            "batch axis: export with --batch dynamic (the batch limit is --max-batch)"
+        )
+    side["_sha256"] = sha256(side_path)
+    return side
+
+
+def _warmup_image() -> bytes:
+    """A small real PNG, length-prefixed as Triton reads TYPE_STRING warmup data (uint32 length, then bytes)."""
+    import numpy as np
+    from PIL import Image
+
+    g = np.linspace(0, 255, 48, dtype=np.uint8)
+    rgb = np.stack([np.tile(g, (32, 1)), np.tile(g[::-1], (32, 1)), np.full((32, 48), 128, np.uint8)], -1)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    png = buf.getvalue()
+    return struct.pack("<I", len(png)) + png
+
+
+def _plans(
+    name: str,
+    onnx_path: Path,
+    explain_path: Path,
+    engine: dict[str, Any] | None,
+    batching: Batching,
+    instances: int,
+    ensemble_target: str,
+    onnx_device: str,
+    threads: int,
+    max_pixels: int,
+) -> list[_Plan]:
+    side = _read_sidecar(onnx_path, explain=False)
+    ex_side = _read_sidecar(explain_path, explain=True)
+    if side["resolution"] != ex_side["resolution"] or side.get("labels") != ex_side.get("labels"):
+        raise ValueError(f"{onnx_path.name} and {explain_path.name} come from different exports")
+    names = model_names(name)
+    res = side["resolution"]
+    patch = side["architecture"]["patch_size"]
+    num_classes = side["io"]["outputs"][0]["shape"][-1]
+    labels = side.get("labels")
+    if res == "dynamic":
+        pixel_dims, grid = (3, -1, -1), "dynamic"
+    else:
+        pixel_dims, grid = (3, res[0], res[1]), [res[0] // patch, res[1] // patch]
+    grid_dims = (-1, -1) if grid == "dynamic" else tuple(grid)
+    label_file = LABELS_FILE if labels else None
+    labels_bytes = {LABELS_FILE: ("\n".join(labels) + "\n").encode()} if labels else {}
+
+    pixels = Tensor("pixel_values", "TYPE_FP32", pixel_dims)
+    logits = Tensor("logits", "TYPE_FP32", (num_classes,), label_file)
+    rollout = Tensor("rollout", "TYPE_FP32", grid_dims)
+    image = Tensor("image", "TYPE_STRING", (1,))
+    warm_pixels = [
+        {"name": "zeros_batch_1", "batch_size": 1, "inputs": {"pixel_values": {"zero_data": True}}},
+        {
+            "name": f"random_batch_{batching.max_batch}",
+            "batch_size": batching.max_batch,
+            "inputs": {"pixel_values": {"random_data": True}},
+        },
+    ]
+    if res == "dynamic":
+        warm_pixels = []  # warmup needs concrete dims; a dynamic-resolution graph has none
+
+    base = {
+        "name": name,
+        "resolution": res,
+        "patch_size": patch,
+        "grid": grid,
+        "num_classes": num_classes,
+        "labels": labels,
+        "preprocess": side["preprocess"],
+        "rollout": {k: ex_side["rollout"][k] for k in ("head_fusion", "discard_ratio")},
+        "pool": ex_side["rollout"].get("pool") or side["architecture"]["pool"],
+        "precision": side.get("precision"),
+        "sidecar_sha256": side["_sha256"],
+        "explain_sidecar_sha256": ex_side["_sha256"],
+        "onnx_sha256": side["file_sha256"],
+        "source_checkpoint_sha256": (side.get("source_checkpoint") or {}).get("sha256"),
+        "preprocess_model": names["preprocess"],
+    }
+
+    def meta(**extra: Any) -> dict[str, str]:
+        return {"vit_serve": json.dumps({**base, **extra}, separators=(",", ":"))}
+
+    ort_params = {"intra_op_thread_count": str(threads), "inter_op_thread_count": "1"}
+    py_params = {"intra_op_num_threads": str(threads)}
+    plans: list[_Plan] = []
+    for role, src, outputs, explain_role in (
+        ("onnx", onnx_path, [logits], "explain_onnx"),
+        ("explain_onnx", explain_path, [logits, rollout], None),
+        ("py", onnx_path, [logits], "explain_py"),
+        ("explain_py", explain_path, [logits, rollout], None),
+    ):
+        python = role.endswith("py")
+        links = {"explain_model": names[explain_role]} if explain_role else {"logits_model": names[role[8:]]}
+        kind = "logits" if explain_role else "explain"
+        cfg = model_config(
+            names[role],
+            [pixels],
+            outputs,
+            batching,
+            platform=None if python else "onnxruntime_onnx",
+            backend="python" if python else None,
+            instances=instances,
+            kind="cpu" if python else onnx_device,
+            warmup=warm_pixels,
+            parameters={
+                **(py_params if python else ort_params if onnx_device == "cpu" else {}),
+                **meta(kind=kind, runtime="python" if python else "onnxruntime", **links),
+            },
+        )
+        files: dict[str, Path | bytes] = {"model.onnx": src, "sidecar.json": sidecar_path(src)}
+        if python:
+            files["model.py"] = template_text("onnx_classifier").encode()
+        plans.append(_Plan(names[role], cfg, files, dict(labels_bytes)))
+
+    if engine is not None:
+        trt_batch = batching
+        if "batch" in engine:  # the engine's optimisation profile caps the batch
+            trt_batch = Batching(
+                min(batching.max_batch, int(engine["batch"][2])), batching.queue_delay_us, batching.max_queue
+            )
+        cfg = model_config(
+            names["trt"],
+            [pixels],
+            [logits],
+            trt_batch,
+            platform="tensorrt_plan",
+            instances=instances,
+            kind="gpu",
+            warmup=warm_pixels,
+            parameters=meta(
+                kind="logits",
+                runtime="tensorrt",
+                explain_model=names["explain_onnx"],
+                tensorrt={
+                    **{k: engine.get(k) for k in ("compute_capability", "file", "precision", "batch")},
+                    "parity_ok": (engine.get("parity") or {}).get("ok"),
+                },
+            ),
+            cc_model_filenames={str(engine["compute_capability"]): str(engine["file"])},
+        )
+        plans.append(_Plan(names["trt"], cfg, {str(engine["file"]): Path(engine["path"])}, dict(labels_bytes)))
+
+    pre_cfg = model_config(
+        names["preprocess"],
+        [image],
+        [pixels],
+        batching,
+        backend="python",
+        instances=instances,
+        kind="cpu",
+        warmup=[{"name": "png_batch_1", "batch_size": 1, "inputs": {"image": {"input_data_file": WARMUP_IMAGE}}}],
+        parameters={"max_pixels": str(max_pixels), **meta(kind="preprocess", runtime="python")},
+    )
+    plans.append(
+        _Plan(
+            names["preprocess"],
+            pre_cfg,
+            {"model.py": template_text("preprocess").encode()},
+            {f"warmup/{WARMUP_IMAGE}": _warmup_image()},
+        )
+    )
+
+    target = next(p.config for p in plans if p.name == names[ensemble_target])
+    explain_of = "explain_py" if ensemble_target == "py" else "explain_onnx"
+    ens_cfg = ensemble_config(
+        names["ensemble"],
+        [image],
+        [logits],
+        min(target.max_batch_size, batching.max_batch),
+        [
+            (names["preprocess"], {"image": "image"}, {"pixel_values": "pixel_values"}),
+            (names[ensemble_target], {"pixel_values": "pixel_values"}, {"logits": "logits"}),
+        ],
+        parameters=meta(
+            kind="ensemble", runtime="ensemble", classifier=names[ensemble_target], explain_model=names[explain_of]
+        ),
+    )
+    plans.append(_Plan(names["ensemble"], ens_cfg, {}, dict(labels_bytes)))
+    return plans
+
+
+def _next_version(repo: Path, plan: _Plan) -> int:
+    """1 for a new model; else max(existing) + 1 after checking the export matches the existing model."""
+    folder = repo / plan.name
+    if not folder.exists():
+        return 1
+    config_file = folder / "config.pbtxt"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{folder} exists but is not a Triton model folder (no config.pbtxt); remove it or pick "
+            "another name (vit-export --name)"
+        )
+    old = parse(config_file.read_text())
+    old_sig, new_sig = io_signature(old), io_signature(plan.config)
+    old_labels = (folder / LABELS_FILE).read_bytes() if (folder / LABELS_FILE).is_file() else None
+    new_labels = plan.model_files.get(LABELS_FILE)
+    if old_sig != new_sig or old.platform != plan.config.platform or old.backend != plan.config.backend:
+        raise ValueError(
+            f"{folder} holds a model with other inputs/outputs ({_describe(old_sig)}; this export: "
+            f"{_describe(new_sig)}); Triton serves one signature per model: pick another name (vit-export --name)"
+        )
+    if old_labels != new_labels:
+        raise ValueError(f"{folder} holds a model with other class labels; pick another name (vit-export --name)")
+    versions = [int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(versions, default=0) + 1
+
+
+def _describe(sig: dict[str, list[tuple[str, str, tuple[int, ...]]]]) -> str:
+    def one(ts: list[tuple[str, str, tuple[int, ...]]]) -> str:
+        return ", ".join(f"{n} {t.removeprefix('TYPE_')}{list(d)}" for n, t, d in ts)
+
+    return f"{one(sig['inputs'])} -> {one(sig['outputs'])}"
+
+
+def _fill(folder: Path, files: dict[str, Path | bytes]) -> None:
+    for rel, src in files.items():
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(src, Path):
+            shutil.copyfile(src, dest)
+        else:
+            dest.write_bytes(src)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _staging(repo: Path) -> Path:
+    """Where a new model folder is built: beside the repository (a Triton polling the repository would try to
+    load any folder inside it), or inside it when the parent is another filesystem (rename needs one)."""
+    parent = repo.resolve().parent
+    same_fs = os.access(parent, os.W_OK) and parent.stat().st_dev == repo.stat().st_dev
+    return parent if same_fs else repo
+
+
+def _write(repo: Path, plan: _Plan, version: int) -> WrittenModel:
+    folder = repo / plan.name
+    if version == 1:  # a new model: build it whole beside the repository, then rename into place
+        tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.{plan.name}.", suffix=".tmp", dir=_staging(repo)))
+        try:
+            (tmp / "1").mkdir()
+            _fill(tmp / "1", plan.version_files)
+            _fill(tmp, {"config.pbtxt": to_text(plan.config).encode(), **plan.model_files})
+            os.rename(tmp, folder)  # fails if another writer created it meanwhile
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(repo)
+        return WrittenModel(plan.name, 1, folder / "1")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", suffix=".tmp", dir=folder))
+    try:
+        _fill(tmp, plan.version_files)
+        os.rename(tmp, folder / str(version))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # Model-level files describe the newest version (the configs serve the latest one only).
+    for rel, data in {"config.pbtxt": to_text(plan.config).encode(), **plan.model_files}.items():
+        atomic_write(folder / rel, data, overwrite=True)
+    _fsync_dir(folder)
+    return WrittenModel(plan.name, version, folder / str(version))
+
+
+def write_repository(
+    onnx_path: str | os.PathLike,
+    explain_path: str | os.PathLike,
+    repo: str | os.PathLike = "model_repo",
+    name: str | None = None,
+    engine: dict[str, Any] | None = None,
+    *,
+    max_batch: int = 16,
+    instances: int = 1,
+    ensemble_target: str | None = None,
+    onnx_device: str = "cpu",
+    queue_delay_us: int = 1000,
+    max_queue: int = 128,
+    threads: int = 1,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> list[WrittenModel]:
+    """Write (or add a version of) the Triton models of one export into `repo`; returns what was written.
+
+    onnx_path / explain_path: `NAME.onnx` and `NAME_explain.onnx` with their sidecars (dynamic batch).
+    name: the model-name stem (default: the ONNX file's stem). engine: `vit_export.tensorrt_build.build_engine`'s
+    result ({"path", "compute_capability", "file", ...}) or None. ensemble_target: which classifier the
+    ensemble calls, "onnx" | "trt" | "py" (default "trt" with an engine, else "onnx"). onnx_device: instance
+    kind of the onnxruntime models, "cpu" | "gpu" (TensorRT is always GPU, Python models CPU). threads:
+    intra-op threads of each onnxruntime session. max_pixels: the preprocess model's decoded-size limit.
+    """
+    onnx_path, explain_path, repo = Path(onnx_path), Path(explain_path), Path(repo)
+    name = name or onnx_path.stem
+    if not _NAME.match(name):
+        raise ValueError(f"bad model name {name!r}: use letters, digits, '_', '-' and '.', starting alphanumeric")
+    target = ensemble_target or ("trt" if engine is not None else "onnx")
+    if target not in ENSEMBLE_TARGETS:
+        raise ValueError(f"unknown ensemble target {target!r}; expected one of {', '.join(ENSEMBLE_TARGETS)}")
+    if target == "trt" and engine is None:
+        raise ValueError("the ensemble cannot target 'trt' without a TensorRT engine (--format tensorrt)")
+    if threads < 1 or max_pixels < 1:
+        raise ValueError("threads and max_pixels must be >= 1")
+    batching = Batching(max_batch, queue_delay_us, max_queue)
+    plans = _plans(name, onnx_path, explain_path, engine, batching, instances, target, onnx_device, threads, max_pixels)
+    repo.mkdir(parents=True, exist_ok=True)
+    versions = [_next_version(repo, p) for p in plans]  # every check before the first write
+    return [_write(repo, p, v) for p, v in zip(plans, versions, strict=True)]
