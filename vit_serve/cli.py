@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from vit_serve import __version__
+from vit_serve import __version__, quickstart
 from vit_serve.config import RESAMPLE_MODES
 from vit_serve.explain import HEAD_FUSIONS
 
@@ -140,6 +140,35 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from vit_serve.serve.app import run
+    from vit_serve.serve.backends import check_model
+    from vit_serve.serve.settings import ServeSettings
+
+    flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "model_name", "host", "port",
+                                           "max_batch", "max_delay_ms", "max_queue", "threads", "device")}
+    try:
+        settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
+    except ValidationError as e:
+        names = ["_".join(str(p) for p in err["loc"]) for err in e.errors()]
+        raise ValueError("; ".join(f"--{n.replace('_', '-')} / VIT_SERVE_{n.upper()}: {err['msg']}"
+                                   for n, err in zip(names, e.errors(), strict=True))) from None
+    check_model(settings)  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
+    run(settings)
+    return 0
+
+
+def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from vit_serve.quickstart import build, serve
+
+    paths = build(args.out, args.pretrain_steps, args.finetune_steps)
+    if not args.no_serve:
+        serve(paths, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vit-serve {__version__}")
@@ -188,6 +217,40 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=128)
     e.add_argument("--workers", type=int, default=0)
     e.set_defaults(func=_cmd_eval)
+
+    s = sub.add_parser("serve", help="serve a model over HTTP (FastAPI): /classify, /explain, /v2, /metrics",
+                       description="Serve a checkpoint (torch), an exported NAME.onnx (onnxruntime), a TensorRT "
+                                   "engine or a model on a Triton server. Every option is also an environment "
+                                   "variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH); flags win.")
+    s.add_argument("model", metavar="MODEL", nargs="?",
+                   help="checkpoint, NAME.onnx (NAME.json beside it), NAME.engine, or a Triton model name "
+                        "(default: $VIT_SERVE_MODEL)")
+    s.add_argument("--backend", choices=("auto", "torch", "onnxruntime", "tensorrt", "triton"),
+                   help="default auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
+    s.add_argument("--triton-url", help="Triton server for --backend triton (default localhost:8000)")
+    s.add_argument("--model-name", help="name shown to clients and under /v2 (default: MODEL's file stem)")
+    s.add_argument("--host", help="default 127.0.0.1")
+    s.add_argument("--port", type=int, help="default 8000")
+    s.add_argument("--max-batch", type=int, help="largest batch (default 16; 1 turns batching off)")
+    s.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5; 0: off)")
+    s.add_argument("--max-queue", type=int, help="requests waiting before 503 (default 256)")
+    s.add_argument("--threads", type=int, help="intra-op threads of the model runtime (default: its own)")
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), help="torch / onnxruntime device (default auto)")
+    s.set_defaults(func=_cmd_serve)
+
+    q = sub.add_parser("quickstart", help="train on the digits set, fine-tune at 2x resolution, export, serve",
+                       description="The whole product on the embedded default: pre-train a small ViT on the "
+                                   "digits set (16x16), fine-tune it at 32x32, export ONNX and a Triton repository, "
+                                   "and serve it with the web page. Finished steps in --out are reused.")
+    q.add_argument("--out", default="runs/quickstart", help="working folder (default: runs/quickstart)")
+    q.add_argument("--pretrain-steps", type=int, default=quickstart.PRETRAIN_STEPS,
+                   help=f"default {quickstart.PRETRAIN_STEPS} (~2 min on 2 CPU cores)")
+    q.add_argument("--finetune-steps", type=int, default=quickstart.FINETUNE_STEPS,
+                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32 (~1 min)")
+    q.add_argument("--host", default="127.0.0.1")
+    q.add_argument("--port", type=int, default=8000)
+    q.add_argument("--no-serve", action="store_true", help="stop after the export")
+    q.set_defaults(func=_cmd_quickstart)
     return p
 
 

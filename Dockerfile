@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+# vit-serve gateway image. Two targets:
+#   docker build -t vit-serve .                      # CPU (the default, last stage): torch CPU + onnxruntime
+#   docker build --target cuda -t vit-serve:cuda .   # CUDA 12: torch CUDA, onnxruntime-gpu, TensorRT
+#   docker run -p 8000:8000 -v $PWD/runs/quickstart/exports:/models vit-serve /models/digits_32.onnx
+# The install steps are the README's: a virtual environment, then `pip install ".[extras]"`.
+
+ARG PYTHON_VERSION=3.11
+
+# ---- build (CPU): the project and its serving extras in /opt/venv -------------------------------------
+FROM python:${PYTHON_VERSION}-slim AS build-cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
+COPY vit_serve ./vit_serve
+COPY export ./export
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu "torch<=2.14.1" \
+ && /opt/venv/bin/pip install ".[serve,export,triton]"
+
+# ---- build (CUDA) -------------------------------------------------------------------------------------
+FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS build-cuda
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
+COPY vit_serve ./vit_serve
+COPY export ./export
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install ".[serve,export,triton,tensorrt]" \
+ && /opt/venv/bin/pip uninstall -y onnxruntime && /opt/venv/bin/pip install onnxruntime-gpu
+
+# ---- runtime (CUDA) -----------------------------------------------------------------------------------
+FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS cuda
+RUN apt-get update && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 vit
+COPY --from=build-cuda /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 VIT_SERVE_HOST=0.0.0.0 VIT_SERVE_PORT=8000
+USER vit
+WORKDIR /home/vit
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+ENTRYPOINT ["vit-serve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["/models/model.onnx"]
+
+# ---- runtime (CPU, default) ---------------------------------------------------------------------------
+FROM python:${PYTHON_VERSION}-slim AS cpu
+RUN useradd --create-home --uid 10001 vit
+COPY --from=build-cpu /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+USER vit
+WORKDIR /home/vit
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+ENTRYPOINT ["vit-serve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["/models/model.onnx"]

@@ -1,0 +1,66 @@
+"""Fixtures of the gateway tests: a tiny random ViT with labels (non-square, 32x48, so that a transposed grid
+shows), its ONNX export (via `vit-export`), and real photos. Helpers are in gateway_helpers.py."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gateway_helpers import LABELS, RES
+from PIL import Image
+
+import vit_serve
+from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, randomize) -> Path:
+    """A 2-block Ti/16 at 32x48 (grid 2x3), random non-trivial weights, 10 labels, an ImageNet-style contract."""
+    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=RES), seed=1)
+    model.labels = list(LABELS)
+    model.preprocess_cfg = PreprocessConfig(input_size=RES, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+                                            interpolation="bicubic", crop_pct=0.875)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    vit_serve.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_ckpt):
+    """The reference: the checkpoint loaded by the library, in eval mode."""
+    return vit_serve.load(tiny_ckpt).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_ckpt, tmp_path_factory) -> Path:
+    """tiny.onnx + tiny.json and tiny_explain.onnx + tiny_explain.json, written by `vit-export`."""
+    from vit_export.cli import main as vit_export
+
+    out = tmp_path_factory.mktemp("export")
+    assert vit_export([str(tiny_ckpt), "--out", str(out), "--name", "tiny"]) == 0
+    return out / "tiny.onnx"
+
+
+def _encode(arr: np.ndarray, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt, **({"quality": 92} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, bytes]:
+    """Real photos (scikit-image's sample pictures) as encoded bytes: astronaut PNG, coffee and chelsea JPEG."""
+    data = pytest.importorskip("skimage.data")
+    return {"astronaut.png": _encode(data.astronaut(), "PNG"), "coffee.jpg": _encode(data.coffee(), "JPEG"),
+            "chelsea.jpg": _encode(data.chelsea(), "JPEG")}
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

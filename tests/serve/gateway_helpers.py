@@ -1,0 +1,88 @@
+"""Helpers of the gateway tests: settings for tests, the gateway in-process (httpx + ASGI, lifespan running) or
+under a real uvicorn in a thread, and reading one Prometheus sample."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+import httpx
+
+LABELS = ["tabby", "espresso", "astronaut", "teapot", "lighthouse", "sunflower", "locomotive", "seal", "crane",
+          "fox"]
+RES = (32, 48)
+
+
+def settings_for(model: Path | str, **kw):
+    """ServeSettings for tests: one thread everywhere."""
+    from vit_serve.serve.settings import ServeSettings
+
+    base = {"model": str(model), "device": "cpu", "threads": 1, "decode_workers": 2}
+    return ServeSettings(**{**base, **kw})
+
+
+@asynccontextmanager
+async def serving(settings) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
+    """The app with its lifespan running and the model warmed up, and an httpx client speaking ASGI to it."""
+    from vit_serve.serve.app import create_app
+
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await app.state.gateway.wait_ready(60)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as client:
+            yield client, app
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@contextmanager
+def live_server(settings) -> Iterator[str]:
+    """A real uvicorn serving the app in a thread, on a free port; yields its base URL once /readyz is 200."""
+    import uvicorn
+
+    from vit_serve.serve.app import create_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not become ready")
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    key = f"{name}{{{want}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        if sample == key:
+            return float(value)
+    return 0.0

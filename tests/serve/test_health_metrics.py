@@ -1,0 +1,99 @@
+"""Health, readiness, Prometheus metrics (one registry per app), the OpenAPI schema and the page route."""
+
+from __future__ import annotations
+
+import httpx
+from gateway_helpers import metric, run, serving, settings_for
+
+from vit_serve.serve.app import create_app
+from vit_serve.serve.routes.page import INDEX
+
+JPEG = {"Content-Type": "image/jpeg"}
+
+
+def test_not_ready_before_startup(tiny_ckpt, photos):
+    app = create_app(settings_for(tiny_ckpt))  # lifespan not started: nothing loaded
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            return (await client.get("/healthz"), await client.get("/readyz"), await client.get("/v2/health/ready"),
+                    await client.post("/classify", content=photos["coffee.jpg"], headers=JPEG))
+
+    live, ready, v2_ready, classify = run(scenario())
+    assert live.status_code == 200 and live.json() == {"status": "ok"}
+    assert ready.status_code == 503 and ready.json() == {"ready": False, "reason": "the model is loading"}
+    assert v2_ready.status_code == 503
+    assert classify.status_code == 503 and classify.headers["retry-after"] == "1"
+
+
+def test_ready_after_warm_up(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (client, app):
+            return await client.get("/readyz"), await client.get("/v2/health/live"), app.state.gateway.warm
+
+    ready, live, warm = run(scenario())
+    assert ready.status_code == 200
+    assert ready.json() == {"ready": True, "model": "tiny", "backend": "torch"}
+    assert live.status_code == 200 and warm
+
+
+def test_metrics_count_requests_and_apps_do_not_share_them(tiny_ckpt, photos):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (a, _), serving(settings_for(tiny_ckpt)) as (b, _):
+            for _ in range(3):
+                await a.post("/classify", content=photos["coffee.jpg"], headers=JPEG)
+            await a.post("/classify", content=b"text", headers={"Content-Type": "text/plain"})
+            await a.get("/v2/models/tiny")
+            await a.get("/no/such/path")
+            return (await a.get("/metrics")), (await b.get("/metrics")).text
+
+    r, other = run(scenario())
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert metric(text, "vit_serve_requests_total", endpoint="/classify", method="POST", status="200") == 3
+    assert metric(text, "vit_serve_requests_total", endpoint="/classify", method="POST", status="415") == 1
+    assert metric(text, "vit_serve_requests_total", endpoint="/v2/models/{name}", method="GET", status="200") == 1
+    assert metric(text, "vit_serve_requests_total", endpoint="unmatched", method="GET", status="404") == 1
+    assert metric(text, "vit_serve_request_duration_seconds_count", endpoint="/classify") == 4
+    assert metric(text, "vit_serve_batch_size_sum", task="classify") == 3
+    assert metric(text, "vit_serve_inference_seconds_count", task="classify") >= 1
+    assert "vit_serve_queue_depth 0.0" in text
+    assert metric(text, "vit_serve_ready") == 1
+    assert metric(other, "vit_serve_requests_total", endpoint="/classify", method="POST", status="200") == 0
+
+
+def test_openapi_documents_bodies_and_answers(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (client, _):
+            return (await client.get("/openapi.json")).json(), await client.get("/docs")
+
+    schema, docs = run(scenario())
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    classify = schema["paths"]["/classify"]["post"]
+    assert set(classify["requestBody"]["content"]) == {"multipart/form-data", "image/*"}
+    assert {p["name"] for p in classify["parameters"]} == {"top_k"}
+    ok = classify["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    assert ok.endswith("/ClassifyResponse")
+    props = schema["components"]["schemas"]["ClassifyResponse"]["properties"]
+    assert set(props) == {"id", "model", "resolution", "predictions", "timing_ms"}
+    assert {"415", "413", "422", "503", "504"} <= set(classify["responses"])
+    explain = schema["paths"]["/explain"]
+    assert {"get", "post"} <= set(explain)
+    assert "image/png" in explain["get"]["responses"]["200"]["content"]
+    assert {p["name"] for p in explain["get"]["parameters"]} >= {"id", "method", "head_fusion", "discard_ratio",
+                                                                 "format"}
+    assert "/v2/models/{name}/infer" in schema["paths"]
+    assert "/readyz" in schema["paths"] and "/metrics" in schema["paths"]
+
+
+def test_page_route(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (client, _):
+            return await client.get("/")
+
+    r = run(scenario())
+    if INDEX.is_file():
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert r.content == INDEX.read_bytes()
+    else:
+        assert r.status_code == 404 and "index.html" in r.json()["detail"]

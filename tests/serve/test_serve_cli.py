@@ -1,0 +1,75 @@
+"""`vit-serve serve`: one-line errors, and a real server process configured by flags over VIT_SERVE_* variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from vit_serve.cli import main
+from vit_serve.serve.settings import ServeSettings
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vit-serve serve: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_errors_are_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("VIT_SERVE_MODEL", raising=False)
+    assert "no such file" in _one_line_error(capsys, ["serve", str(tmp_path / "absent.safetensors")])
+    assert "no model given" in _one_line_error(capsys, ["serve"])
+    err = _one_line_error(capsys, ["serve", "m.safetensors", "--max-batch", "0"])
+    assert "--max-batch / VIT_SERVE_MAX_BATCH" in err
+    monkeypatch.setenv("VIT_SERVE_MAX_QUEUE", "lots")
+    assert "VIT_SERVE_MAX_QUEUE" in _one_line_error(capsys, ["serve", "m.safetensors"])
+
+
+def test_settings_from_environment_and_overrides(monkeypatch):
+    monkeypatch.setenv("VIT_SERVE_MAX_BATCH", "3")
+    monkeypatch.setenv("VIT_SERVE_MAX_DELAY_MS", "0")
+    s = ServeSettings(model="m.onnx")
+    assert (s.max_batch, s.max_delay_ms, s.batching) == (3, 0.0, False)
+    assert ServeSettings(model="m.onnx", max_batch=5, max_delay_ms=2).batching
+    with pytest.raises(ValueError, match="extra"):
+        ServeSettings(model="m.onnx", max_batchsize=5)
+
+
+def test_serve_subprocess_flags_win_over_environment(tiny_ckpt, photos):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VIT_SERVE_MODEL": str(tiny_ckpt), "VIT_SERVE_MODEL_NAME": "from-env",
+           "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", "--model-name", "from-flag",
+                             "--port", str(port), "--max-batch", "4"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                ready = httpx.get(f"{url}/readyz", timeout=2)
+                if ready.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.2)
+        assert ready.json()["model"] == "from-flag"  # MODEL from the environment, the name from the flag
+        r = httpx.post(f"{url}/classify", content=photos["coffee.jpg"], headers={"Content-Type": "image/jpeg"})
+        assert r.status_code == 200 and r.json()["model"] == "from-flag"
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode in (0, -15), out  # uvicorn re-raises SIGTERM after shutting down cleanly
+    assert "loaded from-flag (torch backend)" in out
+    assert "Application shutdown complete" in out

@@ -1,0 +1,78 @@
+"""The Dockerfile names only things that exist: copied paths, extras, console scripts, routes and stages.
+
+No Docker engine runs on the CI machines, so the image is not built here; these checks catch the usual rot
+(a renamed folder, a dropped extra or script, a health check on a route that is gone).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Instructions only: the header comment shows commands with placeholders.
+DOCKERFILE = "\n".join(ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if not ln.lstrip().startswith("#"))
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _instructions(name: str) -> list[str]:
+    """Logical lines (continuations joined) starting with instruction `name`."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    return [ln.strip()[len(name):].strip() for ln in text.splitlines() if ln.strip().upper().startswith(name + " ")]
+
+
+def _stages() -> dict[str, str]:
+    return {m.group(2): m.group(1) for m in re.finditer(r"^FROM\s+(\S+)\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I)}
+
+
+def test_stages_cpu_default_and_cuda():
+    stages = _stages()
+    assert {"build-cpu", "build-cuda", "cpu", "cuda"} <= set(stages)
+    last = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I)[-1]
+    assert last == "cpu", "docker build without --target builds the last stage: it must be the CPU image"
+    assert "cuda" in stages["cuda"]
+
+
+def test_copied_paths_exist():
+    for args in _instructions("COPY"):
+        if args.startswith("--from"):
+            continue
+        *sources, _dest = args.split()
+        for src in sources:
+            assert (ROOT / src).exists(), f"Dockerfile copies {src}, which is not in the repository"
+
+
+def test_extras_exist():
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    named = {e for group in re.findall(r'"\.\[([^\]]+)\]"', DOCKERFILE) for e in group.split(",")}
+    assert named, "the Dockerfile installs the project with extras"
+    assert named <= extras, f"unknown extras {named - extras}"
+
+
+def test_entrypoint_is_a_console_script_with_serve():
+    scripts = PYPROJECT["project"]["scripts"]
+    for args in _instructions("ENTRYPOINT"):
+        argv = json.loads(args)
+        assert argv[0] in scripts and argv[1] == "serve"
+        from vit_serve.cli import build_parser
+
+        # The entry point's flags parse (with a model path appended, as CMD does).
+        build_parser().parse_args([*argv[1:], "/models/model.onnx"])
+
+
+def test_non_root_and_healthcheck():
+    users = _instructions("USER")
+    assert len(users) == 2 and all(u not in ("root", "0") for u in users)
+    checks = _instructions("HEALTHCHECK")
+    assert len(checks) == 2 and all("/healthz" in c for c in checks)
+
+
+def test_healthcheck_route_exists():
+    pytest.importorskip("fastapi")
+    from vit_serve.serve.app import create_app
+
+    assert "/healthz" in create_app().openapi()["paths"]

@@ -1,0 +1,86 @@
+"""`vit-serve quickstart`: train, fine-tune at 2x, export, serve — as one real process, with a short schedule.
+
+The README's main command runs the same code with the default schedule (checked by hand; about 4 minutes).
+Here: 300 pre-training steps and 10 fine-tuning steps, then the served model classifies the held-out sample
+scans it wrote; a second run reuses every finished step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("onnxruntime")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"quickstart exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not ready after {timeout} s")
+
+
+def test_quickstart_end_to_end(tmp_path):
+    out, port = tmp_path / "qs", _free_port()
+    argv = [sys.executable, "-m", "vit_serve", "quickstart", "--out", str(out), "--port", str(port),
+            "--pretrain-steps", "300", "--finetune-steps", "10"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, timeout=600)
+        page = httpx.get(url + "/", timeout=10)
+        assert page.status_code == 200 and "<html" in page.text.lower()
+        correct = 0
+        for digit in range(10):
+            body = (out / "samples" / f"digit_{digit}.png").read_bytes()
+            r = httpx.post(f"{url}/classify", files={"file": (f"{digit}.png", body, "image/png")}, timeout=30)
+            assert r.status_code == 200, r.text
+            res = r.json()
+            assert res["resolution"] == [32, 32] and len(res["predictions"]) == 5
+            correct += res["predictions"][0]["label"] == str(digit)
+        assert correct >= 7, f"only {correct}/10 sample digits right after the short schedule"
+        ex = httpx.get(f"{url}/explain", params={"id": res["id"], "format": "json"}, timeout=30)
+        assert ex.status_code == 200 and len(ex.json()["map"]) == 16  # 32 / patch 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for path in ("pretrain16/model.safetensors", "finetune32/model.safetensors", "exports/digits_32.onnx",
+                 "exports/digits_32_explain.onnx", "model_repo/digits_32_py/1/model.onnx",
+                 "model_repo/digits_32_ensemble/config.pbtxt"):
+        assert (out / path).is_file(), path
+    sidecar = json.loads((out / "exports/digits_32.json").read_text())
+    assert sidecar["resolution"] == [32, 32] and sidecar["parity"]["ok"]
+
+    # A second run reuses every finished step and writes nothing new.
+    before = {p: p.stat().st_mtime_ns for p in Path(out).rglob("*") if p.is_file()}
+    rerun = subprocess.run([*argv, "--no-serve"], capture_output=True, text=True, env=env, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.count("reusing") == 3
+    assert before == {p: p.stat().st_mtime_ns for p in Path(out).rglob("*") if p.is_file()}

@@ -1,0 +1,74 @@
+"""The app factory: `create_app(settings)` -> FastAPI, and `run(settings)` (uvicorn) for `vit-serve serve`.
+
+The lifespan loads the model (the server does not start if it cannot), starts the batcher and warms the model
+up in the background; /readyz answers 200 once that is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from vit_serve import __version__
+from vit_serve.serve.errors import install_error_handlers
+from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestMetrics
+from vit_serve.serve.routes import classify, explain, health, metrics, page, v2
+from vit_serve.serve.routes.page import STATIC
+from vit_serve.serve.settings import ServeSettings
+
+log = logging.getLogger("vit_serve.serve")
+
+DESCRIPTION = """Classify images with a Vision Transformer and see what it attended to.
+
+`POST /classify` (multipart field `file`, or a raw `image/*` body) answers the top-k classes and an `id`;
+`GET /explain?id=...` draws the attention rollout of that image. The Open Inference Protocol (KServe v2, with
+the binary tensor extension) is under `/v2`. Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
+"""
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    gateway: Gateway = app.state.gateway
+    try:
+        await gateway.start()
+    except Exception as e:
+        log.error("cannot serve %s: %s", gateway.settings.model, " ".join(str(e).split()))
+        await gateway.stop()
+        raise
+    try:
+        yield
+    finally:
+        await gateway.stop()
+
+
+def create_app(settings: ServeSettings | None = None) -> FastAPI:
+    """A gateway app for `settings` (default: from VIT_SERVE_* variables). Nothing is loaded until its lifespan
+    starts (uvicorn, TestClient, or `app.router.lifespan_context(app)`)."""
+    settings = settings or ServeSettings()
+    app = FastAPI(title="vit-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    gateway = Gateway(settings)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    for module in (classify, explain, health, metrics, v2, page):
+        app.include_router(module.router)
+    if STATIC.is_dir():
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    # Outermost last: RequestMetrics -> ErrorBoundary -> BodyLimit -> routes.
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(ErrorBoundary)
+    app.add_middleware(RequestMetrics, metrics=gateway.metrics)
+    return app
+
+
+def run(settings: ServeSettings) -> None:
+    """Serve until interrupted (one process: the model runs in its own thread, batches are shared)."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                timeout_graceful_shutdown=10)

@@ -1,0 +1,68 @@
+"""Serving backends, one module each (torch, onnxruntime, tensorrt, triton), behind `base.Backend`.
+
+`create_backend(settings)` picks and builds one; `resolve_backend` says which `--backend auto` means for a MODEL:
+`.onnx` -> onnxruntime, `.engine` / `.plan` / `.trt` -> tensorrt, anything else -> torch (a checkpoint file,
+folder or hub id). A model on a Triton server needs `--backend triton` (MODEL is then its name there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
+from vit_serve.serve.settings import ServeSettings
+
+__all__ = ["Backend", "BackendUnavailableError", "ModelInfo", "check_model", "create_backend", "resolve_backend"]
+
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+CHECKPOINT_SUFFIXES = (".safetensors", ".npz", ".pth", ".pt", ".bin")
+
+
+def resolve_backend(settings: ServeSettings) -> str:
+    if settings.backend != "auto":
+        return settings.backend
+    suffix = Path(settings.model).suffix.lower()
+    if suffix == ".onnx":
+        return "onnxruntime"
+    if suffix in ENGINE_SUFFIXES:
+        return "tensorrt"
+    return "torch"
+
+
+def check_model(settings: ServeSettings) -> str:
+    """Cheap checks before the server starts (so that the CLI can fail with one line); returns the backend name."""
+    if not settings.model:
+        raise ValueError("no model given: pass MODEL (a checkpoint, NAME.onnx, an engine or a Triton model name) "
+                         "or set VIT_SERVE_MODEL")
+    backend = resolve_backend(settings)
+    path = Path(settings.model)
+    is_file = backend in ("onnxruntime", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES
+    if backend != "triton" and is_file and not path.exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
+        raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
+    if backend == "tensorrt":
+        from vit_serve.serve.backends.tensorrt import require_tensorrt
+
+        require_tensorrt()
+    return backend
+
+
+def create_backend(settings: ServeSettings) -> Backend:
+    """Load the model behind the configured backend (not yet warmed up)."""
+    backend = check_model(settings)
+    if backend == "torch":
+        from vit_serve.serve.backends.torch import TorchBackend
+
+        return TorchBackend(settings.model, settings.model_name, settings.device, settings.threads)
+    if backend == "onnxruntime":
+        from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend(settings.model, settings.model_name, settings.device, settings.threads)
+    if backend == "tensorrt":
+        from vit_serve.serve.backends.tensorrt import TensorRTBackend
+
+        return TensorRTBackend(settings.model, settings.model_name)
+    from vit_serve.serve.backends.triton import TritonBackend
+
+    return TritonBackend(settings.model, settings.triton_url, settings)

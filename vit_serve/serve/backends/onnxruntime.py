@@ -1,0 +1,81 @@
+"""The ONNX Runtime backend: `<name>.onnx` (logits) and, when present, `<name>_explain.onnx` (logits + rollout).
+
+The sidecars `vit-export` wrote beside them give the resolution, preprocessing, labels and the explain graph's
+rollout settings, which are baked into the graph: `explain` with other settings raises ValueError naming them.
+CUDA is used when onnxruntime has its CUDA provider and the device is not forced to the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from vit_serve.serve.backends.base import Backend
+from vit_serve.serve.backends.sidecar import EXPLAIN_SUFFIX, explain_path_of, model_info, read_sidecar
+
+INPUT = "pixel_values"
+
+
+def _providers(device: str) -> list[str]:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise ValueError(f"--device cuda: this onnxruntime has no CUDAExecutionProvider (it has {available})")
+    if device != "cpu" and "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+
+    def __init__(self, onnx_path: str | Path, model_name: str | None = None, device: str = "auto",
+                 threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        path = Path(onnx_path)
+        if path.stem.endswith(EXPLAIN_SUFFIX):
+            base = path.with_name(path.stem[: -len(EXPLAIN_SUFFIX)] + path.suffix)
+            raise ValueError(f"serve the logits graph {base.name}; its explain graph {path.name} is found beside it")
+        if not path.is_file():
+            raise FileNotFoundError(f"no such ONNX file: {path}")
+        side = read_sidecar(path)
+        explain = explain_path_of(path)
+        explain_side = read_sidecar(explain) if explain.is_file() else None
+        self.info = model_info(path, side, model_name, explain_side, self.name)
+
+        opts = ort.SessionOptions()
+        if threads is not None:
+            opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        providers = _providers(device)
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+            self.explain_session = (ort.InferenceSession(str(explain), opts, providers=providers)
+                                    if explain_side is not None else None)
+        except Exception as e:  # onnxruntime raises its own exception types for unreadable models
+            raise ValueError(f"onnxruntime cannot load {path.name}: {' '.join(str(e).split())}") from e
+        # fp16 exports take float16 pixels; everything leaves as float32.
+        self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
+        self.info.extra["providers"] = self.session.get_providers()
+
+    def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        return {INPUT: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
+
+    def classify(self, x: np.ndarray) -> np.ndarray:
+        (logits,) = self.session.run(["logits"], self._feed(x))
+        return logits.astype(np.float32, copy=False)
+
+    def explain(self, x: np.ndarray, head_fusion: str | None = None, discard_ratio: float | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        if self.explain_session is None:
+            raise NotImplementedError(f"no explain graph beside {Path(self.info.source).name} "
+                                      f"(vit-export writes NAME_explain.onnx)")
+        why = self.info.rollout_mismatch(head_fusion, discard_ratio)
+        if why:
+            raise ValueError(why)
+        logits, heat = self.explain_session.run(["logits", "rollout"], self._feed(x))
+        return logits.astype(np.float32, copy=False), heat.astype(np.float32, copy=False)

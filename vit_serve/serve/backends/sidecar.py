@@ -1,0 +1,80 @@
+"""Reading what `vit-export` wrote: the sidecar JSON beside an exported graph or engine -> `ModelInfo`.
+
+`<name>.onnx` (or `<name>.engine`) has `<name>.json` beside it, and the explain graph `<name>_explain.onnx` has
+`<name>_explain.json`. Only the JSON is read here; the gateway never imports the exporter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vit_serve.preprocess import PreprocessConfig
+from vit_serve.serve.backends.base import ModelInfo
+
+EXPLAIN_SUFFIX = "_explain"
+
+
+def sidecar_of(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def explain_path_of(path: Path) -> Path:
+    """`dir/name.onnx` -> `dir/name_explain.onnx`."""
+    return path.with_name(f"{path.stem}{EXPLAIN_SUFFIX}{path.suffix}")
+
+
+def read_sidecar(path: Path) -> dict[str, Any]:
+    """The sidecar dict of an exported file; FileNotFoundError / ValueError with a message for the user."""
+    side = sidecar_of(path)
+    if not side.is_file():
+        raise FileNotFoundError(f"{path} has no sidecar {side.name} beside it (vit-export writes one; it holds the "
+                                f"resolution, preprocessing and labels)")
+    try:
+        data = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{side} is not valid JSON ({e})") from e
+    missing = [k for k in ("resolution", "preprocess", "architecture") if k not in data]
+    if not isinstance(data, dict) or missing:
+        raise ValueError(f"{side} is not a vit-export sidecar (missing {', '.join(missing) or 'everything'})")
+    return data
+
+
+def num_classes_of(side: dict[str, Any]) -> int:
+    for out in side.get("io", {}).get("outputs", []):
+        if out.get("name") == "logits" and isinstance(out.get("shape", [None])[-1], int):
+            return int(out["shape"][-1])
+    if side.get("labels"):
+        return len(side["labels"])
+    raise ValueError("the sidecar states neither the logits shape nor the labels: cannot tell the class count")
+
+
+def model_info(path: Path, side: dict[str, Any], name: str | None, explain_side: dict[str, Any] | None,
+               backend: str) -> ModelInfo:
+    """ModelInfo of an export: resolution (the static one, or the trained one for `--res dynamic`), patch size,
+    labels, preprocessing, and the explain graph's fixed rollout settings."""
+    try:
+        pre = PreprocessConfig.from_dict(side["preprocess"])
+        res = side["resolution"]
+        resolution = tuple(int(v) for v in res) if isinstance(res, list) else pre.input_size
+        arch = side["architecture"]
+        rollout = None
+        if explain_side is not None:
+            r = explain_side.get("rollout") or {}
+            rollout = {"head_fusion": r.get("head_fusion", "mean"), "discard_ratio": float(r.get("discard_ratio", 0.9))}
+        return ModelInfo(
+            name=name or path.stem,
+            resolution=(resolution[0], resolution[1]),
+            patch_size=int(arch["patch_size"]),
+            num_classes=num_classes_of(side),
+            labels=side.get("labels"),
+            preprocess=pre.with_size(*resolution),
+            explain=explain_side is not None,
+            rollout=rollout,
+            source=str(path),
+            extra={"backend": backend, "pool": arch.get("pool", "token"),
+                   "precision": side.get("precision", "fp32"), "dynamic_resolution": res == "dynamic"},
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{sidecar_of(path)}: unreadable sidecar ({e})") from e

@@ -1,0 +1,77 @@
+"""The PyTorch backend: a checkpoint (any format `vit_serve.load` reads) run in eager mode.
+
+classify in inference mode; explain from `model(x, return_attention=True)` + `vit_serve.explain.rollout` (any
+head fusion and discard ratio); grad_rollout with `vit_serve.explain.grad_rollout` (the only backend with it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vit_serve.explain import grad_rollout, rollout
+from vit_serve.preprocess import PreprocessConfig
+from vit_serve.serve.backends.base import Backend, ModelInfo
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available to PyTorch")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    supports_grad_rollout = True
+
+    def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
+                 threads: int | None = None) -> None:
+        from vit_serve.checkpoints import load
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.device = _device(device)
+        self.model = load(checkpoint).eval().to(self.device)
+        cfg = self.model.cfg
+        res = (int(cfg.img_size[0]), int(cfg.img_size[1]))
+        pre = self.model.preprocess_cfg or PreprocessConfig(input_size=res)
+        self.info = ModelInfo(
+            name=model_name or Path(checkpoint).stem,
+            resolution=res,
+            patch_size=cfg.patch_size,
+            num_classes=cfg.num_classes,
+            labels=self.model.labels,
+            preprocess=pre.with_size(*res),
+            explain=True,
+            rollout=None,
+            source=str(checkpoint),
+            extra={"backend": self.name, "pool": cfg.pool, "device": str(self.device)},
+        )
+
+    def _input(self, x: np.ndarray) -> torch.Tensor:
+        if not x.flags.writeable:  # e.g. a view of a request body; torch tensors must own writable memory
+            x = x.copy()
+        return torch.from_numpy(x).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _out(t: torch.Tensor) -> np.ndarray:
+        return t.detach().float().cpu().numpy()
+
+    def classify(self, x: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return self._out(self.model(self._input(x)))
+
+    def explain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
+                ) -> tuple[np.ndarray, np.ndarray]:
+        with torch.inference_mode():
+            logits, attentions = self.model(self._input(x), return_attention=True)
+            heat = rollout(attentions, self.info.grid, self.model.num_prefix_tokens, self.model.cfg.pool,
+                           head_fusion, discard_ratio)
+        return self._out(logits), self._out(heat.map)
+
+    def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
+        return self._out(grad_rollout(self.model, self._input(x), target).map[0])

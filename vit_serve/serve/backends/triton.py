@@ -1,0 +1,365 @@
+"""The Triton backend: a model on a Triton Inference Server, reached with tritonclient's asyncio client.
+
+The gateway sends every request straight to Triton (`batches_itself`); the server's dynamic batcher groups
+concurrent requests into one execution. The model's metadata (resolution, labels, preprocessing contract, patch
+size, explain model, rollout settings) is read from the "vit_serve" parameter the exporter writes into each
+config.pbtxt, so the gateway needs nothing but the model name and the server's URL.
+
+A server that is down, refusing connections or without the model loaded gives `BackendUnavailableError` (503),
+and the backend reconnects on its own once the server is back: a failed call drops the client, the next call or
+readiness probe makes a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from vit_serve.preprocess import PreprocessConfig
+from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
+
+log = logging.getLogger(__name__)
+
+INPUT = "pixel_values"
+LOGITS = "logits"
+ROLLOUT = "rollout"
+PROBE_TIMEOUT_S = 2.0
+GRPC_MESSAGE_LIMITS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+# Triton's answers that mean "not now" rather than "bad request": server / model missing, loading or overloaded.
+UNAVAILABLE_STATUSES = {"503", "StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED"}
+UNAVAILABLE_WORDS = ("unknown model", "not found", "not ready", "unavailable", "is not loaded")
+# gRPC's wording when the connection itself failed (the channel is then replaced, not left to its backoff).
+CONNECTION_WORDS = ("failed to connect", "socket closed", "connection reset", "connection refused", "broken pipe")
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """'http://host:port' | 'grpc://host:port' | 'host:port' (HTTP) -> (protocol, 'host:port')."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    protocol = parts.scheme.lower()
+    if protocol not in DEFAULT_PORTS:
+        raise ValueError(f"unsupported Triton URL scheme {parts.scheme!r} in {url!r}; use http://HOST:PORT or "
+                         f"grpc://HOST:PORT")
+    if not parts.hostname:
+        raise ValueError(f"no host in Triton URL {url!r}; use http://HOST:PORT or grpc://HOST:PORT")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"Triton URL {url!r} must not have a path")
+    return protocol, f"{parts.hostname}:{parts.port or DEFAULT_PORTS[protocol]}"
+
+
+def model_meta(config: dict[str, Any], model: str) -> dict[str, Any]:
+    """The "vit_serve" JSON parameter of a model config (as get_model_config returns it)."""
+    try:
+        return json.loads(config["parameters"]["vit_serve"]["string_value"])
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"Triton model {model!r} has no valid 'vit_serve' parameter in its config.pbtxt; "
+                         f"serve a repository written by `vit-export --format triton`") from e
+
+
+def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
+    """ModelInfo of the logits model `model` from its config (get_model_config as JSON)."""
+    meta = model_meta(config, model)
+    kind = meta.get("kind", "logits")
+    inputs = {i.get("name"): i.get("data_type") for i in config.get("input", [])}
+    if kind != "logits" or inputs.get(INPUT) != "TYPE_FP32":
+        stem = meta.get("name", "NAME")
+        raise ValueError(f"Triton model {model!r} is not a logits model taking {INPUT!r} (it is a {kind} model); "
+                         f"serve {stem}_py, {stem}_onnx or {stem}_trt")
+    logits = next((o for o in config.get("output", []) if o.get("name") == LOGITS), None)
+    if logits is None:
+        raise ValueError(f"Triton model {model!r} has no {LOGITS!r} output")
+    # The batch dimension is implicit when max_batch_size > 0, so dims is [K]; gRPC JSON gives int64 as strings.
+    num_classes = int(logits["dims"][-1])
+    labels = meta.get("labels")
+    if num_classes <= 0:
+        num_classes = len(labels or [])
+    resolution = tuple(int(v) for v in meta["resolution"])
+    rollout = meta.get("rollout")
+    explain_model = meta.get("explain_model")
+    return ModelInfo(
+        name=model,
+        resolution=resolution,  # type: ignore[arg-type]
+        patch_size=int(meta["patch_size"]),
+        num_classes=num_classes,
+        labels=labels,
+        preprocess=PreprocessConfig.from_dict(meta["preprocess"]).with_size(*resolution),
+        explain=bool(explain_model),
+        rollout={k: rollout[k] for k in ("head_fusion", "discard_ratio")} if rollout else None,
+        source=source,
+        extra={"explain_model": explain_model, "max_batch_size": int(config.get("max_batch_size", 0)),
+               "runtime": meta.get("runtime") or config.get("platform") or config.get("backend", ""),
+               "pool": meta.get("pool") or (rollout or {}).get("pool", "token")},
+    )
+
+
+def _run_blocking(make_coro) -> Any:
+    """Run a coroutine to completion from sync code, whether or not this thread already runs an event loop."""
+    with ThreadPoolExecutor(1, thread_name_prefix="triton-sync") as pool:
+        return pool.submit(lambda: asyncio.run(make_coro())).result()
+
+
+class TritonBackend(Backend):
+    """MODEL on the Triton server at URL; `info` from the model's config, explain via its explain model."""
+
+    name = "triton"
+    batches_itself = True
+
+    def __init__(self, model: str, url: str, settings: Any = None, *, timeout_s: float | None = None,
+                 startup_timeout_s: float | None = None) -> None:
+        self.model = model
+        self.url = url
+        self.protocol, self.address = parse_url(url)
+        self.timeout_s = float(timeout_s or getattr(settings, "triton_timeout_s", None) or 10.0)
+        startup = startup_timeout_s or getattr(settings, "triton_startup_timeout_s", None) or 30.0
+        if self.protocol == "http":
+            import tritonclient.http.aio as client_module
+        else:
+            import tritonclient.grpc.aio as client_module
+        self._tc = client_module
+        self._client: Any = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._ready = False
+        self.info = _run_blocking(lambda: self._start(float(startup)))
+        self.explain_model: str | None = self.info.extra["explain_model"]
+        self.max_batch_size: int = self.info.extra["max_batch_size"]
+        self._ready = True  # the gateway warms up (`warmup`) before it reports ready
+
+    # ---- connection ----------------------------------------------------------------------------------------
+
+    def _new_client(self) -> Any:
+        if self.protocol == "http":
+            return self._tc.InferenceServerClient(self.address, conn_timeout=self.timeout_s)
+        # A private subchannel pool (gRPC shares connections between channels by default, so a fresh channel
+        # would inherit a failed one's reconnect backoff) and a short backoff: after a server restart the
+        # connection comes back within a second.
+        return self._tc.InferenceServerClient(self.address, channel_args=[
+            *GRPC_MESSAGE_LIMITS, ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
+
+    def _loop_client(self) -> Any:
+        """The client of the running event loop (aiohttp sessions and gRPC channels belong to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            self._client, self._client_loop = self._new_client(), loop
+        return self._client
+
+    async def _drop_client(self, client: Any) -> None:
+        """Forget a client after a connection failure so that the next call reconnects from scratch."""
+        if client is self._client:
+            self._client = self._client_loop = None
+        with contextlib.suppress(Exception):  # closing a broken connection may fail in many ways
+            await client.close()
+
+    def _call_kwargs(self, timeout_s: float) -> dict[str, Any]:
+        # The HTTP client's timeout is per session (conn_timeout); gRPC takes one per call.
+        return {"client_timeout": timeout_s} if self.protocol == "grpc" else {}
+
+    def _unavailable(self, err: BaseException, what: str) -> BackendUnavailableError:
+        self._mark(False, f"{what}: {err}")
+        return BackendUnavailableError(f"Triton at {self.url} is unavailable ({what}): {err}")
+
+    def _mark(self, ready: bool, why: str = "") -> None:
+        if ready != self._ready:
+            log.log(logging.INFO if ready else logging.WARNING, "triton backend %s -> %s%s", self.url,
+                    "ready" if ready else "unavailable", f" ({why})" if why else "")
+        self._ready = ready
+
+    async def _guard(self, client: Any, what: str, coro) -> Any:
+        """Await a client call, mapping connection failures and Triton's "not now" answers to unavailability."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return await coro
+        except InferenceServerException as e:
+            status, msg = str(e.status() or ""), str(e.message() or "").lower()
+            if status in UNAVAILABLE_STATUSES or any(w in msg for w in UNAVAILABLE_WORDS):
+                if any(w in msg for w in CONNECTION_WORDS):  # not e.g. a full queue: the connection is gone
+                    await self._drop_client(client)
+                raise self._unavailable(e, what) from e
+            raise RuntimeError(f"Triton {what} failed: {e}") from e
+        except (TimeoutError, OSError) as e:  # refused / reset / timed out
+            await self._drop_client(client)
+            raise self._unavailable(e, what) from e
+        except Exception as e:
+            import aiohttp
+
+            if isinstance(e, aiohttp.ClientError):  # server disconnected mid-request, stale keep-alive ...
+                await self._drop_client(client)
+                raise self._unavailable(e, what) from e
+            raise
+
+    # ---- start-up ------------------------------------------------------------------------------------------
+
+    async def _start(self, wait_s: float) -> ModelInfo:
+        """Wait up to `wait_s` for the server and the model(s) to be ready; read the config -> ModelInfo."""
+        deadline = time.monotonic() + wait_s
+        last: BaseException | None = None
+        while True:
+            try:
+                return await self._describe()
+            except BackendUnavailableError as e:
+                last = e
+            if time.monotonic() >= deadline:
+                raise BackendUnavailableError(
+                    f"Triton model {self.model!r} at {self.url} not ready after {wait_s:.0f}s: {last}")
+            await asyncio.sleep(0.25)
+
+    async def _describe(self) -> ModelInfo:
+        client = self._new_client()
+        try:
+            await self._models_ready(client, [self.model])
+            raw = await self._guard(client, "get_model_config",
+                                    client.get_model_config(self.model, **self._json_kwargs()))
+            config = raw.get("config", raw)  # gRPC wraps it in {"config": ...}
+            info = model_info(self.model, config, f"triton {self.url} model {self.model}")
+            if info.extra["explain_model"]:
+                await self._models_ready(client, [info.extra["explain_model"]])
+            return info
+        finally:
+            await client.close()
+
+    def _json_kwargs(self) -> dict[str, Any]:
+        return {"as_json": True, "client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+
+    async def _models_ready(self, client: Any, models: list[str], timeout_s: float | None = None) -> None:
+        kw = self._call_kwargs(timeout_s or self.timeout_s)
+        if not await self._guard(client, "is_server_ready", client.is_server_ready(**kw)):
+            raise self._unavailable(RuntimeError("server not ready"), "is_server_ready")
+        for m in models:
+            if not await self._guard(client, "is_model_ready", client.is_model_ready(m, **kw)):
+                raise self._unavailable(RuntimeError(f"model {m!r} not ready"), "is_model_ready")
+
+    def warmup(self) -> None:
+        """One batch through the logits model and the explain model (loads the ONNX sessions server-side)."""
+        h, w = self.info.resolution
+        x = np.zeros((1, 3, h, w), np.float32)
+        self.classify(x)
+        if self.explain_model:
+            self._infer_blocking(self.explain_model, x, [LOGITS, ROLLOUT])
+
+    # ---- inference -----------------------------------------------------------------------------------------
+
+    async def _infer(self, client: Any, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
+        """x [B, 3, H, W] -> the named outputs; batches over the model's max_batch_size are split."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 4 or x.shape[1:] != (3, *self.info.resolution):
+            raise ValueError(f"expected a batch [B, 3, {self.info.resolution[0]}, {self.info.resolution[1]}], "
+                             f"got {list(x.shape)}")
+        step = self.max_batch_size or len(x)
+        if len(x) > step:
+            parts = await asyncio.gather(*(self._infer(client, model, x[i:i + step], outputs)
+                                           for i in range(0, len(x), step)))
+            return [np.concatenate([p[j] for p in parts]) for j in range(len(outputs))]
+        binary = {"binary_data": True} if self.protocol == "http" else {}
+        inp = self._tc.InferInput(INPUT, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, **binary)
+        requested = [self._tc.InferRequestedOutput(n, **binary) for n in outputs]
+        result = await self._guard(client, f"infer {model}", client.infer(
+            model, [inp], outputs=requested, **self._call_kwargs(self.timeout_s)))
+        self._mark(True)
+        return [result.as_numpy(n) for n in outputs]
+
+    async def aclassify(self, x: np.ndarray) -> np.ndarray:
+        """x [B, 3, H, W] float32 -> logits [B, K] float32 (one Triton request; the server batches)."""
+        (logits,) = await self._infer(self._loop_client(), self.model, x, [LOGITS])
+        return logits
+
+    async def aexplain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """x [B, 3, H, W] -> (logits [B, K], rollout [B, gh, gw]) from the explain model.
+
+        The exported graph has its rollout settings baked in (`info.rollout`); others are a ValueError.
+        """
+        self._check_rollout(head_fusion, discard_ratio)
+        logits, rollout = await self._infer(self._loop_client(), self.explain_model, x, [LOGITS, ROLLOUT])
+        return logits, rollout
+
+    def _check_rollout(self, head_fusion: str, discard_ratio: float) -> None:
+        if not self.explain_model:
+            raise NotImplementedError(f"Triton model {self.model!r} has no explain model")
+        fixed = self.info.rollout
+        if fixed and (head_fusion != fixed["head_fusion"] or abs(discard_ratio - fixed["discard_ratio"]) > 1e-9):
+            raise ValueError(f"the Triton explain model computes rollout with head_fusion={fixed['head_fusion']!r}, "
+                             f"discard_ratio={fixed['discard_ratio']}; got head_fusion={head_fusion!r}, "
+                             f"discard_ratio={discard_ratio}")
+
+    def classify(self, x: np.ndarray) -> np.ndarray:
+        """Sync form of `aclassify` (own short-lived connection; for scripts and the base warmup)."""
+        return self._infer_blocking(self.model, x, [LOGITS])[0]
+
+    def explain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Sync form of `aexplain`."""
+        self._check_rollout(head_fusion, discard_ratio)
+        logits, rollout = self._infer_blocking(self.explain_model, x, [LOGITS, ROLLOUT])
+        return logits, rollout
+
+    def _infer_blocking(self, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
+        async def run() -> list[np.ndarray]:
+            client = self._new_client()
+            try:
+                return await self._infer(client, model, x, outputs)
+            finally:
+                await client.close()
+
+        return _run_blocking(run)
+
+    # ---- health --------------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """Probe the server now (server ready, logits and explain model ready); blocks for at most ~2 s.
+
+        The gateway calls this off the event loop for /readyz; async code should await `aready` instead.
+        """
+        async def probe() -> bool:
+            client = self._new_client()
+            try:
+                return await self._probe(client)
+            finally:
+                await client.close()
+
+        return _run_blocking(probe)
+
+    async def aready(self) -> bool:
+        """`ready` on the running event loop's connection."""
+        return await self._probe(self._loop_client())
+
+    async def _probe(self, client: Any) -> bool:
+        models = [self.model] + ([self.explain_model] if self.explain_model else [])
+        wait = min(self.timeout_s, PROBE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(self._models_ready(client, models, timeout_s=wait), wait)
+        except BackendUnavailableError:
+            return False
+        except TimeoutError:
+            self._mark(False, f"no answer within {wait:g}s")
+            await self._drop_client(client)
+            return False
+        self._mark(True)
+        return True
+
+    async def aclose(self) -> None:
+        """Close the running event loop's client."""
+        client, self._client, self._client_loop = self._client, None, None
+        if client is not None:
+            await client.close()
+
+    def close(self) -> None:
+        """Close the event loop's client (scheduled on that loop when it is still running)."""
+        client, loop = self._client, self._client_loop
+        self._client = self._client_loop = None
+        if client is None or loop is None or loop.is_closed():
+            return
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(client.close(), loop)
+        else:
+            loop.run_until_complete(client.close())

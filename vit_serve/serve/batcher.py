@@ -1,0 +1,282 @@
+"""Dynamic batching: concurrent requests coalesced into one model run, off the event loop.
+
+Requests wait in a bounded queue (full: `QueueFullError`, answered 503 + Retry-After). One collector task takes
+the oldest request and every waiting request with the same `Task`, up to `max_batch` images. It waits for more
+at most `max_delay_ms` after the oldest one arrived, and only while more are known to be coming (`Arrival`:
+requests whose body is being read or decoded): a lone request never waits for nothing, and the model is never
+idle while requests wait (whatever queued up during a run goes straight into the next). Batches run in the
+gateway's single model thread, so the model runs one batch at a time and the event loop stays free. A request
+not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its rows are dropped if
+they have not started.
+
+Backends that batch on their own (`batches_itself`, Triton) skip the queue: each request is sent as it comes,
+with the same limits (at most `max_queue` requests outstanding, the same timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from vit_serve.serve.backends.base import Backend
+from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
+from vit_serve.serve.inference import Outputs, Task, arun, run
+from vit_serve.serve.metrics import GatewayMetrics
+from vit_serve.serve.settings import ServeSettings
+
+log = logging.getLogger("vit_serve.serve")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Result:
+    """A request's slice of its batch's outputs, with its queue wait, the batch's run time and size."""
+
+    outputs: Outputs
+    queue_ms: float
+    infer_ms: float
+    batch_size: int
+
+
+class Arrival:
+    """A request on its way to the queue (body being read, image being decoded): the collector may wait for it.
+
+    Use as a context manager around reading + decoding + `submit(..., arrival)`; it stops counting when the
+    request is queued or when it fails before that.
+    """
+
+    def __init__(self, batcher: Batcher) -> None:
+        self._batcher: Batcher | None = batcher
+        batcher._incoming += 1
+
+    def done(self) -> None:
+        if self._batcher is not None:
+            self._batcher._incoming -= 1
+            self._batcher._arrival.set()  # the collector re-checks whether to keep waiting
+            self._batcher = None
+
+    def __enter__(self) -> Arrival:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
+
+@dataclass(eq=False)
+class _Item:
+    task: Task
+    x: np.ndarray  # [n, 3, H, W]
+    future: asyncio.Future[Result]
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+
+class Batcher:
+    """Queue + collector + the single model thread for one backend."""
+
+    def __init__(self, backend: Backend, settings: ServeSettings, metrics: GatewayMetrics,
+                 executor: Executor) -> None:
+        self.backend = backend
+        self.executor = executor
+        self.metrics = metrics
+        self.max_batch = settings.max_batch if settings.batching else 1
+        self.delay_s = settings.max_delay_ms / 1e3
+        self.max_queue = settings.max_queue
+        self.timeout_s = settings.request_timeout_s
+        self.retry_after = str(settings.retry_after_s)
+        self._pending: deque[_Item] = deque()
+        self._rows: dict[Task, int] = {}  # waiting rows per task
+        self._arrival = asyncio.Event()
+        self._collector: asyncio.Task[None] | None = None
+        self._outstanding = 0  # batches_itself: requests sent and not answered
+        self._running: list[_Item] = []  # the batch the model is running
+        self._incoming = 0  # Arrivals not yet queued
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._collector is None and not self.backend.batches_itself:
+            self._collector = asyncio.get_running_loop().create_task(self._collect(), name="vit-serve-batcher")
+
+    async def stop(self) -> None:
+        if self._collector is not None:
+            self._collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._collector
+            self._collector = None
+        for item in [*self._running, *self._pending]:
+            if not item.future.done():
+                item.future.set_exception(NotReadyError("the server is shutting down"))
+        self._pending.clear()
+        self._running = []
+        self._rows.clear()
+        self.metrics.queue_depth.set(0)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (not yet in a running batch)."""
+        return len(self._pending) if not self.backend.batches_itself else self._outstanding
+
+    def arriving(self) -> Arrival:
+        """Announce a request that will be submitted once its image is decoded."""
+        return Arrival(self)
+
+    @property
+    def incoming(self) -> int:
+        """Requests announced and not yet queued."""
+        return self._incoming
+
+    @property
+    def running(self) -> int:
+        """Images in the batch the model is running now."""
+        return sum(item.rows for item in self._running)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the model thread (between batches): warm-up, maintenance."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- requests --------------------------------------------------------------------------------------
+
+    async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
+        """x [n, 3, H, W] float32 -> this request's outputs; QueueFullError (503) / GatewayTimeoutError (504)."""
+        if self.backend.batches_itself:
+            if arrival is not None:
+                arrival.done()
+            return await self._direct(task, x)
+        if len(self._pending) >= self.max_queue:
+            if arrival is not None:
+                arrival.done()
+            self.metrics.rejected.labels("queue_full").inc()
+            raise QueueFullError(f"queue full ({self.max_queue} requests waiting); retry later",
+                                 headers={"Retry-After": self.retry_after})
+        item = _Item(task, x, asyncio.get_running_loop().create_future())
+        self._pending.append(item)
+        self._rows[task] = self._rows.get(task, 0) + item.rows
+        self.metrics.queue_depth.set(len(self._pending))
+        if arrival is not None:
+            arrival.done()
+        self._arrival.set()
+        try:
+            return await asyncio.wait_for(item.future, self.timeout_s)
+        except TimeoutError:
+            self._drop(item)
+            self.metrics.rejected.labels("timeout").inc()
+            raise GatewayTimeoutError(f"no answer within {self.timeout_s:g} s (VIT_SERVE_REQUEST_TIMEOUT_S)") from None
+        except asyncio.CancelledError:  # the client went away
+            self._drop(item)
+            raise
+
+    async def _direct(self, task: Task, x: np.ndarray) -> Result:
+        if self._outstanding >= self.max_queue:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise QueueFullError(f"{self.max_queue} requests outstanding; retry later",
+                                 headers={"Retry-After": self.retry_after})
+        self._outstanding += 1
+        self.metrics.queue_depth.set(self._outstanding)
+        t0 = time.perf_counter()
+        try:
+            outputs = await asyncio.wait_for(arun(self.backend, task, x), self.timeout_s)
+        except TimeoutError:
+            self.metrics.rejected.labels("timeout").inc()
+            raise GatewayTimeoutError(f"no answer within {self.timeout_s:g} s (VIT_SERVE_REQUEST_TIMEOUT_S)") from None
+        finally:
+            self._outstanding -= 1
+            self.metrics.queue_depth.set(self._outstanding)
+        infer_ms = (time.perf_counter() - t0) * 1e3
+        self.metrics.batch_size.labels(task.kind).observe(x.shape[0])
+        self.metrics.inference.labels(task.kind).observe(infer_ms / 1e3)
+        return Result(outputs, 0.0, infer_ms, x.shape[0])
+
+    def _drop(self, item: _Item) -> None:
+        with contextlib.suppress(ValueError):
+            self._pending.remove(item)
+            self._rows[item.task] -= item.rows
+            self.metrics.queue_depth.set(len(self._pending))
+
+    # ---- the collector ---------------------------------------------------------------------------------
+
+    async def _collect(self) -> None:
+        while True:
+            try:
+                await self._next_batch()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stall every later request
+                log.exception("batcher error")
+
+    async def _next_batch(self) -> None:
+        if not self._pending:
+            self._arrival.clear()
+            await self._arrival.wait()
+            return
+        first = self._pending[0]
+        if self.max_batch > 1 and self._rows[first.task] < self.max_batch:
+            deadline = first.t0 + self.delay_s
+            while self._incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
+                self._arrival.clear()
+                try:
+                    await asyncio.wait_for(self._arrival.wait(), remaining)
+                except TimeoutError:
+                    break
+                if not self._pending or self._pending[0] is not first:
+                    return  # the oldest request timed out or left: start over from the new oldest
+                if self._rows[first.task] >= self.max_batch:
+                    break
+        batch = self._take(first.task)
+        await self._run(first.task, batch)
+
+    def _take(self, task: Task) -> list[_Item]:
+        """Remove and return the oldest items of `task` (the first always; others while they fit)."""
+        batch: list[_Item] = []
+        rest: deque[_Item] = deque()
+        rows = 0
+        for item in self._pending:
+            if item.task == task and (not batch or rows + item.rows <= self.max_batch):
+                batch.append(item)
+                rows += item.rows
+            else:
+                rest.append(item)
+        self._pending = rest
+        self._rows[task] -= rows
+        self.metrics.queue_depth.set(len(rest))
+        return batch
+
+    async def _run(self, task: Task, batch: list[_Item]) -> None:
+        x = batch[0].x if len(batch) == 1 else np.concatenate([item.x for item in batch])
+        rows = x.shape[0]
+        start = time.perf_counter()
+        for item in batch:
+            self.metrics.queue_wait.observe(start - item.t0)
+        self.metrics.batch_size.labels(task.kind).observe(rows)
+        self.metrics.in_flight.set(rows)
+        self._running = batch
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run, self.backend, task, x)
+        except Exception as e:
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(e)
+            return
+        finally:
+            self._running = []
+            self.metrics.in_flight.set(0)
+        end = time.perf_counter()
+        self.metrics.inference.labels(task.kind).observe(end - start)
+        offset = 0
+        for item in batch:
+            if not item.future.done():  # not timed out meanwhile
+                part = {k: v[offset:offset + item.rows] for k, v in outputs.items()}
+                item.future.set_result(Result(part, (start - item.t0) * 1e3, (end - start) * 1e3, rows))
+            offset += item.rows

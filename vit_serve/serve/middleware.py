@@ -1,0 +1,116 @@
+"""Pure ASGI middleware (no per-request task or body copy): request metrics, the 500 boundary, the body limit.
+
+Order, outermost first: RequestMetrics -> ErrorBoundary -> BodyLimit -> FastAPI's exception handlers -> routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vit_serve.serve.errors import BodyTooLargeError, body_limit_message
+from vit_serve.serve.metrics import GatewayMetrics
+
+log = logging.getLogger("vit_serve.serve")
+
+
+def _endpoint(scope: Scope) -> str:
+    """The matched route's template ("/v2/models/{name}/infer"), so that labels stay few."""
+    route = scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
+def _error_body(scope: Scope, message: str) -> dict[str, str]:
+    return {"error": message} if scope.get("path", "").startswith("/v2") else {"detail": message}
+
+
+class RequestMetrics:
+    """Counts every HTTP answer by endpoint, method and status, and observes its latency."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            endpoint = _endpoint(scope)
+            self.metrics.requests.labels(endpoint, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+class ErrorBoundary:
+    """Logs any exception a route did not turn into an answer and answers 500 with JSON (never a bare crash)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_started(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            body = _error_body(scope, "internal server error; the gateway logged it")
+            await JSONResponse(body, 500)(scope, receive, send)
+
+
+class BodyLimit:
+    """413 when the body exceeds `limit` bytes: from Content-Length before reading, and counted while reading
+    (chunked uploads, lying headers)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > self.limit:
+                    body = _error_body(scope, body_limit_message(self.limit))
+                    await JSONResponse(body, 413, headers={"Connection": "close"})(scope, receive, send)
+                    return
+                break
+        received = 0
+        limit = self.limit
+
+        async def receive_limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        await self.app(scope, receive_limited, send)

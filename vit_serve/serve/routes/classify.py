@@ -1,0 +1,58 @@
+"""POST /classify: an image in, the top-k classes out."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+
+from vit_serve.serve.deps import BackendDep, GatewayDep
+from vit_serve.serve.gateway import top_k
+from vit_serve.serve.inference import CLASSIFY
+from vit_serve.serve.schemas import ClassifyResponse, ErrorBody
+from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
+
+router = APIRouter(tags=["classify"])
+
+ERRORS = {
+    400: {"model": ErrorBody, "description": "malformed multipart body"},
+    413: {"model": ErrorBody, "description": "body over the size limit, or image over the pixel limit"},
+    415: {"model": ErrorBody, "description": "not an image (or not a format PIL reads)"},
+    422: {"description": "corrupt / truncated / empty image, or bad query parameters"},
+    503: {"model": ErrorBody, "description": "queue full (Retry-After) or model not loaded"},
+    504: {"model": ErrorBody, "description": "no answer within the request timeout"},
+}
+
+
+@router.post("/classify", response_model=ClassifyResponse, responses=ERRORS, openapi_extra=IMAGE_REQUEST_BODY)
+async def classify(
+    request: Request,
+    gateway: GatewayDep,
+    backend: BackendDep,
+    top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
+) -> dict:
+    """Classify one image.
+
+    Body: multipart/form-data with the image in field `file`, or the raw image with `Content-Type: image/*`
+    (any format PIL reads; EXIF orientation applied; preprocessed with the model's own contract).
+
+    Answer: `{"id": sha256 hex of the image bytes, "model": name, "resolution": [H, W],
+    "predictions": [{"label", "index", "score"}] (softmax probabilities, best first, top_k of them),
+    "timing_ms": {"decode", "queue", "infer", "total", "batch_size"}}`. The image is kept for a while, so that
+    `GET /explain?id=...` can explain it without a new upload.
+    """
+    t0 = time.perf_counter()
+    with gateway.arriving() as arrival:
+        data = await read_image(request)
+        decoded = await gateway.decode(data)
+        result = await gateway.infer(CLASSIFY, decoded.x, arrival)
+    info = backend.info
+    return {
+        "id": decoded.id,
+        "model": info.name,
+        "resolution": info.resolution,
+        "predictions": top_k(result.outputs["logits"][0], top_k_, info),
+        "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
+                      "total": (time.perf_counter() - t0) * 1e3, "batch_size": result.batch_size},
+    }

@@ -1,0 +1,133 @@
+"""GET /explain (an image classified earlier, by id) and POST /explain (an upload): what the model attended to.
+
+Methods: `rollout` (attention rollout, Abnar & Zuidema 2020: any backend with an explain graph; exported graphs
+have their head_fusion / discard_ratio baked in, other values answer 400 naming them) and `grad_rollout`
+(gradient-weighted rollout, Chefer et al. 2021: the torch backend only, 400 elsewhere).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+from PIL import Image
+
+from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.overlay import COLORMAPS
+from vit_serve.serve.batcher import Arrival
+from vit_serve.serve.deps import BackendDep, GatewayDep
+from vit_serve.serve.errors import NotFoundError
+from vit_serve.serve.gateway import Gateway, top_k
+from vit_serve.serve.inference import Task
+from vit_serve.serve.routes.classify import ERRORS
+from vit_serve.serve.schemas import ErrorBody, ExplainResponse
+from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
+
+router = APIRouter(tags=["explain"])
+
+PNG = {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}},
+       "description": "format=png: the map over the model-input crop (headers X-Image-Id, X-Model); "
+                      "format=json: the map as numbers"}
+
+
+@dataclass(frozen=True)
+class ExplainParams:
+    method: Literal["rollout", "grad_rollout"]
+    head_fusion: str | None
+    discard_ratio: float | None
+    format: Literal["png", "json"]
+    target: int | None
+    alpha: float
+    colormap: str
+
+
+def explain_params(
+    method: Annotated[Literal["rollout", "grad_rollout"], Query(description="grad_rollout: torch backend only")
+                      ] = "rollout",
+    head_fusion: Annotated[Literal[HEAD_FUSIONS] | None, Query(
+        description="rollout: fuse heads by mean, max or min (default: mean, or the exported graph's)")] = None,
+    discard_ratio: Annotated[float | None, Query(
+        ge=0.0, lt=1.0, description="rollout: drop this fraction of the weakest attention weights per layer "
+                                    "(default: 0.9, or the exported graph's)")] = None,
+    format: Annotated[Literal["png", "json"], Query(description="png overlay or json grid")] = "png",
+    target: Annotated[int | None, Query(ge=0, description="grad_rollout: class to explain (default top-1)")] = None,
+    alpha: Annotated[float, Query(ge=0.0, le=1.0, description="png: opacity of the map")] = 0.5,
+    colormap: Annotated[Literal[COLORMAPS], Query(description="png: colour map")] = "jet",
+) -> ExplainParams:
+    return ExplainParams(method, head_fusion, discard_ratio, format, target, alpha, colormap)
+
+
+ParamsDep = Annotated[ExplainParams, Depends(explain_params)]
+
+
+def _task(gateway: Gateway, p: ExplainParams) -> Task:
+    return gateway.explain_task(p.method, p.head_fusion, p.discard_ratio, p.target)
+
+
+async def _answer(gateway: Gateway, task: Task, image_id: str, crop: Image.Image, x: np.ndarray,
+                  p: ExplainParams, t0: float, decode_ms: float, arrival: Arrival) -> Response | dict:
+    result = await gateway.infer(task, x, arrival)
+    heat = result.outputs["rollout"][0]
+    info = gateway.info
+    if p.format == "png":
+        png = await gateway.overlay(crop, heat, p.alpha, p.colormap)
+        return Response(png, media_type="image/png", headers={"X-Image-Id": image_id, "X-Model": info.name})
+    logits = result.outputs.get("logits")
+    rollout = task.kind == "explain"
+    return {
+        "id": image_id,
+        "model": info.name,
+        "method": p.method,
+        "head_fusion": task.head_fusion if rollout else None,
+        "discard_ratio": task.discard_ratio if rollout else None,
+        "query": "cls" if info.extra.get("pool", "token") == "token" else "patch-mean",
+        "grid": info.grid,
+        "map": heat.tolist(),
+        "predictions": top_k(logits[0], 5, info) if logits is not None else [],
+        "timing_ms": {"decode": decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
+                      "total": (time.perf_counter() - t0) * 1e3, "batch_size": result.batch_size},
+    }
+
+
+@router.get("/explain", response_model=ExplainResponse, responses={200: PNG, 404: {"model": ErrorBody}, **ERRORS})
+async def explain_by_id(
+    gateway: GatewayDep,
+    backend: BackendDep,
+    params: ParamsDep,
+    id: Annotated[str, Query(pattern="^[0-9a-f]{64}$",
+                             description="the `id` POST /classify returned (sha256 hex of the image)")],
+) -> Response | dict:
+    """Explain an image classified recently (kept for `VIT_SERVE_STORE_TTL_S` seconds, at most
+    `VIT_SERVE_STORE_SIZE` images).
+
+    format=json answers `{"id", "model", "method", "head_fusion", "discard_ratio", "query", "grid": [gh, gw],
+    "map": gh x gw floats, "predictions", "timing_ms"}`; format=png the map blended over the model-input crop.
+    An unknown or expired id answers 404: send the image again with POST /explain.
+    """
+    t0 = time.perf_counter()
+    task = _task(gateway, params)
+    crop = gateway.store.get(id)
+    if crop is None:
+        raise NotFoundError(f"no image with id {id} here (never sent, expired or evicted); send the image again with "
+                            f"POST /explain (multipart field 'file' or a raw image/* body)")
+    with gateway.arriving() as arrival:
+        x = await gateway.tensor_of(crop)
+        return await _answer(gateway, task, id, crop, x, params, t0, 0.0, arrival)
+
+
+@router.post("/explain", response_model=ExplainResponse, responses={200: PNG, **ERRORS},
+             openapi_extra=IMAGE_REQUEST_BODY)
+async def explain_upload(request: Request, gateway: GatewayDep, backend: BackendDep, params: ParamsDep
+                         ) -> Response | dict:
+    """Explain an uploaded image (same body as POST /classify, same parameters and answers as GET /explain)."""
+    t0 = time.perf_counter()
+    task = _task(gateway, params)
+    with gateway.arriving() as arrival:
+        data = await read_image(request)
+        decoded = await gateway.decode(data)
+        return await _answer(gateway, task, decoded.id, decoded.crop, decoded.x, params, t0, decoded.decode_ms,
+                             arrival)

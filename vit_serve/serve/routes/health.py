@@ -1,0 +1,28 @@
+"""GET /healthz (the process answers) and GET /readyz (model loaded, warmed up, backend reachable)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from vit_serve.serve.deps import GatewayDep
+from vit_serve.serve.schemas import Health, Readiness
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz() -> dict:
+    """Liveness: `{"status": "ok"}` whenever the server answers at all."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+async def readyz(gateway: GatewayDep) -> JSONResponse:
+    """Readiness: 200 `{"ready": true, "model", "backend"}` once the model is loaded and warmed up and its backend
+    answers; 503 `{"ready": false, "reason"}` before that (or while a Triton server is unreachable)."""
+    ok, reason = await gateway.readiness()
+    backend = gateway.backend
+    body = Readiness(ready=ok, model=backend.info.name if backend else None,
+                     backend=backend.name if backend else None, reason=reason)
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)

@@ -1,0 +1,205 @@
+"""The Open Inference Protocol (KServe v2 / Triton HTTP) under /v2, with the binary tensor data extension.
+
+The model has two inputs, of which a request sends one: `pixel_values` FP32 [-1, 3, H, W] (preprocessed with
+the contract in `GET /v2/models/{name}` parameters) or `image` BYTES [-1] (encoded images, preprocessed here);
+and outputs `logits` FP32 [-1, K] and, when the backend can explain, `rollout` FP32 [-1, gh, gw] (attention
+rollout; request parameters `head_fusion` / `discard_ratio` choose its settings). A request naming no outputs
+gets all of them (raw with `parameters.binary_data_output`, as Triton; tritonclient sets it). Errors answer
+`{"error": message}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import Response
+
+from vit_serve import __version__
+from vit_serve.serve.backends.base import ModelInfo
+from vit_serve.serve.batcher import Arrival
+from vit_serve.serve.deps import BackendDep, GatewayDep
+from vit_serve.serve.errors import BadRequestError, NotFoundError, TooLargeError, UnsupportedMediaError
+from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.inference import CLASSIFY, Task
+from vit_serve.serve.v2_protocol import HEADER_LENGTH, Tensor, encode_infer_response, parse_infer_request
+
+router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
+VERSION = "1"
+V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
+    "type": "string"}}}}}}
+NameDep = Annotated[str, Path(description="the model's name (GET /v2/models/{name} lists it)")]
+VersionDep = Annotated[str, Path(description='the model version; "1" is the only one')]
+
+
+def _model(backend_info: ModelInfo, name: str, version: str | None) -> ModelInfo:
+    if name != backend_info.name:
+        raise NotFoundError(f"unknown model {name!r}; this server serves {backend_info.name!r}")
+    if version not in (None, VERSION):
+        raise NotFoundError(f"model {name!r} has no version {version!r} (only {VERSION!r})")
+    return backend_info
+
+
+def model_metadata(info: ModelInfo, backend: str) -> dict[str, Any]:
+    h, w = info.resolution
+    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, info.num_classes]}]
+    if info.explain:
+        outputs.append({"name": "rollout", "datatype": "FP32", "shape": [-1, *info.grid]})
+    return {
+        "name": info.name,
+        "versions": [VERSION],
+        "platform": f"vit-serve_{backend}",
+        "inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
+                   {"name": "image", "datatype": "BYTES", "shape": [-1]}],
+        "outputs": outputs,
+        "parameters": {"input": "send pixel_values or image, not both", "preprocess": info.preprocess.to_dict(),
+                       "labels": info.labels},
+    }
+
+
+@router.get("", responses={200: {"description": "server metadata"}})
+async def server_metadata() -> dict:
+    """`{"name", "version", "extensions"}`."""
+    return {"name": "vit-serve", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live", responses={200: {"description": "live"}})
+async def live() -> Response:
+    """200 while the server answers."""
+    return Response(status_code=200)
+
+
+@router.get("/health/ready", responses={200: {"description": "ready"}, 503: {"description": "not ready"}})
+async def ready(gateway: GatewayDep) -> Response:
+    """200 once the model is loaded, warmed up and its backend answers; 503 before."""
+    ok, _ = await gateway.readiness()
+    return Response(status_code=200 if ok else 503)
+
+
+@router.get("/models/{name}", responses={404: V2_ERROR})
+async def metadata(name: NameDep, backend: BackendDep) -> dict:
+    """Model metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (send one), outputs
+    `logits` FP32 [-1, K] and `rollout` FP32 [-1, gh, gw] (with an explain graph); parameters: the preprocessing
+    contract and the labels."""
+    return model_metadata(_model(backend.info, name, None), backend.name)
+
+
+@router.get("/models/{name}/versions/{version}", responses={404: V2_ERROR})
+async def version_metadata(name: NameDep, version: VersionDep, backend: BackendDep) -> dict:
+    """The same, for version "1" (the only one)."""
+    return model_metadata(_model(backend.info, name, version), backend.name)
+
+
+async def _ready(gateway: Gateway, info: ModelInfo, name: str, version: str | None) -> Response:
+    _model(info, name, version)
+    ok, _ = await gateway.readiness()
+    return Response(status_code=200 if ok else 503)
+
+
+@router.get("/models/{name}/ready", responses={200: {"description": "ready"}, 404: V2_ERROR, 503: {}})
+async def model_ready(name: NameDep, gateway: GatewayDep, backend: BackendDep) -> Response:
+    """200 when the model is ready, 503 before, 404 for another name."""
+    return await _ready(gateway, backend.info, name, None)
+
+
+@router.get("/models/{name}/versions/{version}/ready", responses={200: {"description": "ready"}, 404: V2_ERROR,
+                                                                   503: {}})
+async def version_ready(name: NameDep, version: VersionDep, gateway: GatewayDep, backend: BackendDep) -> Response:
+    """The same, for version "1"."""
+    return await _ready(gateway, backend.info, name, version)
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedMediaError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate or none)")
+    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise BadRequestError(f"cannot decompress the {encoding} body ({e})") from e
+    if len(out) > limit:
+        raise TooLargeError(f"the decompressed body is larger than the limit of {limit} bytes "
+                            f"(VIT_SERVE_MAX_BODY_BYTES)")
+    return out
+
+
+async def _pixels(gateway: Gateway, info: ModelInfo, inputs: dict[str, Tensor]) -> np.ndarray:
+    """The request's one input -> x [B, 3, H, W] float32."""
+    unknown = set(inputs) - {"pixel_values", "image"}
+    if unknown or len(inputs) != 1:
+        raise BadRequestError(f"send exactly one input, pixel_values or image (got {sorted(inputs)})")
+    h, w = info.resolution
+    if "pixel_values" in inputs:
+        t = inputs["pixel_values"]
+        if t.datatype not in ("FP32", "FP16", "FP64"):
+            raise BadRequestError(f"pixel_values must be FP32 (got {t.datatype})")
+        if len(t.shape) != 4 or t.shape[1:] != [3, h, w] or t.shape[0] < 1:
+            raise BadRequestError(f"pixel_values must have shape [B, 3, {h}, {w}] (got {t.shape})")
+        return np.asarray(t.data, dtype=np.float32)
+    t = inputs["image"]
+    if t.datatype != "BYTES" or not t.data:
+        raise BadRequestError("image must be BYTES holding at least one encoded image")
+    decoded = await asyncio.gather(*(gateway.decode(bytes(b), keep=False) for b in t.data))
+    return np.concatenate([d.x for d in decoded])
+
+
+INFER_DOC = {
+    "response_class": Response,
+    "responses": {200: {"description": "outputs (JSON, or JSON + binary tensors)"}, 400: V2_ERROR, 404: V2_ERROR,
+                  413: V2_ERROR, 415: V2_ERROR, 503: V2_ERROR, 504: V2_ERROR},
+    "openapi_extra": {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+}
+
+
+@router.post("/models/{name}/infer", **INFER_DOC)
+async def infer(name: NameDep, request: Request, gateway: GatewayDep, backend: BackendDep) -> Response:
+    """Inference: `{"id"?, "inputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}],
+    "outputs"?: [{"name", "parameters": {"binary_data"}}], "parameters"?: {"binary_data_output",
+    "head_fusion", "discard_ratio"}}` -> `{"model_name", "model_version", "id"?, "outputs": [{"name",
+    "datatype", "shape", "data" | parameters.binary_data_size}]}` (+ raw tensors after the JSON, with the
+    `Inference-Header-Content-Length` header, when any output is binary)."""
+    info = _model(backend.info, name, None)
+    with gateway.arriving() as arrival:
+        return await _infer(request, gateway, info, arrival)
+
+
+@router.post("/models/{name}/versions/{version}/infer", **INFER_DOC, include_in_schema=False)  # Triton's alias
+async def version_infer(name: NameDep, version: VersionDep, request: Request, gateway: GatewayDep,
+                        backend: BackendDep) -> Response:
+    """The same, for version "1"."""
+    info = _model(backend.info, name, version)
+    with gateway.arriving() as arrival:
+        return await _infer(request, gateway, info, arrival)
+
+
+async def _infer(request: Request, gateway: Gateway, info: ModelInfo, arrival: Arrival) -> Response:
+    body = _decompress(await request.body(), request.headers.get("content-encoding", "").strip().lower(),
+                       gateway.settings.max_body_bytes)
+    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+    available = ["logits", *(["rollout"] if info.explain else [])]
+    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
+    for out in wanted:
+        if out["name"] not in available:
+            raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
+    if any(out["name"] == "rollout" for out in wanted):
+        hf, dr = req.parameters.get("head_fusion"), req.parameters.get("discard_ratio")
+        if dr is not None and not isinstance(dr, (int, float)):
+            raise BadRequestError("parameters.discard_ratio must be a number")
+        if dr is not None and not 0 <= dr < 1:
+            raise BadRequestError("parameters.discard_ratio must be in [0, 1)")
+        task: Task = gateway.explain_task("rollout", hf, dr)
+    else:
+        task = CLASSIFY
+    x = await _pixels(gateway, info, req.inputs)
+    result = await gateway.infer(task, x, arrival)
+    outputs = [(o["name"], result.outputs[o["name"]], req.binary_output(o)) for o in wanted]
+    content, headers = encode_infer_response(info.name, VERSION, req.id, outputs)
+    return Response(content, headers=headers, media_type=headers["Content-Type"])
+

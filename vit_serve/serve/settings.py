@@ -1,0 +1,54 @@
+"""The gateway's one settings class: environment variables `VIT_SERVE_*`, overridden by `vit-serve serve` flags."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
+
+
+def _default_decode_workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class ServeSettings(BaseSettings):
+    """Everything `vit-serve serve` can be told. Each field is also `VIT_SERVE_<FIELD>` (e.g. VIT_SERVE_MAX_BATCH)."""
+
+    model_config = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
+
+    model: str = Field("", description="checkpoint, exported NAME.onnx, TensorRT engine, or a Triton model name")
+    backend: BackendName = Field("auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
+    triton_url: str = Field("localhost:8000", description="Triton server host:port (HTTP) for --backend triton")
+    model_name: str | None = Field(None, description="name shown to clients (default: MODEL's file stem)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # Dynamic batching: coalesce up to max_batch images or max_delay_ms; max_batch 1 or delay 0 turns it off.
+    max_batch: int = Field(16, ge=1, description="largest batch the model runs")
+    max_delay_ms: float = Field(5.0, ge=0, description="longest wait for a batch to fill, from its first request")
+    max_queue: int = Field(256, ge=1, description="requests waiting for the model; beyond it answers 503")
+    request_timeout_s: float = Field(30.0, gt=0, description="queue + inference time before answering 504")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
+
+    # Untrusted input.
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="largest request body (413 beyond)")
+    max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+
+    # Images kept for GET /explain?id=...
+    store_size: int = Field(256, ge=0, description="recent images kept (model-input crops); 0 keeps none")
+    store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
+
+    # Compute.
+    decode_workers: int = Field(default_factory=_default_decode_workers, ge=1,
+                                description="threads decoding and preprocessing uploads")
+    threads: int | None = Field(None, ge=1, description="intra-op threads of the model runtime (default: its own)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch / onnxruntime device")
+
+    @property
+    def batching(self) -> bool:
+        """Whether concurrent requests are coalesced (max_batch > 1 and max_delay_ms > 0)."""
+        return self.max_batch > 1 and self.max_delay_ms > 0

@@ -1,0 +1,179 @@
+"""The Open Inference Protocol (KServe v2) wire format: inference requests in, responses out.
+
+Supports JSON tensor data and the binary tensor data extension: a request whose header
+`Inference-Header-Content-Length: N` says its first N bytes are the JSON, followed by the raw tensors of the
+inputs that carry `parameters.binary_data_size`, in input order; outputs are returned raw after the JSON when
+`outputs[i].parameters.binary_data` (or the request's `parameters.binary_data_output`) is true. Tensors are
+row-major, little-endian; BYTES elements are 4-byte little-endian lengths followed by the bytes. In JSON, BYTES
+elements (encoded images) are base64 strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vit_serve.serve.errors import BadRequestError
+
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype("?"), "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"), "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"), "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+}
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass
+class Tensor:
+    """One input: numeric data as an array of `shape`, or BYTES as a list of byte strings."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: np.ndarray | list[bytes]
+
+
+@dataclass
+class InferRequest:
+    id: str | None
+    inputs: dict[str, Tensor]
+    outputs: list[dict[str, Any]] | None  # None: every output
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def binary_output(self, out: dict[str, Any] | None) -> bool:
+        """Whether an output goes back raw (its own binary_data, else the request's binary_data_output)."""
+        params = (out or {}).get("parameters") or {}
+        if "binary_data" in params:
+            return bool(params["binary_data"])
+        return bool(self.parameters.get("binary_data_output", False))
+
+
+def _bytes_elements(raw: memoryview, name: str) -> list[bytes]:
+    out, i = [], 0
+    while i < len(raw):
+        if i + 4 > len(raw):
+            raise BadRequestError(f"input {name!r}: truncated BYTES element length")
+        (n,) = struct.unpack_from("<I", raw, i)
+        if i + 4 + n > len(raw):
+            raise BadRequestError(f"input {name!r}: BYTES element of {n} bytes runs past the data")
+        out.append(bytes(raw[i + 4:i + 4 + n]))
+        i += 4 + n
+    return out
+
+
+def _count(shape: list[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def _tensor(spec: dict[str, Any], raw: memoryview | None) -> Tensor:
+    name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list) \
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise BadRequestError("each input needs a name, a datatype and a shape of non-negative integers")
+    count = _count(shape)
+    if datatype == "BYTES":
+        if raw is not None:
+            items = _bytes_elements(raw, name)
+        else:
+            data = spec.get("data")
+            flat = data if isinstance(data, list) else [data]
+            try:
+                items = [base64.b64decode(s, validate=True) for s in flat]
+            except (binascii.Error, TypeError, ValueError) as e:
+                raise BadRequestError(f"input {name!r}: JSON BYTES elements must be base64 strings ({e})") from e
+        if len(items) != count:
+            raise BadRequestError(f"input {name!r}: {len(items)} BYTES elements for shape {shape}")
+        return Tensor(name, datatype, shape, items)
+    dtype = DTYPES.get(datatype)
+    if dtype is None:
+        raise BadRequestError(f"input {name!r}: unknown datatype {datatype!r}")
+    if raw is not None:
+        if len(raw) != count * dtype.itemsize:
+            raise BadRequestError(f"input {name!r}: {len(raw)} bytes of binary data, but {datatype} {shape} needs "
+                                  f"{count * dtype.itemsize}")
+        arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    else:
+        if "data" not in spec:
+            raise BadRequestError(f"input {name!r} has neither data nor parameters.binary_data_size")
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values are refused just below
+                arr = np.asarray(spec["data"], dtype=dtype)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise BadRequestError(f"input {name!r}: data is not {datatype} numbers ({e})") from e
+        if arr.size != count:
+            raise BadRequestError(f"input {name!r}: {arr.size} values for shape {shape}")
+        arr = arr.reshape(shape)
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise BadRequestError(f"input {name!r}: values must be finite {datatype} numbers (NaN, inf or out of range)")
+    return Tensor(name, datatype, shape, arr)
+
+
+def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
+    """The request body (JSON, or JSON + binary tensors) -> InferRequest; 400 on anything malformed."""
+    if header_length is not None:
+        if not header_length.strip().isdigit() or int(header_length) > len(body):
+            raise BadRequestError(f"{HEADER_LENGTH} {header_length!r} is not a length within the body")
+        n = int(header_length)
+        head, rest = body[:n], memoryview(body)[n:]
+    else:
+        head, rest = body, memoryview(b"")
+    try:
+        doc = json.loads(head)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"the inference request header is not JSON ({e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
+        raise BadRequestError("an inference request is a JSON object with a non-empty list of inputs")
+    inputs: dict[str, Tensor] = {}
+    offset = 0
+    for spec in doc["inputs"]:
+        if not isinstance(spec, dict):
+            raise BadRequestError("each input must be a JSON object")
+        size = (spec.get("parameters") or {}).get("binary_data_size")
+        raw = None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(rest):
+                raise BadRequestError(f"input {spec.get('name')!r}: binary_data_size {size!r} runs past the body")
+            raw = rest[offset:offset + size]  # a view: no copy of the tensor bytes
+            offset += size
+        tensor = _tensor(spec, raw)
+        inputs[tensor.name] = tensor
+    if offset != len(rest):
+        raise BadRequestError(f"{len(rest) - offset} bytes of binary data belong to no input")
+    outputs = doc.get("outputs")
+    if outputs is not None and (not isinstance(outputs, list)
+                                or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs)):
+        raise BadRequestError("outputs must be a list of objects with a name")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadRequestError("parameters must be an object")
+    request_id = doc.get("id")
+    return InferRequest(request_id if isinstance(request_id, str) else None, inputs, outputs, params)
+
+
+def encode_infer_response(model: str, version: str, request_id: str | None,
+                          outputs: list[tuple[str, np.ndarray, bool]]) -> tuple[bytes, dict[str, str]]:
+    """(name, float32 array, binary?) per output -> (body, headers)."""
+    header: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": []}
+    if request_id is not None:
+        header["id"] = request_id
+    blobs: list[bytes] = []
+    for name, arr, binary in outputs:
+        arr = np.ascontiguousarray(arr, dtype="<f4")
+        entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
+        if binary:
+            blob = arr.tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = arr.ravel().tolist()
+        header["outputs"].append(entry)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    if not blobs:
+        return head, {"Content-Type": "application/json"}
+    return b"".join([head, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
