@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+
+import vit_serve
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -59,3 +63,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def export_tiny(randomize) -> Callable[..., tuple[int, Path]]:
+    """`export_tiny(folder, res, seed, labels, *args) -> (exit code, checkpoint)`: a 2-block Ti/16 at res x res with
+    random non-trivial weights and `labels`, saved as folder/tiny.safetensors, then `vit-export CHECKPOINT *args`
+    on one torch thread."""
+    from vit_export.cli import main
+
+    def export(folder: Path, res: int, seed: int, labels: list[str], *args: str) -> tuple[int, Path]:
+        model = randomize(vit_serve.create_model("Ti/16", num_classes=len(labels), depth=2, img_size=res), seed=seed)
+        model.labels = list(labels)
+        ckpt = folder / "tiny.safetensors"
+        vit_serve.save(model, ckpt)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return main([str(ckpt), *args]), ckpt
+        finally:
+            torch.set_num_threads(threads)
+
+    return export

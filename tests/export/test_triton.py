@@ -56,21 +56,13 @@ def _encode(array: np.ndarray, fmt: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, randomize):
+def exported(tmp_path_factory, export_tiny):
     """`vit-export --format onnx,triton,tensorrt` of a tiny ViT with real labels (the ensemble calls `_py`)."""
     d = tmp_path_factory.mktemp("triton")
-    model = randomize(vit_serve.create_model("Ti/16", num_classes=10, depth=2, img_size=RES), seed=0)
-    model.labels = list(LABELS)
-    vit_serve.save(model, d / "tiny.safetensors")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:  # a 20 ms batching window: concurrent requests share executions even on a busy 2-core box
-        rc = main(
-            [str(d / "tiny.safetensors"), "--format", "onnx,triton,tensorrt", "--out", str(d / "exports"),
-             "--repo", str(d / "repo"), "--name", NAME, "--triton-ensemble", "py", "--queue-delay-us", "20000"]
-        )  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
+    # A 20 ms batching window: concurrent requests share executions even on a busy 2-core box.
+    rc, ckpt = export_tiny(d, RES, 0, LABELS, "--format", "onnx,triton,tensorrt", "--out", str(d / "exports"),
+                           "--repo", str(d / "repo"), "--name", NAME, "--triton-ensemble", "py",
+                           "--queue-delay-us", "20000")
     out = d / "exports"
     return {
         "dir": d,
@@ -78,7 +70,7 @@ def exported(tmp_path_factory, randomize):
         "repo": d / "repo",
         "onnx": out / f"{NAME}.onnx",
         "explain": out / f"{NAME}_explain.onnx",
-        "model": vit_serve.load(d / "tiny.safetensors"),
+        "model": vit_serve.load(ckpt),
     }
 
 

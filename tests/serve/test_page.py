@@ -11,14 +11,12 @@ import base64
 import io
 import os
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from gateway_helpers import live_server, settings_for
 from PIL import Image
 
 import vit_serve
@@ -36,47 +34,16 @@ LABELS = ["tabby cat", "espresso", "golden retriever", "red fox", "teapot", "lig
 TIMEOUT_MS = 30_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, randomize) -> Iterator[str]:
     """The gateway's base URL: uvicorn in a background thread serving a 2-block Ti/16 at 32x32 with 10 labels."""
-    import uvicorn
-
-    from vit_serve.serve.app import create_app
-    from vit_serve.serve.settings import ServeSettings
-
     folder = tmp_path_factory.mktemp("page")
     model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=32), seed=3)
     model.labels = list(LABELS)
     ckpt = folder / "pets.safetensors"
     vit_serve.save(model, ckpt)
-    port = _free_port()
-    settings = ServeSettings(model=str(ckpt), backend="torch", device="cpu", threads=1, decode_workers=1,
-                             host="127.0.0.1", port=port)
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                        lifespan="on"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or not thread.is_alive():
-            srv.should_exit = True
-            pytest.fail("the gateway did not become ready within 60 s")
-        time.sleep(0.05)
-    yield url
-    srv.should_exit = True
-    thread.join(30)
+    with live_server(settings_for(ckpt, backend="torch", decode_workers=1)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

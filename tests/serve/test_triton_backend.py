@@ -10,49 +10,38 @@ sidecar's preprocessing contract through `vit_serve.preprocess` (the one preproc
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
 import socket
-import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-from vit_export.cli import main
+from gateway_helpers import live_server
 from vit_export.parity import session
 from vit_export.tritonserver import TritonServer, available
 
 import vit_serve
 from vit_serve.explain import rollout
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess
-from vit_serve.serve.app import create_app
 from vit_serve.serve.backends.base import BackendUnavailableError
 from vit_serve.serve.backends.triton import TritonBackend, parse_url
 from vit_serve.serve.settings import ServeSettings
 
 httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("tritonclient.http.aio")
 pytest.importorskip("tritonclient.grpc.aio")
-skdata = pytest.importorskip("skimage.data")
 
 LABELS = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 NAME = "tiny"
 RES = 32
 MODEL = f"{NAME}_py"
 TOL = 1e-5
-
-
-def _encode(array: np.ndarray, fmt: str) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-    return buf.getvalue()
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -75,22 +64,14 @@ def _counters(metrics_url: str, model: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, randomize):
+def exported(tmp_path_factory, export_tiny):
     d = tmp_path_factory.mktemp("triton_backend")
-    model = randomize(vit_serve.create_model("Ti/16", num_classes=10, depth=2, img_size=RES), seed=7)
-    model.labels = list(LABELS)
-    vit_serve.save(model, d / "tiny.safetensors")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        # A 20 ms batching window, so that concurrent requests reliably meet in Triton's queue.
-        rc = main([str(d / "tiny.safetensors"), "--format", "onnx,triton", "--out", str(d / "exports"),
-                   "--repo", str(d / "repo"), "--name", NAME, "--queue-delay-us", "20000"])
-    finally:
-        torch.set_num_threads(threads)
+    # A 20 ms batching window, so that concurrent requests reliably meet in Triton's queue.
+    rc, ckpt = export_tiny(d, RES, 7, LABELS, "--format", "onnx,triton", "--out", str(d / "exports"),
+                           "--repo", str(d / "repo"), "--name", NAME, "--queue-delay-us", "20000")
     assert rc == 0
     sidecar = json.loads((d / "exports" / f"{NAME}.json").read_text())
-    return {"repo": d / "repo", "onnx": d / "exports" / f"{NAME}.onnx", "model": vit_serve.load(d / "tiny.safetensors"),
+    return {"repo": d / "repo", "onnx": d / "exports" / f"{NAME}.onnx", "model": vit_serve.load(ckpt),
             "preprocess": PreprocessConfig.from_dict(sidecar["preprocess"])}
 
 
@@ -105,47 +86,13 @@ def server(exported):
     srv.close()
 
 
-class Uvicorn:
-    """The app on a real uvicorn in a background thread (its lifespan included), on a free port."""
-
-    def __init__(self, app) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]), log_level="warning",
-                                lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def __enter__(self) -> Uvicorn:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if not self.thread.is_alive():
-                raise RuntimeError("the gateway did not start (see the log above)")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("the gateway was not ready within 60 s")
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
-def gateway(server):
+def gateway(server) -> Iterator[str]:
+    """The gateway's base URL: the app on the Triton backend under a real uvicorn in a thread."""
     settings = ServeSettings(model=MODEL, backend="triton", triton_url=server.http_url, threads=1,
                              decode_workers=2, request_timeout_s=10)
-    with Uvicorn(create_app(settings)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def photos() -> dict[str, bytes]:
-    return {"astronaut.png": _encode(skdata.astronaut(), "PNG"), "coffee.jpg": _encode(skdata.coffee(), "JPEG"),
-            "chelsea.jpg": _encode(skdata.chelsea(), "JPEG")}
+    with live_server(settings) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +168,7 @@ def test_backend_errors(server):
 
 def test_classify_photos_matches_onnxruntime(gateway, photos, reference):
     for name, data in photos.items():
-        r = _post(gateway.url, "/classify", data, name, top_k=10)
+        r = _post(gateway, "/classify", data, name, top_k=10)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["model"] == MODEL and body["resolution"] == [RES, RES] and len(body["predictions"]) == 10
@@ -231,7 +178,7 @@ def test_classify_photos_matches_onnxruntime(gateway, photos, reference):
 def test_explain_matches_pytorch_rollout(gateway, photos, reference, exported):
     model = exported["model"]
     for name, data in photos.items():
-        r = _post(gateway.url, "/explain", data, name, format="json")
+        r = _post(gateway, "/explain", data, name, format="json")
         assert r.status_code == 200, r.text
         body = r.json()
         with torch.no_grad():
@@ -243,13 +190,13 @@ def test_explain_matches_pytorch_rollout(gateway, photos, reference, exported):
         print(f"\n{name}: max |Δ rollout| vs PyTorch {diff:.1e}")
         _check_predictions(body, logits[0].numpy())
     # The same map for an image kept from POST /classify; PNG overlay; settings the graph lacks are refused.
-    r = _post(gateway.url, "/classify", photos["chelsea.jpg"], "chelsea.jpg")
-    again = httpx.get(f"{gateway.url}/explain", params={"id": r.json()["id"], "format": "json"}, timeout=30)
+    r = _post(gateway, "/classify", photos["chelsea.jpg"], "chelsea.jpg")
+    again = httpx.get(f"{gateway}/explain", params={"id": r.json()["id"], "format": "json"}, timeout=30)
     assert again.status_code == 200 and again.json()["map"] == body["map"]
-    png = httpx.get(f"{gateway.url}/explain", params={"id": r.json()["id"]}, timeout=30)
+    png = httpx.get(f"{gateway}/explain", params={"id": r.json()["id"]}, timeout=30)
     assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
     for params in ({"method": "grad_rollout"}, {"head_fusion": "max"}):
-        bad = _post(gateway.url, "/explain", photos["chelsea.jpg"], "chelsea.jpg", format="json", **params)
+        bad = _post(gateway, "/explain", photos["chelsea.jpg"], "chelsea.jpg", format="json", **params)
         assert bad.status_code == 400, bad.text
 
 
@@ -259,7 +206,7 @@ def test_concurrent_requests_are_batched_by_triton(gateway, server, photos, refe
     before = _counters(server.metrics_url, MODEL)
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
             return await asyncio.gather(*(client.post("/classify", params={"top_k": 10},
                                                       files={"file": (nm, photos[nm], "image/jpeg")})
                                           for nm in names))
@@ -280,12 +227,12 @@ def test_gateway_survives_a_triton_restart(gateway, server, photos, reference):
     """Triton goes away: /readyz and /classify answer 503; it comes back on the same ports: both recover,
     without restarting the gateway."""
     data, name = photos["astronaut.png"], "astronaut.png"
-    assert httpx.get(f"{gateway.url}/readyz", timeout=5).status_code == 200
+    assert httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200
     server.stop()
     try:
-        r = httpx.get(f"{gateway.url}/readyz", timeout=10)
+        r = httpx.get(f"{gateway}/readyz", timeout=10)
         assert r.status_code == 503 and r.json()["ready"] is False
-        r = _post(gateway.url, "/classify", data, name)
+        r = _post(gateway, "/classify", data, name)
         assert r.status_code == 503, r.text
         assert "unavailable" in r.json()["detail"] and r.headers.get("retry-after")
     finally:
@@ -293,11 +240,11 @@ def test_gateway_survives_a_triton_restart(gateway, server, photos, reference):
         server.start(timeout=90)
         started = time.monotonic() - t0
     deadline = time.monotonic() + 20
-    while httpx.get(f"{gateway.url}/readyz", timeout=10).status_code != 200:
+    while httpx.get(f"{gateway}/readyz", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the gateway did not become ready within 20 s of Triton's restart"
         time.sleep(0.05)
     ready_after = time.monotonic() - t0 - started
-    r = _post(gateway.url, "/classify", data, name, top_k=10)
+    r = _post(gateway, "/classify", data, name, top_k=10)
     assert r.status_code == 200, r.text
     _check_predictions(r.json(), reference[name]["logits"])
     print(f"\nTriton restarted in {started:.2f} s; gateway ready {ready_after:.3f} s after that")

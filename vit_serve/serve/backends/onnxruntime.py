@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from vit_serve.serve.backends.base import Backend
-from vit_serve.serve.backends.sidecar import EXPLAIN_SUFFIX, explain_path_of, model_info, read_sidecar
+from vit_serve.serve.backends.sidecar import read_export
 
 INPUT = "pixel_values"
 
@@ -36,15 +36,7 @@ class OnnxRuntimeBackend(Backend):
         import onnxruntime as ort
 
         path = Path(onnx_path)
-        if path.stem.endswith(EXPLAIN_SUFFIX):
-            base = path.with_name(path.stem[: -len(EXPLAIN_SUFFIX)] + path.suffix)
-            raise ValueError(f"serve the logits graph {base.name}; its explain graph {path.name} is found beside it")
-        if not path.is_file():
-            raise FileNotFoundError(f"no such ONNX file: {path}")
-        side = read_sidecar(path)
-        explain = explain_path_of(path)
-        explain_side = read_sidecar(explain) if explain.is_file() else None
-        self.info = model_info(path, side, model_name, explain_side, self.name)
+        self.info, explain = read_export(path, model_name, self.name, "graph")
 
         opts = ort.SessionOptions()
         if threads is not None:
@@ -55,7 +47,7 @@ class OnnxRuntimeBackend(Backend):
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
             self.explain_session = (ort.InferenceSession(str(explain), opts, providers=providers)
-                                    if explain_side is not None else None)
+                                    if explain is not None else None)
         except Exception as e:  # onnxruntime raises its own exception types for unreadable models
             raise ValueError(f"onnxruntime cannot load {path.name}: {' '.join(str(e).split())}") from e
         # fp16 exports take float16 pixels; everything leaves as float32.

@@ -25,6 +25,20 @@ def explain_path_of(path: Path) -> Path:
     return path.with_name(f"{path.stem}{EXPLAIN_SUFFIX}{path.suffix}")
 
 
+def read_export(path: Path, name: str | None, backend: str, kind: str) -> tuple[ModelInfo, Path | None]:
+    """The ModelInfo of an exported logits file (`kind`: "graph" or "engine", for messages) from its sidecar, and the
+    path of its explain twin (None when there is none). ValueError when `path` is itself the explain file."""
+    if path.stem.endswith(EXPLAIN_SUFFIX):
+        base = path.with_name(path.stem[: -len(EXPLAIN_SUFFIX)] + path.suffix)
+        raise ValueError(f"serve the logits {kind} {base.name}; its explain {kind} {path.name} is found beside it")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    side = read_sidecar(path)
+    explain = explain_path_of(path)
+    explain_side = read_sidecar(explain) if explain.is_file() else None
+    return model_info(path, side, name, explain_side, backend), explain if explain_side is not None else None
+
+
 def read_sidecar(path: Path) -> dict[str, Any]:
     """The sidecar dict of an exported file; FileNotFoundError / ValueError with a message for the user."""
     side = sidecar_of(path)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from vit_serve.serve.backends.base import Backend
-from vit_serve.serve.backends.sidecar import EXPLAIN_SUFFIX, explain_path_of, model_info, read_sidecar
+from vit_serve.serve.backends.sidecar import read_export
 
 INPUT = "pixel_values"
 
@@ -83,19 +83,12 @@ class TensorRTBackend(Backend):
 
     def __init__(self, engine_path: str | Path, model_name: str | None = None) -> None:
         path = Path(engine_path)
-        if path.stem.endswith(EXPLAIN_SUFFIX):
-            raise ValueError(f"serve the logits engine; its explain engine {path.name} is found beside it")
-        if not path.is_file():
-            raise FileNotFoundError(f"no such TensorRT engine: {path}")
-        side = read_sidecar(path)
-        explain = explain_path_of(path)
-        explain_side = read_sidecar(explain) if explain.is_file() else None
-        self.info = model_info(path, side, model_name, explain_side, self.name)
+        self.info, explain = read_export(path, model_name, self.name, "engine")
         trt = require_tensorrt()
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
         self.engine = _Engine(trt, runtime, path)
-        self.explain_engine = _Engine(trt, runtime, explain) if explain_side is not None else None
+        self.explain_engine = _Engine(trt, runtime, explain) if explain is not None else None
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         return self.engine.run(x)["logits"]
