@@ -167,3 +167,33 @@ def test_tensorrt_engine_matches_onnxruntime(tiny_onnx, ort_backend, photos, tmp
     x = np.concatenate([_batch(photos, backend.info.preprocess)] * 2)  # 6 rows > the profile's 4: chunked
     np.testing.assert_allclose(backend.classify(x), ort_backend.classify(x), atol=1e-3)
     np.testing.assert_allclose(backend.explain(x)[1], ort_backend.explain(x)[1], atol=1e-4)
+
+
+def test_engine_finds_the_explain_graph_its_export_came_with(tiny_onnx, tmp_path):
+    """The layout `vit-export --format tensorrt` writes: <out>/NAME.onnx, NAME_explain.onnx and the engine in
+    <out>/NAME_tensorrt/ with a sidecar naming `source_onnx`. The engine's metadata is read from its sidecar and
+    its /explain comes from NAME_explain.onnx (run by onnxruntime), whose rollout settings it reports."""
+    import json
+
+    from vit_serve.serve.backends.sidecar import read_export
+
+    out = tmp_path / "exports"
+    shutil.copytree(tiny_onnx.parent, out)
+    plan = out / "tiny_tensorrt" / "model_sm90.plan"
+    plan.parent.mkdir()
+    plan.write_bytes(b"\0" * 16)  # read_export reads sidecars only
+    side = json.loads((out / "tiny.json").read_text())
+    side.update(format="tensorrt", file=plan.name, source_onnx="tiny.onnx")
+    plan.with_suffix(".json").write_text(json.dumps(side))
+
+    info, explain = read_export(plan, None, "tensorrt", "engine")
+    assert explain == out / "tiny_explain.onnx"
+    assert info.explain and info.resolution == RES and info.labels == LABELS
+    explain_side = json.loads((out / "tiny_explain.json").read_text())["rollout"]
+    assert info.rollout is not None
+    assert {k: info.rollout[k] for k in ("head_fusion", "discard_ratio")} == {
+        k: explain_side[k] for k in ("head_fusion", "discard_ratio")}
+
+    (out / "tiny_explain.onnx").unlink()  # no explain graph anywhere: served without /explain
+    info, explain = read_export(plan, None, "tensorrt", "engine")
+    assert explain is None and not info.explain

@@ -1,7 +1,8 @@
 """Reading what `vit-export` wrote: the sidecar JSON beside an exported graph or engine -> `ModelInfo`.
 
 `<name>.onnx` (or `<name>.engine`) has `<name>.json` beside it, and the explain graph `<name>_explain.onnx` has
-`<name>_explain.json`. Only the JSON is read here; the gateway never imports the exporter.
+`<name>_explain.json`; an engine's explain twin may also be the explain ONNX graph its export came with. Only the
+JSON is read here; the gateway never imports the exporter.
 """
 
 from __future__ import annotations
@@ -35,8 +36,28 @@ def read_export(path: Path, name: str | None, backend: str, kind: str) -> tuple[
         raise FileNotFoundError(f"no such file: {path}")
     side = read_sidecar(path)
     explain = explain_path_of(path)
+    if kind == "engine" and not explain.is_file():
+        explain = explain_onnx_of_engine(path, side) or explain
     explain_side = read_sidecar(explain) if explain.is_file() else None
     return model_info(path, side, name, explain_side, backend), explain if explain_side is not None else None
+
+
+def explain_onnx_of_engine(path: Path, side: dict[str, Any]) -> Path | None:
+    """The explain ONNX graph a TensorRT engine's export came with, or None.
+
+    `vit-export --format tensorrt` writes `<out>/<name>.onnx`, `<out>/<name>_explain.onnx` and the engine in
+    `<out>/<name>_tensorrt/`, whose sidecar names its `source_onnx`. The explain graph itself is not built into an
+    engine (TensorRT's TopK caps k at 3840, below what rollout's threshold needs), so the tensorrt backend runs it
+    with onnxruntime.
+    """
+    source = side.get("source_onnx")
+    if not isinstance(source, str):
+        return None
+    for folder in (path.parent, path.parent.parent):
+        candidate = explain_path_of(folder / Path(source).name)
+        if candidate.is_file() and sidecar_of(candidate).is_file():
+            return candidate
+    return None
 
 
 def read_sidecar(path: Path) -> dict[str, Any]:

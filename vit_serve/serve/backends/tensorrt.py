@@ -1,6 +1,7 @@
 """The TensorRT backend: a serialized engine (`<name>.engine` / `.plan`) with its sidecar `<name>.json` (same keys
 as the ONNX sidecar: resolution, preprocess, labels, architecture, io), and optionally `<name>_explain.engine`
-with `<name>_explain.json` (logits + rollout, rollout settings fixed at build time).
+with `<name>_explain.json` (logits + rollout, rollout settings fixed at build time); without one, the explain ONNX
+graph the engine's export came with (named by its sidecar's `source_onnx`) runs in onnxruntime.
 
 Needs a CUDA GPU, the `tensorrt` package (10.x API: named I/O tensors, `execute_async_v3`) and PyTorch with CUDA
 (device buffers are torch tensors). Both are imported lazily; without them the server refuses to start with a
@@ -78,6 +79,23 @@ class _Engine:
         return result
 
 
+class _OnnxExplain:
+    """The export's explain ONNX graph run by onnxruntime (CUDA provider when present), for engines built without
+    one: `run(x)` -> {"logits", "rollout"} like an engine."""
+
+    def __init__(self, path: Path) -> None:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        self.session = ort.InferenceSession(str(path), providers=providers)
+        self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
+
+    def run(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        logits, heat = self.session.run(["logits", "rollout"], {INPUT: x.astype(self.input_dtype, copy=False)})
+        return {"logits": logits, "rollout": heat}
+
+
 class TensorRTBackend(Backend):
     name = "tensorrt"
 
@@ -88,7 +106,9 @@ class TensorRTBackend(Backend):
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
         self.engine = _Engine(trt, runtime, path)
-        self.explain_engine = _Engine(trt, runtime, explain) if explain is not None else None
+        self.explain_engine: _Engine | _OnnxExplain | None = None
+        if explain is not None:
+            self.explain_engine = _OnnxExplain(explain) if explain.suffix == ".onnx" else _Engine(trt, runtime, explain)
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         return self.engine.run(x)["logits"]
