@@ -39,7 +39,7 @@ def main() -> None:
     model = vit_serve.load(ckpt)
     model.set_resolution(32, 32)
     torch.manual_seed(0)
-    torch.nn.init.normal_(model.pos_embed, std=0.02)
+    model.reset_pos_embed()
     fresh = run_eval(str(vit_serve.save(model, out / "fresh32.safetensors")))["top1"]
     eval_s = time.perf_counter() - t0
     ft = train(TrainConfig(mode="finetune", init=str(ckpt), res=(32, 32), out=str(out / "finetune32"),

@@ -181,7 +181,7 @@ class VisionTransformer(nn.Module):
                 fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
                 nn.init.trunc_normal_(m.weight, std=math.sqrt(1 / fan_in) / 0.87962566103423978)
                 nn.init.zeros_(m.bias)
-        nn.init.normal_(self.pos_embed, std=0.02)
+        self.reset_pos_embed()
         if isinstance(self.head, nn.Linear):
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
@@ -208,6 +208,10 @@ class VisionTransformer(nn.Module):
         self.cfg = self.cfg.replace(img_size=(h, w))
         if self.preprocess_cfg is not None:
             self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
+
+    def reset_pos_embed(self) -> None:
+        """Fresh position embeddings, N(0, 0.02²) as at initialisation (the control of resolution transfer)."""
+        nn.init.normal_(self.pos_embed, std=0.02)
 
     def reset_head(self, num_classes: int, keep_pre_logits: bool = False) -> None:
         """Replace the head with a zero-initialised D x K layer (paper §3.2), dropping pre_logits by default."""

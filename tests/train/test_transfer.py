@@ -31,7 +31,7 @@ def test_resampled_position_embeddings_beat_fresh_ones_by_20_points(pretrained, 
     model = vit_serve.load(ckpt)
     model.set_resolution(32, 32)
     torch.manual_seed(0)
-    torch.nn.init.normal_(model.pos_embed, std=0.02)
+    model.reset_pos_embed()
     fresh = run_eval(str(vit_serve.save(model, tmp_path / "fresh.safetensors")))["top1"]
     print(f"16x16: {summary['top1']:.3f}; at 32x32 before any step: resampled {resampled:.3f}, fresh {fresh:.3f}")
     assert summary["top1"] >= 0.9

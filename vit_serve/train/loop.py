@@ -88,8 +88,7 @@ def build_model(cfg: TrainConfig, classes: list[str]) -> VisionTransformer:
     if cfg.res:
         model.set_resolution(*cfg.res)  # 2-D interpolation of the position embeddings, checkpoint's mode
     if cfg.reinit_pos_embed:  # the control of the resolution-transfer experiment
-        with torch.no_grad():
-            torch.nn.init.normal_(model.pos_embed, std=0.02)
+        model.reset_pos_embed()
     return model
 
 
