@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from vit_serve.checkpoints.io import atomic_write
+from vit_serve.tensorrt_engine import TensorRTEngine
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 INPUT_NAME = "pixel_values"
@@ -175,40 +176,6 @@ def build_engine(
     }
 
 
-class EngineRunner:
-    """Runs a serialised engine on torch CUDA tensors: x [B, 3, H, W] float32 numpy -> {output name: numpy}."""
-
-    def __init__(self, plan_path: str | Path) -> None:
-        import tensorrt as trt
-        import torch
-
-        self.torch = torch
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = self.runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
-        if self.engine is None:
-            raise RuntimeError(f"TensorRT could not load {plan_path} (built for another GPU or TensorRT version?)")
-        self.context = self.engine.create_execution_context()
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.dtypes = {n: trt.nptype(self.engine.get_tensor_dtype(n)) for n in names}
-
-    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        torch = self.torch
-        inp = torch.from_numpy(np.ascontiguousarray(x, dtype=self.dtypes[INPUT_NAME])).cuda()
-        self.context.set_input_shape(INPUT_NAME, tuple(inp.shape))
-        self.context.set_tensor_address(INPUT_NAME, inp.data_ptr())
-        outs = {}
-        for name in self.outputs:
-            shape = tuple(self.context.get_tensor_shape(name))
-            outs[name] = torch.empty(shape, dtype=torch.from_numpy(np.zeros(0, self.dtypes[name])).dtype, device="cuda")
-            self.context.set_tensor_address(name, outs[name].data_ptr())
-        stream = torch.cuda.current_stream()
-        if not self.context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError("TensorRT execution failed")
-        stream.synchronize()
-        return {k: v.float().cpu().numpy() for k, v in outs.items()}
-
-
 def check_engine(plan_path: Path, onnx_path: Path, precision: str, batch_range: tuple[int, int]) -> dict:
     """Engine vs onnxruntime (CPU) on the same N(0, 1) inputs at the profile's min and max batch.
 
@@ -219,13 +186,13 @@ def check_engine(plan_path: Path, onnx_path: Path, precision: str, batch_range: 
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     shape = sess.get_inputs()[0].shape
     h, w = int(shape[2]), int(shape[3])
-    run = EngineRunner(plan_path)
+    engine = TensorRTEngine(plan_path)
     rng = np.random.default_rng(0)
     rows, ok = [], True
     for b in sorted({batch_range[0], min(batch_range[1], 8)}):
         x = rng.standard_normal((b, 3, h, w)).astype(np.float32)
         ref = sess.run(["logits"], {INPUT_NAME: x})[0]
-        got = run(x)["logits"]
+        got = engine.run(x)["logits"]
         cos = float(
             np.min(np.sum(ref * got, 1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1) + 1e-12))
         )

@@ -17,7 +17,8 @@ from vit_serve.serve.backends.sidecar import read_export
 INPUT = "pixel_values"
 
 
-def _providers(device: str) -> list[str]:
+def session_providers(device: str) -> list[str]:
+    """onnxruntime providers for `device` ("auto": CUDA first when this onnxruntime has it, "cpu", "cuda")."""
     import onnxruntime as ort
 
     available = ort.get_available_providers()
@@ -43,7 +44,7 @@ class OnnxRuntimeBackend(Backend):
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
-        providers = _providers(device)
+        providers = session_providers(device)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
             self.explain_session = (ort.InferenceSession(str(explain), opts, providers=providers)

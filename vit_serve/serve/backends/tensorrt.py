@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 
 from vit_serve.serve.backends.base import Backend
+from vit_serve.serve.backends.onnxruntime import session_providers
 from vit_serve.serve.backends.sidecar import read_export
+from vit_serve.tensorrt_engine import TensorRTEngine
 
 INPUT = "pixel_values"
 
@@ -35,50 +37,6 @@ def require_tensorrt() -> Any:
     return trt
 
 
-class _Engine:
-    """One deserialized engine with its execution context and CUDA stream."""
-
-    def __init__(self, trt: Any, runtime: Any, path: Path) -> None:
-        import torch
-
-        self.torch = torch
-        engine = runtime.deserialize_cuda_engine(path.read_bytes())
-        if engine is None:
-            raise ValueError(f"TensorRT cannot deserialize {path.name} (built with another TensorRT version or "
-                             f"GPU? rebuild it on this machine)")
-        self.engine = engine
-        self.context = engine.create_execution_context()
-        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        if INPUT not in names:
-            raise ValueError(f"{path.name} has no input named {INPUT!r} (inputs: {names})")
-        self.dtypes = {n: getattr(torch, np.dtype(trt.nptype(engine.get_tensor_dtype(n))).name) for n in names}
-        shape = engine.get_tensor_shape(INPUT)
-        self.max_batch = shape[0] if shape[0] > 0 else engine.get_tensor_profile_shape(INPUT, 0)[2][0]
-        self.stream = torch.cuda.Stream()
-
-    def run(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        parts = [self._run(x[i:i + self.max_batch]) for i in range(0, x.shape[0], self.max_batch)]
-        return {k: np.concatenate([p[k] for p in parts]) for k in self.outputs}
-
-    def _run(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
-            xin = torch.from_numpy(x).to("cuda", non_blocking=True).to(self.dtypes[INPUT])
-            self.context.set_input_shape(INPUT, tuple(xin.shape))
-            self.context.set_tensor_address(INPUT, xin.data_ptr())
-            outs = {}
-            for name in self.outputs:
-                shape = tuple(self.context.get_tensor_shape(name))
-                outs[name] = torch.empty(shape, dtype=self.dtypes[name], device="cuda")
-                self.context.set_tensor_address(name, outs[name].data_ptr())
-            if not self.context.execute_async_v3(self.stream.cuda_stream):
-                raise RuntimeError("TensorRT execution failed")
-            result = {k: v.float().cpu().numpy() for k, v in outs.items()}
-        self.stream.synchronize()
-        return result
-
-
 class _OnnxExplain:
     """The export's explain ONNX graph run by onnxruntime (CUDA provider when present), for engines built without
     one: `run(x)` -> {"logits", "rollout"} like an engine."""
@@ -86,9 +44,7 @@ class _OnnxExplain:
     def __init__(self, path: Path) -> None:
         import onnxruntime as ort
 
-        available = ort.get_available_providers()
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-        self.session = ort.InferenceSession(str(path), providers=providers)
+        self.session = ort.InferenceSession(str(path), providers=session_providers("auto"))
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
 
     def run(self, x: np.ndarray) -> dict[str, np.ndarray]:
@@ -105,10 +61,11 @@ class TensorRTBackend(Backend):
         trt = require_tensorrt()
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
-        self.engine = _Engine(trt, runtime, path)
-        self.explain_engine: _Engine | _OnnxExplain | None = None
+        self.engine = TensorRTEngine(path, runtime)
+        self.explain_engine: TensorRTEngine | _OnnxExplain | None = None
         if explain is not None:
-            self.explain_engine = _OnnxExplain(explain) if explain.suffix == ".onnx" else _Engine(trt, runtime, explain)
+            self.explain_engine = (_OnnxExplain(explain) if explain.suffix == ".onnx"
+                                   else TensorRTEngine(explain, runtime))
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         return self.engine.run(x)["logits"]
