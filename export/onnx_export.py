@@ -241,18 +241,24 @@ def export_onnx(
     return atomic_write(path, lambda tmp: onnx.save(proto, tmp), overwrite=overwrite)
 
 
-def export_info(onnx_path: str | Path) -> dict:
-    """The export settings stored by `export_onnx` in the model's metadata_props ({} if absent)."""
-    proto = onnx.load(str(onnx_path), load_external_data=False)
+def _proto(src: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    return src if isinstance(src, onnx.ModelProto) else onnx.load(str(src), load_external_data=False)
+
+
+def export_info(onnx_path: str | Path | onnx.ModelProto) -> dict:
+    """The export settings stored by `export_onnx` in the model's metadata_props ({} if absent).
+
+    Takes a path or an already loaded proto (a ViT-B graph is 350 MB: load it once for several questions)."""
+    proto = _proto(onnx_path)
     for prop in proto.metadata_props:
         if prop.key == "vit_export":
             return json.loads(prop.value)
     return {}
 
 
-def io_spec(onnx_path: str | Path) -> dict[str, list[dict]]:
-    """Input and output names, element types and shapes (symbolic dims as strings) of an ONNX file."""
-    proto = onnx.load(str(onnx_path), load_external_data=False)
+def io_spec(onnx_path: str | Path | onnx.ModelProto) -> dict[str, list[dict]]:
+    """Input and output names, element types and shapes (symbolic dims as strings) of an ONNX file or proto."""
+    proto = _proto(onnx_path)
 
     def spec(v: onnx.ValueInfoProto) -> dict:
         t = v.type.tensor_type

@@ -9,6 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import onnx
 from vit_export.onnx_export import export_info, io_spec
 
 from vit_serve.checkpoints.io import atomic_write
@@ -57,7 +58,8 @@ def build_sidecar(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sidecar's content for an ONNX file exported from `model` (the source model, before resampling)."""
-    info = export_info(export_path)
+    proto = onnx.load(str(export_path), load_external_data=False)
+    info = export_info(proto)
     res = info.get("resolution")
     pre = model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)
     if isinstance(res, list):
@@ -87,7 +89,7 @@ def build_sidecar(
         "onnx_checker": info.get("checker"),
         "preprocess": pre.to_dict(),
         "labels": model.labels,
-        "io": io_spec(export_path),
+        "io": io_spec(proto),
         "parity": parity,
         "versions": versions(),
     }
