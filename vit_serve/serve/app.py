@@ -19,6 +19,7 @@ from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestMetrics
 from vit_serve.serve.routes import classify, explain, health, metrics, page, v2
 from vit_serve.serve.routes.page import STATIC
+from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.settings import ServeSettings
 
 log = logging.getLogger("vit_serve.serve")
@@ -50,7 +51,9 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     """A gateway app for `settings` (default: from VIT_SERVE_* variables). Nothing is loaded until its lifespan
     starts (uvicorn, TestClient, or `app.router.lifespan_context(app)`)."""
     settings = settings or ServeSettings()
-    app = FastAPI(title="vit-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    # Every JSON body is strict RFC 8259 JSON: NaN / inf outputs become null (vit_serve.serve.schemas).
+    app = FastAPI(title="vit-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  default_response_class=StrictJSONResponse)
     gateway = Gateway(settings)
     app.state.gateway = gateway
     install_error_handlers(app)

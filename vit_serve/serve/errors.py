@@ -10,10 +10,10 @@ import logging
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vit_serve.serve.backends.base import BackendUnavailableError
+from vit_serve.serve.schemas import StrictJSONResponse
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -86,26 +86,26 @@ def install_error_handlers(app: FastAPI) -> None:
     """JSON answers for GatewayError, BackendUnavailableError, HTTPException and validation errors."""
 
     @app.exception_handler(GatewayError)
-    async def _gateway(request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(_body(request, exc.message), exc.status, headers=exc.headers)
+    async def _gateway(request: Request, exc: GatewayError) -> StrictJSONResponse:
+        return StrictJSONResponse(_body(request, exc.message), exc.status, headers=exc.headers)
 
     @app.exception_handler(BackendUnavailableError)
-    async def _unavailable(request: Request, exc: BackendUnavailableError) -> JSONResponse:
+    async def _unavailable(request: Request, exc: BackendUnavailableError) -> StrictJSONResponse:
         log.warning("backend unavailable: %s", exc)
-        return JSONResponse(_body(request, f"backend unavailable: {exc}"), 503, headers={"Retry-After": "1"})
+        return StrictJSONResponse(_body(request, f"backend unavailable: {exc}"), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> StrictJSONResponse:
         if request.url.path.startswith("/v2"):
-            return JSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
-        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
+            return StrictJSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
+        return StrictJSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
         errors = exc.errors()
         if request.url.path.startswith("/v2"):
             text = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-            return JSONResponse({"error": text}, 422)
+            return StrictJSONResponse({"error": text}, 422)
         # FastAPI's own shape, minus the echoed input (it may be a large or binary body).
-        return JSONResponse({"detail": [{k: v for k, v in e.items() if k not in ("input", "ctx", "url")}
+        return StrictJSONResponse({"detail": [{k: v for k, v in e.items() if k not in ("input", "ctx", "url")}
                                         for e in errors]}, 422)

@@ -32,13 +32,13 @@ log = logging.getLogger("vit_serve.serve")
 
 
 def top_k(logits: np.ndarray, k: int, info: ModelInfo) -> list[dict[str, Any]]:
-    """logits [K] -> the k best classes as {"label", "index", "score" (softmax)}, best first."""
+    """logits [K] -> the k best classes as {"label", "index", "score" (softmax)}, best first (by logit: ties by
+    index, NaN last). Non-finite logits give NaN scores, which the JSON encoder writes as null."""
     z = logits.astype(np.float64)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    k = min(k, p.shape[0])
-    best = np.argpartition(-p, k - 1)[:k] if k < p.shape[0] else np.arange(p.shape[0])
-    best = best[np.argsort(-p[best], kind="stable")]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(z - z.max())
+        p /= p.sum()
+    best = np.argsort(-z, kind="stable")[:min(k, z.shape[0])]
     return [{"label": info.label(int(i)), "index": int(i), "score": float(p[i])} for i in best]
 
 

@@ -1,16 +1,46 @@
-"""Response bodies of the gateway's own routes (they make /docs meaningful). Shapes are stable."""
+"""Response bodies of the gateway's own routes (they make /docs meaningful), and the one JSON encoder every JSON
+body goes through. Shapes are stable.
+
+Strict JSON: RFC 8259 has no token for NaN or infinity, so a non-finite number (say from an fp16 engine that
+overflows) is written as `null`, on every route (`json_bytes`, used by `StrictJSONResponse`, the app's default
+response class, and by the /v2 encoder). Triton writes `NaN` / `Infinity` tokens instead, which strict parsers
+(orjson in KServe's SDK, browsers' `JSON.parse`) refuse; tritonclient and KServe's SDK read `null` back as NaN.
+The /v2 binary tensor extension carries the exact IEEE values.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
+import pydantic_core
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+
+
+def _fallback(value: Any) -> Any:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def json_bytes(content: Any) -> bytes:
+    """`content` as RFC 8259 JSON (UTF-8, compact): NaN and +-inf become null; numpy arrays and scalars are lists
+    and numbers."""
+    return pydantic_core.to_json(content, inf_nan_mode="null", fallback=_fallback)
+
+
+class StrictJSONResponse(JSONResponse):
+    """A JSON response that never holds a NaN or Infinity token (`json_bytes`)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_bytes(content)
 
 
 class Prediction(BaseModel):
     label: str = Field(description="class name (class_<index> when the model has no labels)")
     index: int = Field(description="class index into the logits")
-    score: float = Field(description="softmax probability")
+    score: float | None = Field(description="softmax probability (null when the model's logits are not finite)")
 
 
 class Timing(BaseModel):
@@ -39,7 +69,8 @@ class ExplainResponse(BaseModel):
         description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows "
                     "for GAP models")
     grid: tuple[int, int] = Field(description="(gh, gw) = (H / P, W / P)")
-    map: list[list[float]] = Field(description="gh rows of gw relevances over the patch grid of the model-input crop")
+    map: list[list[float | None]] = Field(
+        description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")
     predictions: list[Prediction] = Field(description="top classes of the same forward pass (empty for grad_rollout)")
     timing_ms: Timing
 

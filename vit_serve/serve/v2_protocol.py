@@ -5,7 +5,14 @@ Supports JSON tensor data and the binary tensor data extension: a request whose 
 inputs that carry `parameters.binary_data_size`, in input order; outputs are returned raw after the JSON when
 `outputs[i].parameters.binary_data` (or the request's `parameters.binary_data_output`) is true. Tensors are
 row-major, little-endian; BYTES elements are 4-byte little-endian lengths followed by the bytes. In JSON, BYTES
-elements (encoded images) are base64 strings.
+inputs (encoded images) are base64 strings; BYTES outputs (classifications) are plain strings, as Triton writes them.
+
+The classification extension (Triton's): a requested output with `parameters.classification = k` comes back as
+BYTES [B, min(k, n)] of "value:index[:label]" strings, the k highest values of each batch row (n values) best
+first; value as C's `%f` (six decimals), the label omitted when the output has none. `classification = 0` means
+the raw tensor, as in Triton. Output parameters other than `binary_data` and `classification` answer 400.
+
+JSON bodies are strict RFC 8259: NaN and +-inf outputs are written as null (`schemas.json_bytes`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from vit_serve.serve.errors import BadRequestError
+from vit_serve.serve.schemas import json_bytes
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"), "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"),
@@ -27,6 +35,7 @@ DTYPES: dict[str, np.dtype] = {
     "INT64": np.dtype("<i8"), "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
 }
 HEADER_LENGTH = "Inference-Header-Content-Length"
+OUTPUT_PARAMETERS = ("binary_data", "classification")
 
 
 @dataclass
@@ -52,6 +61,22 @@ class InferRequest:
         if "binary_data" in params:
             return bool(params["binary_data"])
         return bool(self.parameters.get("binary_data_output", False))
+
+    @staticmethod
+    def class_count(out: dict[str, Any]) -> int:
+        """The output's classification count (0: the raw tensor)."""
+        return int((out.get("parameters") or {}).get("classification", 0))
+
+
+@dataclass
+class OutputTensor:
+    """One output of a response: numeric data as an array, or BYTES as a flat list of byte strings."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: np.ndarray | list[bytes]
+    binary: bool
 
 
 def _bytes_elements(raw: memoryview, name: str) -> list[bytes]:
@@ -149,6 +174,8 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     if outputs is not None and (not isinstance(outputs, list)
                                 or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs)):
         raise BadRequestError("outputs must be a list of objects with a name")
+    for out in outputs or []:
+        _check_output_parameters(out)
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequestError("parameters must be an object")
@@ -156,24 +183,68 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     return InferRequest(request_id if isinstance(request_id, str) else None, inputs, outputs, params)
 
 
+def _check_output_parameters(out: dict[str, Any]) -> None:
+    name, params = out["name"], out.get("parameters")
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise BadRequestError(f"output {name!r}: parameters must be an object")
+    unknown = sorted(set(params) - set(OUTPUT_PARAMETERS))
+    if unknown:
+        raise BadRequestError(f"output {name!r}: unknown parameter {unknown[0]!r} (supported: "
+                              f"{', '.join(OUTPUT_PARAMETERS)})")
+    k = params.get("classification", 0)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise BadRequestError(f"output {name!r}: parameters.classification must be a non-negative integer "
+                              f"(got {k!r})")
+    if not isinstance(params.get("binary_data", False), bool):
+        raise BadRequestError(f"output {name!r}: parameters.binary_data must be true or false")
+
+
+def classify(arr: np.ndarray, k: int, labels: list[str] | None) -> tuple[list[int], list[bytes]]:
+    """Triton's classification of an output [B, ...] -> (shape [B, min(k, n)], the flat "value:index[:label]"
+    strings of each row's k highest values, best first; ties by index, NaN last)."""
+    rows = np.asarray(arr).reshape(arr.shape[0], -1)
+    count = min(k, rows.shape[1])
+    out: list[bytes] = []
+    for row in rows:
+        for i in np.argsort(-row, kind="stable")[:count]:
+            text = f"{float(row[i]):f}:{int(i)}"  # std::to_string(float) in Triton: printf's %f
+            if labels is not None and i < len(labels):
+                text += f":{labels[i]}"
+            out.append(text.encode())
+    return [rows.shape[0], count], out
+
+
+def _bytes_blob(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(b)) + b for b in items)
+
+
 def encode_infer_response(model: str, version: str, request_id: str | None,
-                          outputs: list[tuple[str, np.ndarray, bool]]) -> tuple[bytes, dict[str, str]]:
-    """(name, float32 array, binary?) per output -> (body, headers)."""
+                          outputs: list[OutputTensor]) -> tuple[bytes, dict[str, str]]:
+    """The outputs -> (body, headers): strict JSON, then the binary outputs' raw bytes, in order."""
     header: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": []}
     if request_id is not None:
         header["id"] = request_id
     blobs: list[bytes] = []
-    for name, arr, binary in outputs:
-        arr = np.ascontiguousarray(arr, dtype="<f4")
-        entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
-        if binary:
-            blob = arr.tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
+    for out in outputs:
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
+        if out.datatype == "BYTES":
+            items = list(out.data)
+            if out.binary:
+                blobs.append(_bytes_blob(items))
+            else:
+                entry["data"] = [b.decode("utf-8", "replace") for b in items]
         else:
-            entry["data"] = arr.ravel().tolist()
+            arr = np.ascontiguousarray(out.data, dtype=DTYPES[out.datatype])
+            if out.binary:
+                blobs.append(arr.tobytes())
+            else:
+                entry["data"] = arr.ravel().tolist()
+        if out.binary:
+            entry["parameters"] = {"binary_data_size": len(blobs[-1])}
         header["outputs"].append(entry)
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = json_bytes(header)
     if not blobs:
         return head, {"Content-Type": "application/json"}
     return b"".join([head, *blobs]), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}

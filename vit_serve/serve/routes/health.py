@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
 from vit_serve.serve.deps import GatewayDep
-from vit_serve.serve.schemas import Health, Readiness
+from vit_serve.serve.schemas import Health, Readiness, StrictJSONResponse
 
 router = APIRouter(tags=["health"])
 
@@ -18,11 +17,11 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(gateway: GatewayDep) -> JSONResponse:
+async def readyz(gateway: GatewayDep) -> StrictJSONResponse:
     """Readiness: 200 `{"ready": true, "model", "backend"}` once the model is loaded and warmed up and its backend
     answers; 503 `{"ready": false, "reason"}` before that (or while a Triton server is unreachable)."""
     ok, reason = await gateway.readiness()
     backend = gateway.backend
     body = Readiness(ready=ok, model=backend.info.name if backend else None,
                      backend=backend.name if backend else None, reason=reason)
-    return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
+    return StrictJSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)

@@ -4,8 +4,10 @@ The model has two inputs, of which a request sends one: `pixel_values` FP32 [-1,
 the contract in `GET /v2/models/{name}` parameters) or `image` BYTES [-1] (encoded images, preprocessed here);
 and outputs `logits` FP32 [-1, K] and, when the backend can explain, `rollout` FP32 [-1, gh, gw] (attention
 rollout; request parameters `head_fusion` / `discard_ratio` choose its settings). A request naming no outputs
-gets all of them (raw with `parameters.binary_data_output`, as Triton; tritonclient sets it). Errors answer
-`{"error": message}`.
+gets all of them (raw with `parameters.binary_data_output`, as Triton; tritonclient sets it). An output with
+`parameters.classification = k` comes back as Triton's classification extension: BYTES [B, k] of
+"logit:index:label" (v2_protocol). Health answers the KServe bodies (`{"live": true}`, `{"ready": true}`,
+`{"name", "ready"}`) with Triton's status codes (200, or 503 when not ready). Errors answer `{"error": message}`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from vit_serve import __version__
 from vit_serve.serve.backends.base import ModelInfo
@@ -25,7 +28,16 @@ from vit_serve.serve.deps import BackendDep, GatewayDep
 from vit_serve.serve.errors import BadRequestError, NotFoundError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.inference import CLASSIFY, Task
-from vit_serve.serve.v2_protocol import HEADER_LENGTH, Tensor, encode_infer_response, parse_infer_request
+from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.v2_protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    OutputTensor,
+    Tensor,
+    classify,
+    encode_infer_response,
+    parse_infer_request,
+)
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 VERSION = "1"
@@ -33,6 +45,19 @@ V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "prope
     "type": "string"}}}}}}
 NameDep = Annotated[str, Path(description="the model's name (GET /v2/models/{name} lists it)")]
 VersionDep = Annotated[str, Path(description='the model version; "1" is the only one')]
+
+
+class ServerLive(BaseModel):
+    live: bool
+
+
+class ServerReady(BaseModel):
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    name: str
+    ready: bool
 
 
 def _model(backend_info: ModelInfo, name: str, version: str | None) -> ModelInfo:
@@ -63,20 +88,21 @@ def model_metadata(info: ModelInfo, backend: str) -> dict[str, Any]:
 @router.get("", responses={200: {"description": "server metadata"}})
 async def server_metadata() -> dict:
     """`{"name", "version", "extensions"}`."""
-    return {"name": "vit-serve", "version": __version__, "extensions": ["binary_tensor_data"]}
+    return {"name": "vit-serve", "version": __version__, "extensions": ["binary_tensor_data", "classification"]}
 
 
-@router.get("/health/live", responses={200: {"description": "live"}})
-async def live() -> Response:
-    """200 while the server answers."""
-    return Response(status_code=200)
+@router.get("/health/live", response_model=ServerLive)
+async def live() -> dict:
+    """200 `{"live": true}` while the server answers."""
+    return {"live": True}
 
 
-@router.get("/health/ready", responses={200: {"description": "ready"}, 503: {"description": "not ready"}})
-async def ready(gateway: GatewayDep) -> Response:
-    """200 once the model is loaded, warmed up and its backend answers; 503 before."""
-    ok, _ = await gateway.readiness()
-    return Response(status_code=200 if ok else 503)
+@router.get("/health/ready", response_model=ServerReady, responses={503: {"model": ServerReady}})
+async def ready(gateway: GatewayDep) -> StrictJSONResponse:
+    """200 `{"ready": true}` once the model is loaded, warmed up and its backend answers; 503 `{"ready": false,
+    "error": why}` before."""
+    ok, why = await gateway.readiness()
+    return StrictJSONResponse({"ready": True} if ok else {"ready": False, "error": why}, 200 if ok else 503)
 
 
 @router.get("/models/{name}", responses={404: V2_ERROR})
@@ -93,21 +119,26 @@ async def version_metadata(name: NameDep, version: VersionDep, backend: BackendD
     return model_metadata(_model(backend.info, name, version), backend.name)
 
 
-async def _ready(gateway: Gateway, info: ModelInfo, name: str, version: str | None) -> Response:
+async def _ready(gateway: Gateway, info: ModelInfo, name: str, version: str | None) -> StrictJSONResponse:
     _model(info, name, version)
-    ok, _ = await gateway.readiness()
-    return Response(status_code=200 if ok else 503)
+    ok, why = await gateway.readiness()
+    body = {"name": name, "ready": ok, **({} if ok else {"error": why})}
+    return StrictJSONResponse(body, 200 if ok else 503)
 
 
-@router.get("/models/{name}/ready", responses={200: {"description": "ready"}, 404: V2_ERROR, 503: {}})
-async def model_ready(name: NameDep, gateway: GatewayDep, backend: BackendDep) -> Response:
-    """200 when the model is ready, 503 before, 404 for another name."""
+READY_DOC = {"response_model": ModelReady, "responses": {404: V2_ERROR, 503: {"model": ModelReady}}}
+
+
+@router.get("/models/{name}/ready", **READY_DOC)
+async def model_ready(name: NameDep, gateway: GatewayDep, backend: BackendDep) -> StrictJSONResponse:
+    """200 `{"name", "ready": true}` when the model is ready, 503 (`"ready": false`) before, 404 for another
+    name."""
     return await _ready(gateway, backend.info, name, None)
 
 
-@router.get("/models/{name}/versions/{version}/ready", responses={200: {"description": "ready"}, 404: V2_ERROR,
-                                                                   503: {}})
-async def version_ready(name: NameDep, version: VersionDep, gateway: GatewayDep, backend: BackendDep) -> Response:
+@router.get("/models/{name}/versions/{version}/ready", **READY_DOC)
+async def version_ready(name: NameDep, version: VersionDep, gateway: GatewayDep, backend: BackendDep
+                        ) -> StrictJSONResponse:
     """The same, for version "1"."""
     return await _ready(gateway, backend.info, name, version)
 
@@ -161,10 +192,12 @@ INFER_DOC = {
 @router.post("/models/{name}/infer", **INFER_DOC)
 async def infer(name: NameDep, request: Request, gateway: GatewayDep, backend: BackendDep) -> Response:
     """Inference: `{"id"?, "inputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}],
-    "outputs"?: [{"name", "parameters": {"binary_data"}}], "parameters"?: {"binary_data_output",
-    "head_fusion", "discard_ratio"}}` -> `{"model_name", "model_version", "id"?, "outputs": [{"name",
-    "datatype", "shape", "data" | parameters.binary_data_size}]}` (+ raw tensors after the JSON, with the
-    `Inference-Header-Content-Length` header, when any output is binary)."""
+    "outputs"?: [{"name", "parameters": {"binary_data", "classification"}}], "parameters"?:
+    {"binary_data_output", "head_fusion", "discard_ratio"}}` -> `{"model_name", "model_version", "id"?,
+    "outputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}]}` (+ raw tensors after the
+    JSON, with the `Inference-Header-Content-Length` header, when any output is binary). `classification: k`
+    answers BYTES [B, k] of "logit:index:label" (Triton's classification extension); NaN / inf in JSON data
+    are null."""
     info = _model(backend.info, name, None)
     with gateway.arriving() as arrival:
         return await _infer(request, gateway, info, arrival)
@@ -199,7 +232,16 @@ async def _infer(request: Request, gateway: Gateway, info: ModelInfo, arrival: A
         task = CLASSIFY
     x = await _pixels(gateway, info, req.inputs)
     result = await gateway.infer(task, x, arrival)
-    outputs = [(o["name"], result.outputs[o["name"]], req.binary_output(o)) for o in wanted]
+    outputs = [_output(o, result.outputs[o["name"]], req.binary_output(o), info) for o in wanted]
     content, headers = encode_infer_response(info.name, VERSION, req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
 
+
+
+def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo) -> OutputTensor:
+    """One requested output: the FP32 tensor, or its classification (labels on the logits only)."""
+    k = InferRequest.class_count(out)
+    if k == 0:
+        return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
+    shape, items = classify(arr, k, info.labels if out["name"] == "logits" else None)
+    return OutputTensor(out["name"], "BYTES", shape, items, binary)
