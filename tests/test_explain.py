@@ -10,6 +10,7 @@ import vit_serve
 from vit_serve.explain import (
     discard_lowest,
     filter_pca,
+    fuse_heads,
     grad_rollout,
     grad_rollout_matrix,
     mean_attention_distance,
@@ -60,6 +61,36 @@ def test_discard_keeps_cls_to_cls():
     assert (discard_lowest(a, 0.5, keep_first=False) == 0).sum() == 8
     with pytest.raises(ValueError, match="discard_ratio must be in"):
         discard_lowest(a, 1.0)
+
+
+def vit_explain_discard(fused: torch.Tensor, discard_ratio: float) -> torch.Tensor:
+    """The discard step of the vit-explain reference (jacobgil/vit-explain, vit_rollout.py `rollout`), per image:
+    the int(N² · ratio) lowest weights zeroed, index 0 (CLS -> CLS) spared."""
+    out = fused.clone()
+    for flat in out.view(out.shape[0], -1):
+        _, indices = flat.topk(int(flat.size(-1) * discard_ratio), -1, False)
+        flat[indices[indices != 0]] = 0
+    return out
+
+
+NEAR_ONE = [0.9999999999999999, 1 - 2**-40, 0.99999999, 1 - 2**-17, 0.99999, 0.9999, 0.999]
+
+
+@pytest.mark.parametrize("discard_ratio", NEAR_ONE)
+@pytest.mark.parametrize("n", [2, 5, 13, 50])
+def test_near_one_ratios_keep_at_least_one_weight(discard_ratio, n):
+    """Every ratio in [0, 1) keeps a weight (0.9999999999999999 names 1/1 as a fraction: once nothing was kept and
+    topk(0) raised). Reference: the vit-explain discard step (distinct weights, so no ties), which never empties."""
+    fused = fuse_heads(random_attention(layers=1, n=n)[0])  # [2, n, n], distinct weights
+    for keep_first in (True, False):
+        out = discard_lowest(fused, discard_ratio, keep_first)
+        kept = (out != 0).reshape(2, -1).sum(-1)
+        assert (kept >= 1).all()
+        assert torch.equal(out.reshape(2, -1).amax(-1), fused.reshape(2, -1).amax(-1))  # the largest stays
+    assert torch.equal(discard_lowest(fused, discard_ratio), vit_explain_discard(fused, discard_ratio))
+    r = rollout_matrix(random_attention(n=n), "max", discard_ratio)
+    assert torch.isfinite(r).all() and (r >= 0).all()
+    assert torch.allclose(r.sum(-1), torch.ones(2, n), atol=1e-6)
 
 
 def test_gap_models_average_patch_rows_and_say_so():
@@ -149,10 +180,11 @@ def test_filter_pca_recovers_known_components():
     assert torch.allclose(ratio, scales**2 / (scales**2).sum(), atol=1e-3)
 
 
-@pytest.mark.parametrize("head_fusion", ["mean", "max", "min"])
-@pytest.mark.parametrize("discard_ratio", [0.0, 0.9])
+@pytest.mark.parametrize(("head_fusion", "discard_ratio"), [
+    (f, r) for f in ("mean", "max", "min") for r in (0.0, 0.9)] + [("max", 0.9999999999999999)])
 def test_onnx_rollout_equals_pytorch(tmp_path, head_fusion, discard_ratio):
-    """The same rollout code exported with torch.onnx (opset 18) and run by onnxruntime."""
+    """The same rollout code exported with torch.onnx (opset 18) and run by onnxruntime (with a ratio that names 1/1:
+    the at-least-one-kept clamp in the graph)."""
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
 

@@ -32,13 +32,18 @@ def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
 def discard_lowest(a: torch.Tensor, discard_ratio: float, keep_first: bool = True) -> torch.Tensor:
     """Zero the lowest `discard_ratio` fraction of each image's [N, N] attention weights.
 
-    As in the vit-explain reference, entry [0, 0] (CLS -> CLS) is never discarded when `keep_first`.
-    k = floor(N² · ratio) weights go (the ratio taken as the exact fraction it names, 0.9 = 9/10); the threshold
-    is the smallest of the N² - k kept weights, found with topk rather than a full sort (10x faster at
-    N = 197) and with integer size arithmetic, so N can stay symbolic in an exported graph. Ties at the
-    threshold are all kept.
+    a: [B, N, N] -> [B, N, N]; discard_ratio in [0, 1) (anything else is a ValueError).
 
-    a: [B, N, N] -> [B, N, N].
+    As in the vit-explain reference (its `rollout`: `flat.topk(int(N² · ratio), largest=False)` zeroed, index 0
+    spared), entry [0, 0] (CLS -> CLS) is never discarded when `keep_first`. The rule:
+    k = min(floor(N² · p/q), N² - 1) weights go, p/q being the ratio as the fraction it names (the nearest one with
+    q <= 2^16: 0.9 = 9/10, so float rounding never moves k). At least one weight (the largest) is always kept:
+    a ratio within about 2^-17 of 1 names 1/1 (0.9999999999999999 does), where floor(N² · 1/1) would drop all;
+    it keeps only the largest, as the reference's float count int(N² · ratio) < N² does. The threshold is the
+    smallest of the N² - k kept weights, found with topk rather than a full sort (10x faster at N = 197) and with
+    integer size arithmetic, so N can stay symbolic in an exported graph; the clamp is decided on the ratio alone
+    (a Python constant).
+    Ties at the threshold are all kept.
     """
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
@@ -48,7 +53,8 @@ def discard_lowest(a: torch.Tensor, discard_ratio: float, keep_first: bool = Tru
     flat = a.reshape(b, -1)
     ratio = Fraction(discard_ratio).limit_denominator(1 << 16)
     count = flat.shape[-1]
-    keep = count - count * ratio.numerator // ratio.denominator  # >= 1 since ratio < 1
+    # p/q < 1 gives floor(count · p/q) <= count - 1 by itself; only a ratio that rounds to 1/1 needs the clamp.
+    keep = 1 if ratio == 1 else count - count * ratio.numerator // ratio.denominator
     threshold = flat.topk(keep, dim=-1).values.amin(dim=-1, keepdim=True)  # the smallest kept weight
     drop = flat < threshold
     if keep_first:

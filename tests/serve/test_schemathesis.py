@@ -1,9 +1,16 @@
-"""Property-based API testing of the whole gateway from its own OpenAPI document (schemathesis): no operation
-answers 5xx, whatever the query, path, headers and body, including the image uploads.
+"""Property-based API testing of the whole gateway from its own OpenAPI document, with schemathesis' engine (the
+one its CLI runs): every phase (examples, coverage, fuzzing, stateful), positive and negative data, every
+operation. No answer is a 5xx, and every answer conforms to the spec: its status code, content type and response
+schema (schemathesis' not_a_server_error, status_code_conformance, content_type_conformance,
+response_schema_conformance).
 
 The app runs in-process with its lifespan (schemathesis' ASGI transport starts it: the model is loaded and warmed
-up) on the torch backend with a tiny random ViT. Generated bodies are mostly garbage, so a share of the upload
-cases is given a real image (and GET /explain a known id) to reach the inference paths with generated parameters.
+up) on the torch backend with a tiny random ViT. The `/v2/models/{name}/...` operations are given the served
+model's name and version (a third of the cases keep a generated, unknown, name). Generated bodies are mostly
+garbage, so a share of the upload cases is given a real image (and GET /explain a known id), and half of the
+`/v2/.../infer` bodies are (near-)valid inference requests, to reach the inference paths with generated
+parameters. The stateful phase follows the spec's OpenAPI links (POST /classify and POST /explain -> GET
+/explain?id=). One run (bounded by max-examples per operation and phase) feeds every test below.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ import base64
 import hashlib
 import io
 import time
-from collections import Counter
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -21,15 +30,24 @@ from PIL import Image
 import vit_serve
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402 - after the skip
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402 - after the skip
+from schemathesis.config import SchemathesisConfig  # noqa: E402
+from schemathesis.engine import Status, events, from_schema  # noqa: E402
 from schemathesis.python import asgi  # noqa: E402
 
-EXAMPLES = 30  # per operation and mode; the hand-parsed inference protocol gets more
-EXAMPLES_V2_INFER = 80
+MAX_EXAMPLES = 30  # per operation, phase and generation mode; the stateful phase runs as many scenarios
+STATEFUL_STEPS = 8
+WATCHDOG_S = 300  # a safety stop for a wedged run only; a normal run ends on its own (about 1 minute on 2 cores)
+PHASES = ("examples", "coverage", "fuzzing", "stateful")
+CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance")
+
+# Failures in routes this file's owners do not change, each (check, operation, failure title). Remove an entry once
+# its fix lands; a listed failure that no longer occurs is reported as a warning, so the list cannot go stale.
+# Example entry: ("content_type_conformance", "GET /v2/health/live", "Missing Content-Type header").
+KNOWN_FAILURES: set[tuple[str, str, str]] = set()
+
+MODEL_NAME = "tiny"
+RES = 32
 
 
 def _png(seed: int, size: tuple[int, int]) -> bytes:
@@ -69,7 +87,7 @@ def _v2_bodies() -> st.SearchStrategy[dict]:
         "outputs": st.lists(output, min_size=1, max_size=2, unique_by=lambda o: o["name"]),
         "parameters": st.fixed_dictionaries({}, optional={
             "binary_data_output": st.booleans(), "head_fusion": st.sampled_from(["mean", "max", "min"]),
-            "discard_ratio": st.sampled_from([0.0, 0.5, 0.9, 0.999])}),
+            "discard_ratio": st.sampled_from([0.0, 0.5, 0.9, 0.999, 0.9999999999999999])}),
         "id": st.text(max_size=4)})
 
     broken = st.fixed_dictionaries({
@@ -94,6 +112,53 @@ def _v2_bodies() -> st.SearchStrategy[dict]:
     return st.one_of(valid, noisy)
 
 
+@dataclass
+class Answer:
+    phase: str
+    operation: str
+    mode: str
+    status: int | None
+    via: str | None  # stateful: the operation whose response this call's parameters came from (an OpenAPI link)
+
+
+@dataclass
+class Failure:
+    check: str
+    operation: str
+    phase: str
+    title: str
+    request: str
+    response: str
+
+
+@dataclass
+class Run:
+    operations: list[str]
+    answers: list[Answer] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    links: int = 0  # in the spec, and of those inferred by schemathesis (the rest are the spec's own)
+    inferred_links: int = 0
+    stop_reason: str = ""
+    wall_s: float = 0.0
+
+    def statuses(self, operation: str, phase: str | None = None) -> Counter:
+        return Counter(a.status for a in self.answers if a.operation == operation and phase in (None, a.phase))
+
+
+def _config() -> SchemathesisConfig:
+    return SchemathesisConfig.from_dict({
+        "seed": 10,  # with no example database and no cache below: the same run every time
+        "cache": {"enabled": False},
+        "workers": 1,
+        "generation": {"mode": "all", "max-examples": MAX_EXAMPLES, "database": "none"},
+        "phases": {"examples": {"enabled": True}, "coverage": {"enabled": True}, "fuzzing": {"enabled": True},
+                   "stateful": {"enabled": True, "max-steps": STATEFUL_STEPS}},
+        "checks": {"enabled": False, **{name: {"enabled": True} for name in CHECKS}},
+        "request-timeout": 60,
+    })
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, randomize):
     from vit_serve.serve.app import create_app
@@ -111,14 +176,14 @@ def app(tmp_path_factory, randomize):
 
 @pytest.fixture(scope="module")
 def api(app):
-    """The app's OpenAPI schema; loading it starts the app's lifespan. Waits until /readyz says ready."""
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    """The app's OpenAPI schema with the run's config; loading it starts the app's lifespan. Waits until /readyz
+    says ready, and classifies one image so that GET /explain has an id the store knows."""
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=_config())
     with asgi.get_client(app) as client:
         deadline = time.monotonic() + 60
         while client.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, "the gateway did not become ready within 60 s"
             time.sleep(0.05)
-        # An image the store knows, for GET /explain?id=...
         r = client.post("/classify", files={"file": ("known.png", IMAGES[0], "image/png")})
         assert r.status_code == 200 and r.json()["id"] == KNOWN_ID
 
@@ -150,7 +215,8 @@ def api(app):
 
     @schema.hook
     def flatmap_path_parameters(context, params):
-        """Two thirds of the /v2/models/{name}... cases name the served model (and its version, "1")."""
+        """Two thirds of the /v2/models/{name}... cases name the served model (and its version, "1"); the others
+        keep the generated name (an unknown model: 404). (A fixed `parameters` config would pin every case.)"""
         if not isinstance(params, dict) or "name" not in params:
             return st.just(params)
         known = {**params, "name": MODEL_NAME, **({"version": "1"} if "version" in params else {})}
@@ -159,57 +225,126 @@ def api(app):
     return schema
 
 
-def _operations() -> list[tuple[str, str, str]]:
-    """(METHOD, path, generation mode) of every operation in the spec (building the app loads nothing; only its
-    lifespan does): `positive` for all, `negative` for those with parameters or a body (the others have no input
-    that could violate the spec)."""
-    from vit_serve.serve.app import create_app
-    from vit_serve.serve.settings import ServeSettings
-
-    paths = create_app(ServeSettings(model="unused.safetensors")).openapi()["paths"]
-    cases = []
-    for path, item in paths.items():
-        for method, op in item.items():
-            cases.append((method.upper(), path, "positive"))
-            if op.get("parameters") or op.get("requestBody"):
-                cases.append((method.upper(), path, "negative"))
-    return cases
+def _describe(interaction) -> tuple[str, str]:
+    if interaction is None:
+        return "(no request recorded)", ""
+    req = interaction.request
+    body = (req.body or b"")[:160] if isinstance(req.body, bytes) else str(req.body)[:160]
+    request = f"{req.method} {req.uri} body={body!r}"
+    res = interaction.response
+    if res is None:
+        return request, ""
+    return request, f"{res.status_code} {res.headers.get('content-type')} {(res.content or b'')[:200]!r}"
 
 
-CASES = _operations()
-OPERATIONS = sorted({(m, p) for m, p, _ in CASES})
+@pytest.fixture(scope="module")
+def run(api) -> Run:
+    """One schemathesis engine run over the whole spec; every answer and check failure, recorded."""
+    result = Run(operations=sorted(op.label for op in (r.ok() for r in api.get_all_operations())))
+    t0 = time.monotonic()
+    stream = from_schema(api).execute()
+    for event in stream:
+        if time.monotonic() - t0 > WATCHDOG_S:
+            stream.stop()
+        if isinstance(event, events.PhaseStarted) and event.payload is not None:
+            result.links = event.payload.transitions_total
+            result.inferred_links = event.payload.inferred_transitions
+        elif isinstance(event, events.NonFatalError):
+            result.errors.append(f"{event.phase} {event.label}: {event.info.title}: {event.info.message}")
+        elif isinstance(event, events.FatalError):
+            result.errors.append(f"fatal: {event.exception!r}")
+        elif isinstance(event, events.ScenarioFinished):
+            rec = event.recorder
+            for case_id, node in rec.cases.items():
+                interaction = rec.interactions.get(case_id)
+                parent = rec.cases.get(node.parent_id) if node.parent_id else None
+                result.answers.append(Answer(
+                    event.phase.value, node.value.operation.label, node.value.meta.generation.mode.value
+                    if node.value.meta else "?",
+                    interaction.response.status_code if interaction and interaction.response else None,
+                    parent.value.operation.label if parent and node.is_transition_applied else None))
+            for case_id, checks in rec.checks.items():
+                for check in checks:
+                    if check.status == Status.FAILURE:
+                        title = check.failure_info.failure.title if check.failure_info else "?"
+                        result.failures.append(Failure(check.name, rec.cases[case_id].value.operation.label,
+                                                       event.phase.value, title,
+                                                       *_describe(rec.interactions.get(case_id))))
+        elif isinstance(event, events.EngineFinished):
+            result.stop_reason = event.stop_reason.value
+    result.wall_s = time.monotonic() - t0
+    per_phase = Counter(a.phase for a in result.answers)
+    print(f"\nschemathesis: {len(result.operations)} operations, {result.links} links, "
+          f"{dict(per_phase)} requests per phase, {len(result.failures)} check failures, "
+          f"{result.wall_s:.1f} s ({result.stop_reason})")
+    for op in result.operations:
+        print(f"  {op}: {dict(sorted(result.statuses(op).items(), key=str))}")
+    chains = Counter(f"{a.via} -> {a.operation} {a.status}" for a in result.answers if a.via)
+    print(f"  stateful chains ({result.inferred_links} of the links inferred): {dict(chains)}")
+    return result
 
 
-# One test per operation and generation mode (schemathesis' own pytest loader, `from_fixture`, fails under pytest 9:
-# it sets `request.node._nodeid`, which pytest 9 no longer has).
-@pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=[f"{m} {p} {g}" for m, p, g in CASES])
-def test_no_server_errors(api, method, path, mode):
-    """Generated requests (valid per the spec, or `negative`: violating it) never get a 5xx; a 503 / 504 would be
-    an overload, and none is expected either, one request at a time. A failure names the request as curl."""
-    operation = api[path][method]
-    statuses: list[int] = []
+def test_no_server_error_and_every_answer_conforms(run):
+    """Each of CHECKS held for every request of every phase, apart from KNOWN_FAILURES (routes fixed elsewhere)."""
+    assert not run.errors, "schemathesis reported errors:\n" + "\n".join(run.errors)
+    new = [f for f in run.failures if (f.check, f.operation, f.title) not in KNOWN_FAILURES]
+    seen = {(f.check, f.operation, f.title) for f in run.failures}
+    for gone in sorted(KNOWN_FAILURES - seen):
+        warnings.warn(f"known schemathesis failure no longer seen, remove it from KNOWN_FAILURES: {gone}",
+                      stacklevel=1)
+    first: dict[tuple[str, str, str], Failure] = {}
+    for f in new:
+        first.setdefault((f.check, f.operation, f.title), f)
+    assert not first, "\n".join(f"{f.check} on {f.operation} ({f.phase}): {f.title}\n  {f.request}\n  -> {f.response}"
+                                 for f in first.values())
 
-    @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
-    @settings(max_examples=EXAMPLES_V2_INFER if path.endswith("/infer") else EXAMPLES, deadline=None,
-              derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-    def run(case):
-        statuses.append(case.call_and_validate(checks=[not_a_server_error]).status_code)
 
-    try:
-        run()
-    except Unsatisfiable:
-        pytest.skip(f"{method} {path} has no input that could violate its spec")
-    print(f"{method} {path} {mode}: {len(statuses)} requests, statuses {dict(sorted(Counter(statuses).items()))}")
-    assert statuses
-    if mode == "positive" and (path in ("/classify", "/explain") or path.startswith("/v2/models")):
-        # the real images (and known ids and model names) reach the model with generated parameters
-        assert 200 in statuses, f"no generated {method} {path} request succeeded: {Counter(statuses)}"
+def test_every_phase_ran_with_positive_and_negative_data(run):
+    """All four phases sent requests, the coverage and fuzzing phases both valid and invalid ones, and the
+    fuzzing phase reached every operation of the spec."""
+    assert run.stop_reason == "completed"
+    modes = defaultdict(set)
+    for a in run.answers:
+        modes[a.phase].add(a.mode)
+    for phase in PHASES:
+        assert modes[phase], f"the {phase} phase sent no request"
+    for phase in ("coverage", "fuzzing"):
+        assert {"positive", "negative"} <= modes[phase], f"{phase}: generation modes {modes[phase]}"
+    assert {a.operation for a in run.answers if a.phase == "fuzzing"} == set(run.operations)
+
+
+def test_model_named_operations_are_reached(run):
+    """Every /v2/models/{name}/... operation answers something other than 404 (its model was found), and the
+    inference, upload and by-id routes succeed with generated parameters, valid per the spec."""
+    named = [op for op in run.operations if "/v2/models/{name}" in op]
+    assert len(named) >= 5, named
+    for op in named:
+        statuses = run.statuses(op)
+        assert set(statuses) - {404}, f"{op} only ever answered 404: {statuses}"
+    for op in ("POST /classify", "GET /explain", "POST /explain", "POST /v2/models/{name}/infer",
+               *(op for op in named if op.startswith("GET"))):
+        assert run.statuses(op)[200], f"no generated {op} request succeeded: {run.statuses(op)}"
+
+
+def test_the_stateful_phase_follows_the_links(run):
+    """The spec's links are used: GET /explain is called with the id a POST /classify (or POST /explain) answered,
+    and that image is found (200)."""
+    assert run.links >= 2, f"{run.links} links in the spec"
+    chained = Counter((a.via, a.status) for a in run.answers if a.phase == "stateful" and a.operation == "GET /explain"
+                      and a.via is not None)
+    assert chained[("POST /classify", 200)] > 0, chained
+    assert chained[("POST /explain", 200)] > 0, chained
 
 
 def test_the_schema_covers_the_image_routes(api):
-    """The routes above are really exercised: the uploads are multipart (and raw image/*) in the spec."""
-    for key in (("POST", "/classify"), ("POST", "/explain"), ("GET", "/explain")):
-        assert key in OPERATIONS, f"{key} missing from /openapi.json"
-    content = api.raw_schema["paths"]["/classify"]["post"]["requestBody"]["content"]
+    """The routes above are really exercised: the uploads are multipart (and raw image/*) in the spec, and
+    classify's answer links to GET /explain by id."""
+    paths = api.raw_schema["paths"]
+    for path, method in (("/classify", "post"), ("/explain", "post"), ("/explain", "get")):
+        assert method in paths.get(path, {}), f"{method.upper()} {path} missing from /openapi.json"
+    content = paths["/classify"]["post"]["requestBody"]["content"]
     assert "multipart/form-data" in content and "image/*" in content
     assert content["multipart/form-data"]["schema"]["properties"]["file"]["format"] == "binary"
+    for path in ("/classify", "/explain"):
+        link = paths[path]["post"]["responses"]["200"]["links"]["ExplainById"]
+        assert link["operationRef"] == "#/paths/~1explain/get" and link["parameters"] == {"id": "$response.body#/id"}

@@ -25,7 +25,10 @@ ERRORS = {
 }
 
 
-@router.post("/classify", response_model=ClassifyResponse, responses=ERRORS, openapi_extra=IMAGE_REQUEST_BODY)
+@router.post("/classify", response_model=ClassifyResponse, openapi_extra=IMAGE_REQUEST_BODY, responses={
+    **ERRORS, 200: {"links": {"ExplainById": {  # OpenAPI link: stateful clients (schemathesis) chain the two calls
+        "operationRef": "#/paths/~1explain/get", "parameters": {"id": "$response.body#/id"},
+        "description": "the attention map of the image just classified: GET /explain?id="}}}})
 async def classify(
     request: Request,
     gateway: GatewayDep,

@@ -32,6 +32,10 @@ router = APIRouter(tags=["explain"])
 PNG = {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}},
        "description": "format=png: the map over the model-input crop (headers X-Image-Id, X-Model); "
                       "format=json: the map as numbers"}
+# OpenAPI link from an upload's answer to the same image by id (format=json carries it in the body).
+BY_ID_LINK = {"links": {"ExplainById": {
+    "operationRef": "#/paths/~1explain/get", "parameters": {"id": "$response.body#/id"},
+    "description": "the same image again by its id, e.g. with other rollout settings: GET /explain?id="}}}
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,9 @@ def explain_params(
     head_fusion: Annotated[Literal[HEAD_FUSIONS] | None, Query(
         description="rollout: fuse heads by mean, max or min (default: mean, or the exported graph's)")] = None,
     discard_ratio: Annotated[float | None, Query(
-        ge=0.0, lt=1.0, description="rollout: drop this fraction of the weakest attention weights per layer "
-                                    "(default: 0.9, or the exported graph's)")] = None,
+        ge=0.0, lt=1.0, examples=[0.9, 0.0, 0.9999999999999999],
+        description="rollout: drop this fraction of the weakest attention weights per layer (default: 0.9, or the "
+                    "exported graph's); at least one weight is always kept")] = None,
     format: Annotated[Literal["png", "json"], Query(description="png overlay or json grid")] = "png",
     target: Annotated[int | None, Query(ge=0, description="grad_rollout: class to explain (default top-1)")] = None,
     alpha: Annotated[float, Query(ge=0.0, le=1.0, description="png: opacity of the map")] = 0.5,
@@ -119,7 +124,7 @@ async def explain_by_id(
         return await _answer(gateway, task, id, crop, x, params, t0, 0.0, arrival)
 
 
-@router.post("/explain", response_model=ExplainResponse, responses={200: PNG, **ERRORS},
+@router.post("/explain", response_model=ExplainResponse, responses={200: {**PNG, **BY_ID_LINK}, **ERRORS},
              openapi_extra=IMAGE_REQUEST_BODY)
 async def explain_upload(request: Request, gateway: GatewayDep, backend: BackendDep, params: ParamsDep
                          ) -> Response | dict:
