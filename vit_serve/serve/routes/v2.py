@@ -45,6 +45,14 @@ V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "prope
     "type": "string"}}}}}}
 NameDep = Annotated[str, Path(description="the model's name (GET /v2/models/{name} lists it)")]
 VersionDep = Annotated[str, Path(description='the model version; "1" is the only one')]
+# OpenAPI links from a model's metadata to the calls that take its name (stateful clients chain them).
+_BY_NAME = {"name": "$response.body#/name"}
+MODEL_LINKS = {"links": {
+    "ModelReady": {"operationRef": "#/paths/~1v2~1models~1{name}~1ready/get", "parameters": _BY_NAME},
+    "ModelInfer": {"operationRef": "#/paths/~1v2~1models~1{name}~1infer/post", "parameters": _BY_NAME},
+    "VersionMetadata": {"operationRef": "#/paths/~1v2~1models~1{name}~1versions~1{version}/get",
+                        "parameters": {**_BY_NAME, "version": "$response.body#/versions/0"}},
+}}
 
 
 class ServerLive(BaseModel):
@@ -105,7 +113,7 @@ async def ready(gateway: GatewayDep) -> StrictJSONResponse:
     return StrictJSONResponse({"ready": True} if ok else {"ready": False, "error": why}, 200 if ok else 503)
 
 
-@router.get("/models/{name}", responses={404: V2_ERROR})
+@router.get("/models/{name}", responses={200: MODEL_LINKS, 404: V2_ERROR})
 async def metadata(name: NameDep, backend: BackendDep) -> dict:
     """Model metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (send one), outputs
     `logits` FP32 [-1, K] and `rollout` FP32 [-1, gh, gw] (with an explain graph); parameters: the preprocessing
