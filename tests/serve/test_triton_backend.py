@@ -5,26 +5,38 @@ One module: a tiny random ViT (Ti/16, depth 2, 32x32, 10 labelled classes) expor
 exported ONNX run by onnxruntime inside Triton); the gateway app served by a real uvicorn on a free port.
 References: onnxruntime on the exported file, the PyTorch model with `vit_serve.explain.rollout`, and the
 sidecar's preprocessing contract through `vit_serve.preprocess` (the one preprocessing function).
+
+Under load: `tiny_gated_py` is the exported `tiny_py` (same ONNX, same model.py) whose executions wait while a
+gate file is missing, loaded on demand through Triton's model-control API; it makes chosen requests time out
+for real while 196 others wait in Triton's queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import io
 import json
 import re
+import shutil
 import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gateway_helpers import live_server
+from gateway_helpers import live_server, metric
+from PIL import Image
 from vit_export.parity import session
+from vit_export.triton_config import parse, to_text
 from vit_export.tritonserver import TritonServer, available
 
 import vit_serve
+from vit_serve.cli import build_parser
 from vit_serve.explain import rollout
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess
 from vit_serve.serve.backends.base import BackendUnavailableError
@@ -221,6 +233,188 @@ def test_concurrent_requests_are_batched_by_triton(gateway, server, photos, refe
     print(f"\n{n} concurrent /classify -> Triton: {requests:.0f} inferences in {executions:.0f} executions")
     assert requests == n
     assert executions < requests
+
+
+GATED = f"{NAME}_gated_py"
+EARLY, LATE = 4, 196  # requests that time out, requests that must succeed
+# Appended to the exported model.py: the same class, each execution waiting (at most 5 minutes) while the
+# "gate_file" config parameter names a missing file.
+GATE_CODE = """
+
+import time
+
+_Exported = TritonPythonModel
+
+
+class TritonPythonModel(_Exported):
+    def initialize(self, args: dict) -> None:
+        super().initialize(args)
+        self.gate = _param(json.loads(args["model_config"]), "gate_file", "")
+
+    def execute(self, requests: list) -> list:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return super().execute(requests)
+"""
+
+
+@pytest.fixture(scope="module")
+def gated(exported, server, tmp_path_factory) -> Iterator[Path]:
+    """`tiny_gated_py` loaded on the running server; yields its gate file (present: open)."""
+    import tritonclient.http as tc_http
+
+    gate = tmp_path_factory.mktemp("gate") / "open"
+    gate.touch()
+    src, dst = exported["repo"] / MODEL, exported["repo"] / GATED
+    shutil.copytree(src, dst, dirs_exist_ok=True)  # model.onnx, model.py, labels.txt
+    (dst / "1" / "model.py").write_text((src / "1" / "model.py").read_text() + GATE_CODE)
+    cfg = parse((src / "config.pbtxt").read_text())
+    cfg.name = GATED
+    cfg.dynamic_batching.default_queue_policy.max_queue_size = 0  # Triton's queue: unbounded, all 200 fit
+    del cfg.model_warmup[:]
+    cfg.parameters["gate_file"].string_value = str(gate)
+    (dst / "config.pbtxt").write_text(to_text(cfg))
+    client = tc_http.InferenceServerClient(server.http_address)
+    client.load_model(GATED)
+    yield gate
+    gate.touch()
+    with contextlib.suppress(Exception):
+        client.unload_model(GATED)
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def small_images(exported) -> list[tuple[bytes, np.ndarray]]:
+    """Six small PNGs (random pixels: decoding them costs nothing) with onnxruntime's logits on each."""
+    sess = session(exported["onnx"], threads=1)
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(6):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(buf, format="PNG")
+        x = preprocess(load_image(buf.getvalue()), exported["preprocess"])[None].numpy()
+        out.append((buf.getvalue(), sess.run(["logits"], {"pixel_values": x})[0][0]))
+    return out
+
+
+def _limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=None, max_keepalive_connections=None)  # httpx's default is 100
+
+
+async def _classify_all(client: httpx.AsyncClient, images: list[tuple[bytes, np.ndarray]]) -> list[asyncio.Task]:
+    return [asyncio.ensure_future(client.post("/classify", params={"top_k": 10},
+                                              files={"file": ("x.png", data, "image/png")})) for data, _ in images]
+
+
+@pytest.fixture(scope="module")
+def pace(server, gated, small_images) -> float:
+    """Seconds for LATE concurrent /classify through the gateway to Triton and back on this machine (gate open;
+    Triton's queue unbounded): the load test's timeout and head start are scaled by it, so that a slow machine
+    keeps the same order of events instead of failing."""
+    images = [small_images[i % len(small_images)] for i in range(LATE)]
+    settings = ServeSettings(model=GATED, backend="triton", triton_url=server.http_url, request_timeout_s=120,
+                             triton_timeout_s=120, threads=1, decode_workers=2)
+
+    async def burst(base: str) -> tuple[list[httpx.Response], float]:
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=_limits()) as client:
+            t0 = time.monotonic()
+            responses = await asyncio.gather(*await _classify_all(client, images))
+            return responses, time.monotonic() - t0
+
+    with live_server(settings) as base:
+        responses, wall = asyncio.run(burst(base))
+    for (_, logits), r in zip(images, responses, strict=True):
+        assert r.status_code == 200, r.text
+        _check_predictions(r.json(), logits)
+    return wall
+
+
+async def _wait_for(count, n: int, early: list[asyncio.Task]) -> float:
+    """Poll `await count()` until it reaches n or one of `early` is answered; returns the last count."""
+    while (value := await count()) < n and not any(t.done() for t in early):
+        await asyncio.sleep(0.05)
+    return value
+
+
+def _statuses(tasks: list[asyncio.Task]) -> dict[int | str, int]:
+    """Status codes (or exception names) of the tasks already done."""
+    return dict(collections.Counter(t.result().status_code if not t.exception() else type(t.exception()).__name__
+                                    for t in tasks if t.done()))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_timeouts_under_load_touch_no_other_request(protocol, server, gated, small_images, pace):
+    """200 concurrent /classify through the Triton backend: the 4 sent first time out at Triton (504) while the
+    196 others wait in Triton's queue; those 196 all succeed with onnxruntime's scores once Triton goes on.
+
+    What it guards against: a timeout that closes the shared HTTP session (every other request in flight then
+    answers 503 or 500), a pool of 100 connections (tritonclient's default) for 256 outstanding requests, and a
+    gRPC deadline answered as 503 (server unavailable) instead of 504."""
+    head_start = 0.5 + 1.5 * pace  # the late requests' deadlines fall this long after the gate reopens
+    timeout_s = head_start + 0.5 + 1.5 * pace  # time for the late requests to reach Triton before it
+    url = server.http_url if protocol == "http" else f"grpc://{server.grpc_url}"
+    settings = ServeSettings(model=GATED, backend="triton", triton_url=url, triton_timeout_s=timeout_s,
+                             request_timeout_s=120, max_queue=256, threads=1, decode_workers=2)
+    images = [small_images[i % len(small_images)] for i in range(EARLY + LATE)]
+
+    async def load(base: str) -> dict:
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=_limits()) as client:
+            async def outstanding() -> float:  # requests the gateway has sent to Triton
+                return metric((await client.get("/metrics")).text, "vit_serve_queue_depth")
+
+            async def queued() -> float:  # requests in Triton's queue (the first batch, held, is not counted)
+                counters = await asyncio.to_thread(_counters, server.metrics_url, GATED)
+                return counters.get("nv_inference_pending_request_count", 0.0)
+
+            gated.unlink()  # Triton holds every execution from now on
+            try:
+                early = await _classify_all(client, images[:EARLY])
+                await _wait_for(outstanding, EARLY, early)
+                await asyncio.sleep(head_start)
+                before = await queued()  # early requests not in the first batch
+                late = await _classify_all(client, images[EARLY:])
+                in_queue = await _wait_for(queued, before + LATE, early) - before
+                first = await asyncio.gather(*early)
+                answered_early = _statuses(late)  # late requests answered while Triton still held them all
+            finally:
+                gated.touch()
+            return {"first": first, "rest": await asyncio.gather(*late), "in_queue": in_queue,
+                    "answered_early": answered_early}
+
+    t0 = time.monotonic()
+    with live_server(settings) as base:
+        got = asyncio.run(load(base))
+    wall = time.monotonic() - t0
+    first, rest = got["first"], got["rest"]
+    print(f"\n{protocol}: {EARLY + LATE} concurrent /classify, triton_timeout_s {timeout_s:.1f}: early "
+          f"{dict(collections.Counter(r.status_code for r in first))}, late "
+          f"{dict(collections.Counter(r.status_code for r in rest))}; Triton's queue held {got['in_queue']:.0f} "
+          f"at once; {wall:.1f} s with the gateway's start-up ({LATE} ungated requests: {pace:.2f} s)")
+    assert not got["answered_early"], f"answered while Triton still held them: {got['answered_early']}"
+    worst = 0.0
+    for (_, logits), r in zip(images[EARLY:], rest, strict=True):
+        assert r.status_code == 200, r.text
+        worst = max(worst, _check_predictions(r.json(), logits))
+    for r in first:
+        assert r.status_code == 504, r.text
+        assert "VIT_SERVE_TRITON_TIMEOUT_S" in r.json()["detail"]
+    # All the late requests at once in Triton's queue, its one instance held by an early batch: the connection
+    # pool is sized from max_queue (with tritonclient's default of 100 connections: at most 96 here).
+    assert got["in_queue"] == LATE
+    print(f"{EARLY} timed out (504), {LATE} succeeded, max |Δ score| vs onnxruntime {worst:.1e}")
+
+
+def test_triton_timeouts_are_settings(monkeypatch):
+    """VIT_SERVE_TRITON_TIMEOUT_S / VIT_SERVE_TRITON_STARTUP_TIMEOUT_S and `vit-serve serve` flags."""
+    monkeypatch.setenv("VIT_SERVE_TRITON_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("VIT_SERVE_TRITON_STARTUP_TIMEOUT_S", "7")
+    s = ServeSettings()
+    assert (s.triton_timeout_s, s.triton_startup_timeout_s) == (2.5, 7.0)
+    args = build_parser().parse_args(["serve", MODEL, "--triton-timeout-s", "1.5", "--triton-startup-timeout-s", "0"])
+    assert (args.triton_timeout_s, args.triton_startup_timeout_s) == (1.5, 0.0)
+    with pytest.raises(ValueError, match="greater than 0"):
+        ServeSettings(triton_timeout_s=0)
 
 
 def test_gateway_survives_a_triton_restart(gateway, server, photos, reference):

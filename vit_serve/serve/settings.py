@@ -23,6 +23,10 @@ class ServeSettings(BaseSettings):
     model: str = Field("", description="checkpoint, exported NAME.onnx, TensorRT engine, or a Triton model name")
     backend: BackendName = Field("auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
     triton_url: str = Field("localhost:8000", description="Triton server host:port (HTTP) for --backend triton")
+    triton_timeout_s: float = Field(10.0, gt=0, description="longest wait for one Triton call (inference, "
+                                    "health) before answering 504; the others in flight are not affected")
+    triton_startup_timeout_s: float = Field(30.0, ge=0, description="how long start-up waits for the Triton "
+                                            "server and model to be ready")
     model_name: str | None = Field(None, description="name shown to clients (default: MODEL's file stem)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

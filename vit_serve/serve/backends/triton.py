@@ -5,9 +5,13 @@ concurrent requests into one execution. The model's metadata (resolution, labels
 size, explain model, rollout settings) is read from the "vit_serve" parameter the exporter writes into each
 config.pbtxt, so the gateway needs nothing but the model name and the server's URL.
 
-A server that is down, refusing connections or without the model loaded gives `BackendUnavailableError` (503),
-and the backend reconnects on its own once the server is back: a failed call drops the client, the next call or
-readiness probe makes a fresh one.
+Under load, one request's failure stays its own. Each Triton call has its own deadline (`triton_timeout_s`):
+a call past it answers 504 and nothing else happens to the shared connection. The HTTP client's pool holds
+`max_queue` connections (plus a few for probes), as many as the gateway lets be outstanding, so no request
+spends its deadline waiting for a connection. A server that is down, refusing connections or without the model
+loaded gives `BackendUnavailableError` (503) for the calls it fails; aiohttp's pool drops broken connections
+on its own, and a gRPC channel whose connection failed is replaced for new calls and closed once the calls still
+on it have finished, so the backend reconnects by itself once the server is back.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,6 +31,7 @@ import numpy as np
 
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
+from vit_serve.serve.errors import GatewayTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +39,13 @@ INPUT = "pixel_values"
 LOGITS = "logits"
 ROLLOUT = "rollout"
 PROBE_TIMEOUT_S = 2.0
+# Connections beyond max_queue: readiness probes and the parts of a batch split over max_batch_size.
+SPARE_CONNECTIONS = 8
 GRPC_MESSAGE_LIMITS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 # Triton's answers that mean "not now" rather than "bad request": server / model missing, loading or overloaded.
-UNAVAILABLE_STATUSES = {"503", "StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED"}
+UNAVAILABLE_STATUSES = {"503", "StatusCode.UNAVAILABLE", "StatusCode.CANCELLED"}
+TIMEOUT_STATUSES = {"StatusCode.DEADLINE_EXCEEDED"}
 UNAVAILABLE_WORDS = ("unknown model", "not found", "not ready", "unavailable", "is not loaded")
 # gRPC's wording when the connection itself failed (the channel is then replaced, not left to its backoff).
 CONNECTION_WORDS = ("failed to connect", "socket closed", "connection reset", "connection refused", "broken pipe")
@@ -100,72 +110,120 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
     )
 
 
+def _first(*values: Any) -> Any:
+    """The first value that is not None (0 is a value)."""
+    return next(v for v in values if v is not None)
+
+
+def _close_soon(conn: _Connection) -> None:
+    """Close a retired connection on its own loop, without waiting for it here."""
+    async def close() -> None:
+        with contextlib.suppress(Exception):  # closing a broken connection may fail in many ways
+            await conn.client.close()
+
+    if conn.loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is conn.loop:
+        _closing.add(task := conn.loop.create_task(close()))
+        task.add_done_callback(_closing.discard)
+    elif conn.loop.is_running():
+        asyncio.run_coroutine_threadsafe(close(), conn.loop)
+
+
+_closing: set[asyncio.Task[None]] = set()  # strong references: the event loop keeps only weak ones
+
+
 def _run_blocking(make_coro) -> Any:
     """Run a coroutine to completion from sync code, whether or not this thread already runs an event loop."""
     with ThreadPoolExecutor(1, thread_name_prefix="triton-sync") as pool:
         return pool.submit(lambda: asyncio.run(make_coro())).result()
 
 
+@dataclass
+class _Connection:
+    """The shared client of one event loop, with the number of calls on it (a retired one closes when idle)."""
+
+    client: Any
+    loop: asyncio.AbstractEventLoop
+    shared: bool = True  # False: a short-lived client of one sync call, closed by its caller
+    calls: int = 0
+    retired: bool = False
+
+
 class TritonBackend(Backend):
-    """MODEL on the Triton server at URL; `info` from the model's config, explain via its explain model."""
+    """MODEL on the Triton server at URL; `info` from the model's config, explain via its explain model.
+
+    settings: the gateway's ServeSettings (triton_timeout_s, triton_startup_timeout_s, max_queue); the keyword
+    arguments override them.
+    """
 
     name = "triton"
     batches_itself = True
 
     def __init__(self, model: str, url: str, settings: Any = None, *, timeout_s: float | None = None,
-                 startup_timeout_s: float | None = None) -> None:
+                 startup_timeout_s: float | None = None, max_queue: int | None = None) -> None:
         self.model = model
         self.url = url
         self.protocol, self.address = parse_url(url)
-        self.timeout_s = float(timeout_s or getattr(settings, "triton_timeout_s", None) or 10.0)
-        startup = startup_timeout_s or getattr(settings, "triton_startup_timeout_s", None) or 30.0
+        self.timeout_s = float(_first(timeout_s, getattr(settings, "triton_timeout_s", None), 10.0))
+        startup = float(_first(startup_timeout_s, getattr(settings, "triton_startup_timeout_s", None), 30.0))
+        # The gateway lets at most max_queue requests be outstanding: each gets a connection at once.
+        self.pool_size = int(_first(max_queue, getattr(settings, "max_queue", None), 256)) + SPARE_CONNECTIONS
         if self.protocol == "http":
             import tritonclient.http.aio as client_module
         else:
             import tritonclient.grpc.aio as client_module
         self._tc = client_module
-        self._client: Any = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._conn: _Connection | None = None
         self._ready = False
-        self.info = _run_blocking(lambda: self._start(float(startup)))
+        self.info = _run_blocking(lambda: self._start(startup))
         self.explain_model: str | None = self.info.extra["explain_model"]
         self.max_batch_size: int = self.info.extra["max_batch_size"]
         self._ready = True  # the gateway warms up (`warmup`) before it reports ready
 
     # ---- connection ----------------------------------------------------------------------------------------
 
-    def _new_client(self) -> Any:
+    def _new_client(self, pool_size: int = SPARE_CONNECTIONS) -> Any:
         if self.protocol == "http":
-            return self._tc.InferenceServerClient(self.address, conn_timeout=self.timeout_s)
-        # A private subchannel pool (gRPC shares connections between channels by default, so a fresh channel
-        # would inherit a failed one's reconnect backoff) and a short backoff: after a server restart the
-        # connection comes back within a second.
+            # No session-wide timeout: every call gets its own deadline (`_guard`), which does not count the
+            # wait for a pooled connection against the session or close it when it expires.
+            return self._tc.InferenceServerClient(self.address, conn_limit=pool_size, conn_timeout=None)
+        # One HTTP/2 channel multiplexes every call, so there is no pool to size. A private subchannel pool
+        # (gRPC shares connections between channels by default, so a fresh channel would inherit a failed one's
+        # reconnect backoff) and a short backoff: after a server restart the connection comes back within a second.
         return self._tc.InferenceServerClient(self.address, channel_args=[
             *GRPC_MESSAGE_LIMITS, ("grpc.use_local_subchannel_pool", 1),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 1000)])
 
-    def _loop_client(self) -> Any:
-        """The client of the running event loop (aiohttp sessions and gRPC channels belong to one loop)."""
+    def _shared(self) -> _Connection:
+        """The running event loop's connection (aiohttp sessions and gRPC channels belong to one loop)."""
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            self._client, self._client_loop = self._new_client(), loop
-        return self._client
+        conn = self._conn
+        if conn is None or conn.loop is not loop or conn.retired:
+            if conn is not None and conn.loop is not loop:
+                self._retire(conn)
+            conn = self._conn = _Connection(self._new_client(self.pool_size), loop)
+        return conn
 
-    async def _drop_client(self, client: Any) -> None:
-        """Forget a client after a connection failure so that the next call reconnects from scratch."""
-        if client is self._client:
-            self._client = self._client_loop = None
-        with contextlib.suppress(Exception):  # closing a broken connection may fail in many ways
-            await client.close()
-
-    def _call_kwargs(self, timeout_s: float) -> dict[str, Any]:
-        # The HTTP client's timeout is per session (conn_timeout); gRPC takes one per call.
-        return {"client_timeout": timeout_s} if self.protocol == "grpc" else {}
+    def _retire(self, conn: _Connection) -> None:
+        """Take `conn` out of use for new calls; it closes once the calls still on it have finished."""
+        conn.retired = True
+        if conn is self._conn:
+            self._conn = None
+        if conn.calls == 0:
+            _close_soon(conn)
 
     def _unavailable(self, err: BaseException, what: str) -> BackendUnavailableError:
         self._mark(False, f"{what}: {err}")
         return BackendUnavailableError(f"Triton at {self.url} is unavailable ({what}): {err}")
+
+    def _timed_out(self, what: str, timeout_s: float) -> GatewayTimeoutError:
+        return GatewayTimeoutError(f"Triton did not answer {what} within {timeout_s:g} s (VIT_SERVE_TRITON_TIMEOUT_S)")
 
     def _mark(self, ready: bool, why: str = "") -> None:
         if ready != self._ready:
@@ -173,29 +231,42 @@ class TritonBackend(Backend):
                     "ready" if ready else "unavailable", f" ({why})" if why else "")
         self._ready = ready
 
-    async def _guard(self, client: Any, what: str, coro) -> Any:
-        """Await a client call, mapping connection failures and Triton's "not now" answers to unavailability."""
+    def _call_kwargs(self, timeout_s: float) -> dict[str, Any]:
+        # gRPC sends its deadline to the server; the HTTP client has no per-call timeout (`_guard` keeps it).
+        return {"client_timeout": timeout_s} if self.protocol == "grpc" else {}
+
+    async def _guard(self, conn: _Connection, what: str, coro: Any, timeout_s: float) -> Any:
+        """Await one client call within `timeout_s`: past it GatewayTimeoutError (504); connection failures and
+        Triton's "not now" answers BackendUnavailableError (503); Triton's other errors RuntimeError.
+
+        Only a gRPC channel whose connection failed is retired; a timeout or a failed HTTP call leaves the
+        shared client to the others (aiohttp's pool discards a broken connection by itself).
+        """
+        import aiohttp
         from tritonclient.utils import InferenceServerException
 
+        conn.calls += 1
         try:
-            return await coro
-        except InferenceServerException as e:
-            status, msg = str(e.status() or ""), str(e.message() or "").lower()
-            if status in UNAVAILABLE_STATUSES or any(w in msg for w in UNAVAILABLE_WORDS):
-                if any(w in msg for w in CONNECTION_WORDS):  # not e.g. a full queue: the connection is gone
-                    await self._drop_client(client)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await coro
+            except TimeoutError:
+                raise self._timed_out(what, timeout_s) from None
+            except InferenceServerException as e:
+                status, msg = str(e.status() or ""), str(e.message() or "").lower()
+                if status in TIMEOUT_STATUSES:
+                    raise self._timed_out(what, timeout_s) from None
+                if status in UNAVAILABLE_STATUSES or any(w in msg for w in UNAVAILABLE_WORDS):
+                    if conn.shared and any(w in msg for w in CONNECTION_WORDS):  # not e.g. a full queue
+                        self._retire(conn)
+                    raise self._unavailable(e, what) from e
+                raise RuntimeError(f"Triton {what} failed: {e}") from e
+            except (OSError, aiohttp.ClientError) as e:  # refused, reset, disconnected mid-request, stale keep-alive
                 raise self._unavailable(e, what) from e
-            raise RuntimeError(f"Triton {what} failed: {e}") from e
-        except (TimeoutError, OSError) as e:  # refused / reset / timed out
-            await self._drop_client(client)
-            raise self._unavailable(e, what) from e
-        except Exception as e:
-            import aiohttp
-
-            if isinstance(e, aiohttp.ClientError):  # server disconnected mid-request, stale keep-alive ...
-                await self._drop_client(client)
-                raise self._unavailable(e, what) from e
-            raise
+        finally:
+            conn.calls -= 1
+            if conn.retired and conn.calls == 0:
+                _close_soon(conn)
 
     # ---- start-up ------------------------------------------------------------------------------------------
 
@@ -206,36 +277,44 @@ class TritonBackend(Backend):
         while True:
             try:
                 return await self._describe()
-            except BackendUnavailableError as e:
+            except (BackendUnavailableError, GatewayTimeoutError) as e:
                 last = e
             if time.monotonic() >= deadline:
                 raise BackendUnavailableError(
-                    f"Triton model {self.model!r} at {self.url} not ready after {wait_s:.0f}s: {last}")
+                    f"Triton model {self.model!r} at {self.url} not ready after {wait_s:g}s: {last}")
             await asyncio.sleep(0.25)
 
     async def _describe(self) -> ModelInfo:
-        client = self._new_client()
-        try:
-            await self._models_ready(client, [self.model])
-            raw = await self._guard(client, "get_model_config",
-                                    client.get_model_config(self.model, **self._json_kwargs()))
+        async with self._private() as conn:
+            await self._models_ready(conn, [self.model])
+            raw = await self._guard(conn, "get_model_config",
+                                    conn.client.get_model_config(self.model, **self._json_kwargs()), self.timeout_s)
             config = raw.get("config", raw)  # gRPC wraps it in {"config": ...}
             info = model_info(self.model, config, f"triton {self.url} model {self.model}")
             if info.extra["explain_model"]:
-                await self._models_ready(client, [info.extra["explain_model"]])
+                await self._models_ready(conn, [info.extra["explain_model"]])
             return info
+
+    @contextlib.asynccontextmanager
+    async def _private(self) -> AsyncIterator[_Connection]:
+        """A short-lived client of its own (sync calls, start-up: they run on their own event loop)."""
+        conn = _Connection(self._new_client(), asyncio.get_running_loop(), shared=False)
+        try:
+            yield conn
         finally:
-            await client.close()
+            with contextlib.suppress(Exception):
+                await conn.client.close()
 
     def _json_kwargs(self) -> dict[str, Any]:
         return {"as_json": True, "client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
 
-    async def _models_ready(self, client: Any, models: list[str], timeout_s: float | None = None) -> None:
-        kw = self._call_kwargs(timeout_s or self.timeout_s)
-        if not await self._guard(client, "is_server_ready", client.is_server_ready(**kw)):
+    async def _models_ready(self, conn: _Connection, models: list[str], timeout_s: float | None = None) -> None:
+        wait = timeout_s or self.timeout_s
+        kw = self._call_kwargs(wait)
+        if not await self._guard(conn, "is_server_ready", conn.client.is_server_ready(**kw), wait):
             raise self._unavailable(RuntimeError("server not ready"), "is_server_ready")
         for m in models:
-            if not await self._guard(client, "is_model_ready", client.is_model_ready(m, **kw)):
+            if not await self._guard(conn, "is_model_ready", conn.client.is_model_ready(m, **kw), wait):
                 raise self._unavailable(RuntimeError(f"model {m!r} not ready"), "is_model_ready")
 
     def warmup(self) -> None:
@@ -248,7 +327,7 @@ class TritonBackend(Backend):
 
     # ---- inference -----------------------------------------------------------------------------------------
 
-    async def _infer(self, client: Any, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
+    async def _infer(self, conn: _Connection, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
         """x [B, 3, H, W] -> the named outputs; batches over the model's max_batch_size are split."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 4 or x.shape[1:] != (3, *self.info.resolution):
@@ -256,21 +335,21 @@ class TritonBackend(Backend):
                              f"got {list(x.shape)}")
         step = self.max_batch_size or len(x)
         if len(x) > step:
-            parts = await asyncio.gather(*(self._infer(client, model, x[i:i + step], outputs)
+            parts = await asyncio.gather(*(self._infer(conn, model, x[i:i + step], outputs)
                                            for i in range(0, len(x), step)))
             return [np.concatenate([p[j] for p in parts]) for j in range(len(outputs))]
         binary = {"binary_data": True} if self.protocol == "http" else {}
         inp = self._tc.InferInput(INPUT, list(x.shape), "FP32")
         inp.set_data_from_numpy(x, **binary)
         requested = [self._tc.InferRequestedOutput(n, **binary) for n in outputs]
-        result = await self._guard(client, f"infer {model}", client.infer(
-            model, [inp], outputs=requested, **self._call_kwargs(self.timeout_s)))
+        result = await self._guard(conn, f"infer {model}", conn.client.infer(
+            model, [inp], outputs=requested, **self._call_kwargs(self.timeout_s)), self.timeout_s)
         self._mark(True)
         return [result.as_numpy(n) for n in outputs]
 
     async def aclassify(self, x: np.ndarray) -> np.ndarray:
         """x [B, 3, H, W] float32 -> logits [B, K] float32 (one Triton request; the server batches)."""
-        (logits,) = await self._infer(self._loop_client(), self.model, x, [LOGITS])
+        (logits,) = await self._infer(self._shared(), self.model, x, [LOGITS])
         return logits
 
     async def aexplain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
@@ -280,7 +359,7 @@ class TritonBackend(Backend):
         The exported graph has its rollout settings baked in (`info.rollout`); others are a ValueError.
         """
         self._check_rollout(head_fusion, discard_ratio)
-        logits, rollout = await self._infer(self._loop_client(), self.explain_model, x, [LOGITS, ROLLOUT])
+        logits, rollout = await self._infer(self._shared(), self.explain_model, x, [LOGITS, ROLLOUT])
         return logits, rollout
 
     def _check_rollout(self, head_fusion: str, discard_ratio: float) -> None:
@@ -305,11 +384,8 @@ class TritonBackend(Backend):
 
     def _infer_blocking(self, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
         async def run() -> list[np.ndarray]:
-            client = self._new_client()
-            try:
-                return await self._infer(client, model, x, outputs)
-            finally:
-                await client.close()
+            async with self._private() as conn:
+                return await self._infer(conn, model, x, outputs)
 
         return _run_blocking(run)
 
@@ -321,45 +397,44 @@ class TritonBackend(Backend):
         The gateway calls this off the event loop for /readyz; async code should await `aready` instead.
         """
         async def probe() -> bool:
-            client = self._new_client()
-            try:
-                return await self._probe(client)
-            finally:
-                await client.close()
+            async with self._private() as conn:
+                return await self._probe(conn)
 
         return _run_blocking(probe)
 
     async def aready(self) -> bool:
         """`ready` on the running event loop's connection."""
-        return await self._probe(self._loop_client())
+        return await self._probe(self._shared())
 
-    async def _probe(self, client: Any) -> bool:
+    async def _probe(self, conn: _Connection) -> bool:
         models = [self.model] + ([self.explain_model] if self.explain_model else [])
         wait = min(self.timeout_s, PROBE_TIMEOUT_S)
         try:
-            await asyncio.wait_for(self._models_ready(client, models, timeout_s=wait), wait)
+            async with asyncio.timeout(wait):  # the whole probe, not only each call
+                await self._models_ready(conn, models, timeout_s=wait)
         except BackendUnavailableError:
             return False
-        except TimeoutError:
+        except (GatewayTimeoutError, TimeoutError):  # a busy server is not a broken connection: nothing is dropped
             self._mark(False, f"no answer within {wait:g}s")
-            await self._drop_client(client)
             return False
         self._mark(True)
         return True
 
     async def aclose(self) -> None:
         """Close the running event loop's client."""
-        client, self._client, self._client_loop = self._client, None, None
-        if client is not None:
-            await client.close()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.retired = True
+            with contextlib.suppress(Exception):
+                await conn.client.close()
 
     def close(self) -> None:
         """Close the event loop's client (scheduled on that loop when it is still running)."""
-        client, loop = self._client, self._client_loop
-        self._client = self._client_loop = None
-        if client is None or loop is None or loop.is_closed():
+        conn, self._conn = self._conn, None
+        if conn is None or conn.loop.is_closed():
             return
-        if loop.is_running():
-            asyncio.run_coroutine_threadsafe(client.close(), loop)
+        conn.retired = True
+        if conn.loop.is_running():
+            asyncio.run_coroutine_threadsafe(conn.client.close(), conn.loop)
         else:
-            loop.run_until_complete(client.close())
+            conn.loop.run_until_complete(conn.client.close())
