@@ -9,6 +9,11 @@ The explain graph computes attention rollout (`vit_serve.explain.rollout`, Abnar
 graph from the explicit attention path, so raw [B, heads, N, N] attention tensors never leave it.
 Exports use `torch.onnx.export(dynamo=True)` (torch.export + onnxscript, whose optimizer folds constants);
 if that exporter fails, the TorchScript exporter (`dynamo=False`) is tried and the fallback is reported.
+
+A dynamic-resolution graph resamples the position embeddings with `vit_serve.pos_embed`'s portable form (two
+interpolation matrices built from the symbolic grid with Range / arithmetic / Where and applied with MatMul),
+never ONNX `Resize`, whose cubic, antialias and exclude_outside attributes runtimes read differently: the same
+graph gives the same numbers in onnxruntime and OpenVINO (tests/export/test_openvino.py).
 """
 
 from __future__ import annotations

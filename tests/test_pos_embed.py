@@ -83,3 +83,82 @@ def test_bad_arguments():
         resample_pos_embed(_pos((4, 4)), (4, 4), (8, 8), 1, "area")
     with pytest.raises(ValueError, match="pos_embed has 17 tokens, expected 1 \\+ 5x5"):
         resample_pos_embed(_pos((4, 4)), (5, 5), (8, 8), 1, "timm")
+
+
+# -- the portable (exported) form: weight matrices and matmul instead of F.interpolate / ONNX Resize ------------
+PORTABLE_GRIDS = [*GRIDS, ((24, 24), (40, 14)), ((14, 14), (1, 1)), ((1, 1), (3, 4)), ((2, 3), (2, 3))]
+F_MODES = {"jax": ("bilinear", True, False), "timm": ("bicubic", False, True), "hf": ("bicubic", False, False),
+           "torchvision": ("bicubic", True, False)}
+
+
+def _interpolate(x: torch.Tensor, size, mode: str) -> torch.Tensor:
+    kind, align_corners, antialias = F_MODES[mode]
+    return torch.nn.functional.interpolate(x, size=size, mode=kind, align_corners=align_corners, antialias=antialias)
+
+
+@pytest.mark.parametrize("old, new", PORTABLE_GRIDS)
+@pytest.mark.parametrize("mode", list(F_MODES))
+def test_interpolation_weights_are_torch_kernels_formula(mode, old, new):
+    """Reference: torch's F.interpolate in float64 (its CPU kernel's own weights, up / down, align_corners, antialias,
+    size 1): the matrices applied on both axes reproduce it to float64 rounding."""
+    from vit_serve.pos_embed import interpolation_weights
+
+    x = torch.randn(1, 8, *old, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    kind, align_corners, antialias = F_MODES[mode]
+    w_h = interpolation_weights(old[0], new[0], kind, align_corners, antialias, torch.float64)
+    w_w = interpolation_weights(old[1], new[1], kind, align_corners, antialias, torch.float64)
+    assert w_h.shape == (new[0], old[0]) and w_w.shape == (new[1], old[1])
+    ours = torch.einsum("ai,cij,bj->cab", w_h, x[0], w_w)[None]
+    assert (ours - _interpolate(x, new, mode)).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("old, new", PORTABLE_GRIDS)
+@pytest.mark.parametrize("mode", list(F_MODES))
+def test_portable_float32_is_within_rounding_of_the_exact_result(mode, old, new):
+    """Reference: F.interpolate in float64 on the same grid. The float32 matmul form (what an exported graph runs) is
+    within 5e-6 of it on N(0, 1) embeddings; torch's float32 kernel itself is up to ~1.1e-5 away at these grids,
+    so the two float32 forms are compared through the exact result, not with each other."""
+    pos = _pos(old)
+    exact = _interpolate(pos[:, 1:].double().reshape(1, *old, -1).permute(0, 3, 1, 2), new, mode)
+    exact = exact.permute(0, 2, 3, 1).reshape(1, -1, pos.shape[-1])
+    ours = resample_pos_embed(pos, old, new, 1, mode, portable=True)
+    assert ours.dtype == torch.float32 and ours.shape == (1, 1 + new[0] * new[1], 32)
+    assert torch.equal(ours[:, :1], pos[:, :1])
+    assert (ours[:, 1:].double() - exact).abs().max() <= 5e-6
+    eager = resample_pos_embed(pos, old, new, 1, mode)
+    assert (eager - ours).abs().max() <= 2e-5  # both float32 roundings of one result
+
+
+@pytest.mark.parametrize("mode", list(F_MODES))
+def test_portable_identity_is_exact(mode):
+    """At the native grid (what a dynamic graph computes at its own size) the weights are exactly the identity."""
+    from vit_serve.pos_embed import interpolation_weights
+
+    kind, align_corners, antialias = F_MODES[mode]
+    for n in (1, 7, 14, 24):
+        assert torch.equal(interpolation_weights(n, n, kind, align_corners, antialias), torch.eye(n))
+
+
+def test_export_keeps_the_portable_form_with_symbolic_size():
+    """torch.export with a dynamic grid: no upsample op is captured (so no ONNX Resize), and the exported program
+    matches the eager F.interpolate at grids other than the example's."""
+    from torch.export import Dim, export
+
+    class Resample(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(_pos((14, 14)))
+
+        def forward(self, x):
+            return resample_pos_embed(self.pos, (14, 14), (x.shape[-2], x.shape[-1]), 1, "timm")
+
+    m = Resample()
+    ep = export(m, (torch.zeros(1, 1, 14, 14),), dynamic_shapes={"x": {2: Dim("h", max=64), 3: Dim("w", max=64)}})
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not any("upsample" in o or "interpolate" in o for o in ops), ops
+    assert any("matmul" in o or "mm" in o for o in ops), ops
+    for size in [(24, 24), (20, 16), (9, 31)]:
+        with torch.no_grad():
+            got = ep.module()(torch.zeros(1, 1, *size))
+            want = m(torch.zeros(1, 1, *size))
+        assert (got - want).abs().max() <= 2e-5
