@@ -73,3 +73,20 @@ def test_serve_subprocess_flags_win_over_environment(tiny_ckpt, photos):
     assert proc.returncode in (0, -15), out  # uvicorn re-raises SIGTERM after shutting down cleanly
     assert "loaded from-flag (torch backend)" in out
     assert "Application shutdown complete" in out
+
+
+def test_a_model_that_cannot_be_served_ends_with_one_line_and_no_traceback():
+    """--backend triton with no Triton listening: the lifespan gives up after the startup timeout, and the process
+    exits 3 with the reason in one logged line (uvicorn used to print Starlette's whole traceback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    proc = subprocess.run([sys.executable, "-m", "vit_serve", "serve", "tiny", "--backend", "triton",
+                           "--triton-url", f"127.0.0.1:{port}", "--triton-startup-timeout-s", "1",
+                           "--port", "0"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out
+    assert "Traceback" not in out, out
+    reason = [line for line in out.splitlines() if "cannot serve tiny" in line]
+    assert len(reason) == 1 and f"127.0.0.1:{port}" in reason[0], out

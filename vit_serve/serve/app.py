@@ -7,7 +7,7 @@ up in the background; /readyz answers 200 once that is done.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -68,10 +68,33 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     return app
 
 
+class OneLineStartupFailure:
+    """ASGI wrapper for the CLI: a failed start is the lifespan's one logged line, not a traceback.
+
+    Starlette puts the formatted traceback into `lifespan.startup.failed`, and uvicorn prints that message; the
+    lifespan above has already logged the reason in one line.
+    """
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def send_quietly(message: dict) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, send_quietly)
+
+
 def run(settings: ServeSettings) -> None:
-    """Serve until interrupted (one process: the model runs in its own thread, batches are shared)."""
+    """Serve until interrupted (one process: the model runs in its own thread, batches are shared). A model that
+    cannot be served ends the process with exit code 3 and one logged line."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=10)
+    uvicorn.run(OneLineStartupFailure(create_app(settings)), host=settings.host, port=settings.port,
+                log_level="info", timeout_graceful_shutdown=10)
