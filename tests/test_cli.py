@@ -89,3 +89,51 @@ def test_convert_unknown_and_corrupt_inputs(tmp_path):
 def test_version_and_help():
     assert run_cli("--version").stdout.strip() == f"vit-serve {vit_serve.__version__}"
     assert "--num-classes" in run_cli("convert", "--help").stdout
+
+
+def _train_flag_cases():
+    """(field, argv, expected value) for every TrainConfig field: a new field is covered automatically."""
+    import dataclasses
+    import typing
+
+    from vit_serve.train.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    samples = {int: ("3", 3), float: ("0.25", 0.25), str: ("some-value", "some-value")}
+    special = {"res": ("12x16", (12, 16)), "model_args": ("depth=2,gelu=tanh", {"depth": 2, "gelu": "tanh"}),
+               "few_shot": ("1,5", (1, 5))}
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kinds = {hints[f.name], *typing.get_args(hints[f.name])} - {type(None)}
+        if bool in kinds:
+            yield f.name, [flag], True
+            yield f.name, ["--no-" + flag[2:]], False
+        elif f.name in special:
+            yield f.name, [flag, special[f.name][0]], special[f.name][1]
+        else:
+            (kind,) = kinds & set(samples)
+            yield f.name, [flag, samples[kind][0]], samples[kind][1]
+
+
+@pytest.mark.parametrize("name, argv, expected", list(_train_flag_cases()),
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_every_train_flag_parses_to_its_type(name, argv, expected):
+    from vit_serve.cli import build_parser
+
+    args = build_parser().parse_args(["train", *argv])
+    assert getattr(args, name) == expected and type(getattr(args, name)) is type(expected)
+    assert getattr(build_parser().parse_args(["train"]), name) is None  # unset: the file or the recipe decides
+
+
+def test_boolean_flags_override_the_recipe_and_refuse_values(tmp_path):
+    from vit_serve.cli import build_parser
+    from vit_serve.train.config import resolve
+
+    # The pretrain recipe turns flips and the Inception crop on (for data other than digits); --no-* wins.
+    args = build_parser().parse_args(["train", "--data", "imgs", "--no-flip", "--no-inception-crop"])
+    cfg = resolve(None, {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")})
+    assert cfg.flip is False and cfg.inception_crop is False
+    assert resolve(None, {"data": "imgs"}).flip is True
+    r = run_cli("train", "--flip", "false", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress")
+    assert r.returncode == 2 and "unrecognized arguments: false" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

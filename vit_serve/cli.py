@@ -107,7 +107,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
         kw: dict[str, object] = {"default": None, "help": _TRAIN_HELP.get(f.name, f"default: {f.default}")}
-        if hint is bool:
+        if bool in (hint, *typing.get_args(hint)):  # bool and bool | None: --flag / --no-flag
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if f.name == "res":
@@ -147,7 +147,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from vit_serve.serve.backends import check_model
     from vit_serve.serve.settings import ServeSettings
 
-    flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "model_name", "host", "port",
+    flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "triton_timeout_s",
+                                           "triton_startup_timeout_s", "model_name", "host", "port",
                                            "max_batch", "max_delay_ms", "max_queue", "threads", "device")}
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=("auto", "torch", "onnxruntime", "tensorrt", "triton"),
                    help="default auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
     s.add_argument("--triton-url", help="Triton server for --backend triton (default localhost:8000)")
+    s.add_argument("--triton-timeout-s", type=float,
+                   help="longest wait for one Triton call before answering 504 (default 10)")
+    s.add_argument("--triton-startup-timeout-s", type=float,
+                   help="how long start-up waits for the Triton server and model (default 30)")
     s.add_argument("--model-name", help="name shown to clients and under /v2 (default: MODEL's file stem)")
     s.add_argument("--host", help="default 127.0.0.1")
     s.add_argument("--port", type=int, help="default 8000")

@@ -472,3 +472,51 @@ def test_overrides(randomize):
         convert_npz(arrays, not_a_field=1)
     with pytest.raises(CheckpointError, match="pool"):
         convert_npz(arrays, pool="bogus")
+
+
+def _vit_jax_std_conv(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """vit_jax's `models_resnet.StdConv`, written from its definition with torch primitives:
+    w <- w - mean(w); w <- w / (std(w) + 1e-5), the moments over (H, W, in) of each output filter."""
+    from timm.layers import pad_same
+
+    w = conv.weight
+    w = w - w.mean(dim=(1, 2, 3), keepdim=True)
+    w = w / (w.pow(2).mean(dim=(1, 2, 3), keepdim=True).sqrt() + 1e-5)
+    if conv.same_pad:
+        x = pad_same(x, conv.kernel_size, conv.stride, conv.dilation)
+    return torch.nn.functional.conv2d(x, w, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+
+@pytest.mark.parametrize("layers, kernel", [((2, 1), 2), ((1, 1, 1), 1)])
+def test_hybrid_vit_jax_numerics(tmp_path, randomize, layers, kernel):
+    """The hybrid as converted, with no overrides (vit_jax's numerics), against an independent reference:
+    timm's hybrid with its weight standardisation replaced by vit_jax's (w - mean) / (std + 1e-5) and its
+    GroupNorms at flax's default eps 1e-6."""
+    from timm.layers import StdConv2dSame as TimmStdConv
+
+    model = _timm_hybrid(randomize, layers, kernel)
+    path = _save(tmp_path, "hybrid.npz", timm_to_npz(model))
+    _, ours = _load_ours(path)  # the checkpoint's own numerics: std style, eps 1e-5, GroupNorm eps 1e-6
+    timm_numerics = _parity_err(model, ours)
+    reference = copy.deepcopy(model)
+    swapped = 0
+    for m in reference.modules():
+        if isinstance(m, TimmStdConv):
+            m.forward = partial(_vit_jax_std_conv, m)
+            swapped += 1
+        elif isinstance(m, torch.nn.GroupNorm):
+            m.eps = 1e-6
+    assert swapped >= 4
+    err = _parity_err(reference, ours)
+    print(f"hybrid layers={layers}: ours (vit_jax numerics) vs vit_jax reference {err:.2e}; "
+          f"vs timm's numerics {timm_numerics:.2e}")
+    assert err <= ATOL
+    assert timm_numerics > 10 * err  # the reference tells the two numerics apart
+
+
+def _parity_err(ref: torch.nn.Module, ours: torch.nn.Module) -> float:
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = ref(x)
+        assert want.abs().max() > 1.0
+        return max(_max_err(ours(x), want), _max_err(ours(x, return_attention=True)[0], want))

@@ -1,6 +1,7 @@
 """`vit-serve train` end to end, on the embedded digits set and on image folders, on the CPU."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -181,3 +182,128 @@ def test_eval_command(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["resolution"] == [12, 12]
     r = cli("eval", str(out / "model.safetensors"), "--res", "13")
     assert r.returncode == 1 and "input size 13x13 is not a multiple of the patch size 2" in r.stderr
+
+
+# Options that change how a step is computed but not what it computes: each against the plain loop.
+SMALL = dict(model_args=dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=2), res=(8, 8),
+             progress=False, eval_every=0, log_every=1, lr=0.003, warmup_steps=1)
+
+
+def _run(tmp_path, name: str, **kw) -> dict[int, float]:
+    cfg = {**SMALL, "steps": 4, "batch_size": 32, "dropout": 0.0, **kw}
+    train(TrainConfig(out=str(tmp_path / name), **cfg))
+    return losses(tmp_path / name)
+
+
+def _weights(tmp_path, name: str) -> dict[str, torch.Tensor]:
+    return vit_serve.load(tmp_path / name / "model.safetensors").state_dict()
+
+
+def test_accum_steps_equal_one_big_batch(tmp_path, one_thread):
+    one = _run(tmp_path, "one")
+    for accum in (2, 4):
+        got = _run(tmp_path, f"accum{accum}", accum_steps=accum)
+        print(f"accum {accum}: max |Δ loss| {max(abs(got[s] - one[s]) for s in one):.2e}")
+        assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - one[s]) for s in one) <= 1e-5
+        w1, w2 = _weights(tmp_path, "one"), _weights(tmp_path, f"accum{accum}")
+        assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-4  # Adam: lr 3e-3 per step
+
+
+def test_grad_checkpointing_recomputes_the_same_step(tmp_path, one_thread, monkeypatch):
+    import vit_serve.model
+
+    calls = []
+    real = vit_serve.model.checkpoint
+    monkeypatch.setattr(vit_serve.model, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reg = dict(dropout=0.1, drop_path=0.2)  # the recomputation must replay the same dropout masks
+    plain = _run(tmp_path, "plain", **reg)
+    assert not calls
+    ckpt = _run(tmp_path, "ckpt", grad_checkpointing=True, **reg)
+    assert len(calls) == 4 * 2  # every block of every step
+    print(f"grad checkpointing: max |Δ loss| {max(abs(ckpt[s] - plain[s]) for s in plain):.2e}")
+    assert max(abs(ckpt[s] - plain[s]) for s in plain) <= 1e-6
+
+
+def test_loader_workers_give_the_same_losses(tmp_path, one_thread):
+    assert _run(tmp_path, "w0", dropout=0.1) == _run(tmp_path, "w2", dropout=0.1, workers=2)
+
+
+def test_mixup_cutmix_and_randaugment_through_the_loop(tmp_path, one_thread, monkeypatch):
+    import vit_serve.train.loop as loop
+
+    soft = []
+    real = loop.soft_target_cross_entropy
+    monkeypatch.setattr(loop, "soft_target_cross_entropy",
+                        lambda logits, y: soft.append(float(y.max(dim=1).values.min())) or real(logits, y))
+    plain = _run(tmp_path, "plain")
+    mixed = _run(tmp_path, "mixed", mixup=0.8, cutmix=1.0)
+    assert len(soft) == 4 and min(soft) < 0.99  # mixed (not one-hot) targets reached the loss
+    rand = _run(tmp_path, "rand", randaugment="rand-m9-n2")
+    print(f"step-4 loss: plain {plain[4]:.4f}, mixup+cutmix {mixed[4]:.4f}, RandAugment {rand[4]:.4f}")
+    for got in (mixed, rand):  # step 1 is ln 10 for all (zero head); then other inputs or targets, other losses
+        assert all(math.isfinite(v) for v in got.values()) and all(got[s] != plain[s] for s in (2, 3, 4))
+    assert TrainConfig.from_dict(json.loads((tmp_path / "rand" / "config.json").read_text())).randaugment \
+        == "rand-m9-n2"
+
+
+def test_compile_gives_the_eager_losses(tmp_path, one_thread):
+    import torch._dynamo
+
+    eager = _run(tmp_path, "eager", steps=3)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _run(tmp_path, "compiled", steps=3, compile=True)
+    counters = torch._dynamo.utils.counters
+    print({k: dict(v) for k, v in counters.items() if k in ("stats", "aot_autograd", "inductor")})
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["total"] >= 1  # compiled
+    print(f"--compile: max |Δ loss| vs eager {max(abs(compiled[s] - eager[s]) for s in eager):.2e}")
+    assert max(abs(compiled[s] - eager[s]) for s in eager) <= 1e-4
+
+
+def _start_eval(out: Path) -> dict:
+    (first,) = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step") == 0 and "val_top1" in r]
+    return first
+
+
+def test_representation_size_new_head_and_reinit_pos_embed(tmp_path, one_thread):
+    from vit_serve.data import build_dataset
+    from vit_serve.train.augment import eval_transform
+
+    pre = tmp_path / "pre"
+    summary = train(TrainConfig(out=str(pre), **{**SMALL, "steps": 40, "batch_size": 32, "representation_size": 16}))
+    ckpt = vit_serve.load(pre / "model.safetensors")
+    assert ckpt.cfg.representation_size == 16 and ckpt.pre_logits[0].weight.shape == (16, 32)
+    assert ckpt.head.weight.shape == (10, 16) and summary["top1"] > 0.1
+    resampled = vit_serve.load(pre / "model.safetensors")
+    resampled.set_resolution(12, 12)
+    frozen = dict(mode="finetune", init=str(pre / "model.safetensors"), res=(12, 12), steps=1, batch_size=32,
+                  lr=0.0, eval_at_start=True, eval_every=0, progress=False)
+
+    # Same classes: by default the trained head and its pre-logits are kept, the embeddings resampled.
+    keep = tmp_path / "keep"
+    train(TrainConfig(out=str(keep), **frozen))
+    kept = vit_serve.load(keep / "model.safetensors")
+    assert kept.cfg.representation_size == 16 and torch.equal(kept.head.weight, ckpt.head.weight)
+    assert torch.equal(kept.pos_embed, resampled.pos_embed)
+    from torch.utils.data import DataLoader
+
+    from vit_serve.data import collate_skip
+    from vit_serve.train.evaluate import evaluate
+
+    val = build_dataset("digits", "test", eval_transform(resampled.preprocess_cfg))
+    direct = evaluate(resampled, DataLoader(val, batch_size=64, collate_fn=collate_skip))
+    assert _start_eval(keep)["val_top1"] == direct["top1"]
+
+    # --new-head: a zero head (paper §3.2, pre-logits dropped): uniform softmax, loss ln 10, one class picked;
+    # --reinit-pos-embed: fresh N(0, 0.02) position embeddings instead of the resampled ones.
+    new = tmp_path / "new"
+    train(TrainConfig(out=str(new), new_head=True, reinit_pos_embed=True, **frozen))
+    fresh = vit_serve.load(new / "model.safetensors")
+    assert fresh.cfg.representation_size is None and not fresh.head.weight.any() and fresh.head.weight.shape == (10, 32)
+    labels = [y for _, y in val]
+    start = _start_eval(new)
+    assert start["val_loss"] == pytest.approx(math.log(10), rel=1e-6)
+    assert any(start["val_top1"] == pytest.approx(labels.count(c) / len(labels)) for c in range(10))
+    assert fresh.pos_embed.shape == resampled.pos_embed.shape
+    assert (fresh.pos_embed - resampled.pos_embed).abs().max() > 0.1
+    assert 0.015 < fresh.pos_embed.std().item() < 0.025

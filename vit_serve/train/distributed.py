@@ -1,5 +1,6 @@
-"""Multi-process glue: torchrun's environment -> a process group (NCCL on GPU, gloo on CPU), and a
-DistributedSampler that can start mid-epoch (for exact resume)."""
+"""Multi-process glue: torchrun's environment -> a process group (NCCL on GPU, torch_xla's own "xla" backend on
+XLA devices, gloo on CPU), a DistributedSampler that can start mid-epoch (for exact resume), and the sharding
+of the evaluation set over the processes."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ def setup(device_type: str) -> tuple[int, int]:
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        if device_type == "xla":
+            from vit_serve.train import xla
+
+            xla.init_process_group()
+        else:
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()
@@ -38,6 +43,7 @@ def mean_across(value: torch.Tensor) -> torch.Tensor:
 
 
 def sum_across(value: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor over all processes. Under NCCL (and XLA) it must live on the device."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.detach().clone()
         dist.all_reduce(value)
@@ -68,3 +74,17 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples - self.start
+
+
+class ShardSampler(torch.utils.data.Sampler[int]):
+    """Indices rank, rank + world, ... of a dataset of `size`: every index exactly once over all ranks
+    (no padding, unlike DistributedSampler), so per-rank counts add up to the whole set's."""
+
+    def __init__(self, size: int, num_replicas: int, rank: int) -> None:
+        self.indices = range(rank, size, num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

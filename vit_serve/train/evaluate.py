@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -69,6 +69,8 @@ def evaluate(
     loader: Iterable,
     device: str | torch.device = "cpu",
     amp_dtype: torch.dtype | None = None,
+    num_classes: int | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict:
     """Run `model` over `loader` in eval mode and return classification metrics.
 
@@ -76,6 +78,11 @@ def evaluate(
     from that batch); a batch with x None is skipped (its n_skipped still counts). Batches are moved to
     `device`; the model must already be there. `amp_dtype` (e.g. torch.bfloat16) runs the forward under
     autocast; the loss is computed in float32. The model's train/eval mode is restored afterwards.
+
+    Sharded evaluation: each process runs its own share of the set and passes `reduce` (a sum over the
+    processes, e.g. `distributed.sum_across`) and `num_classes` (a shard may be empty); the counts, the loss
+    sum and the confusion matrix are summed before the ratios are taken, so every process gets the result
+    of the whole set.
 
     Returns {"top1", "top5" (top-k with k = min(5, K)), "loss" (mean cross-entropy), "n" (images scored),
     "skipped" (sum of n_skipped), "confusion" (LongTensor [K, K], rows = true, cols = predicted)}.
@@ -86,8 +93,10 @@ def evaluate(
     # Accumulated on the device; one synchronisation at the end.
     correct = torch.zeros(2, dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    cm: torch.Tensor | None = None
-    n, skipped, num_classes = 0, 0, 0
+    if reduce is not None and num_classes is None:
+        raise ValueError("a sharded evaluation (reduce=...) needs num_classes")
+    cm = None if num_classes is None else torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
+    n, skipped, num_classes = 0, 0, num_classes or 0
     try:
         for batch in loader:
             x, y, s = _unpack(batch)
@@ -114,6 +123,10 @@ def evaluate(
             n += y.shape[0]
     finally:
         model.train(was_training)
+    if reduce is not None:
+        counts = reduce(torch.cat([correct, torch.tensor([n, skipped], device=device), cm]))
+        loss_sum = reduce(loss_sum)
+        correct, (n, skipped), cm = counts[:2], counts[2:4].tolist(), counts[4:]
     c1, c5 = correct.tolist()
     return {
         "top1": c1 / n if n else 0.0,

@@ -1,9 +1,12 @@
 """The training loop: one flat function, `train(cfg)`.
 
-Works the same on one CPU process, under torchrun (DDP: NCCL on GPU, gloo on CPU), on CUDA (bf16 autocast
-or fp16 with loss scaling, fused attention, optional torch.compile and activation checkpointing) and
-through XLA. Every `ckpt_every` steps the whole state is written atomically, so `--resume` continues a
-killed run with exactly the losses it would have had.
+Works the same on one CPU process, under torchrun (DDP: NCCL on GPU, gloo on CPU; on XLA torch_xla's own
+process group and gradient all-reduce), on CUDA (bf16 autocast or fp16 with loss scaling, fused attention,
+optional torch.compile and activation checkpointing) and through XLA. Every process draws its own dropout,
+drop-path and Mixup / CutMix randomness from (seed, rank, step), and every process evaluates its share of the
+validation set (the counts are summed), so no rank waits on another's evaluation. Every `ckpt_every` steps
+the whole state is written atomically, so `--resume` continues a killed run with exactly the losses it would
+have had.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from vit_serve.train.evaluate import evaluate, save_confusion_png
 from vit_serve.train.mpp import MPPModel, denormalize, mpp_targets
 from vit_serve.train.progress import MetricsLog, Progress, plot_curves, read_metrics, summary_table
 from vit_serve.train.recipes import build_optimizer, build_schedule
-from vit_serve.train.seeded import SeededTransform
+from vit_serve.train.seeded import SeededTransform, seed_step
 from vit_serve.train.state import load_state, save_state, set_rng_state
 
 
@@ -48,18 +51,26 @@ def _raw(image):
     return image
 
 
-def resolve_device(name: str) -> torch.device:
+def device_type(name: str) -> str:
+    """"cpu", "cuda" or "xla" for --device NAME, checked, without touching the device."""
     if name == "xla":
         if not xla.available():
             raise TrainingError("--device xla needs torch_xla (pip install -e '.[tpu]' with its matching torch)")
-        return xla.device()
+        return name
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise TrainingError("--device cuda, but no CUDA device is available")
-    if name == "cuda":
+    return name
+
+
+def resolve_device(name: str) -> torch.device:
+    kind = device_type(name)
+    if kind == "xla":
+        return xla.device()
+    if kind == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device(name)
+    return torch.device(kind)
 
 
 def build_model(cfg: TrainConfig, classes: list[str]) -> VisionTransformer:
@@ -103,14 +114,14 @@ def _batches(loader: DataLoader, sampler, dataset: SeededTransform, epoch: int, 
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
+    rank, world = distributed.setup(device_type(cfg.device))  # first: XLA's rendezvous sets up its runtime
     device = resolve_device(cfg.device)
-    rank, world = distributed.setup(device.type)
     is_main = rank == 0
     out = Path(cfg.out)
     state_path = out / "checkpoints" / "last.pt"
     if state_path.exists() and not cfg.resume:  # every rank: none may wait on a rank that stopped
         raise TrainingError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    random.seed(cfg.seed)
+    random.seed(cfg.seed)  # the same on every rank: identical initial weights
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -125,7 +136,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     pre = model.preprocess_cfg
     model.grad_checkpointing = cfg.grad_checkpointing
     if device.type == "xla" and xla.hardware(device) == "TPU":
-        xla.use_pallas_attention(model)
+        try:
+            xla.use_pallas_attention(model)
+        except ImportError as e:
+            raise TrainingError(str(e)) from None
     model.to(device)
 
     augment = train_transform(pre, cfg.inception_crop, cfg.flip, cfg.randaugment, cfg.translate)
@@ -137,8 +151,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # starts, which would shift every later dropout mask of a resumed run.
     loader = DataLoader(train_ds, batch_size=micro, sampler=sampler, num_workers=cfg.workers, drop_last=True,
                         collate_fn=collate_skip, pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
-    val_loader = DataLoader(val_ds, batch_size=micro, num_workers=cfg.workers, collate_fn=collate_skip,
-                            pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
+    val_loader = DataLoader(val_ds, batch_size=micro, sampler=distributed.ShardSampler(len(val_ds), world, rank),
+                            num_workers=cfg.workers, collate_fn=collate_skip, pin_memory=pin,
+                            generator=torch.Generator().manual_seed(cfg.seed))
     if len(sampler) < micro:
         raise TrainingError(f"the training set ({len(train_ds)} images) is smaller than one batch per process")
 
@@ -161,7 +176,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         step, epoch, start, best = st["step"], st["epoch"], st["index_in_epoch"] * micro, st["best"]
         set_rng_state(st["rng"])
     trunk = net
-    if world > 1:
+    if world > 1 and device.type != "xla":  # on XLA, torch_xla all-reduces the gradients (xla.reduce_gradients)
         trunk = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if pin else None,
                                                           find_unused_parameters=cfg.objective == "mpp")
     if cfg.compile:
@@ -174,7 +189,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     batches = _batches(loader, sampler, train_ds, epoch, start)
 
     def run_eval() -> dict[str, Any]:
-        res = evaluate(model, val_loader, device=device, amp_dtype=amp_dtype)
+        """Every rank scores its shard; the counts are summed, so every rank gets the whole set's result."""
+        res = evaluate(model, val_loader, device=device, amp_dtype=amp_dtype, num_classes=num_classes,
+                       reduce=distributed.sum_across)
         rec = {"step": step, "val_top1": res["top1"], "val_top5": res["top5"], "val_loss": res["loss"]}
         log.write(rec)
         return res
@@ -186,13 +203,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                        index_in_epoch=index, best=best, config=cfg.to_dict())
         distributed.barrier()
 
-    if cfg.eval_at_start and cfg.objective == "classify" and is_main and step == 0:
+    if cfg.eval_at_start and cfg.objective == "classify" and step == 0:
         first = run_eval()
-        print(f"before training: top-1 {100 * first['top1']:.2f}%", flush=True)
+        if is_main:
+            print(f"before training: top-1 {100 * first['top1']:.2f}%", flush=True)
 
     t_start = time.perf_counter()
     t_log, images_since_log, images_total, skipped_total, index = t_start, 0, 0, 0, start // micro
     while step < cfg.steps:
+        seed_step(cfg.seed, rank, step, device)  # a resumed run draws what an uninterrupted one would
         net.train()
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
@@ -202,7 +221,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 epoch, index, x, y, skipped = next(batches)
                 skipped_total += skipped
             x, y = x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
-            sync = contextlib.nullcontext() if m == cfg.accum_steps - 1 or world == 1 else trunk.no_sync()
+            last = m == cfg.accum_steps - 1
+            sync = trunk.no_sync() if not last and hasattr(trunk, "no_sync") else contextlib.nullcontext()
             with sync, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 if cfg.objective == "mpp":
                     targets = mpp_targets(denormalize(x, pre.mean, pre.std), model.cfg.patch_size)
@@ -221,11 +241,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if not math.isfinite(loss_value):
                 raise TrainingError(f"loss is {loss_value} at step {step + 1}; stopping. The last good "
                                     f"checkpoint is intact: {state_path if state_path.exists() else 'none yet'}")
+        if device.type == "xla":
+            xla.reduce_gradients(optimizer)  # before clipping, as DDP's all-reduce is
         if cfg.grad_clip:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
         if device.type == "xla":
-            xla.optimizer_step(optimizer)
+            optimizer.step()
             xla.sync()
         else:
             scaler.step(optimizer)
@@ -241,19 +263,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             ips = images_since_log / max(now - t_log, 1e-9)
             images_total += images_since_log
             lr = optimizer.param_groups[0]["lr"]
-            skipped_all = int(distributed.sum_across(torch.tensor(skipped_total)).item())
+            skipped_all = int(distributed.sum_across(torch.tensor(skipped_total, device=device)).item())
             log.write({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr, "images_per_s": ips,
                        "skipped": skipped_all})
             progress.update(step, cfg.log_every if step % cfg.log_every == 0 else step % cfg.log_every,
                             loss=loss_value, lr=lr, img_s=ips)
             t_log, images_since_log = now, 0
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and cfg.objective == "classify":
-            if is_main:
-                res = run_eval()
-                if res["top1"] > best:
-                    best = res["top1"]
+            res = run_eval()
+            if res["top1"] > best:
+                best = res["top1"]
+                if is_main:
                     vit_serve.save(model, out / "best.safetensors", overwrite=True)
-            distributed.barrier()
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             save_all()
     progress.close()
@@ -262,10 +283,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     summary: dict[str, Any] = {"steps": step, "wall_s": wall, "images_per_s": images_total / max(wall, 1e-9),
                                "skipped": skipped_total}
+    if cfg.objective == "classify":
+        res = run_eval()
+        summary.update(top1=res["top1"], top5=res["top5"], val_loss=res["loss"], val_images=res["n"])
     if is_main:
         if cfg.objective == "classify":
-            res = run_eval()
-            summary.update(top1=res["top1"], top5=res["top5"], val_loss=res["loss"])
             if res["top1"] > best:
                 vit_serve.save(model, out / "best.safetensors", overwrite=True)
             save_confusion_png(res["confusion"], model.labels or [], out / "confusion.png",
