@@ -1,16 +1,21 @@
-"""Exported ONNX vs PyTorch eager, int8 vs fp32, and export wall time, side by side in one run.
+"""Exported ONNX vs PyTorch eager, both int8 schemes vs fp32, and export wall time, side by side in one run.
 
     python benchmarks/export_onnx.py [--model S/16] [--res 224] [--threads 2] [--rounds 7]
         [--digits-ckpt runs/digits/model.safetensors] [--export-model B/16] [--export-res 384]
 
+The CPU's int8 instructions decide which int8 scheme wins, so the first line names the CPU and its AVX2 /
+AVX-512 / VNNI / AMX flags: report the tables with it.
 1. The same ViT-S/16 (random weights) at 224 exported by `vit_export.onnx_export.export_onnx`: PyTorch eager
    (fp32, no_grad, `--threads` intra-op threads) vs onnxruntime (CPU, the same threads), batch 1 and 8;
-   int8 (`vit_export.quantize`, dynamic per-channel) vs fp32 onnxruntime. Medians over interleaved rounds.
+   int8 dynamic (per-channel weights) and int8 static (QDQ, calibrated on 16 N(0, 1) inputs: speed only) vs fp32
+   onnxruntime. Medians over interleaved rounds.
    Targets (export issue): onnxruntime >= 1.15x PyTorch at batch 1 and not slower at batch 8; int8 >= 1.5x fp32.
-2. int8 vs fp32 top-1 agreement (target >= 99%) and accuracy on the digits test set (359 scans), with a trained
-   digits checkpoint (`--digits-ckpt`; trained first with `vit-serve train`'s defaults if missing, ~3 min).
-3. Export wall time of `--export-model` at `--export-res` from a 224 checkpoint: the logits graph, the explain
-   graph, and the parity check against PyTorch.
+2. Both int8 schemes vs fp32 on the digits test set (359 scans): size, ms/img, top-1 agreement (target >= 99%)
+   and accuracy, with a trained digits checkpoint (`--digits-ckpt`; trained first with `vit-serve train`'s
+   defaults if missing, ~3 min); static int8 is calibrated on 256 training scans (never the test scans).
+3. Export wall time of `--export-model` at `--export-res` from a 224 checkpoint with non-trivial weights (a
+   zero-initialised head would make every logit 0 and the parity check vacuous; the script checks the logits
+   vary): the logits graph, the explain graph, and the parity check against PyTorch.
 """
 
 from __future__ import annotations
@@ -25,9 +30,27 @@ import numpy as np
 import torch
 from vit_export.onnx_export import export_onnx
 from vit_export.parity import check_parity, session
-from vit_export.quantize import quantize_int8
+from vit_export.quantize import compare_schemes, quantize_int8, quantize_static_int8
 
 import vit_serve
+
+
+def cpu_info() -> str:
+    """'Intel(R) Xeon(R) ...; 2 cores; avx2, avx512f, avx512_vnni' from /proc/cpuinfo (Linux), else the platform."""
+    import os
+    import platform
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+    have = [f for f in wanted if f in flags]
+    return f"{model}; {os.cpu_count()} cores; {', '.join(have) or 'no AVX2'}" + (
+        "" if {"avx512_vnni", "avx_vnni"} & flags else " (no VNNI)"
+    )
 
 
 def _timed(fn, x, iters: int) -> float:
@@ -41,13 +64,17 @@ def _timed(fn, x, iters: int) -> float:
 
 def speed_table(model_name: str, res: int, threads: int, rounds: int, work: Path) -> list[str]:
     torch.set_num_threads(threads)
-    model = vit_serve.create_model(model_name, img_size=res).eval()
+    model = nontrivial_weights(vit_serve.create_model(model_name, img_size=res)).eval()
     fp32 = export_onnx(model, work / "model.onnx", res=(res, res))
     int8 = quantize_int8(fp32, work / "model_int8.onnx")
+    calib = np.random.default_rng(1).standard_normal((16, 3, res, res)).astype(np.float32)
+    static = quantize_static_int8(fp32, work / "model_int8_static.onnx", calib)
+    run = lambda s: lambda x: s.run(None, {"pixel_values": x})  # noqa: E731
     runs = {
         "PyTorch eager": lambda x: model(torch.from_numpy(x)),
-        "onnxruntime fp32": (lambda s: lambda x: s.run(None, {"pixel_values": x}))(session(fp32, threads)),
-        "onnxruntime int8": (lambda s: lambda x: s.run(None, {"pixel_values": x}))(session(int8, threads)),
+        "onnxruntime fp32": run(session(fp32, threads)),
+        "onnxruntime int8 dynamic": run(session(int8, threads)),
+        "onnxruntime int8 static (QDQ)": run(session(static, threads)),
     }
     rows = []
     for batch, iters in ((1, 8), (8, 2)):
@@ -63,7 +90,8 @@ def speed_table(model_name: str, res: int, threads: int, rounds: int, work: Path
             vs_torch = f"{v / base:.2f}x"
             vs_fp32 = f"{v / ort32:.2f}x" if name != "PyTorch eager" else "-"
             rows.append(f"| {model_name} {res} | {batch} | {name} | {v:.1f} | {vs_torch} | {vs_fp32} |")
-    sizes = f"fp32 {fp32.stat().st_size / 1e6:.1f} MB, int8 {int8.stat().st_size / 1e6:.1f} MB"
+    sizes = (f"fp32 {fp32.stat().st_size / 1e6:.1f} MB, int8 dynamic {int8.stat().st_size / 1e6:.1f} MB, "
+             f"int8 static {static.stat().st_size / 1e6:.1f} MB")
     return [
         f"\nSpeed ({threads} threads, median of {rounds} interleaved rounds; {sizes})\n",
         "| model | batch | runtime | images/s | vs PyTorch | vs onnxruntime fp32 |",
@@ -83,23 +111,57 @@ def digits_table(ckpt: Path, threads: int, work: Path) -> list[str]:
         train(TrainConfig(out=str(ckpt.parent), progress=False, log_every=500))
     model = vit_serve.load(ckpt)
     fp32 = export_onnx(model, work / "digits.onnx")
-    int8 = quantize_int8(fp32, work / "digits_int8.onnx")
     x, y = digits_tensors("test", model.preprocess_cfg)
-    x, y = x.numpy(), y.numpy()
-    a = session(fp32, threads).run(None, {"pixel_values": x})[0].argmax(1)
-    b = session(int8, threads).run(None, {"pixel_values": x})[0].argmax(1)
-    return [
-        f"\nint8 on the digits test set ({len(y)} scans, {ckpt})\n",
-        "| graph | top-1 | agreement with fp32 |",
-        "|---|---|---|",
-        f"| onnxruntime fp32 | {100 * (a == y).mean():.2f}% | - |",
-        f"| onnxruntime int8 | {100 * (b == y).mean():.2f}% | {100 * (a == b).mean():.2f}% |",
+    xt, _ = digits_tensors("train", model.preprocess_cfg)
+    calib = xt[np.linspace(0, len(xt) - 1, 256).astype(int)].numpy()
+    int8 = {
+        "dynamic": quantize_int8(fp32, work / "digits_int8.onnx"),
+        "static": quantize_static_int8(fp32, work / "digits_int8_static.onnx", calib),
+    }
+    rep = compare_schemes(fp32, int8, x.numpy(), y.numpy(), threads=threads)
+    base = rep.rows[0].ms
+    rows = [
+        f"| onnxruntime {r.graph} | {r.mb:.2f} | {r.ms:.3f} | {base / r.ms:.2f}x | {100 * r.accuracy:.2f}% | "
+        + ("-" if r.graph == "fp32" else f"{100 * r.agreement:.2f}%") + " |"
+        for r in rep.rows
     ]
+    return [
+        f"\nint8 on the digits test set ({len(y)} scans, {ckpt}; static calibrated on 256 training scans; "
+        f"batch 1, {threads} threads)\n",
+        "| graph | size MB | ms/img | vs fp32 | top-1 | agreement with fp32 |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+@torch.no_grad()
+def nontrivial_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """`create_model` zero-initialises the head (paper §3.2), so every logit would be 0. A seeded N(0, 0.02)
+    [class] token and head (logits of O(1) from the final LayerNorm's unit-scale features) fix that."""
+    g = torch.Generator().manual_seed(seed)
+    model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=g) * 0.1)
+    model.head.bias.copy_(torch.randn(model.head.bias.shape, generator=g) * 0.1)
+    if model.cls_token is not None:
+        model.cls_token.copy_(torch.randn(model.cls_token.shape, generator=g) * 0.02)
+    return model
+
+
+def check_nontrivial(model: torch.nn.Module, res: int) -> float:
+    """The spread of the logits over classes and inputs; SystemExit if they are (nearly) constant."""
+    x = torch.randn(2, 3, res, res, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(x)
+    spread = float(logits.std())
+    if not spread > 0.1 or logits[0].argmax() == logits[0].argmin():
+        raise SystemExit(f"export benchmark: logits are near-constant (std {spread:.2e}): the parity check "
+                         "would measure nothing")
+    return spread
 
 
 def export_time_table(model_name: str, res: int, threads: int, work: Path) -> list[str]:
     torch.set_num_threads(threads)
-    model = vit_serve.create_model(model_name, img_size=224).eval()
+    model = nontrivial_weights(vit_serve.create_model(model_name, img_size=224)).eval()
+    spread = check_nontrivial(model, 224)
     rows = []
     for explain in (False, True):
         t0 = time.perf_counter()
@@ -108,12 +170,14 @@ def export_time_table(model_name: str, res: int, threads: int, work: Path) -> li
         t0 = time.perf_counter()
         report = check_parity(model, path, None)
         t_parity = time.perf_counter() - t0
+        worst = max(r.max_abs for r in report.rows)
         rows.append(f"| {model_name} 224 -> {res} | {'explain' if explain else 'logits'} | {t_export:.1f} | "
-                    f"{t_parity:.1f} | {path.stat().st_size / 1e6:.0f} MB | {'ok' if report.ok else 'FAILED'} |")
+                    f"{t_parity:.1f} | {path.stat().st_size / 1e6:.0f} MB | {worst:.1e} | "
+                    f"{'ok' if report.ok else 'FAILED'} |")
     return [
-        f"\nExport wall time ({threads} threads)\n",
-        "| model | graph | export s | parity check s | size | parity |",
-        "|---|---|---|---|---|---|",
+        f"\nExport wall time ({threads} threads; logits std {spread:.2f} at 224)\n",
+        "| model | graph | export s | parity check s | size | max abs logit diff | parity |",
+        "|---|---|---|---|---|---|---|",
         *rows,
     ]
 
@@ -132,7 +196,7 @@ def main() -> None:
     skip = set(args.skip.split(","))
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         work = Path(tmp)
-        lines: list[str] = []
+        lines: list[str] = [f"CPU: {cpu_info()}"]
         if "speed" not in skip:
             lines += speed_table(args.model, args.res, args.threads, args.rounds, work)
         if "digits" not in skip:

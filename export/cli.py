@@ -2,17 +2,21 @@
 
     vit-export CKPT [--res 384 | 224x320 | dynamic] [--format onnx,tensorrt,triton] [--batch dynamic|N]
                [--precision fp32|fp16|int8] [--out DIR] [--repo DIR] [--name NAME] [--opset 18]
-               [--check-images DIR] [--force] [--trt-precision fp16|bf16|fp32] [--max-batch 16] [--instances 1]
+               [--check-images DIR] [--calibration-images DIR] [--int8-scheme dynamic|static] [--force]
+               [--trt-precision fp16|bf16|fp32] [--max-batch 16] [--instances 1]
                [--triton-ensemble onnx|trt|py] [--triton-device cpu|gpu]
 
 Where things go:
     <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
     <out>/<name>_tensorrt/model_sm<XY>.plan                                --format tensorrt
+    <out>/<name>_tensorrt/<name>_<fp16|bf16>.onnx   the typed graph TensorRT 11 builds from (strongly typed only)
+    <out>/tensorrt_sm<XY>_trt<version>.cache                               TensorRT's timing cache
     <repo>/<name>_{onnx,explain_onnx,trt,py,explain_py,preprocess,ensemble}/ --format triton (versions added)
 
-Exit codes: 0 done; 1 error or failed parity check (the Triton repository and the engine are then not
-written); 2 bad usage; 3 TensorRT was asked for but cannot run here (no tensorrt package or no CUDA GPU):
-everything else is written.
+Exit codes: 0 done; 1 error or failed parity check (of the ONNX graphs: the engine and the Triton repository
+are then not written; of the engine: it is written with the failure in its sidecar, the repository is not);
+2 bad usage; 3 TensorRT was asked for but cannot run here (no tensorrt package, no CUDA GPU, or a TensorRT
+outside 10.x-11.x): everything else is written.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pathlib import Path
 from vit_serve.cli import _Parser, parse_res
 
 FORMATS = ("onnx", "tensorrt", "triton")
+SCHEMES = ("dynamic", "static")
+MAX_CALIBRATION = 256  # = vit_export.quantize.MAX_CALIBRATION (not imported: --help must not load onnxruntime)
 EXIT_NO_TENSORRT = 3
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -64,10 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a vit-serve checkpoint to ONNX (plus an explain graph with attention rollout), "
         "verified against PyTorch with onnxruntime; optionally a TensorRT engine and a Triton model repository.",
         epilog="Layout: the ONNX files and sidecars always go to --out (<name>.onnx, <name>_explain.onnx); "
-        "tensorrt adds <out>/<name>_tensorrt/model_sm<XY>.plan; triton writes the models <name>_onnx, "
+        "tensorrt adds <out>/<name>_tensorrt/model_sm<XY>.plan (and a timing cache per GPU architecture and "
+        "TensorRT version in --out); triton writes the models <name>_onnx, "
         "<name>_explain_onnx, <name>_trt (with an engine), <name>_py, <name>_explain_py, <name>_preprocess and "
         "<name>_ensemble into --repo, adding a version when a model exists. Exit codes: 0 done, 1 error or "
-        "failed parity, 2 bad usage, 3 tensorrt requested but unavailable here (everything else written).",
+        "failed parity (of the ONNX graphs or the engine), 2 bad usage, 3 tensorrt requested but unavailable "
+        "here (everything else written).",
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint (any format `vit-serve convert` reads)")
     p.add_argument(
@@ -92,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-images",
         metavar="DIR",
         help="real images for the parity check (sub-folders named after labels give int8 accuracy)",
+    )
+    q = p.add_argument_group("int8 (--precision int8)")
+    q.add_argument(
+        "--int8-scheme",
+        choices=SCHEMES,
+        default="dynamic",
+        help="the int8 graph written: dynamic (weights int8, activations quantized on the fly) or static (QDQ, "
+        "activation ranges calibrated on images); both are measured side by side when images are given",
+    )
+    q.add_argument(
+        "--calibration-images",
+        metavar="DIR",
+        help=f"images that calibrate static int8 (default: --check-images; at most {MAX_CALIBRATION} are used)",
     )
     p.add_argument("--head-fusion", choices=("mean", "max", "min"), default="mean", help="explain graph rollout")
     p.add_argument("--discard-ratio", type=float, default=0.9, help="explain graph rollout (default 0.9)")
@@ -142,13 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _find_images(folder: str) -> list[Path]:
+def _find_images(folder: str, flag: str = "--check-images") -> list[Path]:
     root = Path(folder)
     if not root.is_dir():
-        raise FileNotFoundError(f"--check-images: no such folder: {root}")
+        raise FileNotFoundError(f"{flag}: no such folder: {root}")
     images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
     if not images:
-        raise ValueError(f"--check-images: no {'/'.join(e[1:] for e in IMAGE_EXTS)} images in {root}")
+        raise ValueError(f"{flag}: no {'/'.join(e[1:] for e in IMAGE_EXTS)} images in {root}")
     return images
 
 
@@ -176,6 +197,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--opset {args.opset} is too old; LayerNormalization needs opset >= 17")
     _check_formats(args)
     images = _find_images(args.check_images) if args.check_images else None
+    calibration = _find_images(args.calibration_images, "--calibration-images") if args.calibration_images else images
+    if args.precision == "int8" and args.int8_scheme == "static" and not calibration:
+        raise ValueError("--int8-scheme static needs images to calibrate on: pass --calibration-images DIR "
+                         "(or --check-images DIR)")
     model = load(args.checkpoint)
     if isinstance(args.res, tuple):
         model.check_size(*args.res)  # ValueError naming the nearest valid sizes
@@ -219,8 +244,9 @@ def _run(args: argparse.Namespace) -> int:
             if args.precision == "int8":
                 extra = {
                     "precision": "int8",
-                    "int8": _quantize(model, dest, target, images, args),
-                    "parity_note": "parity of the fp32 graph before dynamic int8 quantization",
+                    "int8_scheme": args.int8_scheme,
+                    "int8": _quantize(model, dest, target, images, calibration, args),
+                    "parity_note": f"parity of the fp32 graph before {args.int8_scheme} int8 quantization",
                 }
             write_sidecar(
                 target, build_sidecar(model, target, args.checkpoint, report.to_dict(), extra), overwrite=args.force
@@ -236,7 +262,11 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     code, engine = 0, None
     if "tensorrt" in args.format:
-        engine, code = _tensorrt(targets[0], out / f"{name}_tensorrt", args)
+        engine, code = _tensorrt(model, targets[0], out / f"{name}_tensorrt", res, args)
+    if code == 1:
+        if "triton" in args.format:
+            _say("(the engine failed its parity check: the Triton repository is not written)")
+        return 1
     if "triton" in args.format:
         _triton(targets, name, engine, args)
     return code
@@ -253,41 +283,94 @@ def _check_formats(args: argparse.Namespace) -> None:
         raise ValueError(f"--format tensorrt needs --batch dynamic (got {args.batch}); --max-batch sets its limit")
     if "tensorrt" in args.format and args.precision == "int8":
         raise ValueError(
-            "--format tensorrt builds from an fp32 or fp16 graph; --precision int8 is onnxruntime's dynamic "
+            "--format tensorrt builds from an fp32 or fp16 graph; --precision int8 is onnxruntime's "
             "quantization (choose the engine's precision with --trt-precision)"
         )
+    if "tensorrt" in args.format and args.res == "dynamic":
+        raise ValueError(
+            "--format tensorrt needs a fixed --res (e.g. --res 384): engines are built for one input size, and "
+            "the dynamic graph's in-graph position-embedding resampling is not built into an engine"
+        )
+    if args.calibration_images and args.precision != "int8":
+        raise ValueError("--calibration-images calibrates static int8: it needs --precision int8")
     if args.triton_ensemble == "trt" and "tensorrt" not in args.format:
         raise ValueError("--triton-ensemble trt needs --format tensorrt (the ensemble would have no engine)")
 
 
-def _tensorrt(onnx_path: Path, plan_dir: Path, args: argparse.Namespace) -> tuple[dict | None, int]:
-    """Build the engine; (None, 3) with a one-line message when TensorRT cannot run here."""
+def _tensorrt(
+    model, onnx_path: Path, plan_dir: Path, res: tuple[int, int], args: argparse.Namespace
+) -> tuple[dict | None, int]:
+    """Build and check the engine: (info, 0); (info, 1) when it fails its parity check (table printed, sidecar
+    written with the failure); (None, 3) with a one-line message when TensorRT cannot run here."""
     from vit_export.sidecar import sha256, sidecar_path, write_sidecar
-    from vit_export.tensorrt_build import build_engine, unavailable_reason
+    from vit_export.tensorrt_build import build_engine, tensorrt_version, unavailable_reason
+    from vit_export.tensorrt_compat import check_supported, plan_build
 
     reason = unavailable_reason()
+    if reason is None:
+        try:
+            check_supported(tensorrt_version())
+        except ValueError as e:
+            reason = str(e)
     if reason:
         print(f"vit-export: tensorrt: {reason}; the ONNX files are written", file=sys.stderr)
         return None, EXIT_NO_TENSORRT
+    version = tensorrt_version()
+    graph_precision = "fp16" if args.precision == "fp16" else "fp32"
     precision = "fp16" if args.precision == "fp16" else args.trt_precision
+    plan = plan_build(version, precision, graph_precision)
+    source = onnx_path
+    if plan.graph_precision != graph_precision:
+        from vit_export.typed_graph import export_typed
+
+        source = plan_dir / f"{onnx_path.stem}_{plan.graph_precision}.onnx"
+        _say(f"exporting the {plan.graph_precision}-typed graph TensorRT {version} builds from (LayerNorm in fp32) ...")
+        export_typed(model, source, plan.graph_precision, res=res, batch=args.batch, opset=args.opset,
+                     overwrite=args.force)
     hi = args.max_batch
     _say(f"building the TensorRT engine ({precision}, batch 1..{hi}) ...")
     info = build_engine(
-        onnx_path,
+        source,
         plan_dir,
         precision=precision,
         batch=(1, max(1, hi // 2), hi),
-        timing_cache=Path(args.out) / "tensorrt.cache",
+        cache_dir=Path(args.out),
         progress=_say,
+        check_onnx=onnx_path,
         overwrite=args.force,
     )
     # `vit-serve serve <plan>` reads the ONNX sidecar's contract beside the engine (<plan stem>.json).
     side = json.loads(sidecar_path(onnx_path).read_text())
     side.update(format="tensorrt", file=info["file"], file_sha256=sha256(info["path"]), source_onnx=onnx_path.name,
                 tensorrt={k: (str(v) if isinstance(v, Path) else v) for k, v in info.items()})
+    if source != onnx_path:
+        side["tensorrt"]["built_from"] = str(source.relative_to(plan_dir.parent))
     write_sidecar(info["path"], side, overwrite=args.force)
     _say(f"wrote {info['path']} and {sidecar_path(info['path']).name}")
-    return info, 0
+    return info, 0 if report_engine_parity(info["parity"], info["file"]) else 1
+
+
+def report_engine_parity(parity: dict, engine: str) -> bool:
+    """Print the engine's parity table (`vit_export.parity`'s layout); on failure also the one-line error.
+
+    `parity`: what `tensorrt_build.compare_runtimes` returns. True when it passed.
+    """
+    import dataclasses
+
+    from vit_export.parity import ParityReport, ParityRow
+
+    names = [f.name for f in dataclasses.fields(ParityRow)]  # fields the engine check lacks (rollout's) stay None
+    rows = [ParityRow(**{n: r.get(n) for n in names}) for r in parity["rows"]]
+    report = ParityReport(onnx_path=engine, precision=parity["precision"], criteria=parity["criteria"], rows=rows)
+    lines = report.table().splitlines()
+    # ParityReport's header names onnxruntime vs PyTorch; here the candidate is the engine, the reference ORT.
+    lines[0] = (f"parity: {engine} ({parity.get('candidate', 'engine')} {parity['precision']} vs "
+                f"{parity['reference']}; {parity['criteria']})")
+    _say("\n".join(lines))
+    if not report.ok:
+        print(f"vit-export: error: the engine {engine} failed its parity check against {parity['reference']} "
+              "(table above); it is written with the failure recorded in its sidecar", file=sys.stderr)
+    return report.ok
 
 
 def _triton(targets: list[Path], name: str, engine: dict | None, args: argparse.Namespace) -> None:
@@ -315,29 +398,65 @@ def _triton(targets: list[Path], name: str, engine: dict | None, args: argparse.
         _say(f"  {w.model:<28} version {w.version}  {w.path}")
 
 
-def _quantize(model, fp32_path: Path, target: Path, images: list[Path] | None, args: argparse.Namespace) -> dict:
+def _quantize(
+    model, fp32_path: Path, target: Path, images: list[Path] | None, calibration: list[Path] | None,
+    args: argparse.Namespace,
+) -> dict:
+    """Write the chosen int8 scheme to `target`; measure every scheme that can be built here side by side."""
     import torch
     from vit_export.onnx_export import export_info
-    from vit_export.quantize import compare_int8, quantize_int8
+    from vit_export.quantize import compare_schemes, quantize_int8, quantize_static_int8
 
     from vit_serve.preprocess import PreprocessConfig, preprocess_batch
 
-    _say("  quantizing to int8 (dynamic, QInt8 MatMul/Gemm weights) ...")
-    quantize_int8(fp32_path, target, overwrite=args.force)
     res = export_info(fp32_path)["resolution"]
     h, w = model.cfg.img_size if res == "dynamic" else res
     pre = (model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)).with_size(h, w)
-    x = torch.randn(16, 3, h, w, generator=torch.Generator().manual_seed(0))
-    labels = None
-    if images:
-        x = preprocess_batch(images, pre)
-        labels = _labels_of(images, model.labels)
+    batch = args.batch if isinstance(args.batch, int) else 8
+    paths = {"dynamic": fp32_path.with_name(f"{fp32_path.stem}_dynamic.onnx")}
+    if calibration:
+        paths["static"] = fp32_path.with_name(f"{fp32_path.stem}_static.onnx")
+    note = None
+    for scheme, path in paths.items():
+        if scheme == "dynamic":
+            _say("  quantizing to int8, dynamic (QInt8 MatMul/Gemm weights per channel) ...")
+            quantize_int8(fp32_path, path, overwrite=True)
+        else:
+            picked = _spread(calibration, MAX_CALIBRATION)
+            note = f"{len(picked)} images of {args.calibration_images or args.check_images}"
+            _say(f"  quantizing to int8, static (QDQ, calibrated on {note}) ...")
+            quantize_static_int8(fp32_path, path, preprocess_batch(picked, pre).numpy(), batch=batch, overwrite=True)
+    target_tmp = paths[args.int8_scheme]
     if isinstance(args.batch, int) and args.batch != 1:
         _say("  (fixed batch != 1: int8 speed/agreement not measured at batch 1)")
-        return {"fp32_mb": fp32_path.stat().st_size / 1e6, "int8_mb": target.stat().st_size / 1e6}
-    rep = compare_int8(fp32_path, target, x.numpy(), labels)
-    _say(rep.table())
-    return rep.to_dict()
+        sizes = {f"{k}_mb": p.stat().st_size / 1e6 for k, p in paths.items()}
+        out = {"fp32_mb": fp32_path.stat().st_size / 1e6, **sizes}
+    else:
+        x = torch.randn(16, 3, h, w, generator=torch.Generator().manual_seed(0))
+        labels = None
+        if images:
+            x = preprocess_batch(images, pre)
+            labels = _labels_of(images, model.labels)
+        rep = compare_schemes(fp32_path, paths, x.numpy(), labels, calibration=note)
+        _say(rep.table())
+        out = rep.to_dict()
+    _install(target_tmp, target, args.force)
+    return out
+
+
+def _spread(items: list[Path], n: int) -> list[Path]:
+    """At most n items, evenly spaced (every class folder of a sorted tree gets its share)."""
+    if len(items) <= n:
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+def _install(src: Path, dest: Path, overwrite: bool) -> None:
+    import shutil
+
+    from vit_serve.checkpoints.io import atomic_write
+
+    atomic_write(dest, lambda tmp: shutil.copyfile(src, tmp), overwrite=overwrite)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""A serialized TensorRT engine run on torch CUDA buffers (TensorRT 10: named I/O tensors, `execute_async_v3`).
+"""A serialized TensorRT engine run on torch CUDA buffers (TensorRT 10 and 11: named I/O tensors, `execute_async_v3`).
 
 Used by the tensorrt serving backend and by `vit-export`'s engine parity check. `tensorrt` and CUDA torch are
 imported when an engine is loaded, never at import time.

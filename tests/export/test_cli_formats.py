@@ -39,9 +39,20 @@ def test_formats_are_deduplicated_in_pipeline_order():
         (["--format", "tensorrt", "--batch", "8"], "--format tensorrt needs --batch dynamic"),
         (["--format", "tensorrt", "--precision", "int8"], "builds from an fp32 or fp16 graph"),
         (["--format", "triton", "--triton-ensemble", "trt"], "--triton-ensemble trt needs --format tensorrt"),
+        # main let this through to fail deep inside TensorRT, after the ONNX files were written
+        (["--format", "tensorrt", "--res", "dynamic"], "--format tensorrt needs a fixed --res"),
+        (["--format", "onnx,tensorrt,triton", "--res", "dynamic"], "--format tensorrt needs a fixed --res"),
+        (["--calibration-images", "{calib}"], "--calibration-images calibrates static int8"),
+        (["--precision", "int8", "--int8-scheme", "static"], "--int8-scheme static needs images to calibrate on"),
+        (["--precision", "int8", "--calibration-images", "{missing}"], "--calibration-images: no such folder"),
+        (["--precision", "int8", "--calibration-images", "{empty}"], "--calibration-images: no jpg/jpeg/png"),
     ],
 )
 def test_refused_combinations_write_nothing(ckpt, tmp_path, capsys, args, needle):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not an image")
+    dirs = {"calib": str(tmp_path / "empty"), "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty")}
+    args = [a.format(**dirs) for a in args]
     rc = main([str(ckpt), "--out", str(tmp_path / "out"), "--repo", str(tmp_path / "repo"), *args])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and len(err.splitlines()) == 1 and needle in err, err

@@ -3,7 +3,7 @@ as the ONNX sidecar: resolution, preprocess, labels, architecture, io), and opti
 with `<name>_explain.json` (logits + rollout, rollout settings fixed at build time); without one, the explain ONNX
 graph the engine's export came with (named by its sidecar's `source_onnx`) runs in onnxruntime.
 
-Needs a CUDA GPU, the `tensorrt` package (10.x API: named I/O tensors, `execute_async_v3`) and PyTorch with CUDA
+Needs a CUDA GPU, the `tensorrt` package (10.x or 11.x: named I/O tensors, `execute_async_v3`) and PyTorch with CUDA
 (device buffers are torch tensors). Both are imported lazily; without them the server refuses to start with a
 one-line reason. Batches larger than the engine's optimisation profile allows are run in chunks.
 """
