@@ -456,6 +456,7 @@ def test_config_defaults_and_constants() -> None:
     assert cfg.mean == IMAGENET_INCEPTION_MEAN == (0.5, 0.5, 0.5)
     assert cfg.std == IMAGENET_INCEPTION_STD == (0.5, 0.5, 0.5)
     assert (cfg.interpolation, cfg.crop_pct, cfg.crop_mode) == ("bicubic", 0.9, "center")
+    assert cfg.decode == "exact"  # timm's transform unless a contract asks for the fast path
     assert IMAGENET_DEFAULT_MEAN == timm_data.IMAGENET_DEFAULT_MEAN
     assert IMAGENET_DEFAULT_STD == timm_data.IMAGENET_DEFAULT_STD
     assert IMAGENET_INCEPTION_MEAN == timm_data.IMAGENET_INCEPTION_MEAN
@@ -466,11 +467,16 @@ def test_config_defaults_and_constants() -> None:
 
 def test_config_round_trip() -> None:
     cfg = PreprocessConfig(
-        input_size=(192, 256), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, crop_mode="squash"
+        input_size=(192, 256), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, crop_mode="squash",
+        decode="fast",
     )
     d = cfg.to_dict()
-    assert d["input_size"] == [192, 256] and isinstance(d["mean"], list)
+    assert d["input_size"] == [192, 256] and isinstance(d["mean"], list) and d["decode"] == "fast"
     assert PreprocessConfig.from_dict(json.loads(json.dumps(d))) == cfg
+    # a contract stored before the field existed is the exact path
+    old = {k: v for k, v in d.items() if k != "decode"}
+    assert PreprocessConfig.from_dict(old).decode == "exact"
+    assert cfg.with_decode(None) is cfg and cfg.with_decode("exact") == dataclasses.replace(cfg, decode="exact")
     assert PreprocessConfig.from_dict({}) == PreprocessConfig()
     assert PreprocessConfig.from_dict({"input_size": [384, 384]}) == PreprocessConfig(input_size=(384, 384))
     assert cfg.with_size(320, 320) == dataclasses.replace(cfg, input_size=(320, 320))
@@ -504,6 +510,8 @@ def test_from_dict_rejects_unknown_keys() -> None:
         ({"crop_pct": 1.01}, "crop_pct"),
         ({"crop_pct": float("nan")}, "crop_pct"),
         ({"crop_mode": "border"}, "crop_mode"),
+        ({"decode": "turbo"}, "decode"),
+        ({"decode": None}, "decode"),
     ],
 )
 def test_config_validation(kwargs: dict, match: str) -> None:

@@ -149,7 +149,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "triton_timeout_s",
                                            "triton_startup_timeout_s", "model_name", "host", "port",
-                                           "max_batch", "max_delay_ms", "max_queue", "threads", "device")}
+                                           "max_batch", "max_delay_ms", "max_queue", "threads", "device", "decode")}
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
     except ValidationError as e:
@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, help="requests waiting before 503 (default 256)")
     s.add_argument("--threads", type=int, help="intra-op threads of the model runtime (default: its own)")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), help="torch / onnxruntime device (default auto)")
+    s.add_argument("--decode", choices=("exact", "fast"),
+                   help="upload decoding: exact (timm's transform, bit for bit) or fast (JPEG DCT-domain "
+                        "downscaling); default: the model's contract")
     s.set_defaults(func=_cmd_serve)
 
     q = sub.add_parser("quickstart", help="train on the digits set, fine-tune at 2x resolution, export, serve",

@@ -1,9 +1,10 @@
 """Triton Python-backend model: encoded image bytes -> pixel_values, through `vit_serve.preprocess.preprocess`.
 
 Input "image" [B, 1] TYPE_STRING (JPEG, PNG, ... bytes); output "pixel_values" [B, 3, H, W] float32, with the
-preprocessing contract (size, mean/std, interpolation, crop) stored in the config parameter "vit_serve"
-(key "preprocess"). A request holding an image that cannot be decoded (or is over "max_pixels") gets an
-INVALID_ARG error; the other requests of the batch are answered normally.
+preprocessing contract (size, mean/std, interpolation, crop, and the decode path "exact" | "fast", which
+`preprocess` honours) stored in the config parameter "vit_serve" (key "preprocess"). A request holding an
+image that cannot be decoded (or is over "max_pixels") gets an INVALID_ARG error;
+the other requests of the batch are answered normally.
 """
 
 import json

@@ -1,8 +1,9 @@
 """Upload bytes -> model input, and rollout map -> PNG overlay: the CPU work the gateway runs in its decode pool.
 
 Decoding and preprocessing are `vit_serve.preprocess`'s (`load_image`, then `resize_and_crop` and `to_tensor`,
-the two halves of `preprocess`), so the served input equals `preprocess(image, cfg)` exactly; the crop in the
-middle is kept for `GET /explain` and the overlay. Decode failures become the gateway's HTTP errors here.
+the two halves of `preprocess`), so the served input equals `preprocess(image, cfg)` exactly, on the contract's
+decode path (`cfg.decode`, "exact" or "fast"); the crop in the middle, from that one decode, is kept for
+`GET /explain` and the overlay. Decode failures become the gateway's HTTP errors here.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def image_id(data: bytes) -> str:
 
 
 def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Image:
-    """Encoded image -> the model-input crop (cfg.input_size); 415 / 422 / 413 as GatewayErrors."""
+    """Encoded image -> the model-input crop (cfg.input_size, on cfg.decode's path); 415 / 422 / 413 as
+    GatewayErrors."""
     try:
-        return resize_and_crop(load_image(data, max_pixels=max_pixels), cfg)
+        return resize_and_crop(load_image(data, max_pixels=max_pixels, cfg=cfg), cfg)
     except ImageTooLargeError as e:
         raise TooLargeError(f"image too large: the limit is {max_pixels} pixels, width x height "
                             f"(VIT_SERVE_MAX_PIXELS); {e}") from e

@@ -50,6 +50,9 @@ class ServeSettings(BaseSettings):
     decode_workers: int = Field(default_factory=_default_decode_workers, ge=1,
                                 description="threads decoding and preprocessing uploads")
     threads: int | None = Field(None, ge=1, description="intra-op threads of the model runtime (default: its own)")
+    decode: Literal["exact", "fast"] | None = Field(
+        None, description="how uploads are decoded and resized: exact (timm's transform, bit for bit) or fast "
+                          "(JPEG DCT-domain downscaling, integer reduction first); default: the model's contract")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch / onnxruntime device")
 
     @property

@@ -7,6 +7,7 @@ folder or hub id). A model on a Triton server needs `--backend triton` (MODEL is
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
@@ -49,7 +50,16 @@ def check_model(settings: ServeSettings) -> str:
 
 
 def create_backend(settings: ServeSettings) -> Backend:
-    """Load the model behind the configured backend (not yet warmed up)."""
+    """Load the model behind the configured backend (not yet warmed up); `settings.decode` overrides the
+    contract's decode path (what the gateway decodes with, and what /v2 metadata shows)."""
+    backend = _load_backend(settings)
+    if settings.decode is not None and backend.info.preprocess.decode != settings.decode:
+        pre = backend.info.preprocess.with_decode(settings.decode)
+        backend.info = dataclasses.replace(backend.info, preprocess=pre)
+    return backend
+
+
+def _load_backend(settings: ServeSettings) -> Backend:
     backend = check_model(settings)
     if backend == "torch":
         from vit_serve.serve.backends.torch import TorchBackend
