@@ -55,6 +55,24 @@ def randomize():
     return randomize_
 
 
+@torch.no_grad()
+def fit_head_(model, x: torch.Tensor, y: torch.Tensor, ridge: float = 1.0) -> None:
+    """A least-squares head on the model's frozen features (one-hot targets +-1): a trained model in a second,
+    for the checks that need one whose answers mean something (int8 and fast-decode agreement)."""
+    f = model.forward_head(model.forward_features(x), pre_logits=True)
+    mu, sd = f.mean(0), f.std(0)
+    a = torch.cat([(f - mu) / sd, torch.ones(len(f), 1)], 1).double()
+    t = torch.nn.functional.one_hot(y, model.head.out_features).double() * 2 - 1
+    w = torch.linalg.solve(a.T @ a + ridge * torch.eye(a.shape[1], dtype=torch.double), a.T @ t).float()
+    model.head.weight.copy_((w[:-1] / sd[:, None]).T)
+    model.head.bias.copy_(w[-1] - (mu / sd) @ w[:-1])
+
+
+@pytest.fixture(scope="session")
+def fit_head():
+    return fit_head_
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine (or under pytest -n 2)

@@ -260,26 +260,14 @@ DIGITS_UPLOAD = 640  # each 8x8 scan upscaled bicubic to a 640 x 640 JPEG, as a 
 DIGITS_AGREEMENT_MIN = 0.97
 
 
-@torch.no_grad()
-def _fit_head(model, x: torch.Tensor, y: torch.Tensor, ridge: float = 1.0) -> None:
-    """Least-squares head on the model's frozen features (one-hot targets +-1): a trained model in a second."""
-    f = model.forward_head(model.forward_features(x), pre_logits=True)
-    mu, sd = f.mean(0), f.std(0)
-    a = torch.cat([(f - mu) / sd, torch.ones(len(f), 1)], 1).double()
-    t = torch.nn.functional.one_hot(y, 10).double() * 2 - 1
-    w = torch.linalg.solve(a.T @ a + ridge * torch.eye(a.shape[1], dtype=torch.double), a.T @ t).float()
-    model.head.weight.copy_((w[:-1] / sd[:, None]).T)
-    model.head.bias.copy_(w[-1] - (mu / sd) @ w[:-1])
-
-
-def test_digits_model_agrees_on_upscaled_scans(randomize, one_thread):
+def test_digits_model_agrees_on_upscaled_scans(randomize, fit_head, one_thread):
     pytest.importorskip("sklearn")
     from vit_serve.data import digits_images, digits_tensors
 
     pre = PreprocessConfig(input_size=(DIGITS_RES, DIGITS_RES))
     xt, yt = digits_tensors("train", pre)
     model = randomize(vit_serve.create_model("Ti/16", num_classes=10, depth=2, img_size=DIGITS_RES), seed=0)
-    _fit_head(model, xt, yt)
+    fit_head(model, xt, yt)
     images, labels = digits_images("test")
     uploads = []
     for im in images:

@@ -30,27 +30,15 @@ RES = 32
 AGREEMENT_MIN = 0.95  # measured 96.7-98.1% (static, 16-256 calibration scans) and 98.1% (dynamic) on 359 scans
 
 
-@torch.no_grad()
-def _fit_head(model, x: torch.Tensor, y: torch.Tensor, ridge: float = 1.0) -> None:
-    """Least-squares head on the model's frozen features (one-hot targets +-1)."""
-    f = model.forward_head(model.forward_features(x), pre_logits=True)
-    mu, sd = f.mean(0), f.std(0)
-    a = torch.cat([(f - mu) / sd, torch.ones(len(f), 1)], 1).double()
-    t = torch.nn.functional.one_hot(y, 10).double() * 2 - 1
-    w = torch.linalg.solve(a.T @ a + ridge * torch.eye(a.shape[1], dtype=torch.double), a.T @ t).float()
-    model.head.weight.copy_((w[:-1] / sd[:, None]).T)
-    model.head.bias.copy_(w[-1] - (mu / sd) @ w[:-1])
-
-
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory, randomize):
+def digits(tmp_path_factory, randomize, fit_head):
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("int8")
     pre = PreprocessConfig(input_size=(RES, RES))
     xt, yt = digits_tensors("train", pre)
     xv, yv = digits_tensors("test", pre)
     model = randomize(vit_serve.create_model("Ti/16", num_classes=10, depth=2, img_size=RES), seed=0)
-    _fit_head(model, xt, yt)
+    fit_head(model, xt, yt)
     model.labels = list(DIGITS_LABELS)
     return {"dir": d, "model": model, "fp32": export_onnx(model, d / "fp32.onnx"),
             "train": (xt, yt), "test": (xv, yv)}
