@@ -77,8 +77,10 @@ def test_missing_kernel_is_an_error_naming_the_extra():
         xla.use_pallas_attention(vit_serve.create_model("Ti/16", num_classes=2, depth=1))
 
 
-def test_xla_process_group_on_cpu(tmp_path):
-    """Two XLA processes on the CPU (PJRT_DEVICE=CPU) under torchrun: torch_xla's "xla" backend with xla://."""
+def test_xla_process_group_under_torchrun(tmp_path):
+    """Two processes under torchrun join torch_xla's "xla" backend with xla://. Where the PJRT runtime forms one
+    world of both (TPU), their tensors sum across it; on PJRT_DEVICE=CPU every process is a world of one (torch_xla
+    2.9), and the run must stop with that reason instead of training two replicas that overwrite each other."""
     pytest.importorskip("torch_xla", reason="torch_xla is not installed (pip install -e '.[tpu]')")
     import os
     import subprocess
@@ -88,13 +90,22 @@ def test_xla_process_group_on_cpu(tmp_path):
     script.write_text(
         "import torch, torch.distributed as dist\n"
         "from vit_serve.train import distributed\n"
-        "rank, world = distributed.setup('xla')\n"
+        "try:\n"
+        "    rank, world = distributed.setup('xla')\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e, flush=True); raise SystemExit(0)\n"
         "from vit_serve.train import xla\n"
         "dev = xla.device()\n"
         "total = distributed.sum_across(torch.tensor(rank + 1, device=dev))\n"
         "assert dist.get_backend() == 'xla' and world == 2 and int(total.item()) == 3, (dist.get_backend(), total)\n"
+        "print('SUMMED', flush=True)\n"
         "distributed.teardown()\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"})
+                        str(script)], capture_output=True, text=True, timeout=600, env={**os.environ,
+                       "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU"), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
+    if os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+        refused = [line for line in r.stdout.splitlines() if line.startswith("REFUSED")]
+        assert len(refused) == 2 and "world of 1" in refused[0] and "torchrun started 2" in refused[0], r.stdout
+    else:
+        assert r.stdout.count("SUMMED") == 2, r.stdout

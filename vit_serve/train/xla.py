@@ -10,6 +10,8 @@ tensors. On TPU, attention runs torch_xla's Pallas flash-attention kernel wherev
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,16 @@ def init_process_group() -> None:
     import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend and xla://
 
     dist.init_process_group("xla", init_method="xla://")
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    if dist.get_world_size() != launched:
+        # xla:// takes the world from the PJRT runtime, not from torchrun. On PJRT_DEVICE=CPU every process is
+        # its own world of one: training on would run independent replicas that overwrite each other's files.
+        world = dist.get_world_size()
+        dist.destroy_process_group()
+        runtime = os.environ.get("PJRT_DEVICE", "?")
+        raise RuntimeError(f"torchrun started {launched} processes but the XLA runtime ({runtime}) joins them into "
+                           f"a world of {world}: multi-process XLA needs TPUs (or XLA GPUs); on PJRT_DEVICE=CPU run "
+                           "one process")
 
 
 def manual_seed(seed: int, dev: torch.device) -> None:
