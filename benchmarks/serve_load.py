@@ -11,7 +11,8 @@ What it measures (one real uvicorn server in a subprocess, an asyncio + httpx cl
 It prints one markdown table, then the ratios the serving design promises:
 
 * server throughput at c=16 (batching on) >= 85% of offline throughput at the same batch size;
-* batching on is never slower than off (throughput at every concurrency, 5% measurement slack);
+* batching on is never slower than off: >= 1.00x at every concurrency above 1; at c=1, where there is nothing
+  to batch and on and off run the same path, equal within run-to-run noise (>= 0.95x);
 * p50 at c=1 with batching on minus off <= max_delay_ms (a lone request waits at most the batching window);
 * explain p50 <= 2x classify p50.
 
@@ -255,6 +256,27 @@ def offline_throughput(onnx: Path, image: bytes, batch: int, threads: int, devic
 
 # ---- the report --------------------------------------------------------------------------------------------
 
+# At c=1 there is nothing to batch and a lone request never waits, so on and off run the same path: equal within
+# the run-to-run noise of two separate server runs (5%). With concurrent clients batching must not lose.
+SAME_PATH_SLACK = 0.95
+CONCURRENT_MIN = 1.00
+
+
+def batching_checks(on: dict[int, float], off: dict[int, float]) -> list[tuple[str, str, str, bool]]:
+    """Batching on / off throughput by concurrency -> (check, value, target, passed) rows."""
+    checks = []
+    if 1 in on:
+        r = on[1] / off[1]
+        checks.append(("batching on / off throughput at c=1 (nothing to batch: the same path)", f"{r:.2f}",
+                       f">= {SAME_PATH_SLACK:.2f} (equal within run-to-run noise)", r >= SAME_PATH_SLACK))
+    concurrent = [c for c in on if c > 1]
+    if concurrent:
+        worst, worst_c = min((on[c] / off[c], c) for c in concurrent)
+        checks.append((f"batching on / off throughput, worst of c > 1 (c={worst_c})", f"{worst:.2f}",
+                       f">= {CONCURRENT_MIN:.2f} (never slower)", worst >= CONCURRENT_MIN))
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -327,9 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = loads["on", c16].throughput / offline[reached]
     checks.append((f"server throughput at c={c16} / offline at batch {reached}", f"{ratio:.2f}", ">= 0.85",
                    ratio >= 0.85))
-    worst, worst_c = min((loads["on", c].throughput / loads["off", c].throughput, c) for c in levels)
-    checks.append((f"batching on / off throughput, worst concurrency (c={worst_c})", f"{worst:.2f}", ">= 0.95",
-                   worst >= 0.95))
+    checks += batching_checks({c: loads["on", c].throughput for c in levels},
+                              {c: loads["off", c].throughput for c in levels})
     if 1 in levels:
         gap = loads["on", 1].p(50) - loads["off", 1].p(50)
         checks.append(("p50 at c=1, batching on - off (ms)", f"{gap:.2f}", f"<= {args.max_delay_ms:g}",

@@ -252,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and serve it with the web page. Finished steps in --out are reused.")
     q.add_argument("--out", default="runs/quickstart", help="working folder (default: runs/quickstart)")
     q.add_argument("--pretrain-steps", type=int, default=quickstart.PRETRAIN_STEPS,
-                   help=f"default {quickstart.PRETRAIN_STEPS} (~2 min on 2 CPU cores)")
+                   help=f"default {quickstart.PRETRAIN_STEPS} (~1.5 min on 2 CPU cores)")
     q.add_argument("--finetune-steps", type=int, default=quickstart.FINETUNE_STEPS,
-                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32 (~1 min)")
+                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32 (~30 s)")
     q.add_argument("--host", default="127.0.0.1")
     q.add_argument("--port", type=int, default=8000)
     q.add_argument("--no-serve", action="store_true", help="stop after the export")

@@ -14,9 +14,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-PRETRAIN_STEPS = 1000  # ~2 minutes on 2 CPU cores, ~98% held-out
-FINETUNE_STEPS = 150  # at 32x32 (4x the tokens): ~1 minute
+if TYPE_CHECKING:
+    from vit_serve.train.config import TrainConfig
+
+# The quickstart's own recipe on top of the digits recipe (vit_serve.train.config): 4x4 patches, so 16 tokens at
+# 16x16 and 64 at 32x32 (the digits default's 2x2 patches give 64 and 256): a quarter of the compute per step
+# (3.1 TFLOP for the whole schedule instead of 11.8). Pre-training on the coarse grid reaches ~94% held-out; the
+# fine-tuning step, where each token covers one scan pixel again, brings it to ~97%.
+PRETRAIN_STEPS = 1000
+FINETUNE_STEPS = 150
+PRETRAIN_ARGS: dict[str, Any] = dict(model_args={"patch_size": 4}, log_every=100)
+FINETUNE_ARGS: dict[str, Any] = dict(warmup_steps=10, log_every=50)
 
 
 @dataclass
@@ -70,6 +80,21 @@ def write_samples(folder: Path, n: int = 10) -> list[Path]:
     return out
 
 
+def pretrain_config(paths: QuickstartPaths, steps: int = PRETRAIN_STEPS, progress: bool = True) -> TrainConfig:
+    """Step 1: the digits model (4x4 patches) from scratch at 16x16."""
+    from vit_serve.train.config import TrainConfig
+
+    return TrainConfig(out=str(paths.pretrain), steps=steps, progress=progress, **PRETRAIN_ARGS)
+
+
+def finetune_config(paths: QuickstartPaths, steps: int = FINETUNE_STEPS, progress: bool = True) -> TrainConfig:
+    """Step 2: step 1's model at 32x32, position embeddings resampled in 2-D (the paper's SGD recipe)."""
+    from vit_serve.train.config import TrainConfig
+
+    return TrainConfig(mode="finetune", init=str(paths.pretrain / "model.safetensors"), res=(32, 32),
+                       out=str(paths.finetune), steps=steps, progress=progress, **FINETUNE_ARGS)
+
+
 def _step(n: int, text: str) -> float:
     print(f"\n== {n}/4  {text}", flush=True)
     return time.perf_counter()
@@ -80,7 +105,6 @@ def build(out: str | Path, pretrain_steps: int = PRETRAIN_STEPS, finetune_steps:
     """Steps 1-3; returns the paths. Reuses any step whose output is already in `out`."""
     from vit_export.cli import main as export_main
 
-    from vit_serve.train.config import TrainConfig
     from vit_serve.train.loop import train
 
     p = QuickstartPaths(Path(out))
@@ -89,7 +113,7 @@ def build(out: str | Path, pretrain_steps: int = PRETRAIN_STEPS, finetune_steps:
     if ckpt16.exists():
         print(f"reusing {ckpt16}")
     else:
-        train(TrainConfig(out=str(p.pretrain), steps=pretrain_steps, progress=progress, log_every=100))
+        train(pretrain_config(p, pretrain_steps, progress))
         print(f"({time.perf_counter() - t:.0f} s)")
 
     t = _step(2, f"fine-tune at 32x32, position embeddings resampled ({finetune_steps} steps)")
@@ -97,8 +121,7 @@ def build(out: str | Path, pretrain_steps: int = PRETRAIN_STEPS, finetune_steps:
     if ckpt32.exists():
         print(f"reusing {ckpt32}")
     else:
-        train(TrainConfig(mode="finetune", init=str(ckpt16), res=(32, 32), out=str(p.finetune),
-                          steps=finetune_steps, warmup_steps=10, progress=progress, log_every=50))
+        train(finetune_config(p, finetune_steps, progress))
         print(f"({time.perf_counter() - t:.0f} s)")
 
     t = _step(3, "export ONNX (checked against PyTorch) and a Triton model repository")
