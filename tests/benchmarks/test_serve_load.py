@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
@@ -11,6 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
 def _script():
     spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
