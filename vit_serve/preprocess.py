@@ -23,7 +23,7 @@ import io
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +46,13 @@ __all__ = [
     "ImageTooLargeError",
     "PreprocessConfig",
     "draft_size",
+    "exif_orientation",
     "load_image",
+    "open_header",
     "preprocess",
     "preprocess_batch",
     "resize_and_crop",
+    "resized_size",
     "to_tensor",
 ]
 
@@ -256,6 +259,19 @@ def _orientation(img: Image.Image) -> int:
         return 1
 
 
+def open_header(data: bytes, max_pixels: int | None = None) -> Image.Image:
+    """``data`` opened by PIL, header only (no pixel decoded), after the size checks :func:`load_image` makes;
+    its errors are :func:`load_image`'s. For decoders other than PIL's (the gateway's GPU path)."""
+    if not data:
+        raise ImageDecodeError("cannot decode image: empty input")
+    return _open(io.BytesIO(data), max_pixels)
+
+
+def exif_orientation(img: Image.Image) -> int:
+    """The EXIF orientation tag (1-8) of an opened image, 1 when absent or unreadable (read from the header)."""
+    return _orientation(img)
+
+
 def draft_size(size_hw: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int]:
     """The smallest (H, W) a decode of an image of ``size_hw`` (upright) may return on the fast path:
     :data:`FAST_HEADROOM` x what ``cfg``'s resize produces from it, never more than the image itself."""
@@ -285,14 +301,69 @@ def _exif_transpose(img: Image.Image) -> Image.Image:
 
 
 def _composite_over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """Straight-alpha composite over white: round((c * a + 255 * (255 - a)) / 255), all in uint8 range."""
-    c = rgb.astype(np.uint32)
-    a = alpha.astype(np.uint32)[..., None]
-    return ((c * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
+    """Straight-alpha composite over white: round((c * a + 255 * (255 - a)) / 255), all in uint8 range.
+
+    uint16 is wide enough: c * a + 255 * (255 - a) + 127 <= 255 * 255 + 127 < 2**16.
+    """
+    a = alpha.astype(np.uint16)[..., None]
+    out = rgb.astype(np.uint16)
+    out *= a
+    np.subtract(255, a, out=a)
+    a *= 255
+    out += a
+    out += 127
+    out //= 255
+    return out.astype(np.uint8)
+
+
+# Pixel conversions through numpy run on bands of about this many pixels, so that their temporaries (several
+# bytes a pixel) stay small next to the image itself, whatever its size.
+_BAND_PIXELS = 1 << 20
+
+
+def _banded(img: Image.Image, fn: Callable[[Image.Image], np.ndarray]) -> Image.Image:
+    """A new RGB image, ``fn`` (a band of ``img`` -> uint8 [h, w, 3]) applied to each band of rows."""
+    w, h = img.size
+    rows = max(1, _BAND_PIXELS // max(1, w))
+    if rows >= h:
+        return Image.fromarray(fn(img))
+    out = Image.new("RGB", img.size)
+    for top in range(0, h, rows):
+        out.paste(Image.fromarray(fn(img.crop((0, top, w, min(h, top + rows))))), (0, top))
+    return out
+
+
+def _gray16(band: Image.Image) -> np.ndarray:
+    a = np.asarray(band)
+    a = np.clip(a, 0, 65535).astype(np.int32)
+    a += 128
+    a //= 257  # == round(a / 257); exact halves cannot occur
+    return np.repeat(a.astype(np.uint8)[..., None], 3, axis=-1)
+
+
+def _gray_float(band: Image.Image) -> np.ndarray:
+    a = np.nan_to_num(np.asarray(band, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+    g = np.rint(np.clip(a, 0.0, 255.0, out=a), out=a).astype(np.uint8)
+    return np.repeat(g[..., None], 3, axis=-1)
+
+
+def _premultiplied(band: Image.Image) -> np.ndarray:
+    # Premultiplied alpha: over white, c_out = c_premult + (255 - a). PIL cannot convert "La" at all.
+    a = np.asarray(band).astype(np.int32)
+    colour = a[..., :-1] if band.mode == "RGBa" else np.repeat(a[..., :1], 3, axis=-1)
+    return np.clip(colour + (255 - a[..., -1:]), 0, 255).astype(np.uint8)
+
+
+def _transparent(band: Image.Image) -> np.ndarray:
+    rgba = np.asarray(band if band.mode == "RGBA" else band.convert("RGBA"))
+    return _composite_over_white(rgba[..., :3], rgba[..., 3])
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """Convert any PIL mode to 8-bit RGB (see :func:`load_image` for the rules)."""
+    """Convert any PIL mode to 8-bit RGB (see :func:`load_image` for the rules).
+
+    Conversions through numpy go band by band (:func:`_banded`): the only full-size allocation is the result.
+    """
     mode = img.mode
     if mode == "RGB" and not img.has_transparency_data:
         return img
@@ -300,24 +371,14 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         return img.convert("RGB")
     if mode.startswith("I;16") or mode == "I":
         # PIL's convert("RGB") clips 16-bit values at 255; scale the 0..65535 range to 0..255 instead.
-        a = np.asarray(img).astype(np.int64)
-        a = np.clip(a, 0, 65535)
-        g = ((a + 128) // 257).astype(np.uint8)  # == round(a / 257); exact halves cannot occur
-        return Image.fromarray(np.repeat(g[..., None], 3, axis=-1))
+        return _banded(img, _gray16)
     if mode == "F":
-        a = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
-        g = np.rint(np.clip(a, 0.0, 255.0)).astype(np.uint8)
-        return Image.fromarray(np.repeat(g[..., None], 3, axis=-1))
+        return _banded(img, _gray_float)
     if mode in ("La", "RGBa"):
-        # Premultiplied alpha: over white, c_out = c_premult + (255 - a). PIL cannot convert "La" at all.
-        a = np.asarray(img).astype(np.int32)
-        colour = a[..., :-1] if mode == "RGBa" else np.repeat(a[..., :1], 3, axis=-1)
-        out = np.clip(colour + (255 - a[..., -1:]), 0, 255).astype(np.uint8)
-        return Image.fromarray(out)
+        return _banded(img, _premultiplied)
     if img.has_transparency_data:
         # RGBA, LA, PA, P with transparency / RGBA palette, and L/RGB with a tRNS colour key.
-        rgba = np.asarray(img.convert("RGBA"))
-        return Image.fromarray(_composite_over_white(rgba[..., :3], rgba[..., 3]))
+        return _banded(img, _transparent)
     # P without transparency, CMYK, YCbCr, LAB, HSV, RGBX, ...
     try:
         return img.convert("RGB")
@@ -467,6 +528,11 @@ def resize_and_crop(img: Image.Image, cfg: PreprocessConfig) -> Image.Image:
             return img.resize((cfg.input_size[1], cfg.input_size[0]), _PIL_FILTERS[cfg.interpolation],
                               box=window, reducing_gap=FAST_REDUCING_GAP)
     return _center_crop(_resize_exact(img, resized, cfg.interpolation), cfg.input_size)
+
+
+def resized_size(size_hw: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int]:
+    """(H, W) the resize before the centre crop gives an upright image of (H, W) ``size_hw`` (both paths)."""
+    return _resized_size(size_hw, cfg)
 
 
 def _crop_window(img: Image.Image, resized_hw: tuple[int, int], crop_hw: tuple[int, int]

@@ -3,7 +3,8 @@ of them (decode an upload, run a task, turn logits into predictions).
 
 Threads: decoding / preprocessing / PNG encoding run in a small pool (`decode_workers`); the model runs in one
 dedicated thread (loading, warm-up and every batch), so it runs one batch at a time; the event loop only moves
-bytes and JSON.
+bytes and JSON. On CUDA (and `gpu_decode`), JPEG uploads are decoded in batches on the GPU (`gpu_decode`, its own
+thread) and the others on the CPU pool; `gpu_decode_off` says why the GPU does not decode, when it does not.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from vit_serve.serve.backends import create_backend
 from vit_serve.serve.backends.base import Backend, ModelInfo
 from vit_serve.serve.batcher import Arrival, Batcher, Result
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
-from vit_serve.serve.images import Decoded, decode, input_tensor, overlay_png
+from vit_serve.serve.gpu_decode import GpuDecoder, unavailable_reason
+from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
 from vit_serve.serve.inference import Task
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.settings import ServeSettings
@@ -57,6 +59,8 @@ class Gateway:
         self.error: str | None = None
         self._warmup: asyncio.Task[None] | None = None
         self._pil_limit: int | None = None
+        self.gpu: GpuDecoder | None = None
+        self.gpu_decode_off: str | None = "the model is not loaded"
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -73,9 +77,32 @@ class Gateway:
         info = self.backend.info
         log.info("loaded %s (%s backend): %dx%d, %d classes, explain=%s", info.name, self.backend.name,
                  *info.resolution, info.num_classes, info.explain)
+        self._start_gpu_decode()
         self.batcher = Batcher(self.backend, self.settings, self.metrics, self.model_thread)
         self.batcher.start()
         self._warmup = loop.create_task(self._warm_up())
+
+    def _model_device(self) -> str:
+        """Where the model runs: "cpu", "cuda[:i]", or (a remote server) the backend's name."""
+        backend = self.backend
+        assert backend is not None
+        extra = backend.info.extra
+        if "device" in extra:  # torch
+            return str(extra["device"])
+        if "providers" in extra:  # onnxruntime
+            return "cuda" if "CUDAExecutionProvider" in extra["providers"] else "cpu"
+        return "cuda" if backend.name == "tensorrt" else f"the {backend.name} server"
+
+    def _start_gpu_decode(self) -> None:
+        device = self._model_device()
+        self.gpu_decode_off = unavailable_reason(device, self.settings.gpu_decode)
+        if self.gpu_decode_off is None:
+            assert self.backend is not None
+            self.gpu = GpuDecoder(self.backend.info.preprocess, self.settings.max_pixels, device,
+                                  self.settings.max_batch)
+            log.info("decoding JPEG uploads on %s (nvJPEG)", self.gpu.device)
+        else:
+            log.info("decoding uploads on the CPU: %s", self.gpu_decode_off)
 
     async def _warm_up(self) -> None:
         assert self.batcher is not None and self.backend is not None
@@ -103,6 +130,9 @@ class Gateway:
         for pool in (self.decode_pool, self.model_thread):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
         self.metrics.ready.set(0)
         if self._pil_limit is not None:
             Image.MAX_IMAGE_PIXELS, self._pil_limit = self._pil_limit, None
@@ -138,11 +168,26 @@ class Gateway:
             raise NotReadyError("the model is loading")
         return self.backend.info
 
-    async def decode(self, data: bytes, keep: bool = True) -> Decoded:
-        """Upload bytes -> id, crop, x [1, 3, H, W] (in the decode pool); keeps the crop for GET /explain."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.decode_pool, decode, data, self.info.preprocess, self.settings.max_pixels,
-            self.store if keep else None)
+    async def decode(self, data: bytes, key: str | None = None, keep: bool = True) -> Decoded:
+        """Upload bytes -> id, crop, x [1, 3, H, W], decoded once (none if the crop is in the store); keeps the
+        crop for GET /explain. `key`: the bytes' sha256 hex when the upload reader has it already."""
+        loop = asyncio.get_running_loop()
+        cfg, store = self.info.preprocess, self.store if keep else None
+        if self.gpu is None:
+            return await loop.run_in_executor(self.decode_pool, decode, data, cfg, self.settings.max_pixels, store,
+                                              key)
+        t0 = time.perf_counter()
+        if not key and store is not None:
+            key = await loop.run_in_executor(self.decode_pool, image_id, data)
+        crop = store.get(key) if store is not None else None
+        if crop is None:
+            crop = await self.gpu.crop(data)
+            if crop is None:  # not for the GPU: the CPU path (and its 4xx answers)
+                crop = await loop.run_in_executor(self.decode_pool, decode_crop, data, cfg, self.settings.max_pixels)
+            if store is not None:
+                store.put(key, crop)
+        x = await loop.run_in_executor(self.decode_pool, input_tensor, crop, cfg)
+        return Decoded(key or "", crop, x, (time.perf_counter() - t0) * 1e3)
 
     async def tensor_of(self, crop: Image.Image) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(

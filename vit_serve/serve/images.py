@@ -3,7 +3,9 @@
 Decoding and preprocessing are `vit_serve.preprocess`'s (`load_image`, then `resize_and_crop` and `to_tensor`,
 the two halves of `preprocess`), so the served input equals `preprocess(image, cfg)` exactly, on the contract's
 decode path (`cfg.decode`, "exact" or "fast"); the crop in the middle, from that one decode, is kept for
-`GET /explain` and the overlay. Decode failures become the gateway's HTTP errors here.
+`GET /explain` and the overlay, and the input tensor is made from it (one decode per upload; none when the crop
+is in the store). On CUDA the crop may come from `gpu_decode` instead. Decode failures become the gateway's HTTP
+errors here.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from vit_serve.serve.store import ImageStore
 
 @dataclass(frozen=True)
 class Decoded:
-    """One upload, ready for the model: id (sha256 hex of the bytes), crop (H x W RGB), x [1, 3, H, W] float32."""
+    """One upload, ready for the model: id (sha256 hex of the bytes; "" when nobody asked for it), crop (H x W RGB),
+    x [1, 3, H, W] float32."""
 
     id: str
     crop: Image.Image
@@ -62,10 +65,13 @@ def input_tensor(crop: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
     return to_tensor(crop, cfg).numpy()[None]
 
 
-def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, store: ImageStore | None = None) -> Decoded:
-    """Hash, decode (or find the crop in `store`), preprocess; remembers the crop in `store`."""
+def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, store: ImageStore | None = None,
+           key: str | None = None) -> Decoded:
+    """Decode (or find the crop in `store`) and preprocess; remembers the crop in `store`. `key`: the bytes'
+    sha256 hex when the reader already has it (`uploads.read_image` hashes while reading), else computed here
+    when there is a store (without one, and without `key`, nothing needs the id: it is "")."""
     t0 = time.perf_counter()
-    key = image_id(data)
+    key = key or (image_id(data) if store is not None else "")
     crop = store.get(key) if store is not None else None
     if crop is None:
         crop = decode_crop(data, cfg, max_pixels)

@@ -5,14 +5,37 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 
 
-def _default_decode_workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+# At most this many decode threads by default: each holds one full-size decode at a time, so this (with
+# max_pixels) bounds the gateway's decode memory whatever the core count.
+DECODE_WORKERS_CAP = 4
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its CPU affinity, as a container's limit sets it), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def default_decode_workers(cpus: int, threads: int | None, device: str) -> int:
+    """Decode threads that leave the model its cores: ``max(1, min(4, cpus - model threads))``.
+
+    The model's threads are ``threads`` when set; unset, one on CUDA (the thread feeding the GPU), and on the
+    CPU half the cores, rounded up (the runtime's own default would take them all). E.g. 2 cores -> 1 decode
+    thread (threads unset or 1), 16 cores -> 4, 8 cores with threads=6 -> 2. "auto" counts as the CPU.
+    """
+    if device == "cuda":
+        model = 1 if threads is None else threads
+    else:
+        model = threads if threads is not None else cpus - cpus // 2
+    return max(1, min(DECODE_WORKERS_CAP, cpus - model))
 
 
 class ServeSettings(BaseSettings):
@@ -47,13 +70,22 @@ class ServeSettings(BaseSettings):
     store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
 
     # Compute.
-    decode_workers: int = Field(default_factory=_default_decode_workers, ge=1,
-                                description="threads decoding and preprocessing uploads")
+    decode_workers: int = Field(0, ge=0, description="threads decoding and preprocessing uploads (0: sized "
+                                "against the model's threads, max(1, min(4, cores - threads)), see "
+                                "default_decode_workers)")
     threads: int | None = Field(None, ge=1, description="intra-op threads of the model runtime (default: its own)")
     decode: Literal["exact", "fast"] | None = Field(
         None, description="how uploads are decoded and resized: exact (timm's transform, bit for bit) or fast "
                           "(JPEG DCT-domain downscaling, integer reduction first); default: the model's contract")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch / onnxruntime device")
+    gpu_decode: bool = Field(True, description="on CUDA, decode JPEG uploads with nvJPEG and resize them on the "
+                             "GPU (torchvision); other formats and any failure take the CPU path")
+
+    @model_validator(mode="after")
+    def _size_decode_workers(self) -> ServeSettings:
+        if self.decode_workers == 0:
+            self.decode_workers = default_decode_workers(available_cpus(), self.threads, self.device)
+        return self
 
     @property
     def batching(self) -> bool:

@@ -47,8 +47,8 @@ async def classify(
     """
     t0 = time.perf_counter()
     with gateway.arriving() as arrival:
-        data = await read_image(request)
-        decoded = await gateway.decode(data)
+        upload = await read_image(request)
+        decoded = await gateway.decode(upload.data, upload.sha256)
         result = await gateway.infer(CLASSIFY, decoded.x, arrival)
     info = backend.info
     return {

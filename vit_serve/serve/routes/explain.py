@@ -132,7 +132,7 @@ async def explain_upload(request: Request, gateway: GatewayDep, backend: Backend
     t0 = time.perf_counter()
     task = _task(gateway, params)
     with gateway.arriving() as arrival:
-        data = await read_image(request)
-        decoded = await gateway.decode(data)
+        upload = await read_image(request)
+        decoded = await gateway.decode(upload.data, upload.sha256)
         return await _answer(gateway, task, decoded.id, decoded.crop, decoded.x, params, t0, decoded.decode_ms,
                              arrival)
