@@ -195,12 +195,15 @@ def test_gateway_gpu_branch_with_the_decoder_on_the_cpu_device(tiny_ckpt, tiny_m
     async def scenario():
         async with serving(settings_for(tiny_ckpt)) as (client, app):
             gw = app.state.gateway
-            gw.gpu = GpuDecoder(gw.info.preprocess, gw.settings.max_pixels, device="cpu")
+            gw.gpu = GpuDecoder(gw.info.preprocess, gw.settings.max_pixels, device="cpu",
+                                on_fallback=gw._count_gpu_fallback)
             a = await client.post("/classify?top_k=10", content=jpeg, headers={"Content-Type": "image/jpeg"})
             e = await client.get(f"/explain?id={a.json()['id']}&format=json")
             b = await client.post("/classify?top_k=10", content=png, headers={"Content-Type": "image/png"})
             bad = await client.post("/classify", content=jpeg[:2000], headers={"Content-Type": "image/jpeg"})
             fallbacks = dict(gw.gpu.fallbacks)
+            metrics = (await client.get("/metrics")).text
+            assert 'vit_serve_gpu_decode_fallbacks_total{reason="not a JPEG"} 1.0' in metrics, metrics
             gw.gpu.close()
             gw.gpu = None
             return a, e, b, bad, fallbacks

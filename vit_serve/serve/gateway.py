@@ -93,13 +93,16 @@ class Gateway:
             return "cuda" if "CUDAExecutionProvider" in extra["providers"] else "cpu"
         return "cuda" if backend.name == "tensorrt" else f"the {backend.name} server"
 
+    def _count_gpu_fallback(self, reason: str) -> None:
+        self.metrics.gpu_decode_fallbacks.labels(reason).inc()
+
     def _start_gpu_decode(self) -> None:
         device = self._model_device()
         self.gpu_decode_off = unavailable_reason(device, self.settings.gpu_decode)
         if self.gpu_decode_off is None:
             assert self.backend is not None
             self.gpu = GpuDecoder(self.backend.info.preprocess, self.settings.max_pixels, device,
-                                  self.settings.max_batch)
+                                  self.settings.max_batch, self._count_gpu_fallback)
             log.info("decoding JPEG uploads on %s (nvJPEG)", self.gpu.device)
         else:
             log.info("decoding uploads on the CPU: %s", self.gpu_decode_off)

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -91,8 +92,9 @@ class GpuDecoder:
     """Batched JPEG decode + resize on ``device`` (CUDA when serving; the CPU device works too, for tests)."""
 
     def __init__(self, cfg: PreprocessConfig, max_pixels: int | None, device: str = "cuda",
-                 max_batch: int = 16) -> None:
+                 max_batch: int = 16, on_fallback: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
+        self.on_fallback = on_fallback  # e.g. the gateway's Prometheus counter
         self.max_pixels = max_pixels
         self.device = torch.device(device)
         self.max_batch = max_batch
@@ -108,6 +110,8 @@ class GpuDecoder:
 
     def _fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
+        if self.on_fallback is not None:
+            self.on_fallback(reason)
 
     def _orientation(self, data: bytes) -> int | None:
         """The upload's EXIF orientation if the GPU can decode it, else None (reason counted)."""

@@ -28,6 +28,9 @@ class GatewayMetrics:
         self.inference = Histogram("vit_serve_inference_seconds", "model run time per batch", ["task"],
                                    buckets=LATENCY_BUCKETS, registry=r)
         self.rejected = Counter("vit_serve_rejected", "requests refused by the batcher", ["reason"], registry=r)
+        self.gpu_decode_fallbacks = Counter("vit_serve_gpu_decode_fallbacks",
+                                            "uploads decoded on the CPU although GPU decoding is on, by reason",
+                                            ["reason"], registry=r)
         self.ready = Gauge("vit_serve_ready", "1 when the model is loaded and warmed", registry=r)
 
     def render(self) -> bytes:
