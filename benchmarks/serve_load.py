@@ -1,31 +1,47 @@
 """Serving load benchmark: the FastAPI gateway on the onnxruntime backend under concurrent clients.
 
-What it measures (one real uvicorn server in a subprocess, an asyncio + httpx client in this process):
+One real uvicorn server per configuration in a subprocess, an asyncio + httpx client in this process. Every
+request carries a different image (distinct bytes, so distinct sha256: the gateway's crop store, which keys by
+it, never answers for the decoder), unless `--repeats K` sends each image K times to measure the store.
 
-* POST /classify at concurrency 1, 4, 16 and 64 with dynamic batching on (max_batch 16, max_delay_ms 5) and off
-  (max_batch 1): throughput (images/s), p50 / p99 latency, and the mean batch the server ran (timing_ms.batch_size);
-* the backend's OFFLINE throughput: `onnxruntime` `session.run` on already-preprocessed batches, with the server's
-  thread count, at batch 1 and at the batch size the server reached at concurrency 16;
-* explain latency vs classify latency on the same image (POST /explain?format=png vs POST /classify, one client).
+`--mode uploads` (the default): real uploads, the decode paths side by side in one run.
 
-It prints one markdown table, then the ratios the serving design promises:
+* Two servers, `--decode fast` and `--decode exact`; against each, `--corpus phone` (12 MP JPEGs of
+  benchmarks/upload_corpus.py) and `--corpus small` (a 451x300 photo), each at concurrency 1, 16 and 64;
+* per load level images/s, p50 / p99 latency, and the time per request split into read (receiving and hashing
+  the body), decode wait (for a decode thread), decode + preprocess, queue (for the batch), inference and
+  response (the rest of the client's latency: HTTP, JSON, the event loop), from the server's `Server-Timing`;
+* the server's memory peak (VmHWM of /proc/PID/status) after each level, against the ceiling its settings put
+  on it (`memory_ceiling`).
 
-* server throughput at c=16 (batching on) >= 85% of offline throughput at the same batch size;
-* batching on is never slower than off: >= 1.00x at every concurrency above 1; at c=1, where there is nothing
-  to batch and on and off run the same path, equal within run-to-run noise (>= 0.95x);
-* p50 at c=1 with batching on minus off <= max_delay_ms (a lone request waits at most the batching window);
-* explain p50 <= 2x classify p50.
+Checks (at concurrency 16): phone fast / exact >= 2.5x; phone fast >= 0.75x small fast; small fast / exact
+>= 0.95 (no slower than the exact path, within run-to-run noise); the memory peak of 64 concurrent 12 MP uploads
+below the settings' ceiling, on both paths.
 
-The model is a randomly initialised ViT (`--model`, default S/16 at `--res 224`, 1000 ImageNet classes) exported
-with `vit-export` (`vit_export.cli.main`) into `--out` (or an existing export reused with `--export`); the image is
-a real photo (scikit-image's `chelsea`, when scikit-image is installed).
+`--mode batching`: dynamic batching on (max_batch 16, max_delay_ms 5) and off (max_batch 1) at concurrency 1, 4,
+16 and 64 with unique small photos, against the backend's offline throughput (`onnxruntime` `session.run` on
+preprocessed batches at batch 1 and at the batch the server reached at c=16), and explain vs classify latency
+(one client). Checks: throughput at c=16 >= 85% of offline; batching on / off >= 1.00x above c=1 and >= 0.95x at
+c=1 (nothing to batch there: the same path); p50 at c=1 on - off <= max_delay_ms; explain p50 <= 2x classify p50.
 
-    # the full benchmark (a quiet machine; every core goes to the server, the client needs about one more):
-    python benchmarks/serve_load.py --model S/16 --res 224 --requests 512 --out /tmp/serve_load
+Unique images cost nothing in the measured window: a JPEG is made unique by a numbered comment segment (COM)
+inserted after its APPn segments (`unique_jpeg`), which leaves its pixels and its decode cost as they are; each
+level's payloads are built before its clock starts and freed after it (at most requests + warm-up of them, e.g.
+192 x 1.5 MB for 64 clients of phone photos).
+
+The model is a randomly initialised ViT (`--model`, default Ti/16 at `--res 224`, 1000 ImageNet classes) exported
+with `vit-export` (`vit_export.cli.main`) into `--out` (or an existing export reused with `--export`).
+
+    # the uploads targets (ViT-Ti/16 at 224, onnxruntime, a 2-core CPU; about 6 minutes):
+    python benchmarks/serve_load.py --mode uploads --model Ti/16 --res 224 --requests 96 --out /tmp/serve_uploads
+    # dynamic batching (the README's batching table):
+    python benchmarks/serve_load.py --mode batching --model S/16 --res 224 --requests 256 --out /tmp/serve_load
+    # the crop store: each image sent 8 times
+    python benchmarks/serve_load.py --mode uploads --corpus phone --repeats 8 --out /tmp/serve_repeats
     # on a GPU (onnxruntime's CUDA provider):
-    python benchmarks/serve_load.py --device cuda --requests 2048 --out /tmp/serve_load_cuda
+    python benchmarks/serve_load.py --mode batching --device cuda --requests 2048 --out /tmp/serve_load_cuda
     # a smoke run (a minute on two cores):
-    python benchmarks/serve_load.py --model Ti/16 --res 64 --requests 40 --out /tmp/serve_load_smoke
+    python benchmarks/serve_load.py --model Ti/16 --res 64 --requests 40 --concurrency 1,16 --out /tmp/smoke
 
 Exit status: 0 when every check passes, 1 when one fails (the table is printed either way).
 """
@@ -34,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -41,6 +58,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +70,7 @@ from PIL import Image
 CONCURRENCY = (1, 4, 16, 64)
 
 
-# ---- the image ---------------------------------------------------------------------------------------------
+# ---- the images ---------------------------------------------------------------------------------------------
 
 def photo_jpeg() -> bytes:
     """A real photo as JPEG bytes (scikit-image's chelsea, 451x300), or a smooth synthetic image without it."""
@@ -66,6 +84,33 @@ def photo_jpeg() -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="JPEG", quality=90)
     return buf.getvalue()
+
+
+def phone_jpegs(folder: Path) -> list[bytes]:
+    """The corpus's 12 MP phone JPEGs (benchmarks/upload_corpus.py, built into `folder` or reused from it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import upload_corpus
+
+    paths = upload_corpus.build(folder, upload_corpus.PHONE_NAMES)
+    return [paths[n].read_bytes() for n in upload_corpus.PHONE_NAMES]
+
+
+def unique_jpeg(jpeg: bytes, i: int) -> bytes:
+    """`jpeg` with a comment segment "serve_load <i>" after its SOI and APPn segments (JFIF / EXIF stay first):
+    other bytes and another sha256 for every i, the same pixels and the same decode work."""
+    if jpeg[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG (no SOI marker)")
+    pos = 2
+    while pos + 4 <= len(jpeg) and jpeg[pos] == 0xFF and 0xE0 <= jpeg[pos + 1] <= 0xEF:
+        pos += 2 + int.from_bytes(jpeg[pos + 2:pos + 4], "big")
+    text = f"serve_load {i}".encode()
+    return b"".join((jpeg[:pos], b"\xff\xfe", (len(text) + 2).to_bytes(2, "big"), text, jpeg[pos:]))
+
+
+def payloads(bases: list[bytes], start: int, n: int, repeats: int = 1) -> list[bytes]:
+    """Request bodies start .. start + n - 1: image k = index // repeats, made unique by k and cycling through
+    `bases`, so each image is sent `repeats` times in a row (1: every request a different image)."""
+    return [unique_jpeg(bases[k % len(bases)], k) for k in ((start + j) // repeats for j in range(n))]
 
 
 # ---- the model ---------------------------------------------------------------------------------------------
@@ -111,24 +156,41 @@ def free_port() -> int:
 
 
 class Server:
-    """`vit-serve`'s gateway under uvicorn in a subprocess, configured through its VIT_SERVE_* variables."""
+    """`vit-serve`'s gateway under uvicorn in a subprocess, configured through its VIT_SERVE_* variables (`env`:
+    more of them, e.g. {"VIT_SERVE_DECODE": "fast"})."""
 
-    def __init__(self, onnx: Path, threads: int, device: str, max_batch: int, max_delay_ms: float) -> None:
+    def __init__(self, onnx: Path, threads: int | None, device: str, max_batch: int, max_delay_ms: float,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ,
                "VIT_SERVE_MODEL": str(onnx), "VIT_SERVE_BACKEND": "onnxruntime", "VIT_SERVE_DEVICE": device,
-               "VIT_SERVE_THREADS": str(threads), "VIT_SERVE_MAX_BATCH": str(max_batch),
-               "VIT_SERVE_MAX_DELAY_MS": str(max_delay_ms), "VIT_SERVE_MAX_QUEUE": "1024",
-               "VIT_SERVE_HOST": "127.0.0.1", "VIT_SERVE_PORT": str(self.port)}
-        code = ("import uvicorn\n"
+               "VIT_SERVE_MAX_BATCH": str(max_batch), "VIT_SERVE_MAX_DELAY_MS": str(max_delay_ms),
+               "VIT_SERVE_MAX_QUEUE": "1024", "VIT_SERVE_HOST": "127.0.0.1", "VIT_SERVE_PORT": str(self.port),
+               **({"VIT_SERVE_THREADS": str(threads)} if threads else {}), **(env or {})}
+        code = ("import json, sys, uvicorn\n"
                 "from vit_serve.serve.app import create_app\n"
                 "from vit_serve.serve.settings import ServeSettings\n"
                 "s = ServeSettings()\n"
+                "print('SETTINGS ' + s.model_dump_json(), file=sys.stderr, flush=True)\n"
                 "uvicorn.run(create_app(s), host=s.host, port=s.port, log_level='warning')\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+        self.settings: dict = {}
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
+        if not self.settings:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:  # the settings line, after whatever the runtimes warn at import
+                if line.startswith("SETTINGS "):
+                    self.settings = json.loads(line.removeprefix("SETTINGS "))
+                    break
+                sys.stderr.write(line)
+            else:
+                raise RuntimeError(f"the server exited with status {self.proc.wait()} before it started")
+            # the rest of its stderr goes to ours, so that it never blocks on a full pipe
+            self._relay = threading.Thread(target=lambda: [sys.stderr.write(ln) for ln in self.proc.stderr],
+                                           daemon=True)
+            self._relay.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -141,6 +203,15 @@ class Server:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"the server at {self.url} was not ready after {timeout:.0f} s")
+
+    def memory_mb(self) -> tuple[float, float]:
+        """(VmRSS, VmHWM) of the server process in MB (Linux; NaN elsewhere)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return float("nan"), float("nan")
+        kb = {ln.split(":")[0]: int(ln.split()[1]) for ln in status.splitlines() if ln.startswith(("VmRSS", "VmHWM"))}
+        return kb.get("VmRSS", float("nan")) / 1024, kb.get("VmHWM", float("nan")) / 1024
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -164,15 +235,40 @@ class Server:
 
 # ---- the client --------------------------------------------------------------------------------------------
 
+STAGES = ("read", "decode_wait", "decode", "queue", "infer", "response")
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """A `Server-Timing` header ("read;dur=1.2, decode;dur=30.5, ...") -> {name: ms}."""
+    out = {}
+    for metric in header.split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for p in params:
+            if p.startswith("dur="):
+                out[name] = float(p[4:])
+    return out
+
+
+def stage_split(latency_ms: float, timing: dict[str, float]) -> dict[str, float]:
+    """One request's latency (client side, ms) -> ms per stage (STAGES): the server's read, decode wait, decode +
+    preprocess, queue and inference, and "response", the rest (HTTP both ways, JSON, the event loop), so that
+    the stages sum to the latency."""
+    split = {k: timing.get(k, 0.0) for k in STAGES[:-1]}
+    split["response"] = latency_ms - sum(split.values())
+    return split
+
+
 @dataclass
 class Load:
-    """One load level: latencies (s), wall time (s), and per request the server's batch size and model time (ms)
-    (from its `timing_ms`; empty for PNG answers)."""
+    """One load level: latencies (s), wall time (s), and per request the server's batch size, model time (ms) and
+    stage split (ms, `stage_split`; empty for PNG answers), and the images' ids (sha256)."""
 
     latencies: np.ndarray
     wall_s: float
     batch_sizes: np.ndarray
     infer_ms: np.ndarray
+    stages: dict[str, np.ndarray]
+    ids: list[str]
 
     @property
     def throughput(self) -> float:
@@ -189,40 +285,50 @@ class Load:
     def mean_infer_ms(self) -> float:
         return float(self.infer_ms.mean()) if len(self.infer_ms) else float("nan")
 
+    def stage_ms(self, stage: str) -> float:
+        v = self.stages.get(stage, np.array([]))
+        return float(v.mean()) if len(v) else float("nan")
 
-async def load(url: str, path: str, image: bytes, concurrency: int, requests: int, warmup: int) -> Load:
-    """`requests` POSTs of `image` to `path` from `concurrency` concurrent clients (after `warmup` unmeasured)."""
+
+async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmup: int) -> Load:
+    """POSTs of `bodies` (in order, each once) to `path` from `concurrency` concurrent clients; the first `warmup`
+    are sent before the clock starts and not measured."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300.0) as client:
 
-        async def one() -> tuple[float, int, float]:
+        async def one(body: bytes) -> tuple[float, dict | None]:
             t0 = time.perf_counter()
-            r = await client.post(path, files={"file": ("photo.jpg", image, "image/jpeg")})
+            r = await client.post(path, files={"file": ("photo.jpg", body, "image/jpeg")})
             dt = time.perf_counter() - t0
             if r.status_code != 200:
                 raise RuntimeError(f"POST {path} answered {r.status_code}: {r.text[:300]}")
             if r.headers.get("content-type", "").startswith("application/json"):
-                timing = r.json()["timing_ms"]
-                return dt, int(timing["batch_size"]), float(timing["infer"])
-            return dt, 0, float("nan")
+                answer = r.json()
+                answer["server_timing"] = server_timing(r.headers.get("server-timing", ""))
+                return dt, answer
+            return dt, None
 
-        async def worker(n: int, out: list[tuple[float, int, float]]) -> None:
-            for _ in range(n):
-                out.append(await one())
+        async def run(batch: list[bytes]) -> tuple[list[tuple[float, dict | None]], float]:
+            out: list[tuple[float, dict | None]] = []
+            it = iter(batch)
 
-        async def run(total: int) -> tuple[list[tuple[float, int, float]], float]:
-            out: list[tuple[float, int, float]] = []
-            share = [total // concurrency + (i < total % concurrency) for i in range(concurrency)]
+            async def worker() -> None:
+                for body in it:  # one shared iterator: every client takes the next body when it is free
+                    out.append(await one(body))
+
             t0 = time.perf_counter()
-            await asyncio.gather(*(worker(n, out) for n in share if n))
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(batch)))))
             return out, time.perf_counter() - t0
 
-        await run(max(warmup, concurrency))
-        results, wall = await run(requests)
-    lat = np.array([d for d, _, _ in results])
-    sizes = np.array([b for _, b, _ in results if b])
-    infer = np.array([t for _, b, t in results if b])
-    return Load(lat, wall, sizes, infer)
+        await run(bodies[:warmup])
+        results, wall = await run(bodies[warmup:])
+    lat = np.array([d for d, _ in results])
+    answers = [(d, a) for d, a in results if a is not None]
+    sizes = np.array([a["timing_ms"]["batch_size"] for _, a in answers])
+    infer = np.array([a["timing_ms"]["infer"] for _, a in answers])
+    splits = [stage_split(d * 1e3, a["server_timing"]) for d, a in answers if a["server_timing"]]
+    stages = {k: np.array([sp[k] for sp in splits]) for k in STAGES} if splits else {}
+    return Load(lat, wall, sizes, infer, stages, [a["id"] for _, a in answers])
 
 
 # ---- offline -----------------------------------------------------------------------------------------------
@@ -277,60 +383,166 @@ def batching_checks(on: dict[int, float], off: dict[int, float]) -> list[tuple[s
     return checks
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="S/16", help="architecture (random weights, 1000 classes); default S/16")
-    ap.add_argument("--res", type=int, default=224, help="input resolution (default 224)")
-    ap.add_argument("--export", type=Path, help="reuse an existing vit-export folder (or its NAME.onnx; sidecar and "
-                                                "explain graph beside it) instead of exporting --model")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--requests", type=int, default=512,
-                    help="measured requests per load level, at least twice the concurrency (default 512)")
-    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
-                    help="comma list of client concurrencies (default 1,4,16,64)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="intra-op threads of the server's runtime and of the offline session (default: all cores)")
-    ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--max-delay-ms", type=float, default=5.0)
-    ap.add_argument("--offline-seconds", type=float, default=5.0, help="time per offline measurement (default 5)")
-    ap.add_argument("--out", type=Path, help="folder of the checkpoint, the export and results.json "
-                                             "(default: a new temporary folder)")
-    args = ap.parse_args(argv)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    out = args.out or Path(tempfile.mkdtemp(prefix="serve_load-"))
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.json"
-    if results_path.exists():
-        raise SystemExit(f"{results_path} exists: choose another --out (results are never overwritten)")
+# The uploads targets (issue: real uploads), all at concurrency 16.
+PHONE_FAST_OVER_EXACT = 2.5
+PHONE_OVER_SMALL = 0.75
+UPLOADS_C = 16
 
-    onnx = find_onnx(args.export) if args.export else export_model(args.model, args.res, out)
-    image = photo_jpeg()
-    warmup = max(8, args.requests // 10)
+
+def upload_checks(tp: dict[tuple[str, str, int], float], c: int = UPLOADS_C) -> list[tuple[str, str, str, bool]]:
+    """Images/s by (decode, corpus, concurrency) -> (check, value, target, passed) rows of the uploads targets."""
+    checks = []
+    if ("fast", "phone", c) in tp and ("exact", "phone", c) in tp:
+        r = tp["fast", "phone", c] / tp["exact", "phone", c]
+        checks.append((f"12 MP uploads, fast / exact decode (c={c})", f"{r:.2f}", f">= {PHONE_FAST_OVER_EXACT:g}",
+                       r >= PHONE_FAST_OVER_EXACT))
+    if ("fast", "phone", c) in tp and ("fast", "small", c) in tp:
+        r = tp["fast", "phone", c] / tp["fast", "small", c]
+        checks.append((f"fast decode, 12 MP uploads / small photos (c={c})", f"{r:.2f}", f">= {PHONE_OVER_SMALL:g}",
+                       r >= PHONE_OVER_SMALL))
+    if ("fast", "small", c) in tp and ("exact", "small", c) in tp:
+        r = tp["fast", "small", c] / tp["exact", "small", c]
+        checks.append((f"small photos, fast / exact decode (c={c})", f"{r:.2f}",
+                       f">= {SAME_PATH_SLACK:.2f} (no slower, within run-to-run noise)", r >= SAME_PATH_SLACK))
+    return checks
+
+
+def memory_ceiling(idle_mb: float, settings: dict, concurrency: int, input_hw: tuple[int, int]) -> float:
+    """The most memory (MB) the server's settings let `concurrency` uploads take above its idle RSS.
+
+    * bodies being read: each at most max_body_bytes, twice (the parser's buffers and the joined bytes), one per
+      connection (how many connections is the client's, or uvicorn's --limit-concurrency, not a gateway setting);
+    * decodes: decode_workers threads, each one full-size decode of at most max_pixels, RGB, plus one
+      intermediate of that size (the fast path's are much smaller: the JPEG is decoded at 1/2 to 1/8 scale);
+    * model inputs waiting: max_queue float32 [3, H, W] tensors, and the store: store_size RGB H x W crops
+      (`input_hw`, the model's input).
+    """
+    pixels = input_hw[0] * input_hw[1]
+    body = 2 * settings["max_body_bytes"] * concurrency
+    decode = settings["decode_workers"] * 2 * 3 * settings["max_pixels"]
+    queue = settings["max_queue"] * 4 * 3 * pixels
+    store = settings["store_size"] * 3 * pixels
+    return idle_mb + (body + decode + queue + store) / 2**20
+
+
+def num(v: float) -> str:
+    return "" if np.isnan(v) else f"{v:.2f}"
+
+
+def print_checks(checks: list[tuple[str, str, str, bool]]) -> None:
+    print("\n| check | value | target | |\n|---|---:|---|---|")
+    for name, value, target, ok in checks:
+        print(f"| {name} | {value} | {target} | {'pass' if ok else 'FAIL'} |")
+
+
+def level_sizes(requests: int, c: int) -> tuple[int, int]:
+    """(warm-up, measured) requests of one load level: every client sends at least twice, and warms up once."""
+    return max(c, requests // 10), max(requests, 2 * c)
+
+
+def check_unique(lv: Load, repeats: int) -> None:
+    if repeats == 1 and len(set(lv.ids)) != len(lv.ids):
+        raise RuntimeError(f"{len(lv.ids) - len(set(lv.ids))} of {len(lv.ids)} answers repeat an image id")
+
+
+def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[int]) -> tuple[list[str], list, dict]:
+    corpora = [c for c in ("phone", "small") if args.corpus in (c, "both")]
+    bases = {"small": [photo_jpeg()]}
+    if "phone" in corpora:
+        bases["phone"] = phone_jpegs(out / "corpus")
+    loads: dict[tuple[str, str, int], Load] = {}
+    memory: dict[tuple[str, str, int], float] = {}
+    idle: dict[str, float] = {}
+    settings: dict[str, dict] = {}
+    decodes = args.decode.split(",")
+    with contextlib.ExitStack() as stack:
+        # Every server up at once and the paths interleaved level by level, so that a machine whose load drifts
+        # (other work on it) tilts no comparison.
+        servers = {d: stack.enter_context(Server(onnx, args.threads, args.device, args.max_batch, args.max_delay_ms,
+                                                 {"VIT_SERVE_DECODE": d, "VIT_SERVE_MAX_QUEUE": "256"}))
+                   for d in decodes}
+        for decode, server in servers.items():
+            ready = server.wait_ready()
+            settings[decode], idle[decode] = server.settings, server.memory_mb()[0]
+            print(f"decode {decode}: {ready.get('model')} on {ready.get('backend')}, decode_workers "
+                  f"{server.settings['decode_workers']}, threads {server.settings['threads']}", file=sys.stderr)
+        k = 0  # requests sent to each server so far: the next image index, so that no image comes back
+        for corpus in corpora:
+            for c in levels:
+                warmup, n = level_sizes(args.requests, c)
+                bodies = payloads(bases[corpus], k, warmup + n, args.repeats)
+                k += warmup + n
+                for decode, server in servers.items():
+                    lv = loads[decode, corpus, c] = asyncio.run(load(server.url, "/classify", bodies, c, warmup))
+                    check_unique(lv, args.repeats)
+                    memory[decode, corpus, c] = server.memory_mb()[1]
+                    print(f"  {decode} {corpus} c={c}: {lv.throughput:.1f} img/s, peak RSS "
+                          f"{memory[decode, corpus, c]:.0f} MB", file=sys.stderr)
+                del bodies
+    loads = {(d, co, c): loads[d, co, c] for d in decodes for co in corpora for c in levels}  # table order
+
+    rows = ["| decode | corpus | concurrency | requests | images/s | p50 ms | p99 ms | mean batch | read | "
+            "decode wait | decode + preprocess | queue | inference | response | peak RSS MB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (decode, corpus, c), lv in loads.items():
+        rows.append(f"| {decode} | {corpus} | {c} | {len(lv.latencies)} | {lv.throughput:.1f} | {lv.p(50):.1f} | "
+                    f"{lv.p(99):.1f} | {num(lv.mean_batch)} | "
+                    + " | ".join(f"{lv.stage_ms(st):.1f}" for st in STAGES) + f" | {memory[decode, corpus, c]:.0f} |")
+    checks = upload_checks({key: lv.throughput for key, lv in loads.items()})
+    input_hw = tuple(json.loads(onnx.with_suffix(".json").read_text())["preprocess"]["input_size"][-2:])
+    cmax = max(levels)
+    for decode in settings:
+        if (decode, "phone", cmax) in memory:
+            peak, ceiling = memory[decode, "phone", cmax], memory_ceiling(idle[decode], settings[decode], cmax,
+                                                                           input_hw)
+            checks.append((f"server peak RSS (MB) after {cmax} concurrent 12 MP uploads, {decode} decode "
+                           f"(idle {idle[decode]:.0f} MB)", f"{peak:.0f}", f"<= {ceiling:.0f} (the settings' "
+                           f"ceiling, memory_ceiling)", peak <= ceiling))
+    s0 = next(iter(settings.values()))
+    head = (f"decode_workers {s0['decode_workers']}, threads {s0['threads'] or 'the runtime default'}, max_batch "
+            f"{args.max_batch}, max_delay_ms {args.max_delay_ms:g}; stage columns: mean ms per request; "
+            f"{'every request a different image' if args.repeats == 1 else f'each image sent {args.repeats} times'}")
+    results = {
+        "load": [{"decode": d, "corpus": co, "concurrency": c, "requests": len(lv.latencies),
+                  "throughput": lv.throughput, "p50_ms": lv.p(50), "p99_ms": lv.p(99), "mean_batch": lv.mean_batch,
+                  "stages_ms": {st: lv.stage_ms(st) for st in STAGES}, "peak_rss_mb": memory[d, co, c]}
+                 for (d, co, c), lv in loads.items()],
+        "idle_rss_mb": idle, "settings": settings,
+    }
+    return [head, "", *rows], checks, results
+
+
+def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tuple[list[str], list, dict]:
+    bases = [photo_jpeg()]
+    threads = args.threads or os.cpu_count() or 1
     modes = {"on": (args.max_batch, args.max_delay_ms), "off": (1, args.max_delay_ms)}
     loads: dict[tuple[str, int], Load] = {}
     explain: Load | None = None
     classify_c1: Load | None = None
     for mode, (max_batch, delay) in modes.items():
-        with Server(onnx, args.threads, args.device, max_batch, delay) as server:
+        with Server(onnx, threads, args.device, max_batch, delay) as server:
             ready = server.wait_ready()
             print(f"batching {mode}: {ready.get('model')} on {ready.get('backend')} at {server.url}", file=sys.stderr)
+            k = 0
             for c in levels:
-                n = max(args.requests, 2 * c)  # every client sends at least twice
-                loads[mode, c] = asyncio.run(load(server.url, "/classify", image, c, n, warmup))
+                warmup, n = level_sizes(args.requests, c)
+                bodies = payloads(bases, k, warmup + n, args.repeats)
+                k += warmup + n
+                loads[mode, c] = asyncio.run(load(server.url, "/classify", bodies, c, warmup))
+                check_unique(loads[mode, c], args.repeats)
                 print(f"  c={c}: {loads[mode, c].throughput:.1f} img/s", file=sys.stderr)
             if mode == "on":
-                n = max(10, args.requests // 4)
-                classify_c1 = asyncio.run(load(server.url, "/classify", image, 1, n, warmup))
-                explain = asyncio.run(load(server.url, "/explain?format=png", image, 1, n, warmup))
+                warmup, n = level_sizes(max(10, args.requests // 4), 1)
+                classify_c1 = asyncio.run(load(server.url, "/classify", payloads(bases, k, warmup + n, args.repeats),
+                                               1, warmup))
+                k += warmup + n
+                explain = asyncio.run(load(server.url, "/explain?format=png",
+                                           payloads(bases, k, warmup + n, args.repeats), 1, warmup))
 
     c16 = 16 if 16 in levels else max(levels)
     reached = max(1, round(loads["on", c16].mean_batch))
-    offline = {b: offline_throughput(onnx, image, b, args.threads, args.device, args.offline_seconds)
+    offline = {b: offline_throughput(onnx, bases[0], b, threads, args.device, args.offline_seconds)
                for b in sorted({1, reached})}
-
-    def num(v: float) -> str:
-        return "" if np.isnan(v) else f"{v:.2f}"
 
     rows = ["| run | concurrency | requests | throughput (img/s) | p50 (ms) | p99 (ms) | mean batch | model ms/batch |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -338,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| POST /classify, batching {mode} | {c} | {len(lv.latencies)} | {lv.throughput:.1f} | "
                     f"{lv.p(50):.2f} | {lv.p(99):.2f} | {num(lv.mean_batch)} | {num(lv.mean_infer_ms)} |")
     assert explain is not None and classify_c1 is not None
-    for name, lv in (("POST /classify (same image)", classify_c1), ("POST /explain?format=png", explain)):
+    for name, lv in (("POST /classify", classify_c1), ("POST /explain?format=png", explain)):
         rows.append(f"| {name}, batching on | 1 | {len(lv.latencies)} | {lv.throughput:.1f} | {lv.p(50):.2f} | "
                     f"{lv.p(99):.2f} | {num(lv.mean_batch)} | {num(lv.mean_infer_ms)} |")
     for b, tp in offline.items():
@@ -357,29 +569,80 @@ def main(argv: list[str] | None = None) -> int:
                        gap <= args.max_delay_ms))
     er = explain.p(50) / classify_c1.p(50)
     checks.append(("explain p50 / classify p50", f"{er:.2f}", "<= 2", er <= 2.0))
-
-    import onnxruntime as ort
-
-    what = str(onnx) if args.export else f"{args.model} at {args.res}px, random weights"
-    print(f"\nServing {onnx.name} ({what}) on onnxruntime "
-          f"{ort.__version__}, device {args.device}, {args.threads} threads, {os.cpu_count()} cores; batching on: "
-          f"max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}\n")
-    print("\n".join(rows))
-    print("\n| check | value | target | |\n|---|---:|---|---|")
-    for name, value, target, ok in checks:
-        print(f"| {name} | {value} | {target} | {'pass' if ok else 'FAIL'} |")
-
+    head = f"{threads} threads; batching on: max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}"
     results = {
-        "onnx": str(onnx), "model": None if args.export else args.model, "res": None if args.export else args.res,
-        "device": args.device, "threads": args.threads,
+        "threads": threads,
         "load": [{"batching": m, "concurrency": c, "requests": len(lv.latencies), "throughput": lv.throughput,
                   "p50_ms": lv.p(50), "p99_ms": lv.p(99), "mean_batch": lv.mean_batch,
                   "model_ms_per_batch": lv.mean_infer_ms}
                  for (m, c), lv in loads.items()],
         "classify_c1_p50_ms": classify_c1.p(50), "explain_c1_p50_ms": explain.p(50),
         "offline": {str(b): tp for b, tp in offline.items()},
-        "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks],
     }
+    return [head, "", *rows], checks, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("uploads", "batching"), default="uploads",
+                    help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off")
+    ap.add_argument("--model", default="Ti/16", help="architecture (random weights, 1000 classes); default Ti/16")
+    ap.add_argument("--res", type=int, default=224, help="input resolution (default 224)")
+    ap.add_argument("--export", type=Path, help="reuse an existing vit-export folder (or its NAME.onnx; sidecar and "
+                                                "explain graph beside it) instead of exporting --model")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--requests", type=int, default=96,
+                    help="measured requests per load level (at least twice the concurrency; default 96)")
+    ap.add_argument("--concurrency", help="comma list of client concurrencies (default 1,16,64 for uploads, "
+                                          "1,4,16,64 for batching)")
+    ap.add_argument("--corpus", choices=("phone", "small", "both"), default="both",
+                    help="uploads: 12 MP phone JPEGs, small photos (451x300), or both (default; the targets)")
+    ap.add_argument("--decode", default="fast,exact",
+                    help="uploads: the servers' decode paths, a comma list of fast / exact (default fast,exact)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="times each image is sent (default 1: every request a different image; more: the crop "
+                         "store answers the repeats)")
+    ap.add_argument("--threads", type=int,
+                    help="intra-op threads of the server's runtime (default: the server's own for uploads, all cores "
+                         "for batching, where the offline session uses the same)")
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-delay-ms", type=float, default=5.0)
+    ap.add_argument("--offline-seconds", type=float, default=5.0, help="batching: time per offline measurement")
+    ap.add_argument("--out", type=Path, help="folder of the checkpoint, the export, the corpus and results.json "
+                                             "(default: a new temporary folder)")
+    args = ap.parse_args(argv)
+    try:
+        levels = [int(c) for c in (args.concurrency or ("1,16,64" if args.mode == "uploads" else "1,4,16,64"))
+                  .split(",")]
+    except ValueError:
+        ap.error(f"--concurrency {args.concurrency!r}: expected a comma list of integers")
+    if min(levels) < 1 or args.repeats < 1 or args.requests < 1:
+        ap.error("--concurrency, --requests and --repeats must be at least 1")
+    if set(args.decode.split(",")) - {"fast", "exact"}:
+        ap.error(f"--decode {args.decode!r}: expected a comma list of fast / exact")
+    out = args.out or Path(tempfile.mkdtemp(prefix="serve_load-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    if results_path.exists():
+        raise SystemExit(f"{results_path} exists: choose another --out (results are never overwritten)")
+
+    onnx = find_onnx(args.export) if args.export else export_model(args.model, args.res, out)
+    if args.mode == "uploads":
+        rows, checks, results = run_uploads(args, onnx, out, levels)
+    else:
+        rows, checks, results = run_batching(args, onnx, levels)
+
+    import onnxruntime as ort
+
+    what = str(onnx) if args.export else f"{args.model} at {args.res}px, random weights"
+    print(f"\nServing {onnx.name} ({what}) on onnxruntime {ort.__version__}, device {args.device}, "
+          f"{os.cpu_count()} cores; {rows[0]}\n")
+    print("\n".join(rows[2:]))
+    print_checks(checks)
+    results = {"mode": args.mode, "onnx": str(onnx), "model": None if args.export else args.model,
+               "res": None if args.export else args.res, "device": args.device, "repeats": args.repeats, **results,
+               "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]}
     from vit_serve.checkpoints.io import atomic_write
 
     atomic_write(results_path, json.dumps(results, indent=2).encode())

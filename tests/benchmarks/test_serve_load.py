@@ -1,10 +1,13 @@
-"""benchmarks/serve_load.py's batching checks say what the README says: equal at c=1, never slower above it."""
+"""benchmarks/serve_load.py's pure pieces: the batching checks say what the README says (equal at c=1, never
+slower above it); unique payloads are unique; the stage split sums to the latency; the uploads checks."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
 
@@ -24,3 +27,69 @@ def test_batching_checks_pass_the_recorded_table_and_fail_a_slower_concurrent_ru
     slower = checks({1: 27.7, 4: 32.0}, {1: 27.8, 4: 32.5})  # 0.98x at c=4: passed the old >= 0.95 check
     assert [ok for *_, ok in slower] == [True, False], slower
     assert "c=4" in slower[1][0]
+
+
+def _jpeg(exif_orientation: int | None = None) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    kw = {}
+    if exif_orientation:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        kw["exif"] = exif.tobytes()
+    img.save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def test_unique_payloads_have_distinct_sha256_and_decode_to_the_same_pixels_as_pillow():
+    """Reference: hashlib's sha256 (the gateway's image id) and Pillow's decode of the original bytes."""
+    import hashlib
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    m = _script()
+    bases = [_jpeg(), _jpeg(exif_orientation=6)]
+    bodies = m.payloads(bases, 0, 10)
+    assert len({hashlib.sha256(b).hexdigest() for b in bodies}) == 10
+    assert m.payloads(bases, 3, 4) == bodies[3:7]  # deterministic, and the indices run on across levels
+    for i, body in enumerate(bodies[:2]):
+        with Image.open(io.BytesIO(body)) as got, Image.open(io.BytesIO(bases[i])) as want:
+            assert got.getexif().get(0x0112) == want.getexif().get(0x0112)  # the EXIF segment is kept
+            assert np.array_equal(np.asarray(ImageOps.exif_transpose(got)), np.asarray(ImageOps.exif_transpose(want)))
+    repeated = m.payloads(bases, 0, 8, repeats=4)  # each image 4 times in a row: the crop store answers 3 of 4
+    assert len({hashlib.sha256(b).hexdigest() for b in repeated}) == 2 and repeated[0] == repeated[3]
+    with pytest.raises(ValueError, match="JPEG"):
+        m.unique_jpeg(b"\x89PNG\r\n", 0)
+
+
+def test_stage_split_sums_to_the_latency():
+    m = _script()
+    timing = m.server_timing("read;dur=2.5, decode_wait;dur=10, decode;dur=30.25, queue;dur=4, infer;dur=8, "
+                             "total;dur=55")
+    assert timing == {"read": 2.5, "decode_wait": 10.0, "decode": 30.25, "queue": 4.0, "infer": 8.0, "total": 55.0}
+    split = m.stage_split(60.0, timing)
+    assert list(split) == list(m.STAGES)
+    assert sum(split.values()) == pytest.approx(60.0)
+    assert split["response"] == pytest.approx(5.25)
+
+
+def test_upload_checks_and_the_memory_ceiling():
+    m = _script()
+    tp = {("fast", "phone", 16): 14.0, ("exact", "phone", 16): 5.0, ("fast", "small", 16): 17.0,
+          ("exact", "small", 16): 17.2}
+    assert [ok for *_, ok in m.upload_checks(tp)] == [True, True, True]
+    tp["exact", "phone", 16] = 6.0  # 2.33x: below the 2.5x target
+    assert [ok for *_, ok in m.upload_checks(tp)] == [False, True, True]
+    settings = {"max_body_bytes": 10 * 2**20, "decode_workers": 1, "max_pixels": 50_000_000, "max_queue": 256,
+                "store_size": 256}
+    one, more = m.memory_ceiling(100.0, settings, 1, (224, 224)), m.memory_ceiling(100.0, settings, 64, (224, 224))
+    assert more - one == pytest.approx(63 * 20)  # two body copies of 10 MB per more connection
+    settings["decode_workers"] = 2
+    assert m.memory_ceiling(100.0, settings, 1, (224, 224)) - one == pytest.approx(6 * 50_000_000 / 2**20)

@@ -1,6 +1,7 @@
-"""`decode` in the gateway: the model's contract by default, `--decode` / VIT_SERVE_DECODE over it. The answer of
-POST /classify is checked against the library (`vit_serve.preprocess` on that path + the PyTorch model), and
-GET /v2/models/{name} shows the contract the server decodes with."""
+"""`decode` in the gateway: the model's contract by default (also VIT_SERVE_DECODE=contract); `--decode` /
+VIT_SERVE_DECODE exact or fast over it. The answer of POST /classify is checked against the library
+(`vit_serve.preprocess` on that path + the PyTorch model), and GET /v2/models/{name} shows the contract the
+server decodes with."""
 
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ def _served(settings, data: bytes) -> tuple[np.ndarray, dict]:
     return scores, meta.json()["parameters"]["preprocess"]
 
 
-@pytest.mark.parametrize("override", [None, "exact", "fast"])
-def test_classify_decodes_on_the_chosen_path(tiny_ckpt, tiny_model, big_jpeg, override, one_thread):
+@pytest.mark.parametrize(("override", "want"), [(None, "exact"), ("exact", "exact"), ("fast", "fast"),
+                                              ("contract", "exact")])
+def test_classify_decodes_on_the_chosen_path(tiny_ckpt, tiny_model, big_jpeg, override, want, one_thread):
     assert tiny_model.preprocess_cfg.decode == "exact"  # the checkpoint's contract
-    want = override or "exact"
     other = "fast" if want == "exact" else "exact"
     ref, ref_other = _scores(tiny_model, big_jpeg, want), _scores(tiny_model, big_jpeg, other)
     assert np.abs(ref - ref_other).max() > 1e-4  # the two paths are told apart by this check
@@ -66,8 +67,10 @@ def test_decode_setting_from_the_environment(monkeypatch, tiny_ckpt):
     from vit_serve.serve.settings import ServeSettings
 
     assert ServeSettings(model=str(tiny_ckpt)).decode is None  # None: the model's contract
-    monkeypatch.setenv("VIT_SERVE_DECODE", "fast")
-    assert ServeSettings(model=str(tiny_ckpt)).decode == "fast"
+    monkeypatch.setenv("VIT_SERVE_DECODE", "contract")
+    assert ServeSettings(model=str(tiny_ckpt)).decode is None  # None: the model's contract
+    monkeypatch.setenv("VIT_SERVE_DECODE", "exact")
+    assert ServeSettings(model=str(tiny_ckpt)).decode == "exact"
     monkeypatch.setenv("VIT_SERVE_DECODE", "turbo")
     with pytest.raises(ValidationError, match="decode"):
         ServeSettings(model=str(tiny_ckpt))
@@ -77,9 +80,11 @@ def test_cli_decode_flag(capsys, monkeypatch, tiny_ckpt):
     import vit_serve.cli as cli
 
     seen = {}
-    monkeypatch.setattr("vit_serve.serve.app.run", lambda settings: seen.setdefault("settings", settings))
-    assert cli.main(["serve", str(tiny_ckpt), "--decode", "fast"]) == 0
-    assert seen["settings"].decode == "fast"
+    monkeypatch.setattr("vit_serve.serve.app.run", lambda settings: seen.__setitem__("settings", settings))
+    assert cli.main(["serve", str(tiny_ckpt), "--decode", "exact"]) == 0
+    assert seen["settings"].decode == "exact"
+    assert cli.main(["serve", str(tiny_ckpt)]) == 0
+    assert seen["settings"].decode is None
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", str(tiny_ckpt), "--decode", "turbo"])
     assert info.value.code == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
@@ -75,11 +75,17 @@ class ServeSettings(BaseSettings):
                                 "default_decode_workers)")
     threads: int | None = Field(None, ge=1, description="intra-op threads of the model runtime (default: its own)")
     decode: Literal["exact", "fast"] | None = Field(
-        None, description="how uploads are decoded and resized: exact (timm's transform, bit for bit) or fast "
-                          "(JPEG DCT-domain downscaling, integer reduction first); default: the model's contract")
+        None, description="how uploads are decoded and resized: exact (timm's transform, bit for bit), fast (JPEG "
+                          "DCT-domain downscaling, integer reduction first), or contract (None here; the default): "
+                          "the model's own contract field")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch / onnxruntime device")
     gpu_decode: bool = Field(True, description="on CUDA, decode JPEG uploads with nvJPEG and resize them on the "
                              "GPU (torchvision); other formats and any failure take the CPU path")
+
+    @field_validator("decode", mode="before")
+    @classmethod
+    def _contract_decode(cls, v: object) -> object:
+        return None if v == "contract" else v
 
     @model_validator(mode="after")
     def _size_decode_workers(self) -> ServeSettings:

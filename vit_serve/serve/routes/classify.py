@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 
 from vit_serve.serve.deps import BackendDep, GatewayDep
 from vit_serve.serve.gateway import top_k
@@ -31,6 +31,7 @@ ERRORS = {
         "description": "the attention map of the image just classified: GET /explain?id="}}}})
 async def classify(
     request: Request,
+    response: Response,
     gateway: GatewayDep,
     backend: BackendDep,
     top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
@@ -44,18 +45,29 @@ async def classify(
     "predictions": [{"label", "index", "score"}] (softmax probabilities, best first, top_k of them),
     "timing_ms": {"decode", "queue", "infer", "total", "batch_size"}}`. The image is kept for a while, so that
     `GET /explain?id=...` can explain it without a new upload.
+
+    The `Server-Timing` header splits the same time finer (ms): read (receiving and hashing the body),
+    decode_wait (waiting for a decode thread), decode, queue, infer and total.
     """
     t0 = time.perf_counter()
     with gateway.arriving() as arrival:
         upload = await read_image(request)
+        t_read = time.perf_counter()
         decoded = await gateway.decode(upload.data, upload.sha256)
+        t_decoded = time.perf_counter()
         result = await gateway.infer(CLASSIFY, decoded.x, arrival)
     info = backend.info
+    total_ms = (time.perf_counter() - t0) * 1e3
+    wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
+    response.headers["Server-Timing"] = ", ".join(
+        f"{name};dur={ms:.3f}" for name, ms in (
+            ("read", (t_read - t0) * 1e3), ("decode_wait", wait_ms), ("decode", decoded.decode_ms),
+            ("queue", result.queue_ms), ("infer", result.infer_ms), ("total", total_ms)))
     return {
         "id": decoded.id,
         "model": info.name,
         "resolution": info.resolution,
         "predictions": top_k(result.outputs["logits"][0], top_k_, info),
         "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
-                      "total": (time.perf_counter() - t0) * 1e3, "batch_size": result.batch_size},
+                      "total": total_ms, "batch_size": result.batch_size},
     }
