@@ -38,6 +38,11 @@ def test_classify_multipart_and_raw_body(tiny_ckpt, tiny_model, photos):
         assert body["model"] == "tiny"
         assert body["resolution"] == [32, 48]
         assert set(body["timing_ms"]) == {"decode", "queue", "infer", "total", "batch_size"}
+        # Server-Timing (W3C): the finer split that benchmarks/serve_load.py reads, each stage with dur=ms
+        stages = dict(part.strip().split(";dur=") for part in a.headers["server-timing"].split(","))
+        assert set(stages) == {"read", "decode_wait", "decode", "queue", "infer", "total"}, stages
+        assert all(float(v) >= 0 for v in stages.values())
+        assert float(stages["total"]) >= float(stages["decode"]) + float(stages["infer"]) - 0.01
         preds = body["predictions"]
         assert len(preds) == 5 and len(b.json()["predictions"]) == 3
         probs = _reference(tiny_model, photos[name])
