@@ -11,17 +11,17 @@ from vit_serve.serve.settings import ServeSettings, default_decode_workers
 
 
 @pytest.mark.parametrize(("cpus", "threads", "device", "want"), [
-    (1, None, "cpu", 1), (2, None, "cpu", 1), (2, 1, "cpu", 1), (2, 2, "cpu", 1),  # never 0, never a fight
+    (1, None, "cpu", 2), (2, None, "cpu", 2), (2, 1, "cpu", 2), (2, 2, "cpu", 2),  # the floor on small machines
     (4, None, "cpu", 2), (4, 1, "cpu", 3), (8, 6, "cpu", 2), (16, None, "cpu", 4), (64, 8, "cpu", 4),
-    (2, None, "cuda", 1), (8, None, "cuda", 4), (8, 6, "cuda", 2), (3, None, "auto", 1),
+    (2, None, "cuda", 2), (8, None, "cuda", 4), (8, 6, "cuda", 2), (3, None, "auto", 2),
 ])
 def test_decode_workers_rule(cpus, threads, device, want):
     assert default_decode_workers(cpus, threads, device) == want
     model = threads if threads is not None else (1 if device == "cuda" else -(-cpus // 2))
-    assert want == 1 or want + model <= cpus  # decode + model threads fit in the cores when they can
+    assert want == settings_mod.DECODE_WORKERS_MIN or want + model <= cpus  # they fit in the cores when they can
 
 
-@pytest.mark.parametrize(("cpus", "threads", "want"), [(2, None, 1), (2, 1, 1), (8, 6, 2), (8, 1, 4)])
+@pytest.mark.parametrize(("cpus", "threads", "want"), [(2, None, 2), (2, 1, 2), (8, 6, 2), (8, 1, 4)])
 def test_settings_apply_the_rule(monkeypatch, cpus, threads, want):
     monkeypatch.setattr(settings_mod, "available_cpus", lambda: cpus)
     kw = {} if threads is None else {"threads": threads}
