@@ -47,7 +47,7 @@ def stages(path: Path, cfg) -> dict[str, float]:
         crop = P.resize_and_crop(img, cfg)  # the window the crop keeps, filtered once
         t5 = t6 = time.perf_counter()
     else:
-        resized = P._resize_exact(img, P._resized_size((img.height, img.width), cfg), cfg.interpolation)
+        resized = P._resize_exact(img, P.resized_size((img.height, img.width), cfg), cfg.interpolation)
         t5 = time.perf_counter()
         crop = P._center_crop(resized, cfg.input_size)
         t6 = time.perf_counter()

@@ -252,7 +252,8 @@ def _open_and_load(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None
     return _load(_open(fp, max_pixels, cfg))
 
 
-def _orientation(img: Image.Image) -> int:
+def exif_orientation(img: Image.Image) -> int:
+    """The EXIF orientation tag (1-8) of an opened image, 1 when absent or unreadable (read from the header)."""
     try:
         return int(img.getexif().get(0x0112, 1))
     except (OSError, SyntaxError, ValueError, KeyError, IndexError, TypeError, struct.error):
@@ -267,22 +268,17 @@ def open_header(data: bytes, max_pixels: int | None = None) -> Image.Image:
     return _open(io.BytesIO(data), max_pixels)
 
 
-def exif_orientation(img: Image.Image) -> int:
-    """The EXIF orientation tag (1-8) of an opened image, 1 when absent or unreadable (read from the header)."""
-    return _orientation(img)
-
-
 def draft_size(size_hw: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int]:
     """The smallest (H, W) a decode of an image of ``size_hw`` (upright) may return on the fast path:
     :data:`FAST_HEADROOM` x what ``cfg``'s resize produces from it, never more than the image itself."""
-    h_r, w_r = _resized_size(size_hw, cfg)
+    h_r, w_r = resized_size(size_hw, cfg)
     return min(size_hw[0], math.ceil(h_r * FAST_HEADROOM)), min(size_hw[1], math.ceil(w_r * FAST_HEADROOM))
 
 
 def _draft(img: Image.Image, cfg: PreprocessConfig) -> None:
     """Ask libjpeg for the smallest 1/2, 1/4 or 1/8 scale that still covers :func:`draft_size`."""
     w, h = img.size
-    transposed = _orientation(img) in (5, 6, 7, 8)  # stored sideways: the upright image is h x w
+    transposed = exif_orientation(img) in (5, 6, 7, 8)  # stored sideways: the upright image is h x w
     need_h, need_w = draft_size((w, h) if transposed else (h, w), cfg)
     if transposed:
         need_h, need_w = need_w, need_h
@@ -290,7 +286,7 @@ def _draft(img: Image.Image, cfg: PreprocessConfig) -> None:
 
 
 def _exif_transpose(img: Image.Image) -> Image.Image:
-    if _orientation(img) not in (2, 3, 4, 5, 6, 7, 8):
+    if exif_orientation(img) not in (2, 3, 4, 5, 6, 7, 8):
         return img  # ImageOps.exif_transpose would return a full-size copy
     try:
         out = ImageOps.exif_transpose(img)
@@ -478,8 +474,8 @@ def _keep_ratio_size(hw: tuple[int, int], target_hw: tuple[int, int]) -> tuple[i
     return round(h / ratio), round(w / ratio)  # Python's round-half-even, as timm
 
 
-def _resized_size(hw: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int]:
-    """(H, W) of the resize before the centre crop, for an image of (H, W) ``hw``.
+def resized_size(hw: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int]:
+    """(H, W) of the resize before the centre crop, for an upright image of (H, W) ``hw`` (both decode paths).
 
     "center": scale = floor(size / crop_pct) per edge; if both scales are equal the shorter side is resized to
     it (torchvision ``Resize(int)``), otherwise timm's ``ResizeKeepRatio`` fits the shorter side.
@@ -517,22 +513,17 @@ def _center_crop(img: Image.Image, size_hw: tuple[int, int]) -> Image.Image:
 def resize_and_crop(img: Image.Image, cfg: PreprocessConfig) -> Image.Image:
     """Resize and centre-crop ``img`` to ``cfg.input_size`` (H, W); the mode stays that of ``img``.
 
-    "exact" does what timm's eval transform does (see :func:`_resized_size`, then torchvision ``CenterCrop``).
+    "exact" does what timm's eval transform does (see :func:`resized_size`, then torchvision ``CenterCrop``).
     "fast" keeps that geometry but filters only the window the crop keeps, after an integer box reduction
     (Pillow's ``reducing_gap``).
     """
-    resized = _resized_size((img.height, img.width), cfg)
+    resized = resized_size((img.height, img.width), cfg)
     if cfg.decode == "fast":
         window = _crop_window(img, resized, cfg.input_size)
         if window is not None:
             return img.resize((cfg.input_size[1], cfg.input_size[0]), _PIL_FILTERS[cfg.interpolation],
                               box=window, reducing_gap=FAST_REDUCING_GAP)
     return _center_crop(_resize_exact(img, resized, cfg.interpolation), cfg.input_size)
-
-
-def resized_size(size_hw: tuple[int, int], cfg: PreprocessConfig) -> tuple[int, int]:
-    """(H, W) the resize before the centre crop gives an upright image of (H, W) ``size_hw`` (both paths)."""
-    return _resized_size(size_hw, cfg)
 
 
 def _crop_window(img: Image.Image, resized_hw: tuple[int, int], crop_hw: tuple[int, int]
