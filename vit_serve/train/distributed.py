@@ -33,20 +33,19 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def mean_across(value: torch.Tensor) -> torch.Tensor:
-    """The mean of a tensor over all processes (itself when not distributed)."""
+def sum_across(value: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor over all processes (itself when not distributed). Under NCCL (and XLA) it must live on
+    the device."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.detach().clone()
         dist.all_reduce(value)
-        value /= dist.get_world_size()
     return value
 
 
-def sum_across(value: torch.Tensor) -> torch.Tensor:
-    """The sum of a tensor over all processes. Under NCCL (and XLA) it must live on the device."""
+def mean_across(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a tensor over all processes (itself when not distributed)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value)
+        return sum_across(value) / dist.get_world_size()
     return value
 
 
