@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +205,14 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"the server at {self.url} was not ready after {timeout:.0f} s")
 
+    def cpu_s(self) -> float:
+        """CPU time (user + system, s) the server process has used so far (Linux; NaN elsewhere)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def memory_mb(self) -> tuple[float, float]:
         """(VmRSS, VmHWM) of the server process in MB (Linux; NaN elsewhere)."""
         try:
@@ -261,7 +270,8 @@ def stage_split(latency_ms: float, timing: dict[str, float]) -> dict[str, float]
 @dataclass
 class Load:
     """One load level: latencies (s), wall time (s), and per request the server's batch size, model time (ms) and
-    stage split (ms, `stage_split`; empty for PNG answers), and the images' ids (sha256)."""
+    stage split (ms, `stage_split`; empty for PNG answers), and the images' ids (sha256); `cpu_ms`: the server's
+    CPU time per measured request (all its threads; NaN when not measured)."""
 
     latencies: np.ndarray
     wall_s: float
@@ -269,6 +279,7 @@ class Load:
     infer_ms: np.ndarray
     stages: dict[str, np.ndarray]
     ids: list[str]
+    cpu_ms: float = float("nan")
 
     @property
     def throughput(self) -> float:
@@ -290,9 +301,11 @@ class Load:
         return float(v.mean()) if len(v) else float("nan")
 
 
-async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmup: int) -> Load:
+async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmup: int,
+               server_cpu_s: Callable[[], float] | None = None) -> Load:
     """POSTs of `bodies` (in order, each once) to `path` from `concurrency` concurrent clients; the first `warmup`
-    are sent before the clock starts and not measured."""
+    are sent before the clock starts and not measured. `server_cpu_s`: the server's CPU clock (`Server.cpu_s`),
+    read around the measured requests."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300.0) as client:
 
@@ -321,14 +334,16 @@ async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmu
             return out, time.perf_counter() - t0
 
         await run(bodies[:warmup])
+        cpu0 = server_cpu_s() if server_cpu_s else float("nan")
         results, wall = await run(bodies[warmup:])
+        cpu_s = (server_cpu_s() if server_cpu_s else float("nan")) - cpu0
     lat = np.array([d for d, _ in results])
     answers = [(d, a) for d, a in results if a is not None]
     sizes = np.array([a["timing_ms"]["batch_size"] for _, a in answers])
     infer = np.array([a["timing_ms"]["infer"] for _, a in answers])
     splits = [stage_split(d * 1e3, a["server_timing"]) for d, a in answers if a["server_timing"]]
     stages = {k: np.array([sp[k] for sp in splits]) for k in STAGES} if splits else {}
-    return Load(lat, wall, sizes, infer, stages, [a["id"] for _, a in answers])
+    return Load(lat, wall, sizes, infer, stages, [a["id"] for _, a in answers], cpu_s * 1e3 / len(lat))
 
 
 # ---- offline -----------------------------------------------------------------------------------------------
@@ -473,7 +488,8 @@ def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[in
                 bodies = payloads(bases[corpus], k, warmup + n, args.repeats)
                 k += warmup + n
                 for decode, server in servers.items():
-                    lv = loads[decode, corpus, c] = asyncio.run(load(server.url, "/classify", bodies, c, warmup))
+                    lv = loads[decode, corpus, c] = asyncio.run(
+                        load(server.url, "/classify", bodies, c, warmup, server.cpu_s))
                     check_unique(lv, args.repeats)
                     memory[decode, corpus, c] = server.memory_mb()[1]
                     print(f"  {decode} {corpus} c={c}: {lv.throughput:.1f} img/s, peak RSS "
@@ -482,13 +498,20 @@ def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[in
     loads = {(d, co, c): loads[d, co, c] for d in decodes for co in corpora for c in levels}  # table order
 
     rows = ["| decode | corpus | concurrency | requests | images/s | p50 ms | p99 ms | mean batch | read | "
-            "decode wait | decode + preprocess | queue | inference | response | peak RSS MB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "decode wait | decode + preprocess | queue | inference | response | server CPU ms / image | peak RSS MB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (decode, corpus, c), lv in loads.items():
         rows.append(f"| {decode} | {corpus} | {c} | {len(lv.latencies)} | {lv.throughput:.1f} | {lv.p(50):.1f} | "
                     f"{lv.p(99):.1f} | {num(lv.mean_batch)} | "
-                    + " | ".join(f"{lv.stage_ms(st):.1f}" for st in STAGES) + f" | {memory[decode, corpus, c]:.0f} |")
+                    + " | ".join(f"{lv.stage_ms(st):.1f}" for st in STAGES)
+                    + f" | {lv.cpu_ms:.1f} | {memory[decode, corpus, c]:.0f} |")
     checks = upload_checks({key: lv.throughput for key, lv in loads.items()})
+    if ("fast", "phone", UPLOADS_C) in loads and ("fast", "small", UPLOADS_C) in loads:
+        # With every core busy, images/s is cores / CPU per image: this ratio bounds the 12 MP / small one.
+        phone, small = loads["fast", "phone", UPLOADS_C].cpu_ms, loads["fast", "small", UPLOADS_C].cpu_ms
+        rows += ["", f"Server CPU per image at c={UPLOADS_C}, fast decode: {phone:.1f} ms for a 12 MP upload, "
+                 f"{small:.1f} ms for a small photo; when the CPU is the limit, 12 MP / small images/s is at most "
+                 f"their ratio, {small / phone:.2f}."]
     input_hw = tuple(json.loads(onnx.with_suffix(".json").read_text())["preprocess"]["input_size"][-2:])
     cmax = max(levels)
     for decode in settings:
@@ -505,7 +528,8 @@ def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[in
     results = {
         "load": [{"decode": d, "corpus": co, "concurrency": c, "requests": len(lv.latencies),
                   "throughput": lv.throughput, "p50_ms": lv.p(50), "p99_ms": lv.p(99), "mean_batch": lv.mean_batch,
-                  "stages_ms": {st: lv.stage_ms(st) for st in STAGES}, "peak_rss_mb": memory[d, co, c]}
+                  "stages_ms": {st: lv.stage_ms(st) for st in STAGES}, "server_cpu_ms": lv.cpu_ms,
+                  "peak_rss_mb": memory[d, co, c]}
                  for (d, co, c), lv in loads.items()],
         "idle_rss_mb": idle, "settings": settings,
     }

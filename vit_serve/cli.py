@@ -241,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, help="requests waiting before 503 (default 256)")
     s.add_argument("--threads", type=int, help="intra-op threads of the model runtime (default: its own)")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), help="torch / onnxruntime device (default auto)")
-    s.add_argument("--decode", choices=("exact", "fast"),
-                   help="upload decoding: exact (timm's transform, bit for bit) or fast (JPEG DCT-domain "
-                        "downscaling); default: the model's contract")
+    s.add_argument("--decode", choices=("fast", "exact", "contract"),
+                   help="upload decoding: fast (the default: JPEG DCT-domain downscaling), exact (timm's "
+                        "transform, bit for bit) or contract (the model's own contract field)")
     s.set_defaults(func=_cmd_serve)
 
     q = sub.add_parser("quickstart", help="train on the digits set, fine-tune at 2x resolution, export, serve",

@@ -19,10 +19,11 @@ RES = (32, 48)
 
 
 def settings_for(model: Path | str, **kw):
-    """ServeSettings for tests: one thread everywhere."""
+    """ServeSettings for tests: one thread everywhere; uploads decoded as the model's contract says (exact for
+    every test model), so that answers compare with the library's `preprocess` and the references."""
     from vit_serve.serve.settings import ServeSettings
 
-    base = {"model": str(model), "device": "cpu", "threads": 1, "decode_workers": 2}
+    base = {"model": str(model), "device": "cpu", "threads": 1, "decode_workers": 2, "decode": "contract"}
     return ServeSettings(**{**base, **kw})
 
 

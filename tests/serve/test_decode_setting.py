@@ -1,5 +1,5 @@
-"""`decode` in the gateway: the model's contract by default (also VIT_SERVE_DECODE=contract); `--decode` /
-VIT_SERVE_DECODE exact or fast over it. The answer of POST /classify is checked against the library
+"""`decode` in the gateway: fast by default; `--decode` / VIT_SERVE_DECODE exact or fast over the model's
+contract, or contract (the model's own field). The answer of POST /classify is checked against the library
 (`vit_serve.preprocess` on that path + the PyTorch model), and GET /v2/models/{name} shows the contract the
 server decodes with."""
 
@@ -48,15 +48,17 @@ def _served(settings, data: bytes) -> tuple[np.ndarray, dict]:
     return scores, meta.json()["parameters"]["preprocess"]
 
 
-@pytest.mark.parametrize(("override", "want"), [(None, "exact"), ("exact", "exact"), ("fast", "fast"),
+@pytest.mark.parametrize(("override", "want"), [(None, "fast"), ("exact", "exact"), ("fast", "fast"),
                                               ("contract", "exact")])
 def test_classify_decodes_on_the_chosen_path(tiny_ckpt, tiny_model, big_jpeg, override, want, one_thread):
     assert tiny_model.preprocess_cfg.decode == "exact"  # the checkpoint's contract
     other = "fast" if want == "exact" else "exact"
     ref, ref_other = _scores(tiny_model, big_jpeg, want), _scores(tiny_model, big_jpeg, other)
     assert np.abs(ref - ref_other).max() > 1e-4  # the two paths are told apart by this check
-    kw = {} if override is None else {"decode": override}
-    scores, contract = _served(settings_for(tiny_ckpt, **kw), big_jpeg)
+    from vit_serve.serve.settings import ServeSettings
+
+    chosen = ServeSettings.model_fields["decode"].default if override is None else override
+    scores, contract = _served(settings_for(tiny_ckpt, decode=chosen), big_jpeg)
     assert contract["decode"] == want
     assert np.abs(scores - ref).max() <= 1e-5
 
@@ -66,7 +68,7 @@ def test_decode_setting_from_the_environment(monkeypatch, tiny_ckpt):
 
     from vit_serve.serve.settings import ServeSettings
 
-    assert ServeSettings(model=str(tiny_ckpt)).decode is None  # None: the model's contract
+    assert ServeSettings(model=str(tiny_ckpt)).decode == "fast"
     monkeypatch.setenv("VIT_SERVE_DECODE", "contract")
     assert ServeSettings(model=str(tiny_ckpt)).decode is None  # None: the model's contract
     monkeypatch.setenv("VIT_SERVE_DECODE", "exact")
@@ -84,6 +86,8 @@ def test_cli_decode_flag(capsys, monkeypatch, tiny_ckpt):
     assert cli.main(["serve", str(tiny_ckpt), "--decode", "exact"]) == 0
     assert seen["settings"].decode == "exact"
     assert cli.main(["serve", str(tiny_ckpt)]) == 0
+    assert seen["settings"].decode == "fast"
+    assert cli.main(["serve", str(tiny_ckpt), "--decode", "contract"]) == 0
     assert seen["settings"].decode is None
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", str(tiny_ckpt), "--decode", "turbo"])

@@ -102,7 +102,7 @@ def server(exported):
 def gateway(server) -> Iterator[str]:
     """The gateway's base URL: the app on the Triton backend under a real uvicorn in a thread."""
     settings = ServeSettings(model=MODEL, backend="triton", triton_url=server.http_url, threads=1,
-                             decode_workers=2, request_timeout_s=10)
+                             decode_workers=2, request_timeout_s=10, decode="contract")
     with live_server(settings) as url:
         yield url
 
@@ -314,7 +314,7 @@ def pace(server, gated, small_images) -> float:
     keeps the same order of events instead of failing."""
     images = [small_images[i % len(small_images)] for i in range(LATE)]
     settings = ServeSettings(model=GATED, backend="triton", triton_url=server.http_url, request_timeout_s=120,
-                             triton_timeout_s=120, threads=1, decode_workers=2)
+                             triton_timeout_s=120, threads=1, decode_workers=2, decode="contract")
 
     async def burst(base: str) -> tuple[list[httpx.Response], float]:
         async with httpx.AsyncClient(base_url=base, timeout=120, limits=_limits()) as client:
@@ -355,7 +355,7 @@ def test_timeouts_under_load_touch_no_other_request(protocol, server, gated, sma
     timeout_s = head_start + 0.5 + 1.5 * pace  # time for the late requests to reach Triton before it
     url = server.http_url if protocol == "http" else f"grpc://{server.grpc_url}"
     settings = ServeSettings(model=GATED, backend="triton", triton_url=url, triton_timeout_s=timeout_s,
-                             request_timeout_s=120, max_queue=256, threads=1, decode_workers=2)
+                             request_timeout_s=120, max_queue=256, threads=1, decode_workers=2, decode="contract")
     images = [small_images[i % len(small_images)] for i in range(EARLY + LATE)]
 
     async def load(base: str) -> dict:

@@ -55,17 +55,72 @@ def test_raw_body_is_hashed_as_it_is_read(monkeypatch, photos):
     assert seen[:len(chunks)] == list(range(len(chunks)))
 
 
-def test_multipart_file_is_hashed_in_chunks(monkeypatch):
+def _form(data: bytes, boundary: str = "b0undary", before: bytes = b"", after: bytes = b"") -> bytes:
+    return (before + f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jpg\"\r\n"
+            f"Content-Type: image/jpeg\r\n\r\n".encode() + data + f"\r\n--{boundary}\r\n".encode() + after
+            ).removesuffix(b"\r\n") + b"--\r\n"
+
+
+def test_multipart_file_is_hashed_as_it_streams(monkeypatch):
     updates: list[int] = []
     monkeypatch.setattr(uploads, "sha256", lambda: SpySha256(updates))
-    data = bytes(range(256)) * 1024  # 256 KiB: several reads of the spooled file
-    boundary = "b0undary"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jpg\"\r\n"
-            f"Content-Type: image/jpeg\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    upload = run(uploads.read_image(_request([body], f"multipart/form-data; boundary={boundary}", [], updates)))
+    data = bytes(range(256)) * 1024  # 256 KiB
+    body = _form(data)
+    chunks = [body[i:i + 10_000] for i in range(0, len(body), 10_000)]
+    seen: list[int] = []
+    upload = run(uploads.read_image(_request(chunks, "multipart/form-data; boundary=b0undary", seen, updates)))
     assert upload.data == data
     assert upload.sha256 == hashlib.sha256(data).hexdigest()
-    assert len(updates) == len(data) // uploads.CHUNK and sum(updates) == len(data)
+    assert sum(updates) == len(data)
+    # while the body streams in, the file read so far is hashed already: no spooling, no second pass
+    assert all(seen[k] >= k - 1 for k in range(1, len(chunks)))
+
+
+def test_multipart_reads_what_starlettes_form_parser_reads(photos):
+    """A browser-like form (httpx's encoder: other fields around the file) gives the bytes Starlette's own
+    `request.form()` (the reference parser) gives for field `file`."""
+    import httpx
+
+    data = photos["coffee.jpg"]
+    req = httpx.Request("POST", "http://x/classify", data={"note": "a" * 5000, "top_k": "3"},
+                        files={"file": ("coffee.jpg", data, "image/jpeg")})
+    body, ctype = req.read(), req.headers["content-type"]
+    chunks = [body[i:i + 7000] for i in range(0, len(body), 7000)]
+
+    async def starlette_reads() -> bytes:
+        form = await _request(chunks, ctype, [], []).form()
+        return await form["file"].read()
+
+    upload = run(uploads.read_image(_request(chunks, ctype, [], [])))
+    assert upload.data == run(starlette_reads()) == data
+    assert upload.sha256 == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    (_form(b"x" * 100).removesuffix(b"--\r\n"), 400, "closing boundary"),
+    (_form(b"x" * 100)[:60], 400, "closing boundary"),
+    (_form(b"x" * 100, after=b'Content-Disposition: form-data; name="other"; filename="y.jpg"\r\n\r\nyy'), 400,
+     "Too many files"),
+    (b'--b0undary\r\nContent-Disposition: form-data; name="file"\r\n\r\nnot a file\r\n--b0undary--\r\n', 422,
+     "is missing"),
+    (b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="a.txt"\r\nContent-Type: text/plain'
+     b'\r\n\r\nhello\r\n--b0undary--\r\n', 415, "text/plain"),
+    (b"--other\r\n\r\n", 400, "malformed multipart"),
+])
+def test_malformed_forms_are_refused_with_a_reason(body, status, words):
+    from vit_serve.serve.errors import GatewayError
+
+    with pytest.raises(GatewayError) as e:
+        run(uploads.read_image(_request([body], "multipart/form-data; boundary=b0undary", [], [])))
+    assert e.value.status == status and words in str(e.value), str(e.value)
+
+
+def test_a_form_without_a_boundary_is_refused():
+    from vit_serve.serve.errors import GatewayError
+
+    with pytest.raises(GatewayError, match="no boundary") as e:
+        run(uploads.read_image(_request([_form(b"x")], "multipart/form-data", [], [])))
+    assert e.value.status == 400
 
 
 @pytest.mark.parametrize("multipart", [False, True])

@@ -78,10 +78,12 @@ class ServeSettings(BaseSettings):
                                 "against the model's threads, max(1, min(4, cores - threads)), see "
                                 "default_decode_workers)")
     threads: int | None = Field(None, ge=1, description="intra-op threads of the model runtime (default: its own)")
+    # fast by default: unique 12 MP uploads 2.9-4x faster through the gateway, within 44.8-47.6 dB of the exact
+    # input, top-1 unchanged on the digits scans (README, "Decoding uploads").
     decode: Literal["exact", "fast"] | None = Field(
-        None, description="how uploads are decoded and resized: exact (timm's transform, bit for bit), fast (JPEG "
-                          "DCT-domain downscaling, integer reduction first), or contract (None here; the default): "
-                          "the model's own contract field")
+        "fast", description="how uploads are decoded and resized: fast (the default: JPEG DCT-domain downscaling, "
+                            "integer reduction first), exact (timm's transform, bit for bit), or contract (None "
+                            "here): the model's own contract field")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch / onnxruntime device")
     gpu_decode: bool = Field(True, description="on CUDA, decode JPEG uploads with nvJPEG and resize them on the "
                              "GPU (torchvision); other formats and any failure take the CPU path")
