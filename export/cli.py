@@ -22,7 +22,6 @@ outside 10.x-11.x): everything else is written.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -189,9 +188,10 @@ def _say(msg: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     from vit_export.onnx_export import export_onnx
     from vit_export.parity import check_parity
-    from vit_export.sidecar import build_sidecar, sidecar_path, write_sidecar
+    from vit_export.sidecar import build_sidecar
 
     from vit_serve.checkpoints import load
+    from vit_serve.manifest import Int8Quantization, manifest_path, write_manifest
 
     if args.opset < 17:
         raise ValueError(f"--opset {args.opset} is too old; LayerNormalization needs opset >= 17")
@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     out = Path(args.out)
     targets = [out / f"{name}.onnx", out / f"{name}_explain.onnx"]
-    existing = [p for t in targets for p in (t, sidecar_path(t)) if p.exists()]
+    existing = [p for t in targets for p in (t, manifest_path(t)) if p.exists()]
     if existing and not args.force:
         raise FileExistsError(f"{existing[0]} exists; pass --force to replace it")
 
@@ -240,18 +240,17 @@ def _run(args: argparse.Namespace) -> int:
             report = check_parity(model, dest, images, tol=args.tol)
             _say(report.table())
             failed |= not report.ok
-            extra = {}
+            int8 = None
             if args.precision == "int8":
-                extra = {
-                    "precision": "int8",
-                    "int8_scheme": args.int8_scheme,
-                    "int8": _quantize(model, dest, target, images, calibration, args),
-                    "parity_note": f"parity of the fp32 graph before {args.int8_scheme} int8 quantization",
-                }
-            write_sidecar(
-                target, build_sidecar(model, target, args.checkpoint, report.to_dict(), extra), overwrite=args.force
+                int8 = Int8Quantization(
+                    args.int8_scheme,
+                    _quantize(model, dest, target, images, calibration, args),
+                    f"parity of the fp32 graph before {args.int8_scheme} int8 quantization",
+                )
+            write_manifest(
+                target, build_sidecar(model, target, args.checkpoint, report.to_dict(), int8), overwrite=args.force
             )
-            _say(f"wrote {target} and {sidecar_path(target).name}")
+            _say(f"wrote {target} and {manifest_path(target).name}")
     if failed:
         later = [f for f in args.format if f != "onnx"]
         print(
@@ -302,7 +301,7 @@ def _tensorrt(
 ) -> tuple[dict | None, int]:
     """Build and check the engine: (info, 0); (info, 1) when it fails its parity check (table printed, sidecar
     written with the failure); (None, 3) with a one-line message when TensorRT cannot run here."""
-    from vit_export.sidecar import sha256, sidecar_path, write_sidecar
+    from vit_export.sidecar import engine_sidecar
     from vit_export.tensorrt_build import build_engine, tensorrt_version, unavailable_reason
     from vit_export.tensorrt_compat import check_supported, plan_build
 
@@ -339,14 +338,12 @@ def _tensorrt(
         check_onnx=onnx_path,
         overwrite=args.force,
     )
-    # `vit-serve serve <plan>` reads the ONNX sidecar's contract beside the engine (<plan stem>.json).
-    side = json.loads(sidecar_path(onnx_path).read_text())
-    side.update(format="tensorrt", file=info["file"], file_sha256=sha256(info["path"]), source_onnx=onnx_path.name,
-                tensorrt={k: (str(v) if isinstance(v, Path) else v) for k, v in info.items()})
-    if source != onnx_path:
-        side["tensorrt"]["built_from"] = str(source.relative_to(plan_dir.parent))
-    write_sidecar(info["path"], side, overwrite=args.force)
-    _say(f"wrote {info['path']} and {sidecar_path(info['path']).name}")
+    from vit_serve.manifest import manifest_path, read_manifest, write_manifest
+
+    # `vit-serve serve <plan>` reads the ONNX graph's contract in the engine's manifest (<plan stem>.json).
+    built_from = None if source == onnx_path else str(source.relative_to(plan_dir.parent))
+    write_manifest(info["path"], engine_sidecar(read_manifest(onnx_path), info, built_from), overwrite=args.force)
+    _say(f"wrote {info['path']} and {manifest_path(info['path']).name}")
     return info, 0 if report_engine_parity(info["parity"], info["file"]) else 1
 
 
@@ -359,16 +356,19 @@ def report_engine_parity(parity: dict, engine: str) -> bool:
 
     from vit_export.parity import ParityReport, ParityRow
 
+    from vit_serve.manifest import Parity
+
+    check = Parity.from_dict(parity, f"the parity check of {engine}")
     names = [f.name for f in dataclasses.fields(ParityRow)]  # fields the engine check lacks (rollout's) stay None
-    rows = [ParityRow(**{n: r.get(n) for n in names}) for r in parity["rows"]]
-    report = ParityReport(onnx_path=engine, precision=parity["precision"], criteria=parity["criteria"], rows=rows)
+    rows = [ParityRow(**{n: r.get(n) for n in names}) for r in check.rows]
+    report = ParityReport(onnx_path=engine, precision=check.precision, criteria=check.criteria, rows=rows)
     lines = report.table().splitlines()
     # ParityReport's header names onnxruntime vs PyTorch; here the candidate is the engine, the reference ORT.
-    lines[0] = (f"parity: {engine} ({parity.get('candidate', 'engine')} {parity['precision']} vs "
-                f"{parity['reference']}; {parity['criteria']})")
+    lines[0] = (f"parity: {engine} ({check.candidate or 'engine'} {check.precision} vs "
+                f"{check.reference}; {check.criteria})")
     _say("\n".join(lines))
     if not report.ok:
-        print(f"vit-export: error: the engine {engine} failed its parity check against {parity['reference']} "
+        print(f"vit-export: error: the engine {engine} failed its parity check against {check.reference} "
               "(table above); it is written with the failure recorded in its sidecar", file=sys.stderr)
     return report.ok
 

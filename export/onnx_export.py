@@ -30,7 +30,7 @@ import torch.nn as nn
 from vit_export.simplify import simplify as simplify_graph
 
 from vit_serve.checkpoints.io import atomic_write
-from vit_serve.explain import HEAD_FUSIONS, rollout
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, rollout
 from vit_serve.model import VisionTransformer
 
 INPUT_NAME = "pixel_values"
@@ -53,7 +53,8 @@ class LogitsGraph(nn.Module):
 class ExplainGraph(nn.Module):
     """pixel_values [B, 3, H, W] -> (logits [B, K], rollout [B, H/P, W/P]): `vit_serve.explain.rollout` in-graph."""
 
-    def __init__(self, model: VisionTransformer, head_fusion: str = "mean", discard_ratio: float = 0.9) -> None:
+    def __init__(self, model: VisionTransformer, head_fusion: str = DEFAULT_HEAD_FUSION,
+                 discard_ratio: float = DEFAULT_DISCARD_RATIO) -> None:
         super().__init__()
         if head_fusion not in HEAD_FUSIONS:
             raise ValueError(f"unknown head_fusion {head_fusion!r}; expected one of {', '.join(HEAD_FUSIONS)}")
@@ -184,8 +185,8 @@ def export_onnx(
     batch: Literal["dynamic"] | int = "dynamic",
     opset: int = 18,
     explain: bool = False,
-    head_fusion: str = "mean",
-    discard_ratio: float = 0.9,
+    head_fusion: str = DEFAULT_HEAD_FUSION,
+    discard_ratio: float = DEFAULT_DISCARD_RATIO,
     precision: str = "fp32",
     overwrite: bool = False,
     simplify: bool = True,

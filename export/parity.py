@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from vit_export.onnx_export import INPUT_NAME, export_info
 
-from vit_serve.explain import rollout
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, rollout
 from vit_serve.model import VisionTransformer
 from vit_serve.preprocess import PreprocessConfig, preprocess_batch
 
@@ -172,8 +172,8 @@ def rollout_envelope(
     attentions: Sequence[torch.Tensor],
     num_prefix_tokens: int = 1,
     pool: str = "token",
-    head_fusion: str = "mean",
-    discard_ratio: float = 0.9,
+    head_fusion: str = DEFAULT_HEAD_FUSION,
+    discard_ratio: float = DEFAULT_DISCARD_RATIO,
     near_rel: float = NEAR_THRESHOLD_REL,
     images: Sequence[int] | None = None,
 ) -> tuple[list[int], torch.Tensor]:
@@ -312,8 +312,8 @@ def compare_rollout(
     grid: tuple[int, int],
     num_prefix_tokens: int = 1,
     pool: str = "token",
-    head_fusion: str = "mean",
-    discard_ratio: float = 0.9,
+    head_fusion: str = DEFAULT_HEAD_FUSION,
+    discard_ratio: float = DEFAULT_DISCARD_RATIO,
 ) -> RolloutComparison:
     """A runtime's rollout map `got` [B, gh, gw] against `vit_serve.explain.rollout` on PyTorch's `attentions`.
 
@@ -349,8 +349,8 @@ def compare_outputs(
             (x.shape[-2] // p, x.shape[-1] // p),
             model.num_prefix_tokens,
             model.cfg.pool,
-            info.get("head_fusion", "mean"),
-            info.get("discard_ratio", 0.9),
+            info.get("head_fusion", DEFAULT_HEAD_FUSION),
+            info.get("discard_ratio", DEFAULT_DISCARD_RATIO),
         )
     else:
         ref_t = model(x)

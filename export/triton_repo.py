@@ -12,8 +12,8 @@ For an export named NAME (`NAME.onnx`, `NAME_explain.onnx` and their sidecars), 
 
 each as `<model>/config.pbtxt` (+ labels.txt, warmup/) and `<model>/<version>/...`. Dims exclude the batch axis
 (max_batch_size > 0: Triton's dynamic batcher forms the batches). Every config carries a "vit_serve" parameter
-(JSON: resolution, patch size, labels, the preprocessing contract, the explain model's name, rollout settings,
-the sidecar's sha256) so that a gateway needs nothing but `get_model_config`.
+(`vit_serve.manifest.TritonMeta` as JSON: resolution, patch size, labels, the preprocessing contract, the explain
+model's name, rollout settings, the manifests' sha256) so that a gateway needs nothing but `get_model_config`.
 
 Writing a model that exists adds the next version and never touches existing versions; an export whose inputs,
 outputs or labels differ from the existing model is refused before anything is written. A new model is built
@@ -23,8 +23,8 @@ version in a hidden folder inside its model folder (Triton ignores non-numeric o
 
 from __future__ import annotations
 
+import dataclasses
 import io
-import json
 import os
 import re
 import shutil
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vit_export.sidecar import sha256, sidecar_path
+from vit_export.sidecar import sha256
 from vit_export.triton_config import (
     Batching,
     Tensor,
@@ -47,6 +47,7 @@ from vit_export.triton_config import (
 from vit_export.triton_models import template_text
 
 from vit_serve.checkpoints.io import atomic_write
+from vit_serve.manifest import ExportManifest, TritonMeta, manifest_path, read_manifest
 
 ENSEMBLE_TARGETS = ("onnx", "trt", "py")
 DEFAULT_MAX_PIXELS = 50_000_000
@@ -87,23 +88,23 @@ def model_names(name: str) -> dict[str, str]:
     }
 
 
-def _read_sidecar(onnx_path: Path, explain: bool) -> dict[str, Any]:
-    side_path = sidecar_path(onnx_path)
+def _read_sidecar(onnx_path: Path, explain: bool) -> tuple[ExportManifest, str]:
+    """The manifest of an exported graph for the repository, and the sha256 of its JSON."""
+    side_path = manifest_path(onnx_path)
     if not onnx_path.is_file():
         raise FileNotFoundError(f"no such ONNX file: {onnx_path}")
     if not side_path.is_file():
         raise FileNotFoundError(f"no sidecar beside {onnx_path} (expected {side_path}); export with vit-export")
-    side = json.loads(side_path.read_text())
-    if bool(side.get("explain")) != explain:
+    side = read_manifest(onnx_path)
+    if side.explain != explain:
         what = "an explain graph" if explain else "a logits graph (not the explain graph)"
         raise ValueError(f"{onnx_path} is not {what}")
-    if side.get("batch") != "dynamic":
+    if side.batch != "dynamic":
         raise ValueError(
-            f"{onnx_path} has a fixed batch size ({side.get('batch')}); Triton's dynamic batcher needs a dynamic "
+            f"{onnx_path} has a fixed batch size ({side.batch}); Triton's dynamic batcher needs a dynamic "
             "batch axis: export with --batch dynamic (the batch limit is --max-batch)"
         )
-    side["_sha256"] = sha256(side_path)
-    return side
+    return side, sha256(side_path)
 
 
 def _warmup_image() -> bytes:
@@ -131,15 +132,16 @@ def _plans(
     threads: int,
     max_pixels: int,
 ) -> list[_Plan]:
-    side = _read_sidecar(onnx_path, explain=False)
-    ex_side = _read_sidecar(explain_path, explain=True)
-    if side["resolution"] != ex_side["resolution"] or side.get("labels") != ex_side.get("labels"):
+    side, side_sha = _read_sidecar(onnx_path, explain=False)
+    ex_side, ex_sha = _read_sidecar(explain_path, explain=True)
+    if side.resolution != ex_side.resolution or side.labels != ex_side.labels:
         raise ValueError(f"{onnx_path.name} and {explain_path.name} come from different exports")
+    assert ex_side.rollout is not None  # read_manifest requires it of an explain graph
     names = model_names(name)
-    res = side["resolution"]
-    patch = side["architecture"]["patch_size"]
-    num_classes = side["io"]["outputs"][0]["shape"][-1]
-    labels = side.get("labels")
+    res = side.resolution
+    patch = side.architecture.patch_size
+    num_classes = side.num_classes
+    labels = side.labels
     if res == "dynamic":
         pixel_dims, grid = (3, -1, -1), "dynamic"
     else:
@@ -163,26 +165,29 @@ def _plans(
     if res == "dynamic":
         warm_pixels = []  # warmup needs concrete dims; a dynamic-resolution graph has none
 
-    base = {
-        "name": name,
-        "resolution": res,
-        "patch_size": patch,
-        "grid": grid,
-        "num_classes": num_classes,
-        "labels": labels,
-        "preprocess": side["preprocess"],
-        "rollout": {k: ex_side["rollout"][k] for k in ("head_fusion", "discard_ratio")},
-        "pool": ex_side["rollout"].get("pool") or side["architecture"]["pool"],
-        "precision": side.get("precision"),
-        "sidecar_sha256": side["_sha256"],
-        "explain_sidecar_sha256": ex_side["_sha256"],
-        "onnx_sha256": side["file_sha256"],
-        "source_checkpoint_sha256": (side.get("source_checkpoint") or {}).get("sha256"),
-        "preprocess_model": names["preprocess"],
-    }
+    pool = ex_side.rollout.pool or side.architecture.pool
+    base = TritonMeta(
+        name=name,
+        kind="logits",
+        runtime="onnxruntime",
+        resolution=res,
+        patch_size=patch,
+        grid="dynamic" if grid == "dynamic" else (grid[0], grid[1]),
+        num_classes=num_classes,
+        labels=labels,
+        preprocess=side.preprocess,
+        rollout=dataclasses.replace(ex_side.rollout, pool=pool),
+        pool=pool,
+        precision=side.precision,
+        sidecar_sha256=side_sha,
+        explain_sidecar_sha256=ex_sha,
+        onnx_sha256=side.file_sha256,
+        source_checkpoint_sha256=None if side.source_checkpoint is None else side.source_checkpoint.sha256,
+        preprocess_model=names["preprocess"],
+    )
 
-    def meta(**extra: Any) -> dict[str, str]:
-        return {"vit_serve": json.dumps({**base, **extra}, separators=(",", ":"))}
+    def meta(**fields: Any) -> dict[str, str]:
+        return {"vit_serve": dataclasses.replace(base, **fields).to_json()}
 
     ort_params = {"intra_op_thread_count": str(threads), "inter_op_thread_count": "1"}
     py_params = {"intra_op_num_threads": str(threads)}
@@ -211,7 +216,7 @@ def _plans(
                 **meta(kind=kind, runtime="python" if python else "onnxruntime", **links),
             },
         )
-        files: dict[str, Path | bytes] = {"model.onnx": src, "sidecar.json": sidecar_path(src)}
+        files: dict[str, Path | bytes] = {"model.onnx": src, "sidecar.json": manifest_path(src)}
         if python:
             files["model.py"] = template_text("onnx_classifier").encode()
         plans.append(_Plan(names[role], cfg, files, dict(labels_bytes)))

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from vit_serve import __version__, quickstart
 from vit_serve.config import RESAMPLE_MODES
-from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 
 
 def parse_res(text: str) -> tuple[int, int]:
@@ -196,9 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--images", metavar="DIR",
                    help="folder of jpg/jpeg/png/bmp/webp images (default: matplotlib's sample pictures)")
     i.add_argument("--out", metavar="DIR", required=True, help="output folder (created; must be new or empty)")
-    i.add_argument("--head-fusion", choices=HEAD_FUSIONS, default="mean", help="rollout head fusion (default mean)")
-    i.add_argument("--discard-ratio", type=float, default=0.9,
-                   help="rollout: fraction of the weakest attention weights to drop per layer, in [0, 1) (default 0.9)")
+    i.add_argument("--head-fusion", choices=HEAD_FUSIONS, default=DEFAULT_HEAD_FUSION,
+                   help=f"rollout head fusion (default {DEFAULT_HEAD_FUSION})")
+    i.add_argument("--discard-ratio", type=float, default=DEFAULT_DISCARD_RATIO,
+                   help="rollout: fraction of the weakest attention weights to drop per layer, in [0, 1) "
+                        f"(default {DEFAULT_DISCARD_RATIO})")
     i.add_argument("--force", action="store_true", help="write into an existing non-empty output folder")
     i.set_defaults(func=_cmd_inspect)
 

@@ -16,6 +16,10 @@ from fractions import Fraction
 import torch
 
 HEAD_FUSIONS = ("mean", "max", "min")
+# The rollout settings used when none are asked for: vit-explain's defaults (mean fusion, drop the weakest 90%).
+# Every default in the project (exports, the gateway, the CLIs, the manifest) is these two names.
+DEFAULT_HEAD_FUSION = "mean"
+DEFAULT_DISCARD_RATIO = 0.9
 
 
 def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Input "image" [B, 1] TYPE_STRING (JPEG, PNG, ... bytes); output "pixel_values" [B, 3, H, W] float32, with the
 preprocessing contract (size, mean/std, interpolation, crop, and the decode path "exact" | "fast", which
-`preprocess` honours) stored in the config parameter "vit_serve" (key "preprocess"). A request holding an
+`preprocess` honours) stored in the config parameter "vit_serve" (`vit_serve.manifest.TritonMeta`). A request holding an
 image that cannot be decoded (or is over "max_pixels") gets an INVALID_ARG error;
 the other requests of the batch are answered normally.
 """
@@ -13,7 +13,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from vit_serve.preprocess import PreprocessConfig, preprocess
+from vit_serve.manifest import TritonMeta
+from vit_serve.preprocess import preprocess
 
 INPUT, OUTPUT = "image", "pixel_values"
 
@@ -27,8 +28,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         params = config.get("parameters", {})
-        meta = json.loads(params["vit_serve"]["string_value"])
-        self.cfg = PreprocessConfig.from_dict(meta["preprocess"])
+        self.cfg = TritonMeta.from_config(config, args.get("model_name", "preprocess")).preprocess
         max_pixels = int(params.get("max_pixels", {}).get("string_value", "0"))
         self.max_pixels = max_pixels or None
         torch.set_num_threads(1)

@@ -77,13 +77,9 @@ def live_server(settings) -> Iterator[str]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    key = f"{name}{{{want}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        sample, _, value = line.rpartition(" ")
-        if sample == key:
-            return float(value)
-    return 0.0
+    """The sum of the samples `name` whose labels include `labels`, in Prometheus text parsed by
+    prometheus_client's own parser (0 when there is none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return float(sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                     if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())))

@@ -12,6 +12,7 @@ import torch
 from gateway_helpers import LABELS, RES, settings_for
 
 from vit_serve.explain import rollout
+from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import preprocess
 from vit_serve.serve.backends import check_model, create_backend, resolve_backend
 from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
@@ -42,7 +43,12 @@ def test_metadata_from_checkpoint_and_sidecar_agree(torch_backend, ort_backend, 
         assert info.preprocess == tiny_model.preprocess_cfg
     assert torch_backend.info.name == "tiny" and ort_backend.info.name == "tiny"
     assert torch_backend.info.rollout is None  # any settings
-    assert ort_backend.info.rollout == {"head_fusion": "mean", "discard_ratio": 0.9}  # baked into the graph
+    # baked into the graph, and the same pooling / prefix tokens as the model
+    assert ort_backend.info.rollout == RolloutSettings("mean", 0.9, tiny_model.cfg.pool, tiny_model.num_prefix_tokens)
+    for info, backend in ((torch_backend.info, "torch"), (ort_backend.info, "onnxruntime")):
+        assert (info.backend, info.device, info.pool, info.precision) == (backend, "cpu", tiny_model.cfg.pool, "fp32")
+        assert not info.dynamic_resolution
+    assert ort_backend.info.providers == ("CPUExecutionProvider",)
 
 
 def test_torch_and_onnxruntime_agree_on_photos(torch_backend, ort_backend, tiny_model, photos):
@@ -191,8 +197,9 @@ def test_engine_finds_the_explain_graph_its_export_came_with(tiny_onnx, tmp_path
     assert info.explain and info.resolution == RES and info.labels == LABELS
     explain_side = json.loads((out / "tiny_explain.json").read_text())["rollout"]
     assert info.rollout is not None
-    assert {k: info.rollout[k] for k in ("head_fusion", "discard_ratio")} == {
-        k: explain_side[k] for k in ("head_fusion", "discard_ratio")}
+    assert (info.rollout.head_fusion, info.rollout.discard_ratio) == (
+        explain_side["head_fusion"], explain_side["discard_ratio"])
+    assert (info.backend, info.device) == ("tensorrt", "cuda")
 
     (out / "tiny_explain.onnx").unlink()  # no explain graph anywhere: served without /explain
     info, explain = read_export(plan, None, "tensorrt", "engine")

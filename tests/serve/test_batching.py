@@ -40,12 +40,12 @@ def test_requests_queued_during_a_run_share_the_next_batch(tiny_ckpt, photos):
         async with serving(settings_for(tiny_ckpt, max_batch=8, max_delay_ms=5)) as (client, app):
             gateway = app.state.gateway
             release = threading.Event()
-            gateway.model_thread.submit(release.wait)  # the model is "running a batch" until released
+            gateway.model().thread.submit(release.wait)  # the model is "running a batch" until released
             first = asyncio.create_task(client.post("/classify", content=images[8], headers=JPEG))
-            await _wait_for(lambda: gateway.batcher.running == 1)
+            await _wait_for(lambda: gateway.model().runner.running == 1)
             rest = asyncio.gather(*(client.post("/classify?top_k=10", content=d, headers=JPEG)
                                     for d in images[:8]))
-            await _wait_for(lambda: gateway.batcher.depth == 8)
+            await _wait_for(lambda: gateway.model().runner.depth == 8)
             release.set()
             batched, first = await rest, await first
             text = (await client.get("/metrics")).text
@@ -104,7 +104,7 @@ def test_batch_waits_for_an_upload_in_progress_at_most_max_delay(tiny_ckpt, phot
     async def scenario():
         async with serving(settings_for(tiny_ckpt, max_batch=16, max_delay_ms=300)) as (client, app):
             slow = asyncio.create_task(client.post("/classify", content=slow_body(), headers=JPEG))
-            await _wait_for(lambda: app.state.gateway.batcher.incoming == 1)
+            await _wait_for(lambda: app.state.gateway.model().runner.incoming == 1)
             fast = await client.post("/classify", content=photos["coffee.jpg"], headers=JPEG)
             return fast, await slow
 
@@ -151,12 +151,12 @@ def test_full_queue_answers_503_with_retry_after(tiny_ckpt, photos):
         async with serving(settings_for(tiny_ckpt, max_batch=1, max_queue=2, retry_after_s=3)) as (client, app):
             gateway = app.state.gateway
             release = threading.Event()
-            gateway.model_thread.submit(release.wait)  # the model thread is busy until released
+            gateway.model().thread.submit(release.wait)  # the model thread is busy until released
             post = lambda: client.post("/classify", content=data, headers=JPEG)  # noqa: E731
             first = asyncio.create_task(post())  # taken by the collector, waits for the model thread
-            await _wait_for(lambda: gateway.batcher.running == 1)
+            await _wait_for(lambda: gateway.model().runner.running == 1)
             queued = [asyncio.create_task(post()) for _ in range(2)]
-            await _wait_for(lambda: gateway.batcher.depth == 2)
+            await _wait_for(lambda: gateway.model().runner.depth == 2)
             refused = await post()
             depth = metric((await client.get("/metrics")).text, "vit_serve_queue_depth")
             release.set()
@@ -179,7 +179,7 @@ def test_request_timeout_answers_504_and_the_server_recovers(tiny_ckpt, photos):
     async def scenario():
         async with serving(settings_for(tiny_ckpt, request_timeout_s=0.3)) as (client, app):
             release = threading.Event()
-            app.state.gateway.model_thread.submit(release.wait)
+            app.state.gateway.model().thread.submit(release.wait)
             slow = await client.post("/classify", content=data, headers=JPEG)
             release.set()
             after = await client.post("/classify", content=data, headers=JPEG)

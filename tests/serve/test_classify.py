@@ -33,7 +33,7 @@ def test_classify_multipart_and_raw_body(tiny_ckpt, tiny_model, photos):
         assert a.status_code == 200, a.text
         assert b.status_code == 200, b.text
         body = a.json()
-        assert set(body) == {"id", "model", "resolution", "predictions", "timing_ms"}
+        assert set(body) == {"id", "model", "version", "resolution", "predictions", "timing_ms"}
         assert body["id"] == hashlib.sha256(photos[name]).hexdigest() == b.json()["id"]
         assert body["model"] == "tiny"
         assert body["resolution"] == [32, 48]

@@ -167,7 +167,7 @@ def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_mo
     async def scenario():
         async with serving(settings_for(tiny_ckpt)) as (client, app):
             r = await client.post("/classify?top_k=10", content=data, headers={"Content-Type": "image/jpeg"})
-            return r, app.state.gateway
+            return r, app.state.gateway.model()
 
     r, gw = run(scenario())
     assert r.status_code == 200
@@ -181,7 +181,7 @@ def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_mo
 def test_gateway_with_gpu_decode_off_says_so(tiny_ckpt):
     async def scenario():
         async with serving(settings_for(tiny_ckpt, gpu_decode=False)) as (_, app):
-            return app.state.gateway.gpu_decode_off
+            return app.state.gateway.model().gpu_decode_off
 
     assert run(scenario()) == "gpu_decode is off (VIT_SERVE_GPU_DECODE=false)"
 
@@ -194,9 +194,10 @@ def test_gateway_gpu_branch_with_the_decoder_on_the_cpu_device(tiny_ckpt, tiny_m
 
     async def scenario():
         async with serving(settings_for(tiny_ckpt)) as (client, app):
-            gw = app.state.gateway
-            gw.gpu = GpuDecoder(gw.info.preprocess, gw.settings.max_pixels, device="cpu",
-                                on_fallback=gw._count_gpu_fallback)
+            gateway = app.state.gateway
+            gw = gateway.model()
+            gw.gpu = GpuDecoder(gw.info.preprocess, gw.max_pixels, device="cpu",
+                                on_fallback=lambda why: gateway.metrics.gpu_decode_fallbacks.labels(why).inc())
             a = await client.post("/classify?top_k=10", content=jpeg, headers={"Content-Type": "image/jpeg"})
             e = await client.get(f"/explain?id={a.json()['id']}&format=json")
             b = await client.post("/classify?top_k=10", content=png, headers={"Content-Type": "image/png"})
@@ -251,7 +252,7 @@ def test_cuda_decode_matches_the_cpu_path(corpus, tiny_ckpt):
         async with serving(settings_for(tiny_ckpt, device="cuda")) as (client, app):
             r = await client.post("/classify", content=corpus["phone_astronaut.jpg"],
                                   headers={"Content-Type": "image/jpeg"})
-            return r, app.state.gateway.gpu_decode_off, dict(app.state.gateway.gpu.fallbacks)
+            return r, app.state.gateway.model().gpu_decode_off, dict(app.state.gateway.model().gpu.fallbacks)
 
     r, off, fallbacks = run(scenario())
     assert r.status_code == 200 and off is None and fallbacks == {}

@@ -21,7 +21,7 @@ def test_not_ready_before_startup(tiny_ckpt, photos):
 
     live, ready, v2_ready, classify = run(scenario())
     assert live.status_code == 200 and live.json() == {"status": "ok"}
-    assert ready.status_code == 503 and ready.json() == {"ready": False, "reason": "the model is loading"}
+    assert ready.status_code == 503 and ready.json() == {"ready": False, "reason": "the models are loading"}
     assert v2_ready.status_code == 503
     assert classify.status_code == 503 and classify.headers["retry-after"] == "1"
 
@@ -29,7 +29,9 @@ def test_not_ready_before_startup(tiny_ckpt, photos):
 def test_ready_after_warm_up(tiny_ckpt):
     async def scenario():
         async with serving(settings_for(tiny_ckpt)) as (client, app):
-            return await client.get("/readyz"), await client.get("/v2/health/live"), app.state.gateway.warm
+            gateway = app.state.gateway
+            return (await client.get("/readyz"), await client.get("/v2/health/live"),
+                    gateway.model("tiny").warm)
 
     ready, live, warm = run(scenario())
     assert ready.status_code == 200
@@ -57,8 +59,9 @@ def test_metrics_count_requests_and_apps_do_not_share_them(tiny_ckpt, photos):
     assert metric(text, "vit_serve_request_duration_seconds_count", endpoint="/classify") == 4
     assert metric(text, "vit_serve_batch_size_sum", task="classify") == 3
     assert metric(text, "vit_serve_inference_seconds_count", task="classify") >= 1
-    assert "vit_serve_queue_depth 0.0" in text
-    assert metric(text, "vit_serve_ready") == 1
+    assert 'vit_serve_queue_depth{model="tiny",version="1"} 0.0' in text
+    assert metric(text, "vit_serve_ready", model="tiny", version="1") == 1
+    assert metric(text, "vit_serve_batch_size_sum", task="classify", model="tiny", version="1") == 3
     assert metric(other, "vit_serve_requests_total", endpoint="/classify", method="POST", status="200") == 0
 
 
@@ -71,11 +74,11 @@ def test_openapi_documents_bodies_and_answers(tiny_ckpt):
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     classify = schema["paths"]["/classify"]["post"]
     assert set(classify["requestBody"]["content"]) == {"multipart/form-data", "image/*"}
-    assert {p["name"] for p in classify["parameters"]} == {"top_k"}
+    assert {p["name"] for p in classify["parameters"]} == {"top_k", "model", "version"}
     ok = classify["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert ok.endswith("/ClassifyResponse")
     props = schema["components"]["schemas"]["ClassifyResponse"]["properties"]
-    assert set(props) == {"id", "model", "resolution", "predictions", "timing_ms"}
+    assert set(props) == {"id", "model", "version", "resolution", "predictions", "timing_ms"}
     assert {"415", "413", "422", "503", "504"} <= set(classify["responses"])
     explain = schema["paths"]["/explain"]
     assert {"get", "post"} <= set(explain)

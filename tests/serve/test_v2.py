@@ -80,7 +80,7 @@ def test_infer_pixel_values_equals_backend_logits(client, backend, pixels, binar
     assert result.as_numpy("rollout") is None
     versioned = client.infer("tiny", [inp], model_version="1", outputs=[out])
     np.testing.assert_array_equal(versioned.as_numpy("logits"), logits)
-    with pytest.raises(InferenceServerException, match="no version '2'"):
+    with pytest.raises(InferenceServerException, match="no version 2 in service"):
         client.infer("tiny", [inp], model_version="2", outputs=[out])
 
 
@@ -303,5 +303,5 @@ def test_not_ready_answers_503_with_the_kserve_body(tiny_onnx):
 
     live, ready, model = run(scenario())
     assert (live.status_code, live.json()) == (200, {"live": True})
-    assert (ready.status_code, ready.json()) == (503, {"ready": False, "error": "the model is loading"})
-    assert model.status_code == 503 and model.json() == {"error": "the model is loading"}
+    assert (ready.status_code, ready.json()) == (503, {"ready": False, "error": "the models are loading"})
+    assert model.status_code == 503 and model.json() == {"error": "the models are loading"}

@@ -17,7 +17,7 @@ from vit_serve import __version__
 from vit_serve.serve.errors import install_error_handlers
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestMetrics
-from vit_serve.serve.routes import classify, explain, health, metrics, page, v2
+from vit_serve.serve.routes import classify, explain, health, metrics, models, page, repository, v2
 from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.settings import ServeSettings
@@ -27,8 +27,10 @@ log = logging.getLogger("vit_serve.serve")
 DESCRIPTION = """Classify images with a Vision Transformer and see what it attended to.
 
 `POST /classify` (multipart field `file`, or a raw `image/*` body) answers the top-k classes and an `id`;
-`GET /explain?id=...` draws the attention rollout of that image. The Open Inference Protocol (KServe v2, with
-the binary tensor extension) is under `/v2`. Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
+`GET /explain?id=...` draws the attention rollout of that image; `?model=&version=` pick a model of the
+repository (`GET /models` lists them). The Open Inference Protocol (KServe v2, with the binary tensor and
+classification extensions and Triton's model repository extension) is under `/v2`. Health: `/healthz`,
+`/readyz`; Prometheus metrics: `/metrics`.
 """
 
 
@@ -57,7 +59,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     gateway = Gateway(settings)
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in (classify, explain, health, metrics, v2, page):
+    for module in (classify, explain, health, metrics, models, v2, repository, page):
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -91,8 +93,8 @@ class OneLineStartupFailure:
 
 
 def run(settings: ServeSettings) -> None:
-    """Serve until interrupted (one process: the model runs in its own thread, batches are shared). A model that
-    cannot be served ends the process with exit code 3 and one logged line."""
+    """Serve until interrupted (one process: each model version runs in its own thread). A one-model repository
+    that cannot be served ends the process with exit code 3 and one logged line."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,26 +1,34 @@
-"""FastAPI dependencies: the app's Gateway and its loaded backend, injected into routes with `Depends`."""
+"""FastAPI dependencies: the app's Gateway, and the model version a request is routed to (`?model=&version=`),
+held for the whole request so that an unload lets it finish."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 
-from vit_serve.serve.backends.base import Backend
-from vit_serve.serve.errors import NotReadyError
 from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.model_version import ModelVersion
 
 
 def get_gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def get_backend(gateway: Annotated[Gateway, Depends(get_gateway)]) -> Backend:
-    """The loaded backend; 503 while the model is still loading."""
-    if gateway.backend is None:
-        raise NotReadyError("the model is loading", headers={"Retry-After": "1"})
-    return gateway.backend
-
-
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
-BackendDep = Annotated[Backend, Depends(get_backend)]
+
+
+def get_model(
+    gateway: GatewayDep,
+    model: Annotated[str | None, Query(description="the model to ask (GET /models lists them; default: the "
+                                                   "gateway's default model)")] = None,
+    version: Annotated[str | None, Query(description="its version (default: the newest in service)")] = None,
+) -> Iterator[ModelVersion]:
+    """The version `?model=&version=` names; 404 for an unknown one, 503 while it is not loaded."""
+    mv = gateway.model(model, version)
+    with mv.using():
+        yield mv
+
+
+ModelDep = Annotated[ModelVersion, Depends(get_model)]

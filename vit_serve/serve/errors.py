@@ -33,6 +33,10 @@ class BadRequestError(GatewayError):
     status = 400
 
 
+class ForbiddenError(GatewayError):
+    status = 403
+
+
 class NotFoundError(GatewayError):
     status = 404
 

@@ -1,10 +1,10 @@
-"""The running gateway: backend, batcher, thread pools, image store and metrics of one app, and what routes ask
-of them (decode an upload, run a task, turn logits into predictions).
+"""The running gateway: the repository of loaded models, the shared decode pool, image store and metrics of one
+app, and the readiness that health routes report.
 
-Threads: decoding / preprocessing / PNG encoding run in a small pool (`decode_workers`); the model runs in one
-dedicated thread (loading, warm-up and every batch), so it runs one batch at a time; the event loop only moves
-bytes and JSON. On CUDA (and `gpu_decode`), JPEG uploads are decoded in batches on the GPU (`gpu_decode`, its own
-thread) and the others on the CPU pool; `gpu_decode_off` says why the GPU does not decode, when it does not.
+Threads: decoding / preprocessing / PNG encoding run in one small pool (`decode_workers`) shared by every model;
+each loaded model version runs in its own model thread (loading, warm-up and every batch: one batch at a time
+per version); the event loop only moves bytes and JSON. On CUDA (and `gpu_decode`), a version decodes JPEG
+uploads in batches on the GPU (`gpu_decode`) and the others on the CPU pool.
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vit_serve.explain import HEAD_FUSIONS
-from vit_serve.serve.backends import create_backend
-from vit_serve.serve.backends.base import Backend, ModelInfo
-from vit_serve.serve.batcher import Arrival, Batcher, Result
-from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
-from vit_serve.serve.gpu_decode import GpuDecoder, unavailable_reason
-from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
-from vit_serve.serve.inference import Task
+from vit_serve.serve.backends.base import ModelInfo
 from vit_serve.serve.metrics import GatewayMetrics
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.settings import ServeSettings
 from vit_serve.serve.store import ImageStore
 
@@ -51,189 +46,70 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.store = ImageStore(settings.store_size, settings.store_ttl_s)
-        self.backend: Backend | None = None
-        self.batcher: Batcher | None = None
         self.decode_pool: ThreadPoolExecutor | None = None
-        self.model_thread: ThreadPoolExecutor | None = None
-        self.warm = False
-        self.error: str | None = None
-        self._warmup: asyncio.Task[None] | None = None
+        self.repository: ModelRepository | None = None
         self._pil_limit: int | None = None
-        self.gpu: GpuDecoder | None = None
-        self.gpu_decode_off: str | None = "the model is not loaded"
+        self.started = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model (errors propagate: the server does not start), then warm it up in the background."""
+        """Scan the repository and load its models (a one-file repository that cannot be served raises: the
+        server does not start); warm-ups run in the background."""
         # PIL's own decompression-bomb guard at the same cap as load_image's max_pixels check (which runs on the
         # header first); PIL warns above it and refuses above twice it.
         self._pil_limit = Image.MAX_IMAGE_PIXELS  # restored by stop(): other code in this process keeps its own
         Image.MAX_IMAGE_PIXELS = self.settings.max_pixels
         self.decode_pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="vit-serve-decode")
-        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="vit-serve-model")
-        loop = asyncio.get_running_loop()
-        self.backend = await loop.run_in_executor(self.model_thread, create_backend, self.settings)
-        info = self.backend.info
-        log.info("loaded %s (%s backend): %dx%d, %d classes, explain=%s", info.name, self.backend.name,
-                 *info.resolution, info.num_classes, info.explain)
-        self._start_gpu_decode()
-        self.batcher = Batcher(self.backend, self.settings, self.metrics, self.model_thread)
-        self.batcher.start()
-        self._warmup = loop.create_task(self._warm_up())
-
-    def _model_device(self) -> str:
-        """Where the model runs: "cpu", "cuda[:i]", or (a remote server) the backend's name."""
-        backend = self.backend
-        assert backend is not None
-        extra = backend.info.extra
-        if "device" in extra:  # torch
-            return str(extra["device"])
-        if "providers" in extra:  # onnxruntime
-            return "cuda" if "CUDAExecutionProvider" in extra["providers"] else "cpu"
-        return "cuda" if backend.name == "tensorrt" else f"the {backend.name} server"
-
-    def _count_gpu_fallback(self, reason: str) -> None:
-        self.metrics.gpu_decode_fallbacks.labels(reason).inc()
-
-    def _start_gpu_decode(self) -> None:
-        device = self._model_device()
-        self.gpu_decode_off = unavailable_reason(device, self.settings.gpu_decode)
-        if self.gpu_decode_off is None:
-            assert self.backend is not None
-            self.gpu = GpuDecoder(self.backend.info.preprocess, self.settings.max_pixels, device,
-                                  self.settings.max_batch, self._count_gpu_fallback)
-            log.info("decoding JPEG uploads on %s (nvJPEG)", self.gpu.device)
-        else:
-            log.info("decoding uploads on the CPU: %s", self.gpu_decode_off)
-
-    async def _warm_up(self) -> None:
-        assert self.batcher is not None and self.backend is not None
-        t0 = time.perf_counter()
-        try:
-            await self.batcher.call(self.backend.warmup)
-        except Exception as e:
-            self.error = f"warm-up failed: {' '.join(str(e).split()) or type(e).__name__}"
-            log.warning("%s", self.error)
-            return
-        self.warm, self.error = True, None
-        self.metrics.ready.set(1)
-        log.info("warmed up in %.2f s; ready", time.perf_counter() - t0)
+        self.repository = ModelRepository(self.settings, self.metrics, self.decode_pool, self.store)
+        await self.repository.start()
+        self.started = True
 
     async def stop(self) -> None:
-        if self._warmup is not None:
-            self._warmup.cancel()
-        if self.batcher is not None:
-            await self.batcher.stop()
-        if self.backend is not None:
-            try:
-                self.backend.close()
-            except Exception:
-                log.exception("closing the backend")
-        for pool in (self.decode_pool, self.model_thread):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        if self.gpu is not None:
-            self.gpu.close()
-            self.gpu = None
-        self.metrics.ready.set(0)
+        if self.repository is not None:
+            await self.repository.stop()
+        if self.decode_pool is not None:
+            self.decode_pool.shutdown(wait=False, cancel_futures=True)
         if self._pil_limit is not None:
             Image.MAX_IMAGE_PIXELS, self._pil_limit = self._pil_limit, None
 
+    # ---- what routes ask --------------------------------------------------------------------------------
+
+    def model(self, name: str | None = None, version: str | int | None = None) -> ModelVersion:
+        """The loaded version a request is routed to (404 / 503 / 400 when there is none); hold it with
+        `with version.using():` for the request."""
+        if self.repository is None:
+            from vit_serve.serve.errors import NotReadyError
+
+            raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
+        return self.repository.get(name, version)
+
     async def readiness(self) -> tuple[bool, str | None]:
-        """(ready, why not): loaded, warmed up, and the backend answers (`Backend.ready`)."""
-        if self.backend is None:
-            return False, "the model is loading"
-        if not self.warm:
-            if self.error and self._warmup is not None and self._warmup.done():
-                self._warmup = asyncio.get_running_loop().create_task(self._warm_up())  # try again
-            return False, self.error or "warming up"
-        try:
-            ok = await asyncio.get_running_loop().run_in_executor(None, self.backend.ready)
-        except Exception as e:
-            ok, self.error = False, f"backend not ready: {e}"
-        self.metrics.ready.set(int(ok))
-        return ok, None if ok else (self.error or f"the {self.backend.name} backend is not ready")
+        """(ready, why not): the default model (or, with none, every loaded model) is loaded, warmed up and its
+        backend answers. A model of the repository that failed to load does not make the gateway unready."""
+        repo = self.repository
+        if repo is None or not self.started:
+            return False, "the models are loading"
+        name = repo.default_name
+        if name is not None:
+            served = repo.served.get(name)
+            if not served:
+                return False, f"model {name!r} is not loaded: {repo._why_not(name)}"
+            return await served[max(served)].readiness()
+        loaded = repo.loaded()
+        if not loaded:
+            return False, "no model is loaded"
+        answers = await asyncio.gather(*(v.readiness() for v in loaded))
+        bad = [f"{v.label}: {why}" for v, (ok, why) in zip(loaded, answers, strict=True) if not ok]
+        return (not bad), ("; ".join(bad) or None)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until ready (tests, benchmarks)."""
         deadline = time.monotonic() + timeout
-        while not (await self.readiness())[0]:
+        while True:
+            ok, why = await self.readiness()
+            if ok:
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout} s: {self.error or 'warming up'}")
+                raise TimeoutError(f"not ready after {timeout} s: {why}")
             await asyncio.sleep(0.02)
-
-    # ---- work ------------------------------------------------------------------------------------------
-
-    @property
-    def info(self) -> ModelInfo:
-        if self.backend is None:
-            raise NotReadyError("the model is loading")
-        return self.backend.info
-
-    async def decode(self, data: bytes, key: str | None = None, keep: bool = True) -> Decoded:
-        """Upload bytes -> id, crop, x [1, 3, H, W], decoded once (none if the crop is in the store); keeps the
-        crop for GET /explain. `key`: the bytes' sha256 hex when the upload reader has it already."""
-        loop = asyncio.get_running_loop()
-        cfg, store = self.info.preprocess, self.store if keep else None
-        if self.gpu is None:
-            return await loop.run_in_executor(self.decode_pool, decode, data, cfg, self.settings.max_pixels, store,
-                                              key)
-        t0 = time.perf_counter()
-        if not key and store is not None:
-            key = await loop.run_in_executor(self.decode_pool, image_id, data)
-        crop = store.get(key) if store is not None else None
-        if crop is None:
-            crop = await self.gpu.crop(data)
-            if crop is None:  # not for the GPU: the CPU path (and its 4xx answers)
-                crop = await loop.run_in_executor(self.decode_pool, decode_crop, data, cfg, self.settings.max_pixels)
-            if store is not None:
-                store.put(key, crop)
-        x = await loop.run_in_executor(self.decode_pool, input_tensor, crop, cfg)
-        return Decoded(key or "", crop, x, (time.perf_counter() - t0) * 1e3)
-
-    async def tensor_of(self, crop: Image.Image) -> np.ndarray:
-        return await asyncio.get_running_loop().run_in_executor(
-            self.decode_pool, input_tensor, crop, self.info.preprocess)
-
-    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
-        return await asyncio.get_running_loop().run_in_executor(
-            self.decode_pool, overlay_png, crop, heatmap, alpha, colormap)
-
-    def explain_task(self, method: str, head_fusion: str | None, discard_ratio: float | None,
-                     target: int | None = None) -> Task:
-        """The Task for an explanation request, or 400 / 422 saying why this server cannot give it."""
-        info, backend = self.info, self.backend
-        assert backend is not None
-        if method == "grad_rollout":
-            if not backend.supports_grad_rollout:
-                raise BadRequestError(f"method=grad_rollout needs the torch backend (serve the checkpoint); "
-                                      f"this server runs {backend.name}")
-            if target is not None and not 0 <= target < info.num_classes:
-                raise InvalidValueError(f"target {target} is not a class index (0..{info.num_classes - 1})")
-            return Task("grad_rollout", target=target)
-        if not info.explain:
-            raise BadRequestError(f"the {backend.name} backend has no explain graph for {info.name} (vit-export writes "
-                                  f"NAME_explain.onnx beside NAME.onnx)")
-        if head_fusion is not None and head_fusion not in HEAD_FUSIONS:
-            raise InvalidValueError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}")
-        why = info.rollout_mismatch(head_fusion, discard_ratio)
-        if why:
-            raise BadRequestError(why)
-        hf, dr = info.rollout_settings(head_fusion, discard_ratio)
-        return Task("explain", head_fusion=hf, discard_ratio=dr)
-
-    def arriving(self) -> Arrival:
-        """Announce a request to the batcher before reading and decoding it (`with gateway.arriving() as a:`)."""
-        if self.batcher is None:
-            raise NotReadyError("the model is loading")
-        return self.batcher.arriving()
-
-    async def infer(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
-        """Run `task` on x [n, 3, H, W] through the batcher."""
-        if self.batcher is None:
-            raise NotReadyError("the model is loading")
-        try:
-            return await self.batcher.submit(task, x, arrival)
-        except NotImplementedError as e:  # the backend cannot do this task
-            raise BadRequestError(str(e)) from e

@@ -28,7 +28,7 @@ from vit_serve.preprocess import (
     to_tensor,
 )
 from vit_serve.serve.errors import BadImageError, TooLargeError, UnsupportedMediaError
-from vit_serve.serve.store import ImageStore
+from vit_serve.serve.store import CropStore
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def input_tensor(crop: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
     return to_tensor(crop, cfg).numpy()[None]
 
 
-def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, store: ImageStore | None = None,
+def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, store: CropStore | None = None,
            key: str | None = None) -> Decoded:
     """Decode (or find the crop in `store`) and preprocess; remembers the crop in `store`. `key`: the bytes'
     sha256 hex when the reader already has it (`uploads.read_image` hashes while reading), else computed here

@@ -54,6 +54,7 @@ class Timing(BaseModel):
 class ClassifyResponse(BaseModel):
     id: str = Field(description="sha256 hex of the image bytes; pass it to GET /explain")
     model: str
+    version: str = Field(description="the model version that answered")
     resolution: tuple[int, int] = Field(description="model input (H, W)")
     predictions: list[Prediction] = Field(description="top_k classes, best first")
     timing_ms: Timing
@@ -62,6 +63,7 @@ class ClassifyResponse(BaseModel):
 class ExplainResponse(BaseModel):
     id: str = Field(description="sha256 hex of the image bytes")
     model: str
+    version: str = Field(description="the model version that answered")
     method: Literal["rollout", "grad_rollout"]
     head_fusion: str | None = Field(description="rollout head fusion (None for grad_rollout)")
     discard_ratio: float | None = Field(description="rollout discard ratio (None for grad_rollout)")
@@ -84,6 +86,32 @@ class Readiness(BaseModel):
     model: str | None = None
     backend: str | None = None
     reason: str | None = Field(None, description="why not ready")
+
+
+class VersionInfo(BaseModel):
+    version: int | None = Field(description="the version (null: a model of the repository never loaded)")
+    state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
+        description="Triton's states; null for a model never loaded")
+    reason: str = Field("", description="why it is not READY (a load error, \"unloaded\", ...)")
+    backend: str | None = Field(None, description="torch, onnxruntime, tensorrt or triton (loaded versions)")
+    resolution: tuple[int, int] | None = Field(None, description="model input (H, W) (loaded versions)")
+    num_classes: int | None = None
+    explain: bool | None = Field(None, description="whether /explain can draw its attention rollout")
+    memory_bytes: int | None = Field(None, description="resident memory the version took to load (RSS growth)")
+    in_flight: int | None = Field(None, description="requests holding it now")
+
+
+class ModelEntryInfo(BaseModel):
+    name: str
+    default: bool = Field(description="whether requests naming no model get this one")
+    versions: list[VersionInfo]
+
+
+class ModelsResponse(BaseModel):
+    default_model: str | None = Field(description="the model of requests that name none (null: several models "
+                                                  "and no --default-model)")
+    model_control: Literal["none", "poll", "explicit"]
+    models: list[ModelEntryInfo]
 
 
 class ErrorBody(BaseModel):

@@ -47,7 +47,22 @@ class ServeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
 
-    model: str = Field("", description="checkpoint, exported NAME.onnx, TensorRT engine, or a Triton model name")
+    model: str = Field("", description="REPO: a folder of models (exports, checkpoints, or NAME/VERSION/ folders), "
+                                       "or one model: a checkpoint, NAME.onnx, a TensorRT engine, or a Triton "
+                                       "model name")
+    default_model: str | None = Field(None, description="the model of requests that name none (default: the only "
+                                      "model of REPO)")
+    model_control: Literal["none", "poll", "explicit"] = Field(
+        "none", description="Triton's model control modes: none (load REPO at start), poll (and follow its "
+                            "changes), explicit (load what --load-model and the repository API say)")
+    repository_poll_s: float = Field(15.0, gt=0, description="seconds between scans of REPO with "
+                                     "--model-control poll")
+    load_models: list[str] = Field(default_factory=list, description="--model-control explicit: models to load "
+                                   "at start (* for all)")
+    version_policy: str = Field("latest:1", description="versions served of each model without its own "
+                                "config.pbtxt policy: latest, latest:N, all, or specific:V1,V2")
+    repository_api: bool = Field(True, description="serve the repository API (POST /v2/repository/...); off: "
+                                 "those routes answer 403")
     backend: BackendName = Field("auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
     triton_url: str = Field("localhost:8000", description="Triton server host:port (HTTP) for --backend triton")
     triton_timeout_s: float = Field(10.0, gt=0, description="longest wait for one Triton call (inference, "
@@ -92,6 +107,13 @@ class ServeSettings(BaseSettings):
     @classmethod
     def _contract_decode(cls, v: object) -> object:
         return None if v == "contract" else v
+
+    @field_validator("version_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        from vit_serve.serve.discovery import VersionPolicy
+
+        return str(VersionPolicy.parse(v))
 
     @model_validator(mode="after")
     def _size_decode_workers(self) -> ServeSettings:

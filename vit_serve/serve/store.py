@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from typing import Protocol
 
 from PIL import Image
 
@@ -58,3 +59,24 @@ class ImageStore:
             if expires > now:
                 break
             del self._items[key]
+
+
+class CropStore(Protocol):
+    """What the decoder needs of a store: crops by key."""
+
+    def get(self, key: str) -> Image.Image | None: ...
+
+    def put(self, key: str, crop: Image.Image) -> None: ...
+
+
+class Namespaced:
+    """A store seen through a namespace (keys "key:namespace"): one preprocessing contract's crops."""
+
+    def __init__(self, store: CropStore, namespace: str) -> None:
+        self._store, self.namespace = store, namespace
+
+    def get(self, key: str) -> Image.Image | None:
+        return self._store.get(f"{key}:{self.namespace}")
+
+    def put(self, key: str, crop: Image.Image) -> None:
+        self._store.put(f"{key}:{self.namespace}", crop)

@@ -11,12 +11,11 @@ import dataclasses
 from pathlib import Path
 
 from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
+from vit_serve.serve.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
 from vit_serve.serve.settings import ServeSettings
 
 __all__ = ["Backend", "BackendUnavailableError", "ModelInfo", "check_model", "create_backend", "resolve_backend"]
 
-ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
-CHECKPOINT_SUFFIXES = (".safetensors", ".npz", ".pth", ".pt", ".bin")
 
 
 def resolve_backend(settings: ServeSettings) -> str:

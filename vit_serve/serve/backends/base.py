@@ -7,11 +7,12 @@ preprocessing function) at `info.resolution` and hands the backend float32 batch
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
 
 
@@ -25,8 +26,14 @@ class ModelInfo:
 
     name: model name shown to clients; resolution: (H, W) the backend expects; patch_size: P (rollout grid is
     H/P x W/P); labels: K class names (None -> "class_<i>"); preprocess: the contract (its input_size equals
-    resolution); explain: whether `explain` is available; rollout: the explain graph's fixed settings
-    ({"head_fusion", "discard_ratio"}) when it cannot take others (exported graphs), None when any are allowed.
+    resolution); explain: whether `explain` is available; rollout: the explain graph's fixed settings when it
+    cannot take others (exported graphs), None when any are allowed.
+
+    backend: the backend's name; device: where the model runs, "cpu", "cuda", "cuda:N", or "remote" (a Triton
+    server); pool: "token" or "gap" (what a rollout map is queried from); precision: the weights' ("fp32",
+    "fp16", "bf16", "int8"); dynamic_resolution: an export that takes any multiple of the patch size (served at
+    `resolution`). providers: onnxruntime's execution providers. Triton only: runtime (what runs the model in
+    Triton), explain_model (its explain model's name), max_batch_size (the config's).
     """
 
     name: str
@@ -36,9 +43,24 @@ class ModelInfo:
     labels: list[str] | None
     preprocess: PreprocessConfig
     explain: bool = True
-    rollout: dict[str, Any] | None = None
+    rollout: RolloutSettings | None = None
     source: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    backend: str = ""
+    device: str = "cpu"
+    pool: str = "token"
+    precision: str = "fp32"
+    dynamic_resolution: bool = False
+    providers: tuple[str, ...] = ()
+    runtime: str = ""
+    explain_model: str | None = None
+    max_batch_size: int = 0
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Transitional, for the readers not yet moved to the typed fields (routes/explain.py's `pool`,
+        repository.model_device's `device`): delete it with them. "device" names a remote server as before."""
+        device = f"the {self.backend} server" if self.device == "remote" else self.device
+        return {"pool": self.pool, "device": device}
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -49,19 +71,20 @@ class ModelInfo:
 
     def rollout_settings(self, head_fusion: str | None = None, discard_ratio: float | None = None
                          ) -> tuple[str, float]:
-        """The settings a rollout runs with: those asked for, else the explain graph's fixed ones, else mean/0.9."""
-        fixed = self.rollout or {}
-        return (head_fusion or fixed.get("head_fusion", "mean"),
-                float(fixed.get("discard_ratio", 0.9) if discard_ratio is None else discard_ratio))
+        """The settings a rollout runs with: those asked for, else the explain graph's fixed ones, else the
+        defaults (`vit_serve.explain.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`)."""
+        fixed = self.rollout or RolloutSettings()
+        return (head_fusion or fixed.head_fusion,
+                float(fixed.discard_ratio if discard_ratio is None else discard_ratio))
 
     def rollout_mismatch(self, head_fusion: str | None = None, discard_ratio: float | None = None) -> str | None:
         """Why the explain graph cannot give these settings (its own are baked in), or None if it can."""
         if self.rollout is None:
             return None
         hf, dr = self.rollout_settings(head_fusion, discard_ratio)
-        fixed_hf, fixed_dr = self.rollout_settings()
-        if hf == fixed_hf and abs(dr - fixed_dr) < 1e-9:
+        if self.rollout.matches(hf, dr):
             return None
+        fixed_hf, fixed_dr = self.rollout.head_fusion, self.rollout.discard_ratio
         return (f"the exported explain graph computes rollout with head_fusion={fixed_hf} and "
                 f"discard_ratio={fixed_dr:g} only (asked: head_fusion={hf}, discard_ratio={dr:g}); omit both, "
                 f"re-export with vit-export --head-fusion/--discard-ratio, or serve the checkpoint with the "

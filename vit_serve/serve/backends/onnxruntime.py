@@ -7,6 +7,7 @@ CUDA is used when onnxruntime has its CUDA provider and the device is not forced
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,9 @@ class OnnxRuntimeBackend(Backend):
             raise ValueError(f"onnxruntime cannot load {path.name}: {' '.join(str(e).split())}") from e
         # fp16 exports take float16 pixels; everything leaves as float32.
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
-        self.info.extra["providers"] = self.session.get_providers()
+        used = tuple(self.session.get_providers())
+        self.info = dataclasses.replace(self.info, providers=used,
+                                        device="cuda" if "CUDAExecutionProvider" in used else "cpu")
 
     def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
         return {INPUT: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}

@@ -49,7 +49,10 @@ class TorchBackend(Backend):
             explain=True,
             rollout=None,
             source=str(checkpoint),
-            extra={"backend": self.name, "pool": cfg.pool, "device": str(self.device)},
+            backend=self.name,
+            device=str(self.device),
+            pool=cfg.pool,
+            precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(next(self.model.parameters()).dtype, "fp32"),
         )
 
     def _input(self, x: np.ndarray) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +28,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from vit_serve.preprocess import PreprocessConfig
+from vit_serve.manifest import TritonMeta
 from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
 from vit_serve.serve.errors import GatewayTimeoutError
 
@@ -65,48 +64,40 @@ def parse_url(url: str) -> tuple[str, str]:
     return protocol, f"{parts.hostname}:{parts.port or DEFAULT_PORTS[protocol]}"
 
 
-def model_meta(config: dict[str, Any], model: str) -> dict[str, Any]:
-    """The "vit_serve" JSON parameter of a model config (as get_model_config returns it)."""
-    try:
-        return json.loads(config["parameters"]["vit_serve"]["string_value"])
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"Triton model {model!r} has no valid 'vit_serve' parameter in its config.pbtxt; "
-                         f"serve a repository written by `vit-export --format triton`") from e
-
-
 def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
     """ModelInfo of the logits model `model` from its config (get_model_config as JSON)."""
-    meta = model_meta(config, model)
-    kind = meta.get("kind", "logits")
+    meta = TritonMeta.from_config(config, model)
     inputs = {i.get("name"): i.get("data_type") for i in config.get("input", [])}
-    if kind != "logits" or inputs.get(INPUT) != "TYPE_FP32":
-        stem = meta.get("name", "NAME")
-        raise ValueError(f"Triton model {model!r} is not a logits model taking {INPUT!r} (it is a {kind} model); "
-                         f"serve {stem}_py, {stem}_onnx or {stem}_trt")
+    if meta.kind != "logits" or inputs.get(INPUT) != "TYPE_FP32":
+        raise ValueError(f"Triton model {model!r} is not a logits model taking {INPUT!r} (it is a {meta.kind} "
+                         f"model); serve {meta.name}_py, {meta.name}_onnx or {meta.name}_trt")
     logits = next((o for o in config.get("output", []) if o.get("name") == LOGITS), None)
     if logits is None:
         raise ValueError(f"Triton model {model!r} has no {LOGITS!r} output")
     # The batch dimension is implicit when max_batch_size > 0, so dims is [K]; gRPC JSON gives int64 as strings.
     num_classes = int(logits["dims"][-1])
-    labels = meta.get("labels")
+    labels = None if meta.labels is None else list(meta.labels)
     if num_classes <= 0:
         num_classes = len(labels or [])
-    resolution = tuple(int(v) for v in meta["resolution"])
-    rollout = meta.get("rollout")
-    explain_model = meta.get("explain_model")
+    resolution = meta.serving_resolution
     return ModelInfo(
         name=model,
-        resolution=resolution,  # type: ignore[arg-type]
-        patch_size=int(meta["patch_size"]),
+        resolution=resolution,
+        patch_size=meta.patch_size,
         num_classes=num_classes,
         labels=labels,
-        preprocess=PreprocessConfig.from_dict(meta["preprocess"]).with_size(*resolution),
-        explain=bool(explain_model),
-        rollout={k: rollout[k] for k in ("head_fusion", "discard_ratio")} if rollout else None,
+        preprocess=meta.preprocess.with_size(*resolution),
+        explain=bool(meta.explain_model),
+        rollout=meta.rollout,
         source=source,
-        extra={"explain_model": explain_model, "max_batch_size": int(config.get("max_batch_size", 0)),
-               "runtime": meta.get("runtime") or config.get("platform") or config.get("backend", ""),
-               "pool": meta.get("pool") or (rollout or {}).get("pool", "token")},
+        backend="triton",
+        device="remote",
+        pool=meta.pool,
+        precision=meta.precision or "fp32",
+        dynamic_resolution=meta.resolution == "dynamic",
+        runtime=meta.runtime or config.get("platform") or config.get("backend", ""),
+        explain_model=meta.explain_model,
+        max_batch_size=int(config.get("max_batch_size", 0)),
     )
 
 
@@ -181,8 +172,8 @@ class TritonBackend(Backend):
         self._conn: _Connection | None = None
         self._ready = False
         self.info = _run_blocking(lambda: self._start(startup))
-        self.explain_model: str | None = self.info.extra["explain_model"]
-        self.max_batch_size: int = self.info.extra["max_batch_size"]
+        self.explain_model: str | None = self.info.explain_model
+        self.max_batch_size: int = self.info.max_batch_size
         self._ready = True  # the gateway warms up (`warmup`) before it reports ready
 
     # ---- connection ----------------------------------------------------------------------------------------
@@ -291,8 +282,8 @@ class TritonBackend(Backend):
                                     conn.client.get_model_config(self.model, **self._json_kwargs()), self.timeout_s)
             config = raw.get("config", raw)  # gRPC wraps it in {"config": ...}
             info = model_info(self.model, config, f"triton {self.url} model {self.model}")
-            if info.extra["explain_model"]:
-                await self._models_ready(conn, [info.extra["explain_model"]])
+            if info.explain_model:
+                await self._models_ready(conn, [info.explain_model])
             return info
 
     @contextlib.asynccontextmanager
@@ -366,9 +357,9 @@ class TritonBackend(Backend):
         if not self.explain_model:
             raise NotImplementedError(f"Triton model {self.model!r} has no explain model")
         fixed = self.info.rollout
-        if fixed and (head_fusion != fixed["head_fusion"] or abs(discard_ratio - fixed["discard_ratio"]) > 1e-9):
-            raise ValueError(f"the Triton explain model computes rollout with head_fusion={fixed['head_fusion']!r}, "
-                             f"discard_ratio={fixed['discard_ratio']}; got head_fusion={head_fusion!r}, "
+        if fixed and not fixed.matches(head_fusion, discard_ratio):
+            raise ValueError(f"the Triton explain model computes rollout with head_fusion={fixed.head_fusion!r}, "
+                             f"discard_ratio={fixed.discard_ratio}; got head_fusion={head_fusion!r}, "
                              f"discard_ratio={discard_ratio}")
 
     def classify(self, x: np.ndarray) -> np.ndarray:

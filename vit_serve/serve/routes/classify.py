@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from vit_serve.serve.deps import BackendDep, GatewayDep
+from vit_serve.serve.deps import ModelDep
 from vit_serve.serve.gateway import top_k
 from vit_serve.serve.inference import CLASSIFY
 from vit_serve.serve.schemas import ClassifyResponse, ErrorBody
@@ -16,11 +16,12 @@ from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
 router = APIRouter(tags=["classify"])
 
 ERRORS = {
-    400: {"model": ErrorBody, "description": "malformed multipart body"},
+    400: {"model": ErrorBody, "description": "malformed multipart body, or several models and none named"},
+    404: {"model": ErrorBody, "description": "unknown model or version (?model=, ?version=)"},
     413: {"model": ErrorBody, "description": "body over the size limit, or image over the pixel limit"},
     415: {"model": ErrorBody, "description": "not an image (or not a format PIL reads)"},
     422: {"description": "corrupt / truncated / empty image, or bad query parameters"},
-    503: {"model": ErrorBody, "description": "queue full (Retry-After) or model not loaded"},
+    503: {"model": ErrorBody, "description": "queue full (Retry-After), or the model is loading or unloaded"},
     504: {"model": ErrorBody, "description": "no answer within the request timeout"},
 }
 
@@ -32,8 +33,7 @@ ERRORS = {
 async def classify(
     request: Request,
     response: Response,
-    gateway: GatewayDep,
-    backend: BackendDep,
+    mv: ModelDep,
     top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
 ) -> dict:
     """Classify one image.
@@ -44,19 +44,20 @@ async def classify(
     Answer: `{"id": sha256 hex of the image bytes, "model": name, "resolution": [H, W],
     "predictions": [{"label", "index", "score"}] (softmax probabilities, best first, top_k of them),
     "timing_ms": {"decode", "queue", "infer", "total", "batch_size"}}`. The image is kept for a while, so that
-    `GET /explain?id=...` can explain it without a new upload.
+    `GET /explain?id=...` can explain it without a new upload. `?model=&version=` choose the model (default:
+    the gateway's default model, at its newest version in service).
 
     The `Server-Timing` header splits the same time finer (ms): read (receiving and hashing the body),
     decode_wait (waiting for a decode thread), decode, queue, infer and total.
     """
     t0 = time.perf_counter()
-    with gateway.arriving() as arrival:
+    with mv.arriving() as arrival:
         upload = await read_image(request)
         t_read = time.perf_counter()
-        decoded = await gateway.decode(upload.data, upload.sha256)
+        decoded = await mv.decode(upload.data, upload.sha256)
         t_decoded = time.perf_counter()
-        result = await gateway.infer(CLASSIFY, decoded.x, arrival)
-    info = backend.info
+        result = await mv.infer(CLASSIFY, decoded.x, arrival)
+    info = mv.info
     total_ms = (time.perf_counter() - t0) * 1e3
     wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
     response.headers["Server-Timing"] = ", ".join(
@@ -66,6 +67,7 @@ async def classify(
     return {
         "id": decoded.id,
         "model": info.name,
+        "version": str(mv.version),
         "resolution": info.resolution,
         "predictions": top_k(result.outputs["logits"][0], top_k_, info),
         "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,

@@ -18,12 +18,13 @@ from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
 from vit_serve.overlay import COLORMAPS
-from vit_serve.serve.batcher import Arrival
-from vit_serve.serve.deps import BackendDep, GatewayDep
+from vit_serve.serve.deps import ModelDep
 from vit_serve.serve.errors import NotFoundError
-from vit_serve.serve.gateway import Gateway, top_k
+from vit_serve.serve.gateway import top_k
 from vit_serve.serve.inference import Task
+from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes.classify import ERRORS
+from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
 
@@ -69,23 +70,25 @@ def explain_params(
 ParamsDep = Annotated[ExplainParams, Depends(explain_params)]
 
 
-def _task(gateway: Gateway, p: ExplainParams) -> Task:
-    return gateway.explain_task(p.method, p.head_fusion, p.discard_ratio, p.target)
+def _task(mv: ModelVersion, p: ExplainParams) -> Task:
+    return mv.explain_task(p.method, p.head_fusion, p.discard_ratio, p.target)
 
 
-async def _answer(gateway: Gateway, task: Task, image_id: str, crop: Image.Image, x: np.ndarray,
+async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image, x: np.ndarray,
                   p: ExplainParams, t0: float, decode_ms: float, arrival: Arrival) -> Response | dict:
-    result = await gateway.infer(task, x, arrival)
+    result = await mv.infer(task, x, arrival)
     heat = result.outputs["rollout"][0]
-    info = gateway.info
+    info = mv.info
     if p.format == "png":
-        png = await gateway.overlay(crop, heat, p.alpha, p.colormap)
-        return Response(png, media_type="image/png", headers={"X-Image-Id": image_id, "X-Model": info.name})
+        png = await mv.overlay(crop, heat, p.alpha, p.colormap)
+        return Response(png, media_type="image/png", headers={"X-Image-Id": image_id, "X-Model": info.name,
+                                                              "X-Model-Version": str(mv.version)})
     logits = result.outputs.get("logits")
     rollout = task.kind == "explain"
     return {
         "id": image_id,
         "model": info.name,
+        "version": str(mv.version),
         "method": p.method,
         "head_fusion": task.head_fusion if rollout else None,
         "discard_ratio": task.discard_ratio if rollout else None,
@@ -100,8 +103,7 @@ async def _answer(gateway: Gateway, task: Task, image_id: str, crop: Image.Image
 
 @router.get("/explain", response_model=ExplainResponse, responses={200: PNG, 404: {"model": ErrorBody}, **ERRORS})
 async def explain_by_id(
-    gateway: GatewayDep,
-    backend: BackendDep,
+    mv: ModelDep,
     params: ParamsDep,
     id: Annotated[str, Query(pattern="^[0-9a-f]{64}$",
                              description="the `id` POST /classify returned (sha256 hex of the image)")],
@@ -111,28 +113,29 @@ async def explain_by_id(
 
     format=json answers `{"id", "model", "method", "head_fusion", "discard_ratio", "query", "grid": [gh, gw],
     "map": gh x gw floats, "predictions", "timing_ms"}`; format=png the map blended over the model-input crop.
-    An unknown or expired id answers 404: send the image again with POST /explain.
+    An unknown or expired id answers 404: send the image again with POST /explain. The image is found for the
+    model it was classified with (or any model with the same preprocessing contract).
     """
     t0 = time.perf_counter()
-    task = _task(gateway, params)
-    crop = gateway.store.get(id)
+    task = _task(mv, params)
+    crop = mv.crop_of(id)
     if crop is None:
-        raise NotFoundError(f"no image with id {id} here (never sent, expired or evicted); send the image again with "
-                            f"POST /explain (multipart field 'file' or a raw image/* body)")
-    with gateway.arriving() as arrival:
-        x = await gateway.tensor_of(crop)
-        return await _answer(gateway, task, id, crop, x, params, t0, 0.0, arrival)
+        raise NotFoundError(f"no image with id {id} here for model {mv.name!r} (never sent to it, expired or "
+                            f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
+                            f"image/* body)")
+    with mv.arriving() as arrival:
+        x = await mv.tensor_of(crop)
+        return await _answer(mv, task, id, crop, x, params, t0, 0.0, arrival)
 
 
 @router.post("/explain", response_model=ExplainResponse, responses={200: {**PNG, **BY_ID_LINK}, **ERRORS},
              openapi_extra=IMAGE_REQUEST_BODY)
-async def explain_upload(request: Request, gateway: GatewayDep, backend: BackendDep, params: ParamsDep
-                         ) -> Response | dict:
+async def explain_upload(request: Request, mv: ModelDep, params: ParamsDep) -> Response | dict:
     """Explain an uploaded image (same body as POST /classify, same parameters and answers as GET /explain)."""
     t0 = time.perf_counter()
-    task = _task(gateway, params)
-    with gateway.arriving() as arrival:
+    task = _task(mv, params)
+    with mv.arriving() as arrival:
         upload = await read_image(request)
-        decoded = await gateway.decode(upload.data, upload.sha256)
-        return await _answer(gateway, task, decoded.id, decoded.crop, decoded.x, params, t0, decoded.decode_ms,
+        decoded = await mv.decode(upload.data, upload.sha256)
+        return await _answer(mv, task, decoded.id, decoded.crop, decoded.x, params, t0, decoded.decode_ms,
                              arrival)

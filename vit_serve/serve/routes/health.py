@@ -18,10 +18,14 @@ async def healthz() -> dict:
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(gateway: GatewayDep) -> StrictJSONResponse:
-    """Readiness: 200 `{"ready": true, "model", "backend"}` once the model is loaded and warmed up and its backend
-    answers; 503 `{"ready": false, "reason"}` before that (or while a Triton server is unreachable)."""
+    """Readiness: 200 `{"ready": true, "model", "backend"}` once the default model (or, when there is none, every
+    loaded model) is loaded and warmed up and its backend answers; 503 `{"ready": false, "reason"}` before that
+    (or while a Triton server is unreachable). A model of the repository that failed to load is shown by
+    GET /models and does not make the gateway unready."""
     ok, reason = await gateway.readiness()
-    backend = gateway.backend
-    body = Readiness(ready=ok, model=backend.info.name if backend else None,
-                     backend=backend.name if backend else None, reason=reason)
+    repo = gateway.repository
+    name = repo.default_name if repo is not None else None
+    served = repo.served.get(name) if repo is not None and name is not None else None
+    backend = served[max(served)].backend.name if served else None
+    body = Readiness(ready=ok, model=name, backend=backend, reason=reason)
     return StrictJSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)

@@ -1,16 +1,18 @@
-"""Dynamic batching: concurrent requests coalesced into one model run, off the event loop.
+"""How a model version is driven: a batching runner (local backends) or a direct one (a server that batches).
 
-Requests wait in a bounded queue (full: `QueueFullError`, answered 503 + Retry-After). One collector task takes
-the oldest request and every waiting request with the same `Task`, up to `max_batch` images. It waits for more
-at most `max_delay_ms` after the oldest one arrived, and only while more are known to be coming (`Arrival`:
-requests whose body is being read or decoded): a lone request never waits for nothing, and the model is never
-idle while requests wait (whatever queued up during a run goes straight into the next). Batches run in the
-gateway's single model thread, so the model runs one batch at a time and the event loop stays free. A request
-not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its rows are dropped if
-they have not started.
+`BatchingRunner`: requests wait in a bounded queue (full: `QueueFullError`, answered 503 + Retry-After). One
+collector task takes the oldest request and every waiting request with the same `Task`, up to `max_batch`
+images. It waits for more at most `max_delay_ms` after the oldest one arrived, and only while more are known to
+be coming (`Arrival`: requests whose body is being read or decoded): a lone request never waits for nothing, and
+the model is never idle while requests wait (whatever queued up during a run goes straight into the next).
+Batches run in the version's own model thread, so the model runs one batch at a time and the event loop stays
+free. A request not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its
+rows are dropped if they have not started.
 
-Backends that batch on their own (`batches_itself`, Triton) skip the queue: each request is sent as it comes,
-with the same limits (at most `max_queue` requests outstanding, the same timeout).
+`DirectRunner` (Triton, whose server batches): each request is sent as it comes, with the same limits (at most
+`max_queue` requests outstanding, the same timeout).
+
+Both take the same `RunnerLimits` and report to the version's `ModelMetrics`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,25 @@ import numpy as np
 from vit_serve.serve.backends.base import Backend
 from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
 from vit_serve.serve.inference import Outputs, Task, arun, run
-from vit_serve.serve.metrics import GatewayMetrics
-from vit_serve.serve.settings import ServeSettings
+from vit_serve.serve.metrics import ModelMetrics
 
 log = logging.getLogger("vit_serve.serve")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    """Batching and queue limits of one model version (the gateway's settings, or the model's own config)."""
+
+    max_batch: int = 16  # 1: no batching
+    max_delay_ms: float = 5.0  # 0: no batching
+    max_queue: int = 256
+    timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch > 1 and self.max_delay_ms > 0
 
 
 @dataclass(frozen=True)
@@ -54,8 +70,8 @@ class Arrival:
     request is queued or when it fails before that.
     """
 
-    def __init__(self, batcher: Batcher) -> None:
-        self._batcher: Batcher | None = batcher
+    def __init__(self, batcher: BatchingRunner | DirectRunner) -> None:
+        self._batcher: BatchingRunner | DirectRunner | None = batcher
         batcher._incoming += 1
 
     def done(self) -> None:
@@ -83,51 +99,18 @@ class _Item:
         return self.x.shape[0]
 
 
-class Batcher:
-    """Queue + collector + the single model thread for one backend."""
+class _Runner:
+    """What both runners share: the limits, the metrics, the model thread, the arrivals."""
 
-    def __init__(self, backend: Backend, settings: ServeSettings, metrics: GatewayMetrics,
-                 executor: Executor) -> None:
+    def __init__(self, backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> None:
         self.backend = backend
         self.executor = executor
         self.metrics = metrics
-        self.max_batch = settings.max_batch if settings.batching else 1
-        self.delay_s = settings.max_delay_ms / 1e3
-        self.max_queue = settings.max_queue
-        self.timeout_s = settings.request_timeout_s
-        self.retry_after = str(settings.retry_after_s)
-        self._pending: deque[_Item] = deque()
-        self._rows: dict[Task, int] = {}  # waiting rows per task
+        self.limits = limits
+        self.timeout_s = limits.timeout_s
+        self.retry_after = str(limits.retry_after_s)
         self._arrival = asyncio.Event()
-        self._collector: asyncio.Task[None] | None = None
-        self._outstanding = 0  # batches_itself: requests sent and not answered
-        self._running: list[_Item] = []  # the batch the model is running
         self._incoming = 0  # Arrivals not yet queued
-
-    # ---- lifecycle -------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        if self._collector is None and not self.backend.batches_itself:
-            self._collector = asyncio.get_running_loop().create_task(self._collect(), name="vit-serve-batcher")
-
-    async def stop(self) -> None:
-        if self._collector is not None:
-            self._collector.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._collector
-            self._collector = None
-        for item in [*self._running, *self._pending]:
-            if not item.future.done():
-                item.future.set_exception(NotReadyError("the server is shutting down"))
-        self._pending.clear()
-        self._running = []
-        self._rows.clear()
-        self.metrics.queue_depth.set(0)
-
-    @property
-    def depth(self) -> int:
-        """Requests waiting (not yet in a running batch)."""
-        return len(self._pending) if not self.backend.batches_itself else self._outstanding
 
     def arriving(self) -> Arrival:
         """Announce a request that will be submitted once its image is decoded."""
@@ -138,29 +121,113 @@ class Batcher:
         """Requests announced and not yet queued."""
         return self._incoming
 
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the model thread (between batches): loading, warm-up, maintenance."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _full(self, what: str) -> QueueFullError:
+        self.metrics.rejected("queue_full").inc()
+        return QueueFullError(f"{what}; retry later", headers={"Retry-After": self.retry_after})
+
+    def _timed_out(self) -> GatewayTimeoutError:
+        self.metrics.rejected("timeout").inc()
+        return GatewayTimeoutError(f"no answer within {self.timeout_s:g} s (VIT_SERVE_REQUEST_TIMEOUT_S)")
+
+
+class DirectRunner(_Runner):
+    """Each request straight to the backend (a server that batches on its own), at most max_queue outstanding."""
+
+    def __init__(self, backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> None:
+        super().__init__(backend, limits, metrics, executor)
+        self._outstanding = 0
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.metrics.queue_depth.set(0)
+
+    @property
+    def depth(self) -> int:
+        """Requests sent and not answered."""
+        return self._outstanding
+
+    @property
+    def running(self) -> int:
+        return self._outstanding
+
+    async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
+        if arrival is not None:
+            arrival.done()
+        if self._outstanding >= self.limits.max_queue:
+            raise self._full(f"{self.limits.max_queue} requests outstanding")
+        self._outstanding += 1
+        self.metrics.queue_depth.set(self._outstanding)
+        t0 = time.perf_counter()
+        try:
+            outputs = await asyncio.wait_for(arun(self.backend, task, x), self.timeout_s)
+        except TimeoutError:
+            raise self._timed_out() from None
+        finally:
+            self._outstanding -= 1
+            self.metrics.queue_depth.set(self._outstanding)
+        infer_ms = (time.perf_counter() - t0) * 1e3
+        self.metrics.batch_size(task.kind).observe(x.shape[0])
+        self.metrics.inference(task.kind).observe(infer_ms / 1e3)
+        return Result(outputs, 0.0, infer_ms, x.shape[0])
+
+
+class BatchingRunner(_Runner):
+    """Queue + collector + the version's single model thread."""
+
+    def __init__(self, backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> None:
+        super().__init__(backend, limits, metrics, executor)
+        self.max_batch = limits.max_batch if limits.batching else 1
+        self.delay_s = limits.max_delay_ms / 1e3
+        self.max_queue = limits.max_queue
+        self._pending: deque[_Item] = deque()
+        self._rows: dict[Task, int] = {}  # waiting rows per task
+        self._collector: asyncio.Task[None] | None = None
+        self._running: list[_Item] = []  # the batch the model is running
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._collector is None:
+            self._collector = asyncio.get_running_loop().create_task(self._collect(), name="vit-serve-batcher")
+
+    async def stop(self) -> None:
+        if self._collector is not None:
+            self._collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._collector
+            self._collector = None
+        for item in [*self._running, *self._pending]:
+            if not item.future.done():
+                item.future.set_exception(NotReadyError("the model is being unloaded"))
+        self._pending.clear()
+        self._running = []
+        self._rows.clear()
+        self.metrics.queue_depth.set(0)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (not yet in a running batch)."""
+        return len(self._pending)
+
     @property
     def running(self) -> int:
         """Images in the batch the model is running now."""
         return sum(item.rows for item in self._running)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in the model thread (between batches): warm-up, maintenance."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     # ---- requests --------------------------------------------------------------------------------------
 
     async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
         """x [n, 3, H, W] float32 -> this request's outputs; QueueFullError (503) / GatewayTimeoutError (504)."""
-        if self.backend.batches_itself:
-            if arrival is not None:
-                arrival.done()
-            return await self._direct(task, x)
         if len(self._pending) >= self.max_queue:
             if arrival is not None:
                 arrival.done()
-            self.metrics.rejected.labels("queue_full").inc()
-            raise QueueFullError(f"queue full ({self.max_queue} requests waiting); retry later",
-                                 headers={"Retry-After": self.retry_after})
+            raise self._full(f"queue full ({self.max_queue} requests waiting)")
         item = _Item(task, x, asyncio.get_running_loop().create_future())
         self._pending.append(item)
         self._rows[task] = self._rows.get(task, 0) + item.rows
@@ -172,32 +239,10 @@ class Batcher:
             return await asyncio.wait_for(item.future, self.timeout_s)
         except TimeoutError:
             self._drop(item)
-            self.metrics.rejected.labels("timeout").inc()
-            raise GatewayTimeoutError(f"no answer within {self.timeout_s:g} s (VIT_SERVE_REQUEST_TIMEOUT_S)") from None
+            raise self._timed_out() from None
         except asyncio.CancelledError:  # the client went away
             self._drop(item)
             raise
-
-    async def _direct(self, task: Task, x: np.ndarray) -> Result:
-        if self._outstanding >= self.max_queue:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise QueueFullError(f"{self.max_queue} requests outstanding; retry later",
-                                 headers={"Retry-After": self.retry_after})
-        self._outstanding += 1
-        self.metrics.queue_depth.set(self._outstanding)
-        t0 = time.perf_counter()
-        try:
-            outputs = await asyncio.wait_for(arun(self.backend, task, x), self.timeout_s)
-        except TimeoutError:
-            self.metrics.rejected.labels("timeout").inc()
-            raise GatewayTimeoutError(f"no answer within {self.timeout_s:g} s (VIT_SERVE_REQUEST_TIMEOUT_S)") from None
-        finally:
-            self._outstanding -= 1
-            self.metrics.queue_depth.set(self._outstanding)
-        infer_ms = (time.perf_counter() - t0) * 1e3
-        self.metrics.batch_size.labels(task.kind).observe(x.shape[0])
-        self.metrics.inference.labels(task.kind).observe(infer_ms / 1e3)
-        return Result(outputs, 0.0, infer_ms, x.shape[0])
 
     def _drop(self, item: _Item) -> None:
         with contextlib.suppress(ValueError):
@@ -259,7 +304,7 @@ class Batcher:
         start = time.perf_counter()
         for item in batch:
             self.metrics.queue_wait.observe(start - item.t0)
-        self.metrics.batch_size.labels(task.kind).observe(rows)
+        self.metrics.batch_size(task.kind).observe(rows)
         self.metrics.in_flight.set(rows)
         self._running = batch
         try:
@@ -273,10 +318,19 @@ class Batcher:
             self._running = []
             self.metrics.in_flight.set(0)
         end = time.perf_counter()
-        self.metrics.inference.labels(task.kind).observe(end - start)
+        self.metrics.inference(task.kind).observe(end - start)
         offset = 0
         for item in batch:
             if not item.future.done():  # not timed out meanwhile
                 part = {k: v[offset:offset + item.rows] for k, v in outputs.items()}
                 item.future.set_result(Result(part, (start - item.t0) * 1e3, (end - start) * 1e3, rows))
             offset += item.rows
+
+
+Runner = BatchingRunner | DirectRunner
+
+
+def runner_for(backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> Runner:
+    """A direct runner for a backend whose server batches (Triton), a batching runner for the others."""
+    cls = DirectRunner if backend.batches_itself else BatchingRunner
+    return cls(backend, limits, metrics, executor)

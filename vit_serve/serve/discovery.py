@@ -1,0 +1,252 @@
+"""What a model repository holds: the models, their versions on disk, and each model's version policy.
+
+`scan(path)` reads a repository without loading anything. A repository is
+
+* one model (`vit-serve serve MODEL`): a checkpoint (a file, a transformers / timm folder with config.json, or
+  a hub id), an exported `NAME.onnx` (with its manifest `NAME.json`) or a TensorRT engine: a repository of one
+  model, version 1;
+* a folder of such files (what `vit-export --out DIR` writes): model NAME (the file's stem), version 1 each;
+  `NAME_explain.onnx` and the JSON manifests are the exports' companions, not models;
+* a Triton-style folder, `NAME/VERSION/<one of those files>`: versions are positive integers, as in Triton, and
+  `NAME/config.pbtxt` (Triton's model configuration, read with Triton's own schema from tritonclient) may set
+  the model's `version_policy`, `max_batch_size` and `dynamic_batching` limits.
+
+Both kinds may sit side by side in one folder. A model whose files cannot be told apart (two exports in one
+version folder, two files claiming one name) is listed with the reason, and is not served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("vit_serve.serve")
+
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+CHECKPOINT_SUFFIXES = (".safetensors", ".npz", ".pth", ".pt", ".bin")
+EXPLAIN_SUFFIX = "_explain"
+TRITON_CONFIG = "config.pbtxt"
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a model are served: Triton's `latest { num_versions: n }`, `all {}`, or `specific`."""
+
+    kind: Literal["latest", "all", "specific"] = "latest"
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> VersionPolicy:
+        """"latest" / "latest:N" / "all" / "specific:1,3" -> the policy; ValueError naming the forms."""
+        kind, _, arg = text.strip().lower().partition(":")
+        try:
+            if kind == "latest":
+                n = int(arg) if arg else 1
+                if n >= 1:
+                    return cls("latest", n)
+            elif kind == "all" and not arg:
+                return cls("all")
+            elif kind == "specific":
+                versions = tuple(sorted({int(v) for v in arg.split(",") if v.strip()}))
+                if versions and versions[0] >= 1:
+                    return cls("specific", versions=versions)
+        except ValueError:
+            pass
+        raise ValueError(f"version policy {text!r}: expected latest, latest:N (N >= 1), all, or specific:V1,V2,... "
+                         f"(versions >= 1)")
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve out of `available`, ascending."""
+        ordered = sorted(available)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.versions]
+        return ordered[-self.num_versions:]
+
+    def __str__(self) -> str:
+        if self.kind == "latest":
+            return f"latest:{self.num_versions}"
+        return "all" if self.kind == "all" else "specific:" + ",".join(map(str, self.versions))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """Batching limits a model's own configuration sets (None: the gateway's settings)."""
+
+    max_batch: int | None = None
+    max_delay_ms: float | None = None
+    max_queue: int | None = None
+
+
+@dataclass(frozen=True)
+class VersionSource:
+    """One version of a model on disk: the file to serve and which backend serves it.
+
+    fingerprint: changes whenever the files of this version change (names, sizes, modification times), so that a
+    repository poll can tell a version rewritten in place, or one that was still being copied, from one it has
+    already seen."""
+
+    name: str
+    version: int
+    path: Path
+    backend: Literal["torch", "onnxruntime", "tensorrt", "triton"]
+    fingerprint: str = ""
+
+
+@dataclass
+class ModelEntry:
+    """A model of the repository: its versions on disk, its policy and limits, or why it cannot be served."""
+
+    name: str
+    versions: dict[int, VersionSource] = field(default_factory=dict)
+    policy: VersionPolicy | None = None  # None: the gateway's default policy
+    limits: ModelLimits = ModelLimits()
+    error: str | None = None  # the model as a whole is unusable (e.g. an unreadable config.pbtxt)
+    broken: dict[int, str] = field(default_factory=dict)  # versions found but unusable, with the reason
+
+
+def backend_for(path: Path) -> Literal["torch", "onnxruntime", "tensorrt"] | None:
+    """Which backend serves this file (None: not a model file)."""
+    suffix = path.suffix.lower()
+    if suffix == ".onnx":
+        return None if path.stem.endswith(EXPLAIN_SUFFIX) else "onnxruntime"
+    if suffix in ENGINE_SUFFIXES:
+        return "tensorrt"
+    if suffix in CHECKPOINT_SUFFIXES:
+        return "torch"
+    return None
+
+
+def fingerprint(paths: list[Path]) -> str:
+    """A digest of the files' names, sizes and modification times (not their bytes: a poll must stay cheap)."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def _visible(folder: Path) -> list[Path]:
+    try:
+        return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+def _read_config(path: Path) -> tuple[VersionPolicy | None, ModelLimits]:
+    """`version_policy`, `max_batch_size` and `dynamic_batching` of a Triton config.pbtxt (Triton's schema)."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        log.warning("%s: tritonclient is not installed, so its version policy and limits are not read (pip "
+                    "install 'vit-serve[triton]'); the gateway's defaults apply", path)
+        return None, ModelLimits()
+    try:
+        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    except (OSError, UnicodeDecodeError, text_format.ParseError) as e:
+        raise ValueError(f"{path}: not a readable Triton model configuration ({' '.join(str(e).split())})") from e
+    policy = None
+    if config.HasField("version_policy"):
+        choice = config.version_policy.WhichOneof("policy_choice")
+        if choice == "latest":
+            policy = VersionPolicy("latest", max(1, config.version_policy.latest.num_versions))
+        elif choice == "all":
+            policy = VersionPolicy("all")
+        elif choice == "specific":
+            policy = VersionPolicy("specific", versions=tuple(sorted(config.version_policy.specific.versions)))
+    limits = ModelLimits(max_batch=config.max_batch_size or None)
+    if config.HasField("dynamic_batching"):
+        db = config.dynamic_batching
+        limits = ModelLimits(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
+                             max_queue=db.default_queue_policy.max_queue_size or None)
+    return policy, limits
+
+
+def _version_source(name: str, version: int, folder: Path) -> VersionSource:
+    files = _visible(folder)
+    servable = [p for p in files if p.is_file() and backend_for(p)]
+    if not servable:
+        raise ValueError(f"{folder} holds no model vit-serve serves (NAME.onnx with its NAME.json, a TensorRT "
+                         f"engine, or a checkpoint)")
+    if len(servable) > 1:
+        raise ValueError(f"{folder} holds {len(servable)} models ({', '.join(p.name for p in servable)}); a version "
+                         f"folder holds one")
+    path = servable[0]
+    backend = backend_for(path)
+    assert backend is not None
+    return VersionSource(name, version, path, backend, fingerprint(files))
+
+
+def _triton_style(folder: Path) -> ModelEntry | None:
+    """`NAME/VERSION/...`: the entry, or None when `folder` has no numbered version folder (not a model)."""
+    numbered = [p for p in _visible(folder) if p.is_dir() and p.name.isdigit() and int(p.name) >= 1]
+    if not numbered:
+        return None
+    entry = ModelEntry(folder.name)
+    config = folder / TRITON_CONFIG
+    if config.is_file():
+        try:
+            entry.policy, entry.limits = _read_config(config)
+        except ValueError as e:
+            entry.error = str(e)
+            return entry
+    for vdir in numbered:
+        v = int(vdir.name)
+        try:
+            entry.versions[v] = _version_source(folder.name, v, vdir)
+        except ValueError as e:
+            entry.broken[v] = str(e)
+    if not entry.versions and all("holds no model" in why for why in entry.broken.values()):
+        return None  # e.g. a Triton Python-backend model or an ensemble: Triton's, not ours
+    return entry
+
+
+def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, ModelEntry]:
+    """The repository at `path` (a model file or a folder), by model name; `name` renames a one-file repository.
+
+    FileNotFoundError when `path` does not exist; a folder with no model in it is an empty repository.
+    """
+    root = Path(path)
+    checkpoint_folder = root.is_dir() and (root / "config.json").is_file()  # transformers / timm hub layout
+    if checkpoint_folder or (not root.exists() and backend_for(root) is None and root.suffix == ""):
+        model = name or root.name  # a checkpoint folder, or a hub id (`timm/<name>`) for the torch backend
+        return {model: ModelEntry(model, {1: VersionSource(model, 1, root, "torch", fingerprint([root]))})}
+    if root.is_file():
+        backend = backend_for(root)
+        if backend is None:
+            raise ValueError(f"{root.name} is not a model vit-serve serves (NAME.onnx, a TensorRT engine or a "
+                             f"checkpoint: {', '.join(CHECKPOINT_SUFFIXES)})")
+        model = name or root.stem
+        companions = [root, root.with_suffix(".json"), root.with_name(f"{root.stem}{EXPLAIN_SUFFIX}.onnx")]
+        return {model: ModelEntry(model, {1: VersionSource(model, 1, root, backend, fingerprint(companions))})}
+    if not root.is_dir():
+        raise FileNotFoundError(f"no such file or folder: {root}")
+    entries: dict[str, ModelEntry] = {}
+    for child in _visible(root):
+        if child.is_dir():
+            entry = _triton_style(child)
+            if entry is None:
+                continue
+        elif child.is_file() and (backend := backend_for(child)):
+            companions = [child, child.with_suffix(".json"), child.with_name(f"{child.stem}{EXPLAIN_SUFFIX}.onnx")]
+            entry = ModelEntry(child.stem, {1: VersionSource(child.stem, 1, child, backend, fingerprint(companions))})
+        else:
+            continue
+        if entry.name in entries:
+            first = entries[entry.name]
+            where = [str(s.path.relative_to(root)) for s in (*first.versions.values(), *entry.versions.values())]
+            entries[entry.name] = ModelEntry(entry.name, error=f"{' and '.join(where) or entry.name} both claim the "
+                                                               f"model name {entry.name!r}; rename one")
+            continue
+        entries[entry.name] = entry
+    return entries

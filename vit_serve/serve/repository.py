@@ -1,0 +1,409 @@
+"""The models a gateway serves: which versions are loaded, loading and unloading them, and polling REPO.
+
+Model control, with Triton's names (`--model-control`):
+
+* `none`: every model of REPO is loaded at start-up (its versions chosen by its version policy); nothing changes
+  afterwards, and the repository API's load / unload are refused.
+* `poll`: the same, and REPO is scanned again every `repository_poll_s`: a new version is loaded and warmed up
+  while the old one keeps serving, then switched in at once (no request sees neither); a removed version stops
+  taking requests, finishes those it has, and is closed; a broken new version is refused, with its reason in the
+  index, and the old one keeps serving. Load / unload are refused (the folder is the truth).
+* `explicit`: only the models named by `--load-model` (`*`: all) are loaded at start-up; the repository API's
+  load (which re-reads the model's folder) and unload change the rest.
+
+A model that fails to load never takes the gateway down: it is shown with its reason (`index()`, `GET /models`)
+and the others serve on. Only a repository of one file fails the start-up (nothing else could be served).
+
+Each loaded version has its own model thread and runner (`runner.runner_for`) with the gateway's batching limits,
+or those of the model's Triton config; the model threads share the machine: unless `--threads` is set, a
+repository of n models gives each model max(1, cores // n) intra-op threads (one model keeps its runtime's
+default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from vit_serve.serve.backends import create_backend
+from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
+from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
+from vit_serve.serve.gpu_decode import GpuDecoder, unavailable_reason
+from vit_serve.serve.metrics import GatewayMetrics
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.runner import RunnerLimits, runner_for
+from vit_serve.serve.settings import ServeSettings, available_cpus
+from vit_serve.serve.store import ImageStore
+
+log = logging.getLogger("vit_serve.serve")
+
+StateName = Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One row of the repository index (Triton's `{"name", "version", "state", "reason"}`)."""
+
+    name: str
+    version: int | None  # None: a model of REPO that was never loaded
+    state: StateName | None
+    reason: str = ""
+
+
+def rss_bytes() -> int | None:
+    """The process's resident memory (Linux /proc; None elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def model_device(version_backend: object) -> str:
+    """Where a backend's model runs: "cpu", "cuda[:i]", or (a remote server) the backend's name."""
+    info = version_backend.info  # type: ignore[attr-defined]
+    name = version_backend.name  # type: ignore[attr-defined]
+    extra = info.extra
+    if "device" in extra:  # torch
+        return str(extra["device"])
+    if "providers" in extra:  # onnxruntime
+        return "cuda" if "CUDAExecutionProvider" in extra["providers"] else "cpu"
+    return "cuda" if name == "tensorrt" else f"the {name} server"
+
+
+class ModelRepository:
+    """The loaded versions of REPO's models, by name and version, and the state of every version."""
+
+    def __init__(self, settings: ServeSettings, metrics: GatewayMetrics, pool: ThreadPoolExecutor,
+                 store: ImageStore) -> None:
+        self.settings, self.metrics, self.pool, self.store = settings, metrics, pool, store
+        self.policy = VersionPolicy.parse(settings.version_policy)
+        self.served: dict[str, dict[int, ModelVersion]] = {}  # what requests are routed to
+        self.entries: dict[str, ModelEntry] = {}  # the last scan
+        self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (fingerprint, reason)
+        self._loading: set[tuple[str, int]] = set()
+        self._unloading: dict[tuple[str, int], ModelVersion] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._lock = asyncio.Lock()  # one load / unload / poll at a time (and a clean RSS delta per load)
+        self._poller: asyncio.Task[None] | None = None
+        self.one_file = False
+        self._wanted: set[str] = set()  # models to keep loaded (all, or explicit mode's)
+
+    # ---- start and stop --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Scan REPO and load what the model control mode says; a one-file repository that cannot be served
+        raises (the server does not start)."""
+        s = self.settings
+        root = Path(s.model)
+        self.entries = await self._scan()
+        # one model given (a file, a checkpoint folder, a hub id, a Triton model name): it must load
+        self.one_file = s.backend == "triton" or not root.is_dir() or (root / "config.json").is_file()
+        if s.model_control == "explicit" and not self.one_file:
+            names = set(self.entries) if "*" in s.load_models else set(s.load_models)
+            unknown = sorted(names - set(self.entries))
+            if unknown:
+                log.warning("--load-model %s: not in %s", ", ".join(unknown), root)
+            self._wanted = names & set(self.entries)
+        else:
+            self._wanted = set(self.entries)
+        async with self._lock:
+            for name in sorted(self._wanted):
+                await self._sync(name, warm_first=False)  # nothing serves yet: warm up while serving
+        if self.one_file:
+            (name,) = self.entries
+            if not self.served.get(name):
+                raise RuntimeError(self._why_not(name))
+        if s.default_model is not None and s.default_model not in self.entries:
+            raise ValueError(f"--default-model {s.default_model!r} is not a model of {s.model} (it has "
+                             f"{', '.join(sorted(self.entries)) or 'none'})")
+        if s.model_control == "poll" and not self.one_file:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="vit-serve-repository-poll")
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for versions in self.served.values():
+            for v in versions.values():
+                await v.close(wait=False)
+        self.served.clear()
+        for task in list(self._closing):
+            task.cancel()
+
+    async def _scan(self) -> dict[str, ModelEntry]:
+        if self.settings.backend == "triton":
+            name = self.settings.model_name or self.settings.model
+            source = VersionSource(name, 1, Path(self.settings.model), "triton")
+            return {name: ModelEntry(name, {1: source})}
+        return await asyncio.get_running_loop().run_in_executor(
+            None, scan, self.settings.model, self.settings.model_name)
+
+    # ---- polling and the repository API ------------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_s)
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bad scan must not end polling
+                log.exception("repository poll")
+
+    async def poll_once(self) -> None:
+        """Scan REPO again and bring every model in line with it (new versions in, removed ones out)."""
+        entries = await self._scan()
+        async with self._lock:
+            self.entries = entries
+            self._wanted = set(entries)
+            for name in sorted(set(entries) | set(self.served)):
+                await self._sync(name)
+
+    def _check_explicit(self, what: str, name: str) -> None:
+        mode = self.settings.model_control
+        if mode != "explicit":
+            why = "polling is enabled" if mode == "poll" else "model control is none"
+            raise BadRequestError(f"cannot {what} model {name!r}: {why} (serve with --model-control explicit to "
+                                  f"load and unload models through this API)")
+
+    async def load(self, name: str) -> None:
+        """Load (or reload from its folder) the model `name`: explicit model control only. 400 when it fails."""
+        self._check_explicit("load", name)
+        entries = await self._scan()
+        async with self._lock:
+            self.entries = entries
+            if name not in entries:
+                raise BadRequestError(f"failed to load {name!r}: no such model in {self.settings.model} (it has "
+                                      f"{', '.join(sorted(entries)) or 'none'})")
+            self._wanted.add(name)
+            for known in list(self._failed):  # an explicit load tries again even if nothing changed
+                if known[0] == name:
+                    del self._failed[known]
+            await self._sync(name)
+            if not self.served.get(name):
+                raise BadRequestError(f"failed to load {name!r}: {self._why_not(name)}")
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name` (requests already routed to it finish): explicit model control only."""
+        self._check_explicit("unload", name)
+        async with self._lock:
+            if name not in self.entries and name not in self.served:
+                raise BadRequestError(f"failed to unload {name!r}: no such model")
+            self._wanted.discard(name)
+            await self._sync(name)
+
+    # ---- bringing one model in line ---------------------------------------------------------------------
+
+    async def _sync(self, name: str, warm_first: bool = True) -> None:
+        """Load the versions `name`'s policy wants and are not loaded (or changed on disk), then retire the
+        others; `warm_first`: a new version takes requests only once warmed up. Call with the lock held."""
+        entry = self.entries.get(name)
+        served = self.served.setdefault(name, {})
+        wanted: list[int] = []
+        if entry is not None and entry.error is None and name in self._wanted:
+            wanted = (entry.policy or self.policy).select(list(entry.versions))
+        for v in wanted:
+            source = entry.versions[v]  # type: ignore[union-attr]
+            current = served.get(v)
+            if current is not None and current.fingerprint == source.fingerprint:
+                continue
+            if self._failed.get((name, v), ("", ""))[0] == source.fingerprint and source.fingerprint:
+                continue  # refused before, and its files have not changed since
+            new = await self._load_version(source, warm_first)
+            if new is None:
+                continue
+            served[v] = new  # switched in: from here on requests are routed to it
+            if current is not None:
+                self._retire(current)
+        for v in [v for v in served if v not in wanted]:
+            self._retire(served.pop(v))
+        if not served:
+            self.served.pop(name, None)
+
+    def _retire(self, version: ModelVersion) -> None:
+        """Stop routing to `version`; it closes in the background once its requests are done."""
+        key = (version.name, version.version)
+        self._unloading[key] = version
+        log.info("unloading %s (%d requests in flight)", version.label, version.in_flight)
+
+        async def close() -> None:
+            try:
+                await version.close()
+            finally:
+                if self._unloading.get(key) is version:
+                    del self._unloading[key]
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _threads(self) -> int | None:
+        if self.settings.threads is not None:
+            return self.settings.threads
+        n = max(1, len(self._wanted))
+        return None if n == 1 else max(1, available_cpus() // n)
+
+    def _limits(self, entry: ModelEntry | None) -> RunnerLimits:
+        s = self.settings
+        own = entry.limits if entry is not None else None
+        return RunnerLimits(
+            max_batch=(own.max_batch if own and own.max_batch else s.max_batch),
+            max_delay_ms=(own.max_delay_ms if own and own.max_delay_ms is not None else s.max_delay_ms),
+            max_queue=(own.max_queue if own and own.max_queue else s.max_queue),
+            timeout_s=s.request_timeout_s, retry_after_s=s.retry_after_s)
+
+    async def _load_version(self, source: VersionSource, warm_first: bool) -> ModelVersion | None:
+        """Load, then warm up (`warm_first`; else in the background), one version in its own new model thread;
+        None, with the reason recorded, when either fails."""
+        key = (source.name, source.version)
+        self._loading.add(key)
+        loop = asyncio.get_running_loop()
+        thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{source.name}")
+        settings = self.settings.model_copy(update={
+            "model": str(source.path), "backend": source.backend, "model_name": source.name,
+            "threads": self._threads()})
+        version: ModelVersion | None = None
+        rss0 = rss_bytes()
+        t0 = time.perf_counter()
+        try:
+            try:
+                backend = await loop.run_in_executor(thread, create_backend, settings)
+            except Exception as e:
+                return self._refuse(source, thread, f"cannot load: {' '.join(str(e).split()) or type(e).__name__}")
+            info = backend.info
+            log.info("loaded %s (%s backend), version %d: %dx%d, %d classes, explain=%s", source.name, backend.name,
+                     source.version, *info.resolution, info.num_classes, info.explain)
+            metrics = self.metrics.for_model(source.name, str(source.version))
+            runner = runner_for(backend, self._limits(self.entries.get(source.name)), metrics, thread)
+            runner.start()
+            device = model_device(backend)
+            off = unavailable_reason(device, self.settings.gpu_decode)
+            gpu = None
+            if off is None:
+                gpu = GpuDecoder(info.preprocess, self.settings.max_pixels, device, runner.limits.max_batch,
+                                 lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
+            version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, self.pool,
+                                   self.store, self.settings.max_pixels, gpu, off, source.fingerprint)
+            if not warm_first:
+                version.warm_up_soon()
+            elif not await version.warm_up():
+                await version.close(wait=False)
+                return self._refuse(source, None, version.error or "warm-up failed")
+            rss1 = rss_bytes()
+            if rss0 is not None and rss1 is not None:
+                version.memory_bytes = max(0, rss1 - rss0)
+                metrics.memory.set(version.memory_bytes)
+            self._failed.pop(key, None)
+            log.info("%s in service after %.2f s", version.label, time.perf_counter() - t0)
+            return version
+        finally:
+            self._loading.discard(key)
+
+    def _refuse(self, source: VersionSource, thread: ThreadPoolExecutor | None, reason: str) -> None:
+        if thread is not None:
+            thread.shutdown(wait=False, cancel_futures=True)
+        self._failed[(source.name, source.version)] = (source.fingerprint, reason)
+        log.warning("%s version %d refused: %s", source.name, source.version, reason)
+        return None
+
+    # ---- what routes ask --------------------------------------------------------------------------------
+
+    @property
+    def default_name(self) -> str | None:
+        """The model a request naming none gets: --default-model, else the only model of REPO."""
+        if self.settings.default_model is not None:
+            return self.settings.default_model
+        names = set(self.entries) | set(self.served)
+        return next(iter(names)) if len(names) == 1 else None
+
+    def names(self) -> list[str]:
+        return sorted(set(self.entries) | set(self.served))
+
+    def get(self, name: str | None = None, version: str | int | None = None) -> ModelVersion:
+        """The version a request is routed to: `name` (None: the default model) at `version` (None: its newest
+        loaded version). 404 naming what exists; 503 while the model is loading or unloaded."""
+        if name is None:
+            name = self.default_name
+            if name is None:
+                raise BadRequestError(f"this gateway serves several models; name one with ?model= (one of "
+                                      f"{', '.join(self.names()) or 'none loaded'}), or start it with "
+                                      f"--default-model")
+        served = self.served.get(name)
+        if not served:
+            if name not in self.entries:
+                raise NotFoundError(f"unknown model {name!r}; this gateway serves "
+                                    f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
+            raise NotReadyError(f"model {name!r} is not loaded: {self._why_not(name)}", headers={"Retry-After": "1"})
+        if version is None:
+            return served[max(served)]
+        try:
+            v = int(version)
+        except (TypeError, ValueError):
+            raise NotFoundError(f"model {name!r} has no version {version!r} (versions are integers)") from None
+        if v not in served:
+            raise NotFoundError(f"model {name!r} has no version {v} in service (it serves "
+                                f"{', '.join(map(str, sorted(served)))})")
+        return served[v]
+
+    def _why_not(self, name: str) -> str:
+        entry = self.entries.get(name)
+        if entry is None:
+            return "it is not in the repository"
+        if entry.error:
+            return entry.error
+        if name not in self._wanted:
+            return "it is not loaded (POST /v2/repository/models/{name}/load)".replace("{name}", name)
+        reasons = [f"version {v}: {why}" for (n, v), (_, why) in sorted(self._failed.items()) if n == name]
+        reasons += [f"version {v}: {why}" for v, why in sorted(entry.broken.items())]
+        if not entry.versions and not reasons:
+            return "it has no version"
+        if any(n == name for n, _ in self._loading):
+            return "loading"
+        return "; ".join(reasons) or "no version matches its version policy"
+
+    def index(self) -> list[VersionState]:
+        """Every model of REPO with the state of each version it has on disk or in service (Triton's index)."""
+        rows: list[VersionState] = []
+        for name in self.names():
+            entry = self.entries.get(name)
+            served = self.served.get(name, {})
+            versions = set(entry.versions if entry else ()) | set(entry.broken if entry else ()) | set(served)
+            versions |= {v for n, v in self._unloading if n == name}
+            if entry is not None and entry.error:
+                rows.append(VersionState(name, None, "UNAVAILABLE", entry.error))
+                continue
+            if not versions:
+                rows.append(VersionState(name, None, None))
+                continue
+            for v in sorted(versions):
+                rows.append(self._state(name, v, entry, served))
+        return rows
+
+    def _state(self, name: str, v: int, entry: ModelEntry | None, served: dict[int, ModelVersion]) -> VersionState:
+        if v in served:
+            mv = served[v]
+            return VersionState(name, v, "READY" if mv.warm else "LOADING", "" if mv.warm else (mv.error or ""))
+        if (name, v) in self._loading:
+            return VersionState(name, v, "LOADING")
+        if (name, v) in self._unloading:
+            return VersionState(name, v, "UNLOADING")
+        if (name, v) in self._failed:
+            return VersionState(name, v, "UNAVAILABLE", self._failed[name, v][1])
+        if entry is not None and v in entry.broken:
+            return VersionState(name, v, "UNAVAILABLE", entry.broken[v])
+        if name not in self._wanted:
+            return VersionState(name, v, "UNAVAILABLE", "unloaded")
+        return VersionState(name, v, "UNAVAILABLE", "not in the version policy")
+
+    def loaded(self) -> list[ModelVersion]:
+        return [v for versions in self.served.values() for v in versions.values()]

@@ -1,0 +1,93 @@
+"""The Open Inference Protocol's model repository extension, as Triton serves it over HTTP.
+
+`POST /v2/repository/index` lists every model of the repository with each version's state (`{"ready": true}`
+in the body: only the versions in service); `POST /v2/repository/models/{name}/load` loads a model (again, from
+its folder: new versions in, removed ones out) and `.../unload` unloads it. Load and unload need
+`--model-control explicit` (Triton's rule; otherwise 400 saying so); tritonclient's
+`get_model_repository_index`, `load_model` and `unload_model` work against these routes. `--no-repository-api`
+(VIT_SERVE_REPOSITORY_API=false) answers 403 on all three.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Request
+
+from vit_serve.serve.deps import GatewayDep
+from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
+from vit_serve.serve.repository import ModelRepository
+from vit_serve.serve.schemas import StrictJSONResponse
+
+router = APIRouter(prefix="/v2/repository", tags=["v2 repository extension"])
+V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
+    "type": "string"}}}}}}
+ERRORS = {400: V2_ERROR, 403: V2_ERROR, 503: V2_ERROR}
+NameDep = Annotated[str, Path(description="a model of the repository (POST /v2/repository/index lists them)")]
+BODY = {"requestBody": {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+def repository(gateway: GatewayDep) -> ModelRepository:
+    if not gateway.settings.repository_api:
+        raise ForbiddenError("the repository API is turned off on this gateway (VIT_SERVE_REPOSITORY_API)")
+    if gateway.repository is None:
+        raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
+    return gateway.repository
+
+
+RepositoryDep = Annotated[ModelRepository, Depends(repository)]
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"the body is not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise BadRequestError("the body must be a JSON object")
+    return body
+
+
+@router.post("/index", responses=ERRORS, openapi_extra=BODY)
+async def index(request: Request, repo: RepositoryDep) -> StrictJSONResponse:
+    """`[{"name", "version", "state", "reason"}]`, one per model version (a model never loaded: its name only);
+    body `{"ready": true}`: the versions in service only."""
+    body = await _body(request)
+    ready = body.get("ready", False)
+    if not isinstance(ready, bool):
+        raise BadRequestError("'ready' must be true or false")
+    rows = []
+    for row in repo.index():
+        if ready and row.state != "READY":
+            continue
+        item: dict[str, str] = {"name": row.name}
+        if row.version is not None:
+            item["version"] = str(row.version)
+        if row.state is not None:
+            item["state"] = row.state
+            item["reason"] = row.reason
+        rows.append(item)
+    return StrictJSONResponse(rows)
+
+
+@router.post("/models/{name}/load", responses=ERRORS, openapi_extra=BODY)
+async def load(name: NameDep, request: Request, repo: RepositoryDep) -> StrictJSONResponse:
+    """Load `name` from the repository (its version policy picks the versions); 200 once they are warmed up
+    and in service, 400 with the reason when it cannot be."""
+    body = await _body(request)
+    if body.get("parameters") not in (None, {}) and not isinstance(body.get("parameters"), dict):
+        raise BadRequestError("'parameters' must be an object")
+    await repo.load(name)
+    return StrictJSONResponse({})
+
+
+@router.post("/models/{name}/unload", responses=ERRORS, openapi_extra=BODY)
+async def unload(name: NameDep, request: Request, repo: RepositoryDep) -> StrictJSONResponse:
+    """Stop serving `name`: new requests get 503, those already routed to it finish."""
+    await _body(request)
+    await repo.unload(name)
+    return StrictJSONResponse({})
