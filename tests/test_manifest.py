@@ -87,7 +87,7 @@ def test_a_real_export_round_trips(exported, tmp_path):
     target = tmp_path / "copy.onnx"
     assert write_manifest(target, m) == tmp_path / "copy.json"
     assert read_manifest(target) == m
-    with pytest.raises(FileExistsError, match="copy.json exists"):
+    with pytest.raises(FileExistsError, match=r"copy\.json exists"):
         write_manifest(target, m)  # never silently
     changed = dataclasses.replace(m, labels=("a", "b", "c", "d", "e"))
     write_manifest(target, changed, overwrite=True)

@@ -149,7 +149,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "triton_timeout_s",
                                            "triton_startup_timeout_s", "model_name", "host", "port",
-                                           "max_batch", "max_delay_ms", "max_queue", "threads", "device", "decode")}
+                                           "max_batch", "max_delay_ms", "max_queue", "threads", "device", "decode",
+                                           "default_model", "model_control", "repository_poll_s", "load_models",
+                                           "version_policy", "repository_api")}
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
     except ValidationError as e:
@@ -222,12 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("serve", help="serve a model over HTTP (FastAPI): /classify, /explain, /v2, /metrics",
-                       description="Serve a checkpoint (torch), an exported NAME.onnx (onnxruntime), a TensorRT "
-                                   "engine or a model on a Triton server. Every option is also an environment "
-                                   "variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH); flags win.")
-    s.add_argument("model", metavar="MODEL", nargs="?",
-                   help="checkpoint, NAME.onnx (NAME.json beside it), NAME.engine, or a Triton model name "
-                        "(default: $VIT_SERVE_MODEL)")
+                       description="Serve a repository of models (a folder of exports and checkpoints, or of "
+                                   "NAME/VERSION/ folders), one checkpoint (torch), an exported NAME.onnx "
+                                   "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
+                                   "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH); "
+                                   "flags win.")
+    s.add_argument("model", metavar="REPO|MODEL", nargs="?",
+                   help="a folder of models, or one: checkpoint, NAME.onnx (NAME.json beside it), NAME.engine, or "
+                        "a Triton model name (default: $VIT_SERVE_MODEL)")
     s.add_argument("--backend", choices=("auto", "torch", "onnxruntime", "tensorrt", "triton"),
                    help="default auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
     s.add_argument("--triton-url", help="Triton server for --backend triton (default localhost:8000)")
@@ -243,6 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, help="requests waiting before 503 (default 256)")
     s.add_argument("--threads", type=int, help="intra-op threads of the model runtime (default: its own)")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), help="torch / onnxruntime device (default auto)")
+    s.add_argument("--default-model", help="the model of requests that name none (default: the only one)")
+    s.add_argument("--model-control", choices=("none", "poll", "explicit"),
+                   help="none (default: load REPO at start), poll (follow REPO's changes), explicit (--load-model "
+                        "and the repository API)")
+    s.add_argument("--repository-poll-s", type=float, help="seconds between scans with --model-control poll "
+                   "(default 15)")
+    s.add_argument("--load-model", dest="load_models", action="append", metavar="NAME",
+                   help="--model-control explicit: load NAME at start (repeatable; * loads all)")
+    s.add_argument("--version-policy", help="versions of each model to serve: latest (default), latest:N, all, "
+                   "specific:V1,V2 (a model's config.pbtxt version_policy wins)")
+    s.add_argument("--no-repository-api", dest="repository_api", action="store_const", const=False,
+                   help="answer 403 on POST /v2/repository/... (index, load, unload)")
     s.add_argument("--decode", choices=("fast", "exact", "contract"),
                    help="upload decoding: fast (the default: JPEG DCT-domain downscaling), exact (timm's "
                         "transform, bit for bit) or contract (the model's own contract field)")

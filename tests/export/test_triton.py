@@ -168,7 +168,7 @@ def test_every_config_parses_against_tritons_schema(exported, tmp_path):
     meta = json.loads(onnx.parameters["vit_serve"].string_value)
     assert meta["resolution"] == [RES, RES] and meta["patch_size"] == 16 and meta["labels"] == LABELS
     assert meta["preprocess"] == side["preprocess"] and meta["explain_model"] == f"{NAME}_explain_onnx"
-    assert meta["rollout"] == {"head_fusion": "mean", "discard_ratio": 0.9}
+    assert meta["rollout"] == {"head_fusion": "mean", "discard_ratio": 0.9, "pool": "token", "num_prefix_tokens": 1}
     assert meta["sidecar_sha256"] == sha256(exported["onnx"].with_suffix(".json"))
     ens = configs[f"{NAME}_ensemble"]
     assert ens.platform == "ensemble" and [s.model_name for s in ens.ensemble_scheduling.step] == [

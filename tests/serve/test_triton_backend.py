@@ -145,7 +145,8 @@ def test_backend_reads_the_model_from_its_config(server, exported):
         infos.append(info)
         assert (info.resolution, info.patch_size, info.num_classes, info.labels) == ((RES, RES), 16, 10, LABELS)
         assert info.preprocess == exported["preprocess"]
-        assert info.explain and info.rollout == {"head_fusion": "mean", "discard_ratio": 0.9}
+        assert info.explain and (info.rollout.head_fusion, info.rollout.discard_ratio) == ("mean", 0.9)
+        assert (info.backend, info.device, info.explain_model) == ("triton", "remote", f"{NAME}_explain_py")
         assert backend.ready()
 
         async def calls(b=backend):

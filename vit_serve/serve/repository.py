@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from vit_serve.serve.backends import create_backend
+from vit_serve.serve.backends import Backend, create_backend
 from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.gpu_decode import GpuDecoder, unavailable_reason
@@ -67,16 +67,10 @@ def rss_bytes() -> int | None:
     return None
 
 
-def model_device(version_backend: object) -> str:
-    """Where a backend's model runs: "cpu", "cuda[:i]", or (a remote server) the backend's name."""
-    info = version_backend.info  # type: ignore[attr-defined]
-    name = version_backend.name  # type: ignore[attr-defined]
-    extra = info.extra
-    if "device" in extra:  # torch
-        return str(extra["device"])
-    if "providers" in extra:  # onnxruntime
-        return "cuda" if "CUDAExecutionProvider" in extra["providers"] else "cpu"
-    return "cuda" if name == "tensorrt" else f"the {name} server"
+def model_device(backend: Backend) -> str:
+    """Where a backend's model runs: "cpu", "cuda[:i]", or (a remote server) "the <backend> server"."""
+    device = backend.info.device
+    return f"the {backend.name} server" if device == "remote" else device
 
 
 class ModelRepository:
@@ -96,6 +90,7 @@ class ModelRepository:
         self._poller: asyncio.Task[None] | None = None
         self.one_file = False
         self._wanted: set[str] = set()  # models to keep loaded (all, or explicit mode's)
+        self._attempted: set[str] = set()  # models ever asked to load (the index shows the others by name only)
 
     # ---- start and stop --------------------------------------------------------------------------------
 
@@ -211,20 +206,26 @@ class ModelRepository:
         served = self.served.setdefault(name, {})
         wanted: list[int] = []
         if entry is not None and entry.error is None and name in self._wanted:
-            wanted = (entry.policy or self.policy).select(list(entry.versions))
-        for v in wanted:
-            source = entry.versions[v]  # type: ignore[union-attr]
-            current = served.get(v)
-            if current is not None and current.fingerprint == source.fingerprint:
-                continue
-            if self._failed.get((name, v), ("", ""))[0] == source.fingerprint and source.fingerprint:
-                continue  # refused before, and its files have not changed since
-            new = await self._load_version(source, warm_first)
-            if new is None:
-                continue
-            served[v] = new  # switched in: from here on requests are routed to it
-            if current is not None:
-                self._retire(current)
+            self._attempted.add(name)
+            policy = entry.policy or self.policy
+            # refused before and unchanged since: not tried again (a version rewritten in place is)
+            excluded = {v for v, src in entry.versions.items()
+                        if self._failed.get((name, v), ("", ""))[0] == src.fingerprint != ""}
+            kept: set[int] = set()  # rewritten in place but refused: the loaded one serves on
+            while True:  # a refused version leaves the policy to choose among the others (the old ones)
+                wanted = policy.select([v for v in entry.versions if v not in excluded])
+                todo = [v for v in wanted if v not in kept and (
+                    v not in served or served[v].fingerprint != entry.versions[v].fingerprint)]
+                if not todo:
+                    break
+                for v in todo:
+                    new = await self._load_version(entry.versions[v], warm_first)
+                    if new is None:
+                        (kept if v in served else excluded).add(v)
+                        continue
+                    current, served[v] = served.get(v), new  # switched in: requests are routed to it from here
+                    if current is not None:
+                        self._retire(current)
         for v in [v for v in served if v not in wanted]:
             self._retire(served.pop(v))
         if not served:
@@ -382,7 +383,7 @@ class ModelRepository:
             if entry is not None and entry.error:
                 rows.append(VersionState(name, None, "UNAVAILABLE", entry.error))
                 continue
-            if not versions:
+            if not versions or name not in self._attempted:
                 rows.append(VersionState(name, None, None))
                 continue
             for v in sorted(versions):

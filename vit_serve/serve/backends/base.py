@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -54,13 +53,6 @@ class ModelInfo:
     runtime: str = ""
     explain_model: str | None = None
     max_batch_size: int = 0
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """Transitional, for the readers not yet moved to the typed fields (routes/explain.py's `pool`,
-        repository.model_device's `device`): delete it with them. "device" names a remote server as before."""
-        device = f"the {self.backend} server" if self.device == "remote" else self.device
-        return {"pool": self.pool, "device": device}
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -92,7 +92,7 @@ async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image
         "method": p.method,
         "head_fusion": task.head_fusion if rollout else None,
         "discard_ratio": task.discard_ratio if rollout else None,
-        "query": "cls" if info.extra.get("pool", "token") == "token" else "patch-mean",
+        "query": "cls" if info.pool == "token" else "patch-mean",
         "grid": info.grid,
         "map": heat.tolist(),
         "predictions": top_k(logits[0], 5, info) if logits is not None else [],
