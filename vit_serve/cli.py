@@ -5,32 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from vit_serve import __version__, quickstart
+from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.config import RESAMPLE_MODES
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
+from vit_serve.resolution import parse_resolution
 
-
-def parse_res(text: str) -> tuple[int, int]:
-    """"384" -> (384, 384); "384x512" (height x width) -> (384, 512)."""
-    m = re.fullmatch(r"\s*(\d+)\s*(?:[xX,]\s*(\d+)\s*)?", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad resolution {text!r}; use e.g. 384 or 384x512 (height x width)")
-    h = int(m[1])
-    return h, int(m[2]) if m[2] else h
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors are one line (the full usage stays behind --help)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+RESOLUTION = argument_type(parse_resolution)  # 384 or HxW, as an argparse type
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -111,7 +97,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if f.name == "res":
-            kw["type"] = parse_res
+            kw["type"] = RESOLUTION
         elif f.name == "model_args":
             kw["type"] = _parse_kv
         elif f.name == "few_shot":
@@ -173,16 +159,16 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
+    p = OneLineParser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vit-serve {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     c = sub.add_parser("convert", help="convert any supported checkpoint to vit-serve's .safetensors format",
                        description="Convert a vit_jax/big_vision .npz, timm, transformers or torchvision "
                                    "checkpoint (file, folder or hub id) to one vit-serve .safetensors file.")
     c.add_argument("src", help="checkpoint file, folder, or hub id (timm/<name>, google/vit-...)")
     c.add_argument("dst", help="output .safetensors path")
-    c.add_argument("--res", type=parse_res, help="resample position embeddings to this resolution (384 or HxW)")
+    c.add_argument("--res", type=RESOLUTION, help="resample position embeddings to this resolution (384 or HxW)")
     c.add_argument("--num-classes", type=int, help="replace the head with a zero-initialised K-way head")
     c.add_argument("--arch", help="architecture name when the weights do not say (e.g. vit_base_patch16_224)")
     c.add_argument("--resample-mode", choices=RESAMPLE_MODES,
@@ -216,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="top-1/top-5, confusion matrix and few-shot accuracy of a checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("--data", default="digits", help=_TRAIN_HELP["data"])
-    e.add_argument("--res", type=parse_res, help="evaluate at this resolution (position embeddings resampled)")
+    e.add_argument("--res", type=RESOLUTION, help="evaluate at this resolution (position embeddings resampled)")
     e.add_argument("--out", help="folder for confusion.png and eval.json")
     e.add_argument("--few-shot", type=_parse_ints, default=(), help="e.g. 1,5,10,25 images per class")
     e.add_argument("--batch-size", type=int, default=128)

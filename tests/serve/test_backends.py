@@ -17,6 +17,7 @@ from vit_serve.preprocess import preprocess
 from vit_serve.serve.backends import check_model, create_backend, resolve_backend
 from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
 from vit_serve.serve.backends.torch import TorchBackend
+from vit_serve.serve.inference import Task
 
 
 @pytest.fixture(scope="module")
@@ -72,22 +73,28 @@ def test_explain_matches_library_rollout(torch_backend, ort_backend, tiny_model,
         logits, attn = tiny_model(torch.from_numpy(x), return_attention=True)
     for fusion, ratio in (("mean", 0.9), ("max", 0.5), ("min", 0.0)):
         ref = rollout(attn, (2, 3), 1, "token", fusion, ratio).map.numpy()
-        got_logits, got = torch_backend.explain(x, fusion, ratio)
+        got_logits, got = torch_backend.explain(x, RolloutSettings(fusion, ratio))
         assert got.shape == (3, 2, 3)
         np.testing.assert_allclose(got, ref, atol=1e-6)
         np.testing.assert_allclose(got_logits, logits.numpy(), atol=1e-5)
-    ort_logits, ort_map = ort_backend.explain(x, "mean", 0.9)
+    ort_logits, ort_map = ort_backend.explain(x, RolloutSettings("mean", 0.9))
     np.testing.assert_allclose(ort_map, rollout(attn, (2, 3), 1, "token", "mean", 0.9).map.numpy(), atol=1e-5)
     np.testing.assert_allclose(ort_logits, logits.numpy(), atol=1e-4)
 
 
-def test_exported_explain_graph_refuses_other_settings(ort_backend, photos):
+def test_exported_explain_graph_refuses_other_settings(ort_backend, torch_backend, photos):
+    """Rollout settings are resolved once, against the model's info (the same message for every backend)."""
     x = _batch(photos, ort_backend.info.preprocess)[:1]
+    info = ort_backend.info
     with pytest.raises(ValueError, match=r"head_fusion=mean and discard_ratio=0\.9 only"):
-        ort_backend.explain(x, "max", 0.9)
+        info.resolve_rollout("max", 0.9)
     with pytest.raises(ValueError, match=r"asked: head_fusion=mean, discard_ratio=0\.5"):
-        ort_backend.explain(x, "mean", 0.5)
-    assert ort_backend.explain(x, None, None)[1].shape == (1, 2, 3)  # None: the graph's own
+        info.resolve_rollout("mean", 0.5)
+    assert info.resolve_rollout() == info.resolve_rollout("mean", 0.9) == RolloutSettings("mean", 0.9)
+    assert torch_backend.info.resolve_rollout("max", 0.5) == RolloutSettings("max", 0.5)  # any, on torch
+    assert ort_backend.explain(x)[1].shape == (1, 2, 3)  # the graph's own
+    out = ort_backend.run(Task("explain", info.resolve_rollout()), x)
+    np.testing.assert_array_equal(out["rollout"], ort_backend.explain(x)[1])
     with pytest.raises(NotImplementedError, match="torch backend"):
         ort_backend.grad_rollout(x)
 

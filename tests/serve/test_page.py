@@ -1,5 +1,6 @@
-"""The web page at / in headless Chromium, against the real gateway (uvicorn in a thread, torch backend, a tiny
-random ViT with labels): upload a real photo, read the bars and the overlay, and see the server's errors.
+"""The web page at / in headless Chromium, against the real gateway (uvicorn in a thread, tiny random ViTs with
+labels): upload a real photo, read the bars and the overlay, see the server's errors, and pick a model of a
+repository (GET /models), each answer compared with the same request made directly with httpx.
 
 Chromium is the system one (`chromium` on PATH, e.g. Debian's package); no browser is ever downloaded. Set
 VIT_SERVE_SCREENSHOT_DIR to keep the screenshot.
@@ -12,7 +13,9 @@ import io
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
@@ -31,6 +34,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LABELS = ["tabby cat", "espresso", "golden retriever", "red fox", "teapot", "lighthouse", "sunflower",
           "steam locomotive", "harbor seal", "origami crane"]
+BIRDS = ["heron", "kingfisher", "puffin", "wren", "barn owl"]
 TIMEOUT_MS = 30_000
 
 
@@ -54,9 +58,31 @@ def photo(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def page(server):
-    """A fresh headless Chromium page on /; fails the test on any JS error or any request off the server."""
+@pytest.fixture(scope="module")
+def repo_server(tmp_path_factory, randomize) -> Iterator[str]:
+    """A gateway serving a repository of three models, --default-model pets, --version-policy all:
+    pets.safetensors (as `server`'s, 32x32, 10 labels), birds/1 and birds/2 (other weights, 5 other labels,
+    32x48) and broken.safetensors (not a checkpoint), which fails to load."""
+    folder = tmp_path_factory.mktemp("page_repo")
+    pets = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=32), seed=3)
+    pets.labels = list(LABELS)
+    vit_serve.save(pets, folder / "pets.safetensors")
+    for version, seed in ((1, 4), (2, 5)):
+        birds = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=5, img_size=(32, 48)), seed=seed)
+        birds.labels = list(BIRDS)
+        (folder / "birds" / str(version)).mkdir(parents=True)
+        vit_serve.save(birds, folder / "birds" / str(version) / "model.safetensors")
+    (folder / "broken.safetensors").write_bytes(b"not a checkpoint")
+    # store_size 1: a later upload evicts the page's image, so that the page has to send it again (POST /explain)
+    settings = settings_for(folder, decode_workers=1, default_model="pets", version_policy="all", store_size=1)
+    with live_server(settings) as url:
+        yield url
+
+
+@contextmanager
+def _open_page(url: str) -> Iterator:
+    """A fresh headless Chromium page on url/; it records JS errors, requests off the server and the API requests
+    it makes (method, path, query). The browser is closed on the way out."""
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -65,14 +91,36 @@ def page(server):
             pg.set_default_timeout(TIMEOUT_MS)
             errors: list[str] = []
             foreign: list[str] = []
+            api: list[tuple[str, str, dict[str, list[str]]]] = []
+
+            def on_request(r) -> None:
+                if not r.url.startswith((url, "blob:", "data:")):
+                    foreign.append(r.url)
+                elif r.url.startswith(url):
+                    parts = urlsplit(r.url)
+                    api.append((r.method, parts.path, parse_qs(parts.query)))
+
             pg.on("pageerror", lambda e: errors.append(str(e)))
             pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            pg.on("request", lambda r: None if r.url.startswith((server, "blob:", "data:")) else foreign.append(r.url))
-            pg.goto(server + "/")
-            pg.errors, pg.foreign = errors, foreign
+            pg.on("request", on_request)
+            pg.goto(url + "/")
+            pg.errors, pg.foreign, pg.api = errors, foreign, api
             yield pg
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(server):
+    """The page on the single-model server; fails the test on any JS error or any request off the server."""
+    with _open_page(server) as pg:
+        yield pg
+
+
+@pytest.fixture
+def repo_page(repo_server):
+    with _open_page(repo_server) as pg:
+        yield pg
 
 
 def _screenshot(pg, tmp_path: Path, name: str) -> Path:
@@ -112,7 +160,8 @@ def test_upload_shows_the_top5_and_the_attention_overlay(server, page, photo, tm
 
     assert page.get_attribute("#file", "accept") == "image/*"
     assert page.inner_text("label[for=file]").strip()  # the file input has a visible label
-    page.wait_for_function("document.getElementById('model').textContent.includes('pets')")
+    page.wait_for_function("document.getElementById('model').textContent.includes('pets v1')")
+    assert page.is_hidden("#model-choice")  # one model, one version: nothing to pick
     page.set_input_files("#file", str(photo))
     page.wait_for_function("document.querySelectorAll('#predictions li').length === 5")
 
@@ -128,7 +177,7 @@ def test_upload_shows_the_top5_and_the_attention_overlay(server, page, photo, tm
     widths = [b["width"] for b in bars]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
     assert page.is_hidden("#error")
-    assert expected["model"] in page.inner_text("#meta")
+    assert f"{expected['model']} v{expected['version']}" in page.inner_text("#meta")
 
     overlay = _wait_overlay(page)
     assert (overlay["w"], overlay["h"]) == (32, 32)  # the map over the model-input crop
@@ -201,4 +250,102 @@ def test_invalid_files_show_the_servers_message(server, page, photo, tmp_path):
     _screenshot(page, tmp_path, "page_error.png")
 
     assert page.errors == [] or all("status of 4" in e for e in page.errors)  # Chromium logs failed fetches
+    assert page.foreign == []
+
+
+def _options(pg) -> list[dict]:
+    return pg.eval_on_selector_all("#model-picker option", """opts => opts.map(o => ({
+        value: o.value, text: o.textContent, title: o.title, disabled: o.disabled, selected: o.selected}))""")
+
+
+def _classify(url: str, photo: Path, **params) -> dict:
+    r = httpx.post(f"{url}/classify", params={"top_k": 5, **params},
+                   files={"file": (photo.name, photo.read_bytes(), "image/jpeg")}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_bars(pg, expected: dict) -> None:
+    bars = _bars(pg)
+    assert [(b["label"], b["index"]) for b in bars] == [(p["label"], p["index"]) for p in expected["predictions"]]
+    for bar, pred in zip(bars, expected["predictions"], strict=True):
+        assert bar["width"] == pytest.approx(100 * pred["score"], abs=0.01)
+
+
+def _since(pg, start: int, path: str) -> list[dict[str, list[str]]]:
+    """The query of each request to `path` the page made since pg.api[start]."""
+    return [q for _, p, q in pg.api[start:] if p == path]
+
+
+def test_the_model_picker_lists_the_repository_and_every_request_names_the_pick(repo_server, repo_page, photo,
+                                                                                 tmp_path):
+    url, page = repo_server, repo_page
+    listing = httpx.get(f"{url}/models").json()
+    by_name = {m["name"]: m for m in listing["models"]}
+    assert sorted(by_name) == ["birds", "broken", "pets"] and listing["default_model"] == "pets"
+    broken = by_name["broken"]["versions"][0]
+    assert broken["state"] == "UNAVAILABLE" and broken["reason"]
+
+    page.wait_for_function("document.querySelectorAll('#model-picker option').length === 5")
+    assert page.is_visible("#model-picker")
+    options = {o["value"]: o for o in _options(page)}
+    # the listing's order: a model with one version is one choice; one with several, its newest then each
+    assert list(options) == [v for m in listing["models"] for v in (
+        [m["name"]] if len(m["versions"]) == 1
+        else [m["name"], *(f"{m['name']}/{v['version']}" for v in m["versions"])])]
+    assert list(options) != ["pets"] and set(options) == {"birds", "birds/1", "birds/2", "broken", "pets"}
+    assert [v for v, o in options.items() if o["selected"]] == ["pets"]  # the default model, not the first one
+    assert [v for v, o in options.items() if o["disabled"]] == ["broken"]
+    assert "UNAVAILABLE" in options["broken"]["text"] and options["broken"]["title"] == broken["reason"]
+    assert "newest (v2)" in options["birds"]["text"] and "READY" in options["birds/1"]["text"]
+    assert "pets v1" in page.inner_text("#model")
+
+    # The default model answers first; the page names it.
+    start = len(page.api)
+    page.set_input_files("#file", str(photo))
+    page.wait_for_function("document.getElementById('meta').textContent.includes('pets v1')")
+    _assert_bars(page, _classify(url, photo, model="pets"))
+    first = _wait_overlay(page)
+    assert (first["w"], first["h"]) == (32, 32)
+    assert _since(page, start, "/classify") == [{"top_k": ["5"], "model": ["pets"]}]
+
+    # Picking birds re-classifies the image chosen: its newest version, the same answer as the API's.
+    start = len(page.api)
+    page.select_option("#model-picker", "birds")
+    page.wait_for_function("document.getElementById('meta').textContent.includes('birds v2')")
+    newest = _classify(url, photo, model="birds")
+    assert newest["version"] == "2"
+    _assert_bars(page, newest)
+    assert all(b["label"] in BIRDS for b in _bars(page))
+    overlay = _wait_overlay(page, previous=first["src"])
+    assert (overlay["w"], overlay["h"]) == (48, 32)  # birds' input crop, 32x48
+    assert page.inner_text("#overlay-caption").endswith("by birds v2")
+    assert _since(page, start, "/classify") == [{"top_k": ["5"], "model": ["birds"]}]
+    explains = _since(page, start, "/explain")
+    assert explains and all(q["model"] == ["birds"] and "version" not in q for q in explains)
+    assert "birds v2" in page.inner_text("#model")
+
+    # A version picked by the user: ?version= on every request, and that version's answer.
+    start = len(page.api)
+    page.select_option("#model-picker", "birds/1")
+    page.wait_for_function("document.getElementById('meta').textContent.includes('birds v1')")
+    old = _classify(url, photo, model="birds", version="1")
+    assert [p["score"] for p in old["predictions"]] != [p["score"] for p in newest["predictions"]]
+    _assert_bars(page, old)
+    overlay = _wait_overlay(page, previous=overlay["src"])
+    assert page.inner_text("#overlay-caption").endswith("by birds v1")
+    assert _since(page, start, "/classify") == [{"top_k": ["5"], "model": ["birds"], "version": ["1"]}]
+    assert [(q["model"], q["version"]) for q in _since(page, start, "/explain")] == [(["birds"], ["1"])]
+
+    # The server forgets the image (another upload evicts it): the page sends it again to the same pick.
+    _classify(url, photo, model="pets")  # store_size 1: the pets crop evicts birds' one
+    start = len(page.api)
+    page.select_option("#head-fusion", "max")
+    _wait_overlay(page, previous=overlay["src"])
+    assert [(m, q["model"], q["version"]) for m, p, q in page.api[start:] if p == "/explain"] == [
+        ("GET", ["birds"], ["1"]), ("POST", ["birds"], ["1"])]
+    assert page.is_hidden("#overlay-error") and page.is_hidden("#error")
+    _screenshot(page, tmp_path, "page_models.png")
+
+    assert len(page.errors) == 1 and "status of 404" in page.errors[0]  # Chromium logs the forgotten id's 404
     assert page.foreign == []

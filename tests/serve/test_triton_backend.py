@@ -41,6 +41,7 @@ from vit_serve.explain import rollout
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess
 from vit_serve.serve.backends.base import BackendUnavailableError
 from vit_serve.serve.backends.triton import TritonBackend, parse_url
+from vit_serve.serve.inference import CLASSIFY, Task
 from vit_serve.serve.settings import ServeSettings
 
 httpx = pytest.importorskip("httpx")
@@ -147,20 +148,21 @@ def test_backend_reads_the_model_from_its_config(server, exported):
         assert info.preprocess == exported["preprocess"]
         assert info.explain and (info.rollout.head_fusion, info.rollout.discard_ratio) == ("mean", 0.9)
         assert (info.backend, info.device, info.explain_model) == ("triton", "remote", f"{NAME}_explain_py")
-        assert backend.ready()
 
         async def calls(b=backend):
-            logits = await asyncio.gather(*(b.aclassify(x[i:i + 1]) for i in range(3)))
-            both = await b.aexplain(x)
-            await b.aclose()
-            return np.concatenate(logits), both
+            ready = await b.ready()
+            await b.warmup()
+            logits = await asyncio.gather(*(b.run(CLASSIFY, x[i:i + 1]) for i in range(3)))
+            both = await b.run(Task("explain", b.info.resolve_rollout()), x)
+            with pytest.raises(NotImplementedError, match="torch backend"):
+                await b.run(Task("grad_rollout"), x[:1])
+            await b.close()
+            return ready, np.concatenate([r["logits"] for r in logits]), both
 
-        logits, (ex_logits, heat) = asyncio.run(calls())
-        assert np.abs(logits - ref).max() <= TOL and np.abs(ex_logits - ref).max() <= TOL
-        assert heat.shape == (3, RES // 16, RES // 16)
-        assert np.abs(backend.classify(x) - ref).max() <= TOL  # the sync form (scripts, warm-up)
-        with pytest.raises(NotImplementedError, match="torch backend"):
-            backend.grad_rollout(x[:1])
+        ready, logits, both = asyncio.run(calls())
+        assert ready
+        assert np.abs(logits - ref).max() <= TOL and np.abs(both["logits"] - ref).max() <= TOL
+        assert both["rollout"].shape == (3, RES // 16, RES // 16)
     assert infos[0].preprocess == infos[1].preprocess and infos[0].labels == infos[1].labels
 
 

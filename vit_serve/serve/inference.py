@@ -1,7 +1,8 @@
-"""What the model computes for a request (a `Task`), on a batch, on any backend.
+"""What the model computes for a request: a `Task`. Requests whose tasks are equal share a batch.
 
-Requests whose tasks are equal share a batch. Outputs are named as in the exported graphs and the Open
-Inference Protocol: "logits" [B, K] and "rollout" [B, gh, gw], float32.
+Outputs are named as in the exported graphs and the Open Inference Protocol: "logits" [B, K] and "rollout"
+[B, gh, gw], float32. An explain task carries its rollout settings resolved once, by the model version that
+takes the request (`ModelInfo.resolve_rollout`): backends run them as they are.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from vit_serve.serve.backends.base import Backend
+from vit_serve.manifest import RolloutSettings
 
 Outputs = dict[str, np.ndarray]
 TaskKind = Literal["classify", "explain", "grad_rollout"]
@@ -19,33 +20,12 @@ TaskKind = Literal["classify", "explain", "grad_rollout"]
 
 @dataclass(frozen=True)
 class Task:
-    """classify: logits; explain: logits + attention rollout; grad_rollout: gradient-weighted rollout (torch)."""
+    """classify: logits; explain: logits + attention rollout with `rollout`; grad_rollout: gradient-weighted
+    rollout of class `target` (None: each image's top-1; the torch backend only)."""
 
     kind: TaskKind = "classify"
-    head_fusion: str = "mean"
-    discard_ratio: float = 0.9
-    target: int | None = None  # grad_rollout: class to explain (None: each image's top-1)
+    rollout: RolloutSettings | None = None
+    target: int | None = None
 
 
 CLASSIFY = Task()
-
-
-def run(backend: Backend, task: Task, x: np.ndarray) -> Outputs:
-    """Run `task` on x [B, 3, H, W] float32 in the calling thread (the gateway's model thread)."""
-    if task.kind == "classify":
-        return {"logits": backend.classify(x)}
-    if task.kind == "explain":
-        logits, rollout = backend.explain(x, task.head_fusion, task.discard_ratio)
-        return {"logits": logits, "rollout": rollout}
-    maps = [backend.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])]
-    return {"rollout": np.stack(maps)}
-
-
-async def arun(backend: Backend, task: Task, x: np.ndarray) -> Outputs:
-    """Same, for backends that batch on their own (`batches_itself`, e.g. Triton)."""
-    if task.kind == "classify":
-        return {"logits": await backend.aclassify(x)}
-    if task.kind == "explain":
-        logits, rollout = await backend.aexplain(x, task.head_fusion, task.discard_ratio)
-        return {"logits": logits, "rollout": rollout}
-    raise NotImplementedError(f"grad_rollout needs the torch backend; this server runs {backend.name}")

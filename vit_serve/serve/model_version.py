@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
-from vit_serve.serve.backends.base import Backend, ModelInfo
+from vit_serve.serve.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.serve.errors import BadRequestError, InvalidValueError
 from vit_serve.serve.gpu_decode import GpuDecoder
 from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
@@ -94,8 +94,8 @@ class ModelVersion:
         """One batch through the model (in its thread); READY after it. False (and `error`) when it fails."""
         t0 = time.perf_counter()
         try:
-            if self.backend.batches_itself:
-                await asyncio.get_running_loop().run_in_executor(self.thread, self.backend.warmup)
+            if isinstance(self.backend, RemoteBackend):
+                await self.backend.warmup()
             else:
                 await self.runner.call(self.backend.warmup)
         except Exception as e:
@@ -119,7 +119,10 @@ class ModelVersion:
                 self.warm_up_soon()  # try again
             return False, self.error or "warming up"
         try:
-            ok = await asyncio.get_running_loop().run_in_executor(None, self.backend.ready)
+            if isinstance(self.backend, RemoteBackend):
+                ok = await self.backend.ready()
+            else:
+                ok = self.backend.ready()
         except Exception as e:
             ok, self.error = False, f"backend not ready: {e}"
         self.metrics.ready.set(int(ok))
@@ -134,7 +137,10 @@ class ModelVersion:
             self._warmup.cancel()
         await self.runner.stop()
         try:
-            self.backend.close()
+            if isinstance(self.backend, RemoteBackend):
+                await self.backend.close()
+            else:
+                self.backend.close()
         except Exception:
             log.exception("closing %s", self.label)
         self.thread.shutdown(wait=False, cancel_futures=True)
@@ -193,11 +199,10 @@ class ModelVersion:
                                   f"NAME_explain.onnx beside NAME.onnx)")
         if head_fusion is not None and head_fusion not in HEAD_FUSIONS:
             raise InvalidValueError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}")
-        why = info.rollout_mismatch(head_fusion, discard_ratio)
-        if why:
-            raise BadRequestError(why)
-        hf, dr = info.rollout_settings(head_fusion, discard_ratio)
-        return Task("explain", head_fusion=hf, discard_ratio=dr)
+        try:
+            return Task("explain", rollout=info.resolve_rollout(head_fusion, discard_ratio))
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
 
     def arriving(self) -> Arrival:
         """Announce a request to the runner before reading and decoding it (`with version.arriving() as a:`)."""

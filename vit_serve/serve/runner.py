@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from vit_serve.serve.backends.base import Backend
+from vit_serve.serve.backends.base import Backend, LocalBackend, RemoteBackend
 from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
-from vit_serve.serve.inference import Outputs, Task, arun, run
+from vit_serve.serve.inference import Outputs, Task
 from vit_serve.serve.metrics import ModelMetrics
 
 log = logging.getLogger("vit_serve.serve")
@@ -137,8 +137,10 @@ class _Runner:
 class DirectRunner(_Runner):
     """Each request straight to the backend (a server that batches on its own), at most max_queue outstanding."""
 
-    def __init__(self, backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> None:
+    def __init__(self, backend: RemoteBackend, limits: RunnerLimits, metrics: ModelMetrics,
+                 executor: Executor) -> None:
         super().__init__(backend, limits, metrics, executor)
+        self.remote = backend
         self._outstanding = 0
 
     def start(self) -> None:
@@ -165,7 +167,7 @@ class DirectRunner(_Runner):
         self.metrics.queue_depth.set(self._outstanding)
         t0 = time.perf_counter()
         try:
-            outputs = await asyncio.wait_for(arun(self.backend, task, x), self.timeout_s)
+            outputs = await asyncio.wait_for(self.remote.run(task, x), self.timeout_s)
         except TimeoutError:
             raise self._timed_out() from None
         finally:
@@ -180,8 +182,10 @@ class DirectRunner(_Runner):
 class BatchingRunner(_Runner):
     """Queue + collector + the version's single model thread."""
 
-    def __init__(self, backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> None:
+    def __init__(self, backend: LocalBackend, limits: RunnerLimits, metrics: ModelMetrics,
+                 executor: Executor) -> None:
         super().__init__(backend, limits, metrics, executor)
+        self.local = backend
         self.max_batch = limits.max_batch if limits.batching else 1
         self.delay_s = limits.max_delay_ms / 1e3
         self.max_queue = limits.max_queue
@@ -308,7 +312,7 @@ class BatchingRunner(_Runner):
         self.metrics.in_flight.set(rows)
         self._running = batch
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run, self.backend, task, x)
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.local.run, task, x)
         except Exception as e:
             for item in batch:
                 if not item.future.done():
@@ -332,5 +336,7 @@ Runner = BatchingRunner | DirectRunner
 
 def runner_for(backend: Backend, limits: RunnerLimits, metrics: ModelMetrics, executor: Executor) -> Runner:
     """A direct runner for a backend whose server batches (Triton), a batching runner for the others."""
-    cls = DirectRunner if backend.batches_itself else BatchingRunner
-    return cls(backend, limits, metrics, executor)
+    if isinstance(backend, RemoteBackend):
+        return DirectRunner(backend, limits, metrics, executor)
+    assert isinstance(backend, LocalBackend)
+    return BatchingRunner(backend, limits, metrics, executor)

@@ -2,6 +2,11 @@
 
 A backend never decodes images: the gateway preprocesses each upload with `vit_serve.preprocess` (the one
 preprocessing function) at `info.resolution` and hands the backend float32 batches [B, 3, H, W].
+
+A backend speaks one of two protocols. A `LocalBackend` (torch, onnxruntime, TensorRT) computes in the calling
+thread, the model version's own model thread, and the gateway batches for it (`runner.BatchingRunner`). A
+`RemoteBackend` (Triton) is asked over the network, concurrently, and its server batches
+(`runner.DirectRunner`). Both take a `Task` whose rollout settings are resolved already.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import numpy as np
 
 from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
+from vit_serve.serve.inference import Outputs, Task
 
 
 class BackendUnavailableError(RuntimeError):
@@ -82,46 +88,79 @@ class ModelInfo:
                 f"re-export with vit-export --head-fusion/--discard-ratio, or serve the checkpoint with the "
                 f"torch backend")
 
+    def resolve_rollout(self, head_fusion: str | None = None, discard_ratio: float | None = None
+                        ) -> RolloutSettings:
+        """The rollout settings a request gets (`rollout_settings`); ValueError (`rollout_mismatch`'s reason)
+        when the exported graph cannot give them. The one place they are checked, for every backend."""
+        why = self.rollout_mismatch(head_fusion, discard_ratio)
+        if why:
+            raise ValueError(why)
+        return RolloutSettings(*self.rollout_settings(head_fusion, discard_ratio))
+
 
 class Backend(abc.ABC):
-    """A loaded model behind one runtime. Sync methods run off the event loop (the batcher calls them in a
-    worker thread); the Triton backend overrides the async ones instead."""
+    """A loaded model behind one runtime: its `info`, and one of the two protocols below."""
 
     name: str = "base"
     supports_grad_rollout: bool = False
-    # True for Triton: requests go straight to `aclassify` / `aexplain` one by one and the server batches them.
-    batches_itself: bool = False
     info: ModelInfo
+
+    def _warmup_input(self) -> np.ndarray:
+        h, w = self.info.resolution
+        return np.zeros((1, 3, h, w), np.float32)
+
+
+class LocalBackend(Backend):
+    """Computes in the calling thread (the model version's model thread); the gateway batches for it."""
+
+    def run(self, task: Task, x: np.ndarray) -> Outputs:
+        """`task` on x [B, 3, H, W] float32 -> its outputs."""
+        if task.kind == "classify":
+            return {"logits": self.classify(x)}
+        if task.kind == "explain":
+            logits, rollout = self.explain(x, task.rollout)
+            return {"logits": logits, "rollout": rollout}
+        return {"rollout": np.stack([self.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])])}
 
     def warmup(self) -> None:
         """Run one batch so the first request does not pay for lazy initialisation."""
-        h, w = self.info.resolution
-        self.classify(np.zeros((1, 3, h, w), np.float32))
+        self.classify(self._warmup_input())
 
     @abc.abstractmethod
     def classify(self, x: np.ndarray) -> np.ndarray:
         """x [B, 3, H, W] float32 -> logits [B, K] float32."""
 
-    def explain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """x [B, 3, H, W] -> (logits [B, K], rollout [B, gh, gw]) (`vit_serve.explain.rollout`)."""
+    def explain(self, x: np.ndarray, rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """x [B, 3, H, W] -> (logits [B, K], rollout [B, gh, gw]) (`vit_serve.explain.rollout`) with `rollout`'s
+        settings (None: the model's own, `info.resolve_rollout()`)."""
         raise NotImplementedError(f"the {self.name} backend has no explain graph")
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         """x [1, 3, H, W] -> gradient rollout map [gh, gw] (torch backend only)."""
-        raise NotImplementedError(f"grad_rollout needs the torch backend; this server runs {self.name}")
-
-    async def aclassify(self, x: np.ndarray) -> np.ndarray:
-        """Async form, used instead of the gateway's batcher when `batches_itself`."""
-        raise NotImplementedError
-
-    async def aexplain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
+        raise NotImplementedError(f"grad_rollout needs the torch backend; this model runs on {self.name}")
 
     def ready(self) -> bool:
-        """Loaded, warmed and reachable."""
+        """Loaded and able to answer."""
         return True
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing to release
-        """Release sessions / connections."""
+    def close(self) -> None:
+        """Release sessions."""
+
+
+class RemoteBackend(Backend):
+    """A model on a server that batches concurrent requests itself; asked concurrently from the event loop."""
+
+    @abc.abstractmethod
+    async def run(self, task: Task, x: np.ndarray) -> Outputs:
+        """`task` on x [B, 3, H, W] float32 -> its outputs (one request to the server)."""
+
+    async def warmup(self) -> None:
+        await self.run(Task(), self._warmup_input())
+
+    @abc.abstractmethod
+    async def ready(self) -> bool:
+        """The server and the model answer."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vit_serve.serve.backends.base import Backend
+from vit_serve.manifest import RolloutSettings
+from vit_serve.serve.backends.base import LocalBackend
 from vit_serve.serve.backends.sidecar import read_export
 
 INPUT = "pixel_values"
@@ -30,7 +31,7 @@ def session_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-class OnnxRuntimeBackend(Backend):
+class OnnxRuntimeBackend(LocalBackend):
     name = "onnxruntime"
 
     def __init__(self, onnx_path: str | Path, model_name: str | None = None, device: str = "auto",
@@ -69,13 +70,11 @@ class OnnxRuntimeBackend(Backend):
         (logits,) = self.session.run(["logits"], self._feed(x))
         return logits.astype(np.float32, copy=False)
 
-    def explain(self, x: np.ndarray, head_fusion: str | None = None, discard_ratio: float | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+    def explain(self, x: np.ndarray, rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The explain graph, whose rollout settings are its own (`rollout`, resolved against them, is not
+        needed here)."""
         if self.explain_session is None:
             raise NotImplementedError(f"no explain graph beside {Path(self.info.source).name} "
                                       f"(vit-export writes NAME_explain.onnx)")
-        why = self.info.rollout_mismatch(head_fusion, discard_ratio)
-        if why:
-            raise ValueError(why)
         logits, heat = self.explain_session.run(["logits", "rollout"], self._feed(x))
         return logits.astype(np.float32, copy=False), heat.astype(np.float32, copy=False)

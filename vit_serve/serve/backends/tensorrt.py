@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from vit_serve.serve.backends.base import Backend
+from vit_serve.manifest import RolloutSettings
+from vit_serve.serve.backends.base import LocalBackend
 from vit_serve.serve.backends.onnxruntime import session_providers
 from vit_serve.serve.backends.sidecar import read_export
 from vit_serve.tensorrt_engine import TensorRTEngine
@@ -52,7 +53,7 @@ class _OnnxExplain:
         return {"logits": logits, "rollout": heat}
 
 
-class TensorRTBackend(Backend):
+class TensorRTBackend(LocalBackend):
     name = "tensorrt"
 
     def __init__(self, engine_path: str | Path, model_name: str | None = None) -> None:
@@ -70,12 +71,9 @@ class TensorRTBackend(Backend):
     def classify(self, x: np.ndarray) -> np.ndarray:
         return self.engine.run(x)["logits"]
 
-    def explain(self, x: np.ndarray, head_fusion: str | None = None, discard_ratio: float | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+    def explain(self, x: np.ndarray, rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The explain graph, whose rollout settings are its own."""
         if self.explain_engine is None:
             raise NotImplementedError(f"no explain engine beside {Path(self.info.source).name}")
-        why = self.info.rollout_mismatch(head_fusion, discard_ratio)
-        if why:
-            raise ValueError(why)
         out = self.explain_engine.run(x)
         return out["logits"], out["rollout"]

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from vit_serve.explain import grad_rollout, rollout
+from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
-from vit_serve.serve.backends.base import Backend, ModelInfo
+from vit_serve.serve.backends.base import LocalBackend, ModelInfo
 
 
 def _device(name: str) -> torch.device:
@@ -24,7 +25,7 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class TorchBackend(Backend):
+class TorchBackend(LocalBackend):
     name = "torch"
     supports_grad_rollout = True
 
@@ -68,12 +69,14 @@ class TorchBackend(Backend):
         with torch.inference_mode():
             return self._out(self.model(self._input(x)))
 
-    def explain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
+    def explain(self, x: np.ndarray, rollout_settings: RolloutSettings | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Any head fusion and discard ratio (`rollout_settings`; None: the defaults)."""
+        r = rollout_settings or self.info.resolve_rollout()
         with torch.inference_mode():
             logits, attentions = self.model(self._input(x), return_attention=True)
             heat = rollout(attentions, self.info.grid, self.model.num_prefix_tokens, self.model.cfg.pool,
-                           head_fusion, discard_ratio)
+                           r.head_fusion, r.discard_ratio)
         return self._out(logits), self._out(heat.map)
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:

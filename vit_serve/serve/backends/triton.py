@@ -1,6 +1,6 @@
 """The Triton backend: a model on a Triton Inference Server, reached with tritonclient's asyncio client.
 
-The gateway sends every request straight to Triton (`batches_itself`); the server's dynamic batcher groups
+A `RemoteBackend`: the gateway sends every request straight to Triton; the server's dynamic batcher groups
 concurrent requests into one execution. The model's metadata (resolution, labels, preprocessing contract, patch
 size, explain model, rollout settings) is read from the "vit_serve" parameter the exporter writes into each
 config.pbtxt, so the gateway needs nothing but the model name and the server's URL.
@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from vit_serve.manifest import TritonMeta
-from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
+from vit_serve.serve.backends.base import BackendUnavailableError, ModelInfo, RemoteBackend
 from vit_serve.serve.errors import GatewayTimeoutError
+from vit_serve.serve.inference import Outputs, Task
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class _Connection:
     retired: bool = False
 
 
-class TritonBackend(Backend):
+class TritonBackend(RemoteBackend):
     """MODEL on the Triton server at URL; `info` from the model's config, explain via its explain model.
 
     settings: the gateway's ServeSettings (triton_timeout_s, triton_startup_timeout_s, max_queue); the keyword
@@ -153,7 +154,6 @@ class TritonBackend(Backend):
     """
 
     name = "triton"
-    batches_itself = True
 
     def __init__(self, model: str, url: str, settings: Any = None, *, timeout_s: float | None = None,
                  startup_timeout_s: float | None = None, max_queue: int | None = None) -> None:
@@ -308,13 +308,13 @@ class TritonBackend(Backend):
             if not await self._guard(conn, "is_model_ready", conn.client.is_model_ready(m, **kw), wait):
                 raise self._unavailable(RuntimeError(f"model {m!r} not ready"), "is_model_ready")
 
-    def warmup(self) -> None:
+    async def warmup(self) -> None:
         """One batch through the logits model and the explain model (loads the ONNX sessions server-side)."""
-        h, w = self.info.resolution
-        x = np.zeros((1, 3, h, w), np.float32)
-        self.classify(x)
+        x = self._warmup_input()
+        conn = self._shared()
+        await self._infer(conn, self.model, x, [LOGITS])
         if self.explain_model:
-            self._infer_blocking(self.explain_model, x, [LOGITS, ROLLOUT])
+            await self._infer(conn, self.explain_model, x, [LOGITS, ROLLOUT])
 
     # ---- inference -----------------------------------------------------------------------------------------
 
@@ -338,63 +338,25 @@ class TritonBackend(Backend):
         self._mark(True)
         return [result.as_numpy(n) for n in outputs]
 
-    async def aclassify(self, x: np.ndarray) -> np.ndarray:
-        """x [B, 3, H, W] float32 -> logits [B, K] float32 (one Triton request; the server batches)."""
-        (logits,) = await self._infer(self._shared(), self.model, x, [LOGITS])
-        return logits
-
-    async def aexplain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """x [B, 3, H, W] -> (logits [B, K], rollout [B, gh, gw]) from the explain model.
-
-        The exported graph has its rollout settings baked in (`info.rollout`); others are a ValueError.
-        """
-        self._check_rollout(head_fusion, discard_ratio)
-        logits, rollout = await self._infer(self._shared(), self.explain_model, x, [LOGITS, ROLLOUT])
-        return logits, rollout
-
-    def _check_rollout(self, head_fusion: str, discard_ratio: float) -> None:
-        if not self.explain_model:
-            raise NotImplementedError(f"Triton model {self.model!r} has no explain model")
-        fixed = self.info.rollout
-        if fixed and not fixed.matches(head_fusion, discard_ratio):
-            raise ValueError(f"the Triton explain model computes rollout with head_fusion={fixed.head_fusion!r}, "
-                             f"discard_ratio={fixed.discard_ratio}; got head_fusion={head_fusion!r}, "
-                             f"discard_ratio={discard_ratio}")
-
-    def classify(self, x: np.ndarray) -> np.ndarray:
-        """Sync form of `aclassify` (own short-lived connection; for scripts and the base warmup)."""
-        return self._infer_blocking(self.model, x, [LOGITS])[0]
-
-    def explain(self, x: np.ndarray, head_fusion: str = "mean", discard_ratio: float = 0.9
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """Sync form of `aexplain`."""
-        self._check_rollout(head_fusion, discard_ratio)
-        logits, rollout = self._infer_blocking(self.explain_model, x, [LOGITS, ROLLOUT])
-        return logits, rollout
-
-    def _infer_blocking(self, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
-        async def run() -> list[np.ndarray]:
-            async with self._private() as conn:
-                return await self._infer(conn, model, x, outputs)
-
-        return _run_blocking(run)
+    async def run(self, task: Task, x: np.ndarray) -> Outputs:
+        """x [B, 3, H, W] float32 -> logits [B, K] (classify) or logits + rollout [B, gh, gw] (explain, from the
+        explain model, whose rollout settings the task was resolved against): one Triton request, the server
+        batches."""
+        if task.kind == "classify":
+            (logits,) = await self._infer(self._shared(), self.model, x, [LOGITS])
+            return {"logits": logits}
+        if task.kind == "explain":
+            if not self.explain_model:
+                raise NotImplementedError(f"Triton model {self.model!r} has no explain model")
+            logits, rollout = await self._infer(self._shared(), self.explain_model, x, [LOGITS, ROLLOUT])
+            return {"logits": logits, "rollout": rollout}
+        raise NotImplementedError(f"grad_rollout needs the torch backend; {self.model!r} runs on Triton")
 
     # ---- health --------------------------------------------------------------------------------------------
 
-    def ready(self) -> bool:
-        """Probe the server now (server ready, logits and explain model ready); blocks for at most ~2 s.
-
-        The gateway calls this off the event loop for /readyz; async code should await `aready` instead.
-        """
-        async def probe() -> bool:
-            async with self._private() as conn:
-                return await self._probe(conn)
-
-        return _run_blocking(probe)
-
-    async def aready(self) -> bool:
-        """`ready` on the running event loop's connection."""
+    async def ready(self) -> bool:
+        """Probe the server now (server ready, logits and explain model ready) on the running event loop's
+        connection; at most ~2 s."""
         return await self._probe(self._shared())
 
     async def _probe(self, conn: _Connection) -> bool:
@@ -411,21 +373,10 @@ class TritonBackend(Backend):
         self._mark(True)
         return True
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         """Close the running event loop's client."""
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.retired = True
             with contextlib.suppress(Exception):
                 await conn.client.close()
-
-    def close(self) -> None:
-        """Close the event loop's client (scheduled on that loop when it is still running)."""
-        conn, self._conn = self._conn, None
-        if conn is None or conn.loop.is_closed():
-            return
-        conn.retired = True
-        if conn.loop.is_running():
-            asyncio.run_coroutine_threadsafe(conn.client.close(), conn.loop)
-        else:
-            conn.loop.run_until_complete(conn.client.close())

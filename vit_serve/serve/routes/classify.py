@@ -14,6 +14,8 @@ from vit_serve.serve.schemas import ClassifyResponse, ErrorBody
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
 
 router = APIRouter(tags=["classify"])
+# The OpenAPI link to GET /explain of the image just answered: its id, and the model and version that answered.
+BY_ID = {"id": "$response.body#/id", "model": "$response.body#/model", "version": "$response.body#/version"}
 
 ERRORS = {
     400: {"model": ErrorBody, "description": "malformed multipart body, or several models and none named"},
@@ -28,7 +30,7 @@ ERRORS = {
 
 @router.post("/classify", response_model=ClassifyResponse, openapi_extra=IMAGE_REQUEST_BODY, responses={
     **ERRORS, 200: {"links": {"ExplainById": {  # OpenAPI link: stateful clients (schemathesis) chain the two calls
-        "operationRef": "#/paths/~1explain/get", "parameters": {"id": "$response.body#/id"},
+        "operationRef": "#/paths/~1explain/get", "parameters": BY_ID,
         "description": "the attention map of the image just classified: GET /explain?id="}}}})
 async def classify(
     request: Request,

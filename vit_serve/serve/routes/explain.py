@@ -23,7 +23,7 @@ from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.gateway import top_k
 from vit_serve.serve.inference import Task
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.classify import ERRORS
+from vit_serve.serve.routes.classify import BY_ID, ERRORS
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
@@ -35,7 +35,7 @@ PNG = {"content": {"image/png": {"schema": {"type": "string", "format": "binary"
                       "format=json: the map as numbers"}
 # OpenAPI link from an upload's answer to the same image by id (format=json carries it in the body).
 BY_ID_LINK = {"links": {"ExplainById": {
-    "operationRef": "#/paths/~1explain/get", "parameters": {"id": "$response.body#/id"},
+    "operationRef": "#/paths/~1explain/get", "parameters": BY_ID,
     "description": "the same image again by its id, e.g. with other rollout settings: GET /explain?id="}}}
 
 
@@ -84,14 +84,13 @@ async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image
         return Response(png, media_type="image/png", headers={"X-Image-Id": image_id, "X-Model": info.name,
                                                               "X-Model-Version": str(mv.version)})
     logits = result.outputs.get("logits")
-    rollout = task.kind == "explain"
     return {
         "id": image_id,
         "model": info.name,
         "version": str(mv.version),
         "method": p.method,
-        "head_fusion": task.head_fusion if rollout else None,
-        "discard_ratio": task.discard_ratio if rollout else None,
+        "head_fusion": task.rollout.head_fusion if task.rollout else None,
+        "discard_ratio": task.rollout.discard_ratio if task.rollout else None,
         "query": "cls" if info.pool == "token" else "patch-mean",
         "grid": info.grid,
         "map": heat.tolist(),

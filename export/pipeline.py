@@ -1,0 +1,551 @@
+"""The export pipeline as one call: `vit_export.export(model, options) -> ExportResult`.
+
+    import vit_export
+    result = vit_export.export("model.safetensors", vit_export.ExportOptions(res=384, formats=("onnx", "triton")))
+    result.onnx, result.explain_onnx, result.engine, result.triton, result.ok
+
+Every export starts with the two ONNX graphs (`<name>.onnx`, `<name>_explain.onnx`, each with its manifest), each
+checked against PyTorch with onnxruntime; then, when asked for and when those checks pass, a TensorRT engine
+(checked against onnxruntime) and the Triton models (`vit_export.triton_repo`). `ExportOptions` holds every choice
+and refuses bad ones (`OptionError`, a ValueError naming the option) before any work is done. Progress goes to a
+callback (default: the `vit_export` logger at INFO). Checks that fail do not raise: the files are written with the
+failure recorded in their manifests, the later formats are skipped, and `ExportResult.ok` is False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
+from vit_serve.model import VisionTransformer
+from vit_serve.resolution import parse_resolution
+
+if TYPE_CHECKING:
+    from vit_export.parity import ParityReport
+    from vit_export.triton_repo import WrittenModel
+
+    from vit_serve.manifest import Parity
+
+FORMATS = ("onnx", "tensorrt", "triton")
+PRECISIONS = ("fp32", "fp16", "int8")
+SCHEMES = ("dynamic", "static")  # = vit_export.quantize.SCHEMES (not imported: it loads onnxruntime)
+MAX_CALIBRATION = 256  # = vit_export.quantize.MAX_CALIBRATION
+TRT_PRECISIONS = ("fp16", "bf16", "fp32")
+ENSEMBLE_TARGETS = ("onnx", "trt", "py")  # = vit_export.triton_repo.ENSEMBLE_TARGETS
+TRITON_DEVICES = ("cpu", "gpu")
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+MIN_OPSET = 17  # LayerNormalization
+
+Resolution = tuple[int, int] | Literal["dynamic"]
+Progress = Callable[[str], None]
+log = logging.getLogger("vit_export")
+
+
+class OptionError(ValueError):
+    """A bad export option. The message names options as `<field>` in `template`; `render(spell)` spells them
+    (the API: the field name; the CLI: its flag)."""
+
+    def __init__(self, option: str, template: str) -> None:
+        self.option, self.template = option, template
+        super().__init__(self.render())
+
+    def render(self, spell: Callable[[str], str] = str) -> str:
+        return re.sub(r"<(\w+)>", lambda m: spell(m[1]), self.template)
+
+
+class OutputExistsError(FileExistsError):
+    """An output that is already there, and `force` is off (nothing was written)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(f"{path} exists; pass force=True to replace it")
+
+
+def parse_formats(text: str | Sequence[str]) -> tuple[str, ...]:
+    """"triton, onnx" or ["triton", "onnx"] -> ("onnx", "triton"): known, once each, in pipeline order."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = [str(f).strip().lower() for f in items if str(f).strip()]
+    for f in out:
+        if f not in FORMATS:
+            raise OptionError("formats", f"unknown format {f!r}; known formats: {', '.join(FORMATS)}")
+    return tuple(sorted(set(out), key=FORMATS.index)) or ("onnx",)
+
+
+def parse_batch(value: str | int) -> int | Literal["dynamic"]:
+    """"dynamic" or a positive integer (as an int or its digits)."""
+    text = str(value).strip()
+    if text.lower() == "dynamic":
+        return "dynamic"
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise OptionError("batch", f"bad batch {value!r}; use 'dynamic' or a positive integer")
+
+
+def parse_export_resolution(value: str | int | Sequence[int]) -> Resolution:
+    """"dynamic", 384, "384", "224x320" (height x width) or (224, 320)."""
+    if isinstance(value, str):
+        if value.strip().lower() == "dynamic":
+            return "dynamic"
+        try:
+            return parse_resolution(value)
+        except ValueError as e:
+            raise OptionError("res", f"{e}, or 'dynamic'") from None
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair):
+        raise OptionError("res", f"bad resolution {value!r}; use e.g. 384, (384, 512) (height, width) or 'dynamic'")
+    return int(pair[0]), int(pair[1])
+
+
+def _choice(option: str, value: object, choices: Sequence[object]) -> None:
+    if value not in choices:
+        raise OptionError(option, f"<{option}> {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _positive(option: str, value: object) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise OptionError(option, f"<{option}> must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Every choice of an export (the flags of `vit-export`, same names with `formats` for --format).
+
+    res: None (the model's own resolution), "dynamic", 384, "224x320" or (224, 320) -> (H, W) or "dynamic".
+    formats: some of onnx, tensorrt, triton (a sequence or a comma list); the ONNX graphs are always written.
+    batch: "dynamic" or a fixed N. precision: fp32, fp16 or int8 (onnxruntime quantization, `int8_scheme`).
+    out: folder of the ONNX files and engines; repo: the Triton model repository; name: the file stem (default:
+    the checkpoint's stem, or "vit" for a model object, then the resolution and a non-fp32 precision).
+    check_images: real images for the parity checks; calibration_images: for static int8 (default check_images).
+    head_fusion, discard_ratio: the explain graph's rollout; tol: fp32 parity bound on max |Δ logit|.
+    force: replace existing ONNX files and engines (never a repository's versions: a re-export adds one).
+    trt_precision: engine precision; max_batch: every Triton model's max_batch_size and the engine's largest
+    batch; instances, triton_ensemble (the classifier the ensemble calls), triton_device, queue_delay_us,
+    max_queue: the Triton models' settings.
+    """
+
+    res: Resolution | int | str | None = None
+    formats: tuple[str, ...] | str = ("onnx",)
+    batch: int | Literal["dynamic"] = "dynamic"
+    precision: str = "fp32"
+    out: Path | str = Path("exports")
+    repo: Path | str = Path("model_repo")
+    name: str | None = None
+    opset: int = 18
+    check_images: Path | str | None = None
+    calibration_images: Path | str | None = None
+    int8_scheme: str = "dynamic"
+    head_fusion: str = DEFAULT_HEAD_FUSION
+    discard_ratio: float = DEFAULT_DISCARD_RATIO
+    tol: float = 1e-4
+    force: bool = False
+    trt_precision: str = "fp16"
+    max_batch: int = 16
+    instances: int = 1
+    triton_ensemble: str | None = None
+    triton_device: str = "cpu"
+    queue_delay_us: int = 1000
+    max_queue: int = 128
+
+    def __post_init__(self) -> None:
+        def norm(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.res is not None:
+            norm("res", parse_export_resolution(self.res))
+        norm("formats", parse_formats(self.formats))
+        norm("batch", parse_batch(self.batch))
+        for name in ("out", "repo", "check_images", "calibration_images"):
+            if getattr(self, name) is not None:
+                norm(name, Path(getattr(self, name)))
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("int8_scheme", self.int8_scheme, SCHEMES)
+        _choice("head_fusion", self.head_fusion, HEAD_FUSIONS)
+        _choice("trt_precision", self.trt_precision, TRT_PRECISIONS)
+        _choice("triton_device", self.triton_device, TRITON_DEVICES)
+        if self.triton_ensemble is not None:
+            _choice("triton_ensemble", self.triton_ensemble, ENSEMBLE_TARGETS)
+        for name in ("max_batch", "instances", "max_queue"):
+            _positive(name, getattr(self, name))
+        if not isinstance(self.opset, int) or self.opset < MIN_OPSET:
+            raise OptionError("opset", f"<opset> {self.opset} is too old; LayerNormalization needs opset >= 17")
+        if not (isinstance(self.discard_ratio, (int, float)) and 0.0 <= self.discard_ratio < 1.0):
+            raise OptionError("discard_ratio", f"<discard_ratio> must be in [0, 1), got {self.discard_ratio!r}")
+        if not (isinstance(self.tol, (int, float)) and math.isfinite(self.tol) and self.tol > 0):
+            raise OptionError("tol", f"<tol> must be a positive number, got {self.tol!r}")
+        if not (isinstance(self.queue_delay_us, int) and self.queue_delay_us >= 0):
+            raise OptionError("queue_delay_us", f"<queue_delay_us> must be >= 0, got {self.queue_delay_us!r}")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Combinations refused before any work is done."""
+        if "triton" in self.formats and self.batch != "dynamic":
+            raise OptionError("batch", f"<formats> triton needs <batch> dynamic (got {self.batch}): Triton's "
+                                       "dynamic batcher sends 1 to <max_batch> images per call")
+        if "tensorrt" in self.formats and self.batch != "dynamic":
+            raise OptionError("batch", f"<formats> tensorrt needs <batch> dynamic (got {self.batch}); <max_batch> "
+                                       "sets its limit")
+        if "tensorrt" in self.formats and self.precision == "int8":
+            raise OptionError("precision", "<formats> tensorrt builds from an fp32 or fp16 graph; <precision> int8 "
+                                           "is onnxruntime's quantization (choose the engine's precision with "
+                                           "<trt_precision>)")
+        if "tensorrt" in self.formats and self.res == "dynamic":
+            raise OptionError("res", "<formats> tensorrt needs a fixed <res> (e.g. <res> 384): engines are built "
+                                     "for one input size, and the dynamic graph's in-graph position-embedding "
+                                     "resampling is not built into an engine")
+        if self.calibration_images is not None and self.precision != "int8":
+            raise OptionError("calibration_images", "<calibration_images> calibrates static int8: it needs "
+                                                    "<precision> int8")
+        if self.triton_ensemble == "trt" and "tensorrt" not in self.formats:
+            raise OptionError("triton_ensemble", "<triton_ensemble> trt needs <formats> tensorrt (the ensemble "
+                                                 "would have no engine)")
+        if self.precision == "int8" and self.int8_scheme == "static" and not (
+                self.calibration_images or self.check_images):
+            raise OptionError("int8_scheme", "<int8_scheme> static needs images to calibrate on: pass "
+                                             "<calibration_images> DIR (or <check_images> DIR)")
+
+
+@dataclass(frozen=True)
+class WrittenGraph:
+    """An ONNX graph written: its file, its manifest, its parity check against PyTorch, and for int8 the side by
+    side measurement of the schemes (`vit_export.quantize.compare_schemes`' dict, or sizes only)."""
+
+    path: Path
+    manifest: Path
+    parity: ParityReport
+    int8: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class WrittenEngine:
+    """A TensorRT engine written: the plan, its manifest, its check against onnxruntime, the typed graph it was
+    built from (TensorRT 11) and `vit_export.tensorrt_build.build_engine`'s result."""
+
+    path: Path
+    manifest: Path
+    parity: Parity
+    typed_graph: Path | None
+    build: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What `export` wrote and what its checks found.
+
+    skipped: formats not written because a check failed. tensorrt_unavailable: why TensorRT could not run here
+    (the engine is then not built; the rest is written).
+    """
+
+    options: ExportOptions
+    name: str
+    resolution: Resolution
+    graph: WrittenGraph
+    explain: WrittenGraph
+    engine: WrittenEngine | None = None
+    triton: tuple[WrittenModel, ...] = ()
+    skipped: tuple[str, ...] = ()
+    tensorrt_unavailable: str | None = None
+    source_checkpoint: Path | None = None
+
+    @property
+    def onnx(self) -> Path:
+        return self.graph.path
+
+    @property
+    def explain_onnx(self) -> Path:
+        return self.explain.path
+
+    @property
+    def manifests(self) -> tuple[Path, ...]:
+        engine = () if self.engine is None else (self.engine.manifest,)
+        return (self.graph.manifest, self.explain.manifest, *engine)
+
+    @property
+    def graphs_ok(self) -> bool:
+        return self.graph.parity.ok and self.explain.parity.ok
+
+    @property
+    def engine_ok(self) -> bool | None:
+        return None if self.engine is None else self.engine.parity.ok
+
+    @property
+    def ok(self) -> bool:
+        """Every check that ran passed."""
+        return self.graphs_ok and self.engine_ok is not False
+
+
+def find_images(folder: str | os.PathLike, option: str = "check_images") -> list[Path]:
+    """The images under `folder` (recursively, sorted); OptionError naming `option` for a missing folder or one
+    without images."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise OptionError(option, f"<{option}>: no such folder: {root}")
+    images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
+    if not images:
+        raise OptionError(option, f"<{option}>: no {'/'.join(e[1:] for e in IMAGE_EXTS)} images in {root}")
+    return images
+
+
+def resolution_tag(res: Resolution) -> str:
+    """"dynamic", "384" or "224x320": the part of the default name that says the resolution."""
+    return "dynamic" if res == "dynamic" else (f"{res[0]}" if res[0] == res[1] else f"{res[0]}x{res[1]}")
+
+
+def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions | None = None, *,
+           progress: Progress | None = None) -> ExportResult:
+    """Export `model` (a loaded VisionTransformer, or a checkpoint path: loaded with `vit_serve.checkpoints.load`,
+    and recorded with its sha256 in the manifests) as `options` say. See the module docstring.
+
+    Raises OptionError (bad options, image folders missing or empty), OutputExistsError (an output exists and
+    not `options.force`; nothing is written), CheckpointError (a ValueError: an unreadable checkpoint), and from
+    the later formats RuntimeError (a failed TensorRT build), ImportError (an optional dependency missing) or
+    ValueError (a repository that refuses the model). Failed parity checks are in the result, not raised.
+    """
+    from vit_export.onnx_export import export_onnx
+    from vit_export.parity import check_parity
+    from vit_export.sidecar import build_sidecar
+
+    from vit_serve.checkpoints import load
+    from vit_serve.manifest import Int8Quantization, manifest_path, write_manifest
+
+    opts = options or ExportOptions()
+    say = progress or log.info
+    images = find_images(opts.check_images) if opts.check_images else None
+    calibration = (find_images(opts.calibration_images, "calibration_images") if opts.calibration_images
+                   else images)
+    checkpoint = None if isinstance(model, VisionTransformer) else Path(model)
+    if checkpoint is not None:
+        model = load(checkpoint)
+    assert isinstance(model, VisionTransformer)
+    if isinstance(opts.res, tuple):
+        model.check_size(*opts.res)  # ValueError naming the nearest valid sizes
+    res: Resolution = opts.res or (int(model.cfg.img_size[0]), int(model.cfg.img_size[1]))  # type: ignore[assignment]
+    tag = resolution_tag(res)
+    name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{tag}" + (
+        "" if opts.precision == "fp32" else f"_{opts.precision}")
+    targets = [opts.out / f"{name}.onnx", opts.out / f"{name}_explain.onnx"]
+    existing = [p for t in targets for p in (t, manifest_path(t)) if p.exists()]
+    if existing and not opts.force:
+        raise OutputExistsError(existing[0])
+
+    onnx_precision = "fp16" if opts.precision == "fp16" else "fp32"
+    graphs = []
+    with tempfile.TemporaryDirectory(prefix="vit-export-") as tmp:
+        for target, explain in zip(targets, (False, True), strict=True):
+            kind = "explain graph" if explain else "graph"
+            # int8: export fp32 beside the temp dir, quantize it into place.
+            dest = Path(tmp) / target.name if opts.precision == "int8" else target
+            say(f"exporting {kind} ({tag}, batch {opts.batch}, {onnx_precision}, opset {opts.opset}) ...")
+            t0 = time.perf_counter()
+            export_onnx(model, dest, res=res, batch=opts.batch, opset=opts.opset, explain=explain,
+                        head_fusion=opts.head_fusion, discard_ratio=opts.discard_ratio, precision=onnx_precision,
+                        overwrite=opts.force)
+            say(f"  exported in {time.perf_counter() - t0:.1f}s; checking parity with onnxruntime ...")
+            report = check_parity(model, dest, images, tol=opts.tol)
+            say(report.table())
+            int8_report = None
+            int8 = None
+            if opts.precision == "int8":
+                int8_report = _quantize(model, dest, target, images, calibration, opts, say)
+                int8 = Int8Quantization(opts.int8_scheme, int8_report,
+                                        f"parity of the fp32 graph before {opts.int8_scheme} int8 quantization")
+            manifest = write_manifest(target, build_sidecar(model, target, checkpoint, report.to_dict(), int8),
+                                      overwrite=opts.force)
+            say(f"wrote {target} and {manifest.name}")
+            graphs.append(WrittenGraph(target, manifest, report, int8_report))
+    result = ExportResult(opts, name, res, graphs[0], graphs[1], source_checkpoint=checkpoint)
+    later = tuple(f for f in opts.formats if f != "onnx")
+    if not result.graphs_ok:
+        return dataclasses.replace(result, skipped=later)
+    if "tensorrt" in opts.formats:
+        engine, reason = _tensorrt(model, targets[0], opts.out / f"{name}_tensorrt", res, opts, say)
+        result = dataclasses.replace(result, engine=engine, tensorrt_unavailable=reason)
+    if result.engine_ok is False:
+        if "triton" in opts.formats:
+            say("(the engine failed its parity check: the Triton repository is not written)")
+            result = dataclasses.replace(result, skipped=("triton",))
+        return result
+    if "triton" in opts.formats:
+        result = dataclasses.replace(result, triton=_triton(targets, name, result.engine, opts, say))
+    return result
+
+
+def _tensorrt(
+    model: VisionTransformer, onnx_path: Path, plan_dir: Path, res: tuple[int, int], opts: ExportOptions,
+    say: Progress,
+) -> tuple[WrittenEngine | None, str | None]:
+    """Build and check the engine: (engine, None), its parity in `engine.parity` (table sent to `say`, manifest
+    written with the result); (None, reason) when TensorRT cannot run here."""
+    from vit_export.sidecar import engine_sidecar
+    from vit_export.tensorrt_build import build_engine, tensorrt_version, unavailable_reason
+    from vit_export.tensorrt_compat import check_supported, plan_build
+
+    from vit_serve.manifest import manifest_path, read_manifest, write_manifest
+
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            check_supported(tensorrt_version())
+        except ValueError as e:
+            reason = str(e)
+    if reason:
+        return None, reason
+    version = tensorrt_version()
+    graph_precision = "fp16" if opts.precision == "fp16" else "fp32"
+    precision = "fp16" if opts.precision == "fp16" else opts.trt_precision
+    plan = plan_build(version, precision, graph_precision)
+    source = onnx_path
+    if plan.graph_precision != graph_precision:
+        from vit_export.typed_graph import export_typed
+
+        source = plan_dir / f"{onnx_path.stem}_{plan.graph_precision}.onnx"
+        say(f"exporting the {plan.graph_precision}-typed graph TensorRT {version} builds from (LayerNorm in fp32) ...")
+        export_typed(model, source, plan.graph_precision, res=res, batch=opts.batch, opset=opts.opset,
+                     overwrite=opts.force)
+    hi = opts.max_batch
+    say(f"building the TensorRT engine ({precision}, batch 1..{hi}) ...")
+    info = build_engine(
+        source,
+        plan_dir,
+        precision=precision,
+        batch=(1, max(1, hi // 2), hi),
+        cache_dir=opts.out,
+        progress=say,
+        check_onnx=onnx_path,
+        overwrite=opts.force,
+    )
+    # `vit-serve serve <plan>` reads the ONNX graph's contract in the engine's manifest (<plan stem>.json).
+    built_from = None if source == onnx_path else str(source.relative_to(plan_dir.parent))
+    manifest = engine_sidecar(read_manifest(onnx_path), info, built_from)
+    written = write_manifest(info["path"], manifest, overwrite=opts.force)
+    say(f"wrote {info['path']} and {manifest_path(info['path']).name}")
+    report_engine_parity(info["parity"], info["file"], say)
+    assert manifest.tensorrt is not None and manifest.tensorrt.parity is not None
+    return WrittenEngine(Path(info["path"]), written, manifest.tensorrt.parity,
+                         None if source == onnx_path else source, info), None
+
+
+def report_engine_parity(parity: dict, engine: str, progress: Progress | None = None) -> bool:
+    """Send the engine's parity table (`vit_export.parity`'s layout) to `progress`; True when it passed.
+
+    `parity`: what `tensorrt_build.compare_runtimes` returns.
+    """
+    from vit_export.parity import ParityReport, ParityRow
+
+    from vit_serve.manifest import Parity
+
+    check = Parity.from_dict(parity, f"the parity check of {engine}")
+    names = [f.name for f in dataclasses.fields(ParityRow)]  # fields the engine check lacks (rollout's) stay None
+    rows = [ParityRow(**{n: r.get(n) for n in names}) for r in check.rows]
+    report = ParityReport(onnx_path=engine, precision=check.precision, criteria=check.criteria, rows=rows)
+    lines = report.table().splitlines()
+    # ParityReport's header names onnxruntime vs PyTorch; here the candidate is the engine, the reference ORT.
+    lines[0] = (f"parity: {engine} ({check.candidate or 'engine'} {check.precision} vs "
+                f"{check.reference}; {check.criteria})")
+    (progress or log.info)("\n".join(lines))
+    return report.ok
+
+
+def _triton(targets: list[Path], name: str, engine: WrittenEngine | None, opts: ExportOptions, say: Progress
+            ) -> tuple[WrittenModel, ...]:
+    from vit_export.triton_repo import write_repository
+
+    ensemble = opts.triton_ensemble
+    if ensemble == "trt" and engine is None:
+        ensemble = "onnx"
+        say("(no TensorRT engine: the ensemble calls the onnxruntime model)")
+    written = write_repository(
+        targets[0],
+        targets[1],
+        opts.repo,
+        name,
+        None if engine is None else engine.build,
+        max_batch=opts.max_batch,
+        instances=opts.instances,
+        ensemble_target=ensemble,
+        onnx_device=opts.triton_device,
+        queue_delay_us=opts.queue_delay_us,
+        max_queue=opts.max_queue,
+    )
+    say(f"Triton model repository {opts.repo}:")
+    for w in written:
+        say(f"  {w.model:<28} version {w.version}  {w.path}")
+    return tuple(written)
+
+
+def _labels_of(images: list[Path], labels: list[str] | None) -> list[int] | None:
+    """Class indices from parent folder names, when every image sits in a folder named after a label."""
+    if not labels:
+        return None
+    index = {name: i for i, name in enumerate(labels)}
+    found = [index.get(p.parent.name) for p in images]
+    return None if any(i is None for i in found) else found  # type: ignore[return-value]
+
+
+def _quantize(
+    model: VisionTransformer, fp32_path: Path, target: Path, images: list[Path] | None,
+    calibration: list[Path] | None, opts: ExportOptions, say: Progress,
+) -> dict:
+    """Write the chosen int8 scheme to `target`; measure every scheme that can be built here side by side."""
+    import torch
+    from vit_export.onnx_export import export_info
+    from vit_export.quantize import compare_schemes, quantize_int8, quantize_static_int8
+
+    from vit_serve.checkpoints.io import atomic_write
+    from vit_serve.preprocess import PreprocessConfig, preprocess_batch
+
+    res = export_info(fp32_path)["resolution"]
+    h, w = model.cfg.img_size if res == "dynamic" else res
+    pre = (model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)).with_size(h, w)
+    batch = opts.batch if isinstance(opts.batch, int) else 8
+    paths = {"dynamic": fp32_path.with_name(f"{fp32_path.stem}_dynamic.onnx")}
+    if calibration:
+        paths["static"] = fp32_path.with_name(f"{fp32_path.stem}_static.onnx")
+    note = None
+    for scheme, path in paths.items():
+        if scheme == "dynamic":
+            say("  quantizing to int8, dynamic (QInt8 MatMul/Gemm weights per channel) ...")
+            quantize_int8(fp32_path, path, overwrite=True)
+        else:
+            assert calibration is not None
+            picked = _spread(calibration, MAX_CALIBRATION)
+            note = f"{len(picked)} images of {opts.calibration_images or opts.check_images}"
+            say(f"  quantizing to int8, static (QDQ, calibrated on {note}) ...")
+            quantize_static_int8(fp32_path, path, preprocess_batch(picked, pre).numpy(), batch=batch, overwrite=True)
+    chosen = paths[opts.int8_scheme]
+    if isinstance(opts.batch, int) and opts.batch != 1:
+        say("  (fixed batch != 1: int8 speed/agreement not measured at batch 1)")
+        sizes = {f"{k}_mb": p.stat().st_size / 1e6 for k, p in paths.items()}
+        out = {"fp32_mb": fp32_path.stat().st_size / 1e6, **sizes}
+    else:
+        x = torch.randn(16, 3, h, w, generator=torch.Generator().manual_seed(0))
+        labels = None
+        if images:
+            x = preprocess_batch(images, pre)
+            labels = _labels_of(images, model.labels)
+        rep = compare_schemes(fp32_path, paths, x.numpy(), labels, calibration=note)
+        say(rep.table())
+        out = rep.to_dict()
+    atomic_write(target, lambda tmp: shutil.copyfile(chosen, tmp), overwrite=opts.force)
+    return out
+
+
+def _spread(items: list[Path], n: int) -> list[Path]:
+    """At most n items, evenly spaced (every class folder of a sorted tree gets its share)."""
+    if len(items) <= n:
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+__all__ = ["ExportOptions", "ExportResult", "OptionError", "OutputExistsError", "WrittenEngine", "WrittenGraph",
+           "export", "report_engine_parity"]
