@@ -30,7 +30,7 @@ level's payloads are built before its clock starts and freed after it (at most r
 192 x 1.5 MB for 64 clients of phone photos).
 
 The model is a randomly initialised ViT (`--model`, default Ti/16 at `--res 224`, 1000 ImageNet classes) exported
-with `vit-export` (`vit_export.cli.main`) into `--out` (or an existing export reused with `--export`).
+with `vit_export.export` into `--out` (or an existing export reused with `--export`).
 
     # the uploads targets (ViT-Ti/16 at 224, onnxruntime, a 2-core CPU; about 6 minutes):
     python benchmarks/serve_load.py --mode uploads --model Ti/16 --res 224 --requests 96 --out /tmp/serve_uploads
@@ -119,7 +119,7 @@ def payloads(bases: list[bytes], start: int, n: int, repeats: int = 1) -> list[b
 def export_model(arch: str, res: int, out: Path) -> Path:
     """A random-weight `arch` checkpoint at `res`, exported by vit-export into out/export; returns model.onnx."""
     import torch
-    from vit_export.cli import main as vit_export
+    import vit_export
 
     import vit_serve
 
@@ -132,10 +132,11 @@ def export_model(arch: str, res: int, out: Path) -> Path:
     if not ckpt.is_file():
         torch.manual_seed(0)
         vit_serve.save(vit_serve.create_model(arch, num_classes=1000, img_size=res), ckpt)
-    code = vit_export([str(ckpt), "--res", str(res), "--out", str(onnx.parent), "--name", "model"])
-    if code:
-        raise SystemExit(f"vit-export failed with exit status {code}")
-    return onnx
+    result = vit_export.export(ckpt, vit_export.ExportOptions(res=res, out=onnx.parent, name="model"),
+                               progress=lambda msg: print(msg, file=sys.stderr))
+    if not result.ok:
+        raise SystemExit(f"the export of {ckpt} failed its parity checks (tables above)")
+    return result.onnx
 
 
 def find_onnx(path: Path) -> Path:

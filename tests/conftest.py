@@ -6,11 +6,15 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 import vit_serve
+
+if TYPE_CHECKING:
+    from vit_export import ExportResult
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -84,13 +88,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def export_tiny(randomize) -> Callable[..., tuple[int, Path]]:
-    """`export_tiny(folder, res, seed, labels, *args) -> (exit code, checkpoint)`: a 2-block Ti/16 at res x res with
-    random non-trivial weights and `labels`, saved as folder/tiny.safetensors, then `vit-export CHECKPOINT *args`
-    on one torch thread."""
-    from vit_export.cli import main
+def export_tiny(randomize) -> Callable[..., tuple[ExportResult, Path]]:
+    """`export_tiny(folder, res, seed, labels, **options) -> (result, checkpoint)`: a 2-block Ti/16 at res x res with
+    random non-trivial weights and `labels`, saved as folder/tiny.safetensors, then `vit_export.export(checkpoint,
+    ExportOptions(**options))` on one torch thread."""
+    import vit_export
 
-    def export(folder: Path, res: int, seed: int, labels: list[str], *args: str) -> tuple[int, Path]:
+    def export(folder: Path, res: int, seed: int, labels: list[str], **options: Any) -> tuple[ExportResult, Path]:
         model = randomize(vit_serve.create_model("Ti/16", num_classes=len(labels), depth=2, img_size=res), seed=seed)
         model.labels = list(labels)
         ckpt = folder / "tiny.safetensors"
@@ -98,7 +102,7 @@ def export_tiny(randomize) -> Callable[..., tuple[int, Path]]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return main([str(ckpt), *args]), ckpt
+            return vit_export.export(ckpt, vit_export.ExportOptions(**options), progress=print), ckpt
         finally:
             torch.set_num_threads(threads)
 

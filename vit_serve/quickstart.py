@@ -2,7 +2,7 @@
 
     1. pre-train a small ViT from scratch on the digits set at 16x16        (`vit-serve train`)
     2. fine-tune it at 32x32, position embeddings resampled in 2-D (§3.2)    (`vit-serve train --mode finetune`)
-    3. export ONNX at 32x32 and a Triton model repository                   (`vit-export --format onnx,triton`)
+    3. export ONNX at 32x32 and a Triton model repository                   (`vit_export.export`)
     4. serve the ONNX export with the web page at http://127.0.0.1:8000       (`vit-serve serve`)
 
 Each finished step is kept in `--out` and reused when the command runs again (a step is finished when its
@@ -103,7 +103,7 @@ def _step(n: int, text: str) -> float:
 def build(out: str | Path, pretrain_steps: int = PRETRAIN_STEPS, finetune_steps: int = FINETUNE_STEPS,
           progress: bool = True) -> QuickstartPaths:
     """Steps 1-3; returns the paths. Reuses any step whose output is already in `out`."""
-    from vit_export.cli import main as export_main
+    import vit_export
 
     from vit_serve.train.loop import train
 
@@ -128,10 +128,12 @@ def build(out: str | Path, pretrain_steps: int = PRETRAIN_STEPS, finetune_steps:
     if p.onnx.exists():
         print(f"reusing {p.onnx}")
     else:
-        rc = export_main([str(ckpt32), "--res", "32", "--name", "digits_32", "--format", "onnx,triton",
-                          "--out", str(p.exports), "--repo", str(p.model_repo)])
-        if rc != 0:
-            raise RuntimeError(f"vit-export failed (exit {rc}); see the messages above")
+        options = vit_export.ExportOptions(res=32, name=p.onnx.stem, formats=("onnx", "triton"), out=p.exports,
+                                           repo=p.model_repo)
+        result = vit_export.export(ckpt32, options, progress=lambda msg: print(msg, flush=True))
+        if not result.ok:
+            raise RuntimeError(f"the export of {ckpt32} failed its parity checks (tables above); its files are in "
+                               f"{p.exports}")
         print(f"({time.perf_counter() - t:.0f} s)")
     write_samples(p.samples)
     print(f"sample images to try: {p.samples}/digit_0.png ... digit_9.png")

@@ -23,7 +23,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from vit_export.cli import main
+import vit_export
 from vit_export.onnx_export import export_onnx
 from vit_export.parity import check_parity, session
 from vit_export.quantize import compare_int8, quantize_int8
@@ -71,29 +71,16 @@ def _run_onnx(path: Path, x: torch.Tensor) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("ckpt", ["vit", "hybrid"])
-def test_cli_res_384_equals_pytorch_resampled_to_384(work, ckpt, capsys):
+def test_export_res_384_equals_pytorch_resampled_to_384(work, ckpt):
     """Reference: the PyTorch model with set_resolution(384) (its own resample mode); onnxruntime runs the file."""
     d = work["dir"]
     out = d / f"out_{ckpt}"
-    assert (
-        main(
-            [
-                str(d / f"{ckpt}.safetensors"),
-                "--res",
-                "384",
-                "--out",
-                str(out),
-                "--name",
-                "m",
-                "--check-images",
-                str(d / "images"),
-            ]
-        )
-        == 0
-    )
-    table = capsys.readouterr().out
-    print(table)
-    assert "parity passed" in table and "FAILED" not in table
+    options = vit_export.ExportOptions(res=384, out=out, name="m", check_images=d / "images")
+    result = vit_export.export(d / f"{ckpt}.safetensors", options, progress=print)
+    assert result.ok and result.graph.parity.ok and result.explain.parity.ok
+    assert "parity passed" in result.graph.parity.table() and {r.inputs for r in result.graph.parity.rows} == {
+        "random", "images"}
+    assert (result.onnx, result.manifests) == (out / "m.onnx", (out / "m.json", out / "m_explain.json"))
     ref = vit_serve.load(d / f"{ckpt}.safetensors")
     ref.set_resolution(384)
     x = vit_serve.preprocess_batch(work["images"], ref.preprocess_cfg)

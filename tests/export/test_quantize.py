@@ -64,10 +64,10 @@ def test_static_int8_agrees_with_fp32_on_real_scans(digits):
     assert "int8 static" in rep.table() and "calibrated on 64 digits training scans" in rep.table()
 
 
-def test_cli_caps_calibration_like_the_library():
-    from vit_export import cli, quantize
+def test_export_caps_calibration_like_the_library():
+    from vit_export import pipeline, quantize
 
-    assert cli.MAX_CALIBRATION == quantize.MAX_CALIBRATION and cli.SCHEMES == quantize.SCHEMES
+    assert pipeline.MAX_CALIBRATION == quantize.MAX_CALIBRATION and pipeline.SCHEMES == quantize.SCHEMES
 
 
 def test_calibration_must_be_a_batch(digits, tmp_path):
@@ -75,10 +75,10 @@ def test_calibration_must_be_a_batch(digits, tmp_path):
         quantize_static_int8(digits["fp32"], tmp_path / "x.onnx", np.zeros((0, 3, RES, RES), np.float32))
 
 
-def test_cli_writes_static_int8_and_reports_both_schemes(digits, tmp_path, capsys):
-    """`vit-export --precision int8 --int8-scheme static --calibration-images DIR --check-images DIR` (labelled
+def test_export_writes_static_int8_and_reports_both_schemes(digits, tmp_path, capsys):
+    """`vit_export.export` with precision int8, int8_scheme static, calibration_images and check_images (labelled
     folders): the static graph is written, and the sidecar and table hold fp32, dynamic and static side by side."""
-    from vit_export.cli import main
+    import vit_export
 
     ckpt = tmp_path / "digits.safetensors"
     vit_serve.save(digits["model"], ckpt)
@@ -88,10 +88,12 @@ def test_cli_writes_static_int8_and_reports_both_schemes(digits, tmp_path, capsy
             (tmp_path / folder / str(labels[i])).mkdir(parents=True, exist_ok=True)
             images[i].save(tmp_path / folder / str(labels[i]) / f"{i}.png")
     out = tmp_path / "out"
-    rc = main([str(ckpt), "--precision", "int8", "--int8-scheme", "static", "--out", str(out),
-               "--calibration-images", str(tmp_path / "calib"), "--check-images", str(tmp_path / "check")])
+    options = vit_export.ExportOptions(precision="int8", int8_scheme="static", out=out,
+                                       calibration_images=tmp_path / "calib", check_images=tmp_path / "check")
+    result = vit_export.export(ckpt, options, progress=print)
     text = capsys.readouterr().out
-    assert rc == 0, text
+    assert result.ok, text
+    assert result.graph.int8 == json.loads(result.graph.manifest.read_text())["int8"]
     graph = out / f"digits_{RES}_int8.onnx"
     assert Counter(n.op_type for n in onnx.load(str(graph)).graph.node)["QuantizeLinear"] > 0  # static, not dynamic
     side = json.loads(graph.with_suffix(".json").read_text())

@@ -33,7 +33,7 @@ import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
-from vit_export.cli import main
+import vit_export
 from vit_export.parity import session
 from vit_export.sidecar import sha256
 from vit_export.triton_repo import write_repository
@@ -57,16 +57,16 @@ def _encode(array: np.ndarray, fmt: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, export_tiny):
-    """`vit-export --format onnx,triton,tensorrt` of a tiny ViT with real labels (the ensemble calls `_py`)."""
+    """`vit_export.export` with formats onnx, triton, tensorrt of a tiny ViT with real labels (the ensemble calls
+    `_py`)."""
     d = tmp_path_factory.mktemp("triton")
     # A 20 ms batching window: concurrent requests share executions even on a busy 2-core box.
-    rc, ckpt = export_tiny(d, RES, 0, LABELS, "--format", "onnx,triton,tensorrt", "--out", str(d / "exports"),
-                           "--repo", str(d / "repo"), "--name", NAME, "--triton-ensemble", "py",
-                           "--queue-delay-us", "20000")
+    result, ckpt = export_tiny(d, RES, 0, LABELS, formats=("onnx", "triton", "tensorrt"), out=d / "exports",
+                               repo=d / "repo", name=NAME, triton_ensemble="py", queue_delay_us=20000)
     out = d / "exports"
     return {
         "dir": d,
-        "rc": rc,
+        "result": result,
         "repo": d / "repo",
         "onnx": out / f"{NAME}.onnx",
         "explain": out / f"{NAME}_explain.onnx",
@@ -125,19 +125,23 @@ def _parse(path: Path):
 # --------------------------------------------------------------------------------------------------------
 
 
-def test_cli_writes_every_model_and_reports_missing_tensorrt(exported, capsys):
+def test_export_writes_every_model_and_reports_missing_tensorrt(exported):
     from vit_export.tensorrt_build import unavailable_reason
 
-    repo = exported["repo"]
+    repo, result = exported["repo"], exported["result"]
     names = {p.name for p in repo.iterdir()}
     assert {f"{NAME}_{k}" for k in ("onnx", "explain_onnx", "py", "explain_py", "preprocess", "ensemble")} <= names
     leftovers = [p.name for p in (*repo.iterdir(), *exported["dir"].iterdir()) if p.name.startswith(".")]
     assert not leftovers  # the staging folders were renamed into place
-    if unavailable_reason():  # no tensorrt / no GPU here: exit code 3, everything else written
-        assert exported["rc"] == 3 and f"{NAME}_trt" not in names
+    assert result.ok and {(w.model, w.version, w.path) for w in result.triton} == {
+        (n, 1, repo / n / "1") for n in names}
+    if unavailable_reason():  # no tensorrt / no GPU here: the reason (the CLI's exit code 3), everything else written
+        assert result.tensorrt_unavailable == unavailable_reason() and result.engine is None
+        assert f"{NAME}_trt" not in names
     else:
-        assert exported["rc"] == 0 and (repo / f"{NAME}_trt" / "1").is_dir()
-    assert exported["onnx"].is_file() and exported["explain"].is_file()  # the ONNX files stay in --out
+        assert result.tensorrt_unavailable is None and result.engine_ok and (repo / f"{NAME}_trt" / "1").is_dir()
+    assert (result.onnx, result.explain_onnx) == (exported["onnx"], exported["explain"])
+    assert exported["onnx"].is_file() and exported["explain"].is_file()  # the ONNX files stay in `out`
 
 
 def test_every_config_parses_against_tritons_schema(exported, tmp_path):
@@ -204,17 +208,14 @@ def test_reexport_adds_a_version_and_keeps_the_first(exported, tmp_path):
     assert (repo / f"{NAME}_py" / "2" / "model.onnx").read_bytes() == exported["onnx"].read_bytes()
 
 
-def test_other_resolution_under_the_same_name_is_refused(exported, capsys):
-    """A 32x32 export named like the 64x64 one: a one-line error, and nothing added to the repository."""
+def test_other_resolution_under_the_same_name_is_refused(exported):
+    """A 32x32 export named like the 64x64 one: a ValueError naming both, and nothing added to the repository."""
     d, repo = exported["dir"], exported["repo"]
     before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
-    rc = main(
-        [str(d / "tiny.safetensors"), "--res", "32", "--format", "triton", "--out", str(d / "exports32"),
-         "--repo", str(repo), "--name", NAME]
-    )  # fmt: skip
-    err = capsys.readouterr().err.strip()
-    assert rc == 1 and len(err.splitlines()) == 1, err
-    assert "other inputs/outputs" in err and "pixel_values FP32[3, 32, 32]" in err and "--name" in err
+    options = vit_export.ExportOptions(res=32, formats=("triton",), out=d / "exports32", repo=repo, name=NAME)
+    with pytest.raises(ValueError, match="other inputs/outputs") as info:
+        vit_export.export(d / "tiny.safetensors", options)
+    assert "pixel_values FP32[3, 32, 32]" in str(info.value) and "--name" in str(info.value)
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
 
 

@@ -20,7 +20,7 @@ import vit_serve
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from vit_export.cli import main as vit_export
+import vit_export
 
 from vit_serve.preprocess import PreprocessConfig, preprocess
 from vit_serve.serve.backends.sidecar import read_export
@@ -39,11 +39,11 @@ def exported(tmp_path_factory, randomize):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rc = vit_export([str(ckpt), "--format", "onnx,triton", "--out", str(d / "out"), "--repo", str(d / "repo"),
-                         "--name", NAME])
+        options = vit_export.ExportOptions(formats=("onnx", "triton"), out=d / "out", repo=d / "repo", name=NAME)
+        result = vit_export.export(ckpt, options)
     finally:
         torch.set_num_threads(threads)
-    assert rc == 0
+    assert result.ok and [w.model for w in result.triton][-1] == f"{NAME}_ensemble"
     return {"onnx": d / "out" / f"{NAME}.onnx", "repo": d / "repo", "cfg": model.preprocess_cfg}
 
 

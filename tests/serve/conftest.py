@@ -36,12 +36,12 @@ def tiny_model(tiny_ckpt):
 
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_ckpt, tmp_path_factory) -> Path:
-    """tiny.onnx + tiny.json and tiny_explain.onnx + tiny_explain.json, written by `vit-export`."""
-    from vit_export.cli import main as vit_export
+    """tiny.onnx + tiny.json and tiny_explain.onnx + tiny_explain.json, written by `vit_export.export`."""
+    import vit_export
 
-    out = tmp_path_factory.mktemp("export")
-    assert vit_export([str(tiny_ckpt), "--out", str(out), "--name", "tiny"]) == 0
-    return out / "tiny.onnx"
+    result = vit_export.export(tiny_ckpt, vit_export.ExportOptions(out=tmp_path_factory.mktemp("export"), name="tiny"))
+    assert result.ok
+    return result.onnx
 
 
 def _encode(arr: np.ndarray, fmt: str) -> bytes:

@@ -42,11 +42,12 @@ def second_ckpt(tmp_path_factory, randomize) -> Path:
 @pytest.fixture(scope="module")
 def wide_onnx(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny checkpoint exported at a second resolution, 64x96."""
-    from vit_export.cli import main as vit_export
+    import vit_export
 
-    out = tmp_path_factory.mktemp("wide")
-    assert vit_export([str(tiny_ckpt), "--res", "64x96", "--out", str(out), "--name", "wide"]) == 0
-    return out / "wide.onnx"
+    result = vit_export.export(tiny_ckpt, vit_export.ExportOptions(res=(64, 96), out=tmp_path_factory.mktemp("wide"),
+                                                                   name="wide"))
+    assert result.ok
+    return result.onnx
 
 
 def _copy_export(onnx: Path, folder: Path) -> None:

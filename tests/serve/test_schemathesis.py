@@ -36,7 +36,7 @@ from schemathesis.engine import Status, events, from_schema  # noqa: E402
 from schemathesis.python import asgi  # noqa: E402
 
 MAX_EXAMPLES = 30  # per operation, phase and generation mode; the stateful phase runs as many scenarios
-STATEFUL_STEPS = 8
+STATEFUL_STEPS = 12
 WATCHDOG_S = 300  # a safety stop for a wedged run only; a normal run ends on its own (about 1 minute on 2 cores)
 PHASES = ("examples", "coverage", "fuzzing", "stateful")
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance")
@@ -347,4 +347,5 @@ def test_the_schema_covers_the_image_routes(api):
     assert content["multipart/form-data"]["schema"]["properties"]["file"]["format"] == "binary"
     for path in ("/classify", "/explain"):
         link = paths[path]["post"]["responses"]["200"]["links"]["ExplainById"]
-        assert link["operationRef"] == "#/paths/~1explain/get" and link["parameters"] == {"id": "$response.body#/id"}
+        assert link["operationRef"] == "#/paths/~1explain/get" and link["parameters"] == {
+            "id": "$response.body#/id", "model": "$response.body#/model", "version": "$response.body#/version"}

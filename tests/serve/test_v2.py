@@ -248,15 +248,15 @@ def test_classification_without_labels_omits_the_label(tmp_path, randomize):
 def triton(tiny_ckpt, tmp_path_factory):
     """A real tritonserver (nvidia-pytriton's) on the same checkpoint's `tiny_py` model (the exported ONNX in
     Triton's Python backend, labels.txt on its logits)."""
-    from vit_export.cli import main as vit_export
+    import vit_export
     from vit_export.tritonserver import TritonServer, available
 
     reason = available()
     if reason:
         pytest.skip(f"no tritonserver here: {reason}")
     d = tmp_path_factory.mktemp("triton_classification")
-    assert vit_export([str(tiny_ckpt), "--format", "onnx,triton", "--out", str(d / "exports"), "--repo",
-                       str(d / "repo"), "--name", "tiny"]) == 0
+    options = vit_export.ExportOptions(formats=("onnx", "triton"), out=d / "exports", repo=d / "repo", name="tiny")
+    assert vit_export.export(tiny_ckpt, options).ok
     srv = TritonServer(d / "repo", models=["tiny_py"])
     srv.start(timeout=120)
     yield srv
