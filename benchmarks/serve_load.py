@@ -18,6 +18,11 @@ Checks (at concurrency 16): phone fast / exact >= 2.5x; phone fast >= 0.75x smal
 >= 0.95 (no slower than the exact path, within run-to-run noise); the memory peak of 64 concurrent 12 MP uploads
 below the settings' ceiling, on both paths.
 
+`--mode routing`: the single-model gateway (MODEL: the export) against a gateway serving a repository of three
+copies of it, each request routed with `?model=b`, both with the same intra-op threads, taking turns for
+`--rounds` rounds (default 5) of unique small photos at concurrency 16. Check: the repository's median images/s
+>= 0.98x the single model's (routing by model costs at most 2%).
+
 `--mode batching`: dynamic batching on (max_batch 16, max_delay_ms 5) and off (max_batch 1) at concurrency 1, 4,
 16 and 64 with unique small photos, against the backend's offline throughput (`onnxruntime` `session.run` on
 preprocessed batches at batch 1 and at the batch the server reached at c=16), and explain vs classify latency
@@ -34,6 +39,8 @@ with `vit_export.export` into `--out` (or an existing export reused with `--expo
 
     # the uploads targets (ViT-Ti/16 at 224, onnxruntime, a 2-core CPU; about 6 minutes):
     python benchmarks/serve_load.py --mode uploads --model Ti/16 --res 224 --requests 96 --out /tmp/serve_uploads
+    # routing by model against the single-model gateway (about 3 minutes):
+    python benchmarks/serve_load.py --mode routing --requests 96 --out /tmp/serve_routing
     # dynamic batching (the README's batching table):
     python benchmarks/serve_load.py --mode batching --model S/16 --res 224 --requests 256 --out /tmp/serve_load
     # the crop store: each image sent 8 times
@@ -607,11 +614,70 @@ def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
     return [head, "", *rows], checks, results
 
 
+ROUTING_MODELS = ("a", "b", "c")
+ROUTING_OVERHEAD = 0.02
+
+
+def routing_repository(onnx: Path, folder: Path) -> Path:
+    """A repository of three models, each a copy of the export (`NAME/1/model.onnx`, its manifest and explain
+    graph): what a gateway serving several models holds."""
+    for name in ROUTING_MODELS:
+        version = folder / name / "1"
+        version.mkdir(parents=True, exist_ok=True)
+        for suffix in (".onnx", ".json", "_explain.onnx", "_explain.json"):
+            src = onnx.with_name(onnx.stem + suffix)
+            if src.exists():
+                (version / f"model{suffix}").write_bytes(src.read_bytes())
+    return folder
+
+
+def run_routing(args: argparse.Namespace, onnx: Path, out: Path, levels: list[int]) -> tuple[list[str], list, dict]:
+    """The single-model gateway (MODEL: the export) against a gateway serving a three-model repository, every
+    request routed with ?model=b; both with the same intra-op threads, taking turns for `--rounds` rounds of
+    unique small photos at each concurrency. The check: the repository's median images/s is within 2%."""
+    threads = args.threads or max(1, (os.cpu_count() or 2) - (os.cpu_count() or 2) // 2)
+    repo = routing_repository(onnx, out / "repository")
+    bases = [photo_jpeg()]
+    targets = {"single model": (onnx, "/classify"), "repository of 3, ?model=b": (repo, "/classify?model=b")}
+    tp: dict[tuple[str, int], list[float]] = {(t, c): [] for t in targets for c in levels}
+    with contextlib.ExitStack() as stack:
+        servers = {t: stack.enter_context(Server(path, threads, args.device, args.max_batch, args.max_delay_ms,
+                                                 {"VIT_SERVE_DECODE": "fast"}))
+                   for t, (path, _) in targets.items()}
+        k = 0
+        for r in range(args.rounds):
+            for c in levels:
+                warmup, n = level_sizes(args.requests, c)
+                order = list(targets) if r % 2 == 0 else list(reversed(targets))  # neither always goes first
+                for t in order:
+                    bodies = payloads(bases, k, warmup + n)
+                    k += warmup + n
+                    lv = asyncio.run(load(servers[t].url, targets[t][1], bodies, c, warmup))
+                    check_unique(lv, 1)
+                    tp[t, c].append(lv.throughput)
+                    print(f"  round {r + 1} {t} c={c}: {lv.throughput:.1f} img/s", file=sys.stderr)
+    rows = ["| gateway | concurrency | rounds | median images/s | min | max |", "|---|---:|---:|---:|---:|---:|"]
+    for (t, c), v in tp.items():
+        rows.append(f"| {t} | {c} | {len(v)} | {np.median(v):.1f} | {min(v):.1f} | {max(v):.1f} |")
+    checks = []
+    single, routed = list(targets)
+    for c in levels:
+        ratio = float(np.median(tp[routed, c]) / np.median(tp[single, c]))
+        checks.append((f"repository routed by ?model= / single-model gateway, median images/s (c={c})",
+                       f"{ratio:.3f}", f">= {1 - ROUTING_OVERHEAD:.2f}", ratio >= 1 - ROUTING_OVERHEAD))
+    head = (f"{threads} intra-op threads in both; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}; "
+            f"unique small photos, fast decode; {args.rounds} rounds taking turns")
+    results = {"threads": threads, "throughput": {f"{t} c={c}": v for (t, c), v in tp.items()}}
+    return [head, "", *rows], checks, results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("uploads", "batching"), default="uploads",
-                    help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off")
+    ap.add_argument("--mode", choices=("uploads", "batching", "routing"), default="uploads",
+                    help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off; "
+                         "routing: a three-model repository against the single-model gateway")
+    ap.add_argument("--rounds", type=int, default=5, help="routing: rounds of turns (default 5)")
     ap.add_argument("--model", default="Ti/16", help="architecture (random weights, 1000 classes); default Ti/16")
     ap.add_argument("--res", type=int, default=224, help="input resolution (default 224)")
     ap.add_argument("--export", type=Path, help="reuse an existing vit-export folder (or its NAME.onnx; sidecar and "
@@ -638,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "(default: a new temporary folder)")
     args = ap.parse_args(argv)
     try:
-        levels = [int(c) for c in (args.concurrency or ("1,16,64" if args.mode == "uploads" else "1,4,16,64"))
-                  .split(",")]
+        default_levels = {"uploads": "1,16,64", "batching": "1,4,16,64", "routing": "16"}[args.mode]
+        levels = [int(c) for c in (args.concurrency or default_levels).split(",")]
     except ValueError:
         ap.error(f"--concurrency {args.concurrency!r}: expected a comma list of integers")
     if min(levels) < 1 or args.repeats < 1 or args.requests < 1:
@@ -655,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     onnx = find_onnx(args.export) if args.export else export_model(args.model, args.res, out)
     if args.mode == "uploads":
         rows, checks, results = run_uploads(args, onnx, out, levels)
+    elif args.mode == "routing":
+        rows, checks, results = run_routing(args, onnx, out, levels)
     else:
         rows, checks, results = run_batching(args, onnx, levels)
 

@@ -30,10 +30,10 @@ pytest.importorskip("tritonclient.http")
 
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import vit_export
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
-import vit_export
 from vit_export.parity import session
 from vit_export.sidecar import sha256
 from vit_export.triton_repo import write_repository

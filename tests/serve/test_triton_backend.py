@@ -420,6 +420,43 @@ def test_triton_timeouts_are_settings(monkeypatch):
         ServeSettings(triton_timeout_s=0)
 
 
+def test_without_a_model_name_every_vit_model_of_the_triton_server_is_served(server, exported, photos, reference):
+    """`--backend triton` with no MODEL: the gateway serves every ViT logits model Triton has READY (here the
+    exported model and a copy loaded under another name), not its explain, preprocessing or ensemble models; each
+    answers as onnxruntime does on the exported file."""
+    import tritonclient.http as tc_http
+
+    copy = f"{NAME}_copy_py"
+    src, dst = exported["repo"] / MODEL, exported["repo"] / copy
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    cfg = parse((src / "config.pbtxt").read_text())
+    cfg.name = copy
+    (dst / "config.pbtxt").write_text(to_text(cfg))
+    client = tc_http.InferenceServerClient(server.http_address)
+    client.load_model(copy)
+    try:
+        index = client.get_model_repository_index()
+        ready = {r["name"] for r in index if r.get("state") == "READY"}
+        want = {n for n in ready if n.endswith("_py") and "explain" not in n}  # the ViT logits models loaded
+        assert {MODEL, copy} <= want and f"{NAME}_explain_py" in ready
+        settings = ServeSettings(model="", backend="triton", triton_url=server.http_url, threads=1,
+                                 decode_workers=2, decode="contract", default_model=MODEL)
+        with live_server(settings) as url:
+            listing = httpx.get(f"{url}/models", timeout=10).json()
+            answers = {m: _post(url, "/classify", photos["coffee.jpg"], "coffee.jpg", model=m, top_k=10)
+                       for m in (MODEL, copy)}
+            explain = _post(url, "/explain", photos["coffee.jpg"], "coffee.jpg", model=copy, format="json")
+    finally:
+        client.unload_model(copy)
+        client.close()
+    assert {m["name"] for m in listing["models"]} == want
+    assert all(v["state"] == "READY" and v["backend"] == "triton" for m in listing["models"] for v in m["versions"])
+    for m, r in answers.items():
+        assert r.status_code == 200 and r.json()["model"] == m, r.text
+        _check_predictions(r.json(), reference["coffee.jpg"]["logits"])
+    assert explain.status_code == 200 and len(explain.json()["map"]) == RES // 16
+
+
 def test_gateway_survives_a_triton_restart(gateway, server, photos, reference):
     """Triton goes away: /readyz and /classify answer 503; it comes back on the same ports: both recover,
     without restarting the gateway."""

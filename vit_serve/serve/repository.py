@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from vit_serve.serve.backends import Backend, create_backend
+from vit_serve.serve.backends import Backend, BackendUnavailableError, create_backend
 from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.gpu_decode import GpuDecoder, unavailable_reason
@@ -99,9 +99,21 @@ class ModelRepository:
         raises (the server does not start)."""
         s = self.settings
         root = Path(s.model)
-        self.entries = await self._scan()
+        if s.backend == "triton" and not s.model:  # the server may still be starting: wait as for one model
+            deadline = time.monotonic() + s.triton_startup_timeout_s
+            while True:
+                try:
+                    self.entries = await self._scan()
+                    break
+                except BackendUnavailableError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(0.25)
+        else:
+            self.entries = await self._scan()
         # one model given (a file, a checkpoint folder, a hub id, a Triton model name): it must load
-        self.one_file = s.backend == "triton" or not root.is_dir() or (root / "config.json").is_file()
+        self.one_file = bool(s.model) and (s.backend == "triton" or not root.is_dir()
+                                           or (root / "config.json").is_file())
         if s.model_control == "explicit" and not self.one_file:
             names = set(self.entries) if "*" in s.load_models else set(s.load_models)
             unknown = sorted(names - set(self.entries))
@@ -136,10 +148,15 @@ class ModelRepository:
             task.cancel()
 
     async def _scan(self) -> dict[str, ModelEntry]:
-        if self.settings.backend == "triton":
-            name = self.settings.model_name or self.settings.model
-            source = VersionSource(name, 1, Path(self.settings.model), "triton")
-            return {name: ModelEntry(name, {1: source})}
+        s = self.settings
+        if s.backend == "triton":
+            if s.model:  # one model of the Triton server, by its name there
+                name = s.model_name or s.model
+                return {name: ModelEntry(name, {1: VersionSource(name, 1, Path(s.model), "triton")})}
+            from vit_serve.serve.backends.triton import vit_models  # every ViT model the server serves
+
+            models = await vit_models(s.triton_url, s.triton_timeout_s)
+            return {n: ModelEntry(n, {v: VersionSource(n, v, Path(n), "triton")}) for n, v in models.items()}
         return await asyncio.get_running_loop().run_in_executor(
             None, scan, self.settings.model, self.settings.model_name)
 

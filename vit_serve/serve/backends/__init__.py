@@ -32,8 +32,11 @@ def resolve_backend(settings: ServeSettings) -> str:
 def check_model(settings: ServeSettings) -> str:
     """Cheap checks before the server starts (so that the CLI can fail with one line); returns the backend name."""
     if not settings.model:
-        raise ValueError("no model given: pass MODEL (a checkpoint, NAME.onnx, an engine or a Triton model name) "
-                         "or set VIT_SERVE_MODEL")
+        if settings.backend == "triton":
+            return "triton"  # every ViT model of the Triton server
+        raise ValueError("no model given: pass REPO (a folder of models) or MODEL (a checkpoint, NAME.onnx, an "
+                         "engine; with --backend triton a model name there, or none for all) or set "
+                         "VIT_SERVE_MODEL")
     backend = resolve_backend(settings)
     path = Path(settings.model)
     is_file = backend in ("onnxruntime", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES

@@ -146,6 +146,46 @@ class _Connection:
     retired: bool = False
 
 
+async def vit_models(url: str, timeout_s: float = 10.0) -> dict[str, int]:
+    """The ViT models a Triton server serves, {name: newest READY version}: the READY models of its repository
+    index whose config carries vit-export's "vit_serve" parameter as a logits model taking pixel_values (not the
+    explain, preprocessing or ensemble models, which the gateway reaches through their logits model)."""
+    protocol, address = parse_url(url)
+    if protocol == "http":
+        import tritonclient.http.aio as tc
+
+        client = tc.InferenceServerClient(address, conn_timeout=timeout_s)
+        kw: dict[str, Any] = {}
+    else:
+        import tritonclient.grpc.aio as tc
+
+        client = tc.InferenceServerClient(address)
+        kw = {"as_json": True, "client_timeout": timeout_s}
+    try:
+        async with asyncio.timeout(timeout_s):
+            index = await client.get_model_repository_index(**kw)
+            rows = index.get("models", []) if isinstance(index, dict) else index  # gRPC wraps the list
+            ready: dict[str, int] = {}
+            for row in rows:
+                if row.get("state") == "READY":
+                    ready[row["name"]] = max(ready.get(row["name"], 0), int(row.get("version") or 1))
+            found = {}
+            for name, version in sorted(ready.items()):
+                raw = await client.get_model_config(name, **kw)
+                try:
+                    model_info(name, raw.get("config", raw), "")
+                except ValueError:
+                    continue  # not a ViT logits model (or not one of vit-export's)
+                found[name] = version
+            return found
+    except Exception as e:  # tritonclient's and aiohttp's errors: the server is not there or not answering
+        raise BackendUnavailableError(f"cannot list the models of the Triton server at {url}: "
+                                      f"{' '.join(str(e).split()) or type(e).__name__}") from e
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+
 class TritonBackend(RemoteBackend):
     """MODEL on the Triton server at URL; `info` from the model's config, explain via its explain model.
 
