@@ -84,7 +84,14 @@ class ServeSettings(BaseSettings):
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="largest request body (413 beyond)")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
 
+    # The Open Inference Protocol over gRPC (KServe v2 GRPCInferenceService), beside HTTP.
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="serve gRPC on this port (off when unset)")
+    grpc_max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC message either "
+                                        "way (gRPC's own default, 4 MiB, is smaller than a 12 MP JPEG)")
+
     # Images kept for GET /explain?id=...
+    store: str = Field("memory", description="where the crops for GET /explain?id= live: memory (this process), "
+                       "or redis://HOST:PORT/DB (shared by every replica)")
     store_size: int = Field(256, ge=0, description="recent images kept (model-input crops); 0 keeps none")
     store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from PIL import Image
 
-from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.overlay import COLORMAPS
 from vit_serve.serve.deps import ModelDep
 from vit_serve.serve.errors import NotFoundError
@@ -54,11 +54,12 @@ def explain_params(
     method: Annotated[Literal["rollout", "grad_rollout"], Query(description="grad_rollout: torch backend only")
                       ] = "rollout",
     head_fusion: Annotated[Literal[HEAD_FUSIONS] | None, Query(
-        description="rollout: fuse heads by mean, max or min (default: mean, or the exported graph's)")] = None,
+        description=f"rollout: fuse heads by mean, max or min (default: {DEFAULT_HEAD_FUSION}, or the exported "
+                    f"graph's)")] = None,
     discard_ratio: Annotated[float | None, Query(
-        ge=0.0, lt=1.0, examples=[0.9, 0.0, 0.9999999999999999],
-        description="rollout: drop this fraction of the weakest attention weights per layer (default: 0.9, or the "
-                    "exported graph's); at least one weight is always kept")] = None,
+        ge=0.0, lt=1.0, examples=[DEFAULT_DISCARD_RATIO, 0.0, 0.9999999999999999],
+        description=f"rollout: drop this fraction of the weakest attention weights per layer (default: "
+                    f"{DEFAULT_DISCARD_RATIO:g}, or the exported graph's); at least one weight is always kept")] = None,
     format: Annotated[Literal["png", "json"], Query(description="png overlay or json grid")] = "png",
     target: Annotated[int | None, Query(ge=0, description="grad_rollout: class to explain (default top-1)")] = None,
     alpha: Annotated[float, Query(ge=0.0, le=1.0, description="png: opacity of the map")] = 0.5,
