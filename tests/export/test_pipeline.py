@@ -45,13 +45,6 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _comparable(manifest_file: Path) -> dict:
-    """A manifest without what differs between two runs into two folders: the parity check's file path."""
-    m = read_manifest(manifest_file).to_dict()
-    m["parity"].pop("onnx")
-    return m
-
-
 def test_export_writes_what_the_cli_writes(ckpt, tmp_path, capsys):
     from vit_export.cli import main
 
@@ -72,14 +65,11 @@ def test_export_writes_what_the_cli_writes(ckpt, tmp_path, capsys):
         (p.name, 1) for p in (api_dir / "repo").iterdir())
     assert all(w.path == api_dir / "repo" / w.model / "1" for w in result.triton)
     assert result.graph.parity.ok and result.explain.parity.ok and result.graph.int8 is None
-    # Same files, byte for byte where no path is inside; manifests equal but for the parity check's path.
+    # The same files, byte for byte: graphs, manifests (no times in them; the checkpoint's path is the same),
+    # the Triton configs and version folders.
     cli_files, api_files = _tree(cli_dir), _tree(api_dir)
-    assert sorted(cli_files) == sorted(api_files)
-    for name in cli_files:
-        if name.endswith(".json"):
-            assert _comparable(cli_dir / name) == _comparable(api_dir / name), name
-        elif not name.endswith("config.pbtxt"):  # configs hold the manifests' sha256
-            assert cli_files[name] == api_files[name], name
+    assert len(cli_files) > 20 and sorted(cli_files) == sorted(api_files)
+    assert [n for n in cli_files if cli_files[n] != api_files[n]] == []
     assert read_manifest(result.onnx).source_checkpoint.path == str(ckpt)
     # What the CLI prints is the API's progress, line for line (but the folder names and timings).
     def same(text: str, root: Path) -> str:

@@ -12,14 +12,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.cors import CORSMiddleware
 
 from vit_serve import __version__
 from vit_serve.serve.errors import install_error_handlers
 from vit_serve.serve.gateway import Gateway
-from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestMetrics
+from vit_serve.serve.grpc import GrpcServer
+from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestId, RequestIdFilter, RequestMetrics
 from vit_serve.serve.routes import classify, explain, health, metrics, models, page, repository, v2
 from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.security import ApiKeys, KeyRing
 from vit_serve.serve.settings import ServeSettings
 
 log = logging.getLogger("vit_serve.serve")
@@ -37,8 +40,12 @@ classification extensions and Triton's model repository extension) is under `/v2
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
+    app.state.grpc = None  # the GrpcServer (its `port`) when grpc_port is set
     try:
         await gateway.start()
+        if gateway.settings.grpc_port is not None:
+            app.state.grpc = GrpcServer(gateway)
+            await app.state.grpc.start()
     except Exception as e:
         log.error("cannot serve %s: %s", gateway.settings.model, " ".join(str(e).split()))
         await gateway.stop()
@@ -46,6 +53,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if app.state.grpc is not None:
+            await app.state.grpc.stop()
         await gateway.stop()
 
 
@@ -63,10 +72,17 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # Outermost last: RequestMetrics -> ErrorBoundary -> BodyLimit -> routes.
+    # Outermost last: RequestId -> CORS -> ApiKeys -> RequestMetrics -> ErrorBoundary -> BodyLimit -> routes.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ErrorBoundary)
     app.add_middleware(RequestMetrics, metrics=gateway.metrics)
+    app.add_middleware(ApiKeys, ring=KeyRing.from_settings(settings))
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
+                           expose_headers=["X-Request-ID", "X-Image-Id", "X-Model", "X-Model-Version",
+                                           "Server-Timing"], max_age=600)
+    app.add_middleware(RequestId)
     return app
 
 
@@ -97,6 +113,10 @@ def run(settings: ServeSettings) -> None:
     that cannot be served ends the process with exit code 3 and one logged line."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
     uvicorn.run(OneLineStartupFailure(create_app(settings)), host=settings.host, port=settings.port,
-                log_level="info", timeout_graceful_shutdown=10)
+                log_level="info", timeout_graceful_shutdown=10, ssl_certfile=settings.ssl_certfile,
+                ssl_keyfile=settings.ssl_keyfile)

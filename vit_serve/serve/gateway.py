@@ -23,7 +23,7 @@ from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.settings import ServeSettings
-from vit_serve.serve.store import ImageStore
+from vit_serve.serve.stores import open_store
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -45,7 +45,7 @@ class Gateway:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.store = ImageStore(settings.store_size, settings.store_ttl_s)
+        self.store = open_store(settings)  # memory, or Redis shared by every replica (stores/)
         self.decode_pool: ThreadPoolExecutor | None = None
         self.repository: ModelRepository | None = None
         self._pil_limit: int | None = None

@@ -28,7 +28,7 @@ from vit_serve.preprocess import (
     to_tensor,
 )
 from vit_serve.serve.errors import BadImageError, TooLargeError, UnsupportedMediaError
-from vit_serve.serve.store import CropStore
+from vit_serve.serve.stores import CropStore
 
 
 @dataclass(frozen=True)

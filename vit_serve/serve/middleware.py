@@ -1,12 +1,17 @@
-"""Pure ASGI middleware (no per-request task or body copy): request metrics, the 500 boundary, the body limit.
+"""Pure ASGI middleware (no per-request task or body copy): request ids, request metrics, the 500 boundary, the
+body limit.
 
-Order, outermost first: RequestMetrics -> ErrorBoundary -> BodyLimit -> FastAPI's exception handlers -> routes.
+Order, outermost first: RequestId -> CORS -> ApiKeys (security.py) -> RequestMetrics -> ErrorBoundary ->
+BodyLimit -> FastAPI's exception handlers -> routes.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import re
 import time
+import uuid
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,6 +20,52 @@ from vit_serve.serve.errors import BodyTooLargeError, body_limit_message
 from vit_serve.serve.metrics import GatewayMetrics
 
 log = logging.getLogger("vit_serve.serve")
+access = logging.getLogger("vit_serve.serve.access")
+
+# The id of the request being served, for log records made while serving it (`RequestIdFilter`).
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("vit_serve_request_id", default="-")
+REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # visible ASCII, as load balancers and tracers make them
+
+
+class RequestId:
+    """Echoes the client's `X-Request-ID` (visible ASCII, at most 128 characters; another is replaced), or makes
+    one (uuid4 hex); every answer carries it, and one access line per request logs it with method, path,
+    status and time."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"x-request-id"), "")
+        rid = sent if REQUEST_ID.match(sent) else uuid.uuid4().hex
+        token = request_id.set(rid)
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], status,
+                        (time.perf_counter() - t0) * 1e3)
+            request_id.reset(token)
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `record.request_id` (the request being served, "-" outside one) to log records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
 
 
 def _endpoint(scope: Scope) -> str:

@@ -30,7 +30,7 @@ from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input
 from vit_serve.serve.inference import Task
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.runner import Arrival, Result, Runner
-from vit_serve.serve.store import ImageStore, Namespaced
+from vit_serve.serve.stores import CropStore, Namespaced
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -47,7 +47,7 @@ class ModelVersion:
     """A version the gateway loaded (`repository.load_version` builds it)."""
 
     def __init__(self, name: str, version: int, backend: Backend, runner: Runner, thread: ThreadPoolExecutor,
-                 metrics: ModelMetrics, pool: ThreadPoolExecutor, store: ImageStore, max_pixels: int,
+                 metrics: ModelMetrics, pool: ThreadPoolExecutor, store: CropStore, max_pixels: int,
                  gpu: GpuDecoder | None, gpu_decode_off: str | None, fingerprint: str = "") -> None:
         self.name, self.version = name, version
         self.backend, self.runner, self.thread, self.metrics = backend, runner, thread, metrics
@@ -152,8 +152,9 @@ class ModelVersion:
     # ---- work ------------------------------------------------------------------------------------------
 
     def crop_of(self, image: str) -> Image.Image | None:
-        """The model-input crop of an image classified earlier with this contract, or None."""
-        return self.crops.get(image)
+        """The model-input crop of an image classified earlier with this contract, or None (503 when the store
+        cannot be reached: stores.StoreUnavailableError)."""
+        return self.crops.find(image)
 
     async def decode(self, data: bytes, key: str | None = None, keep: bool = True) -> Decoded:
         """Upload bytes -> id, crop, x [1, 3, H, W], decoded once (none if the crop is in the store); keeps the
@@ -166,7 +167,7 @@ class ModelVersion:
         t0 = time.perf_counter()
         if not key and keep:
             key = await loop.run_in_executor(self.pool, image_id, data)
-        crop = self.crop_of(key) if keep else None
+        crop = self.crops.get(key) if keep else None  # a store that cannot answer is a miss here
         if crop is None:
             crop = await self.gpu.crop(data)
             if crop is None:  # not for the GPU: the CPU path (and its 4xx answers)

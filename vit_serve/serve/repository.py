@@ -39,7 +39,7 @@ from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import RunnerLimits, runner_for
 from vit_serve.serve.settings import ServeSettings, available_cpus
-from vit_serve.serve.store import ImageStore
+from vit_serve.serve.stores import CropStore
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -77,7 +77,7 @@ class ModelRepository:
     """The loaded versions of REPO's models, by name and version, and the state of every version."""
 
     def __init__(self, settings: ServeSettings, metrics: GatewayMetrics, pool: ThreadPoolExecutor,
-                 store: ImageStore) -> None:
+                 store: CropStore) -> None:
         self.settings, self.metrics, self.pool, self.store = settings, metrics, pool, store
         self.policy = VersionPolicy.parse(settings.version_policy)
         self.served: dict[str, dict[int, ModelVersion]] = {}  # what requests are routed to

@@ -51,6 +51,18 @@ class Timing(BaseModel):
     batch_size: int = Field(description="images in the batch this one ran in")
 
 
+class Explanation(BaseModel):
+    method: Literal["rollout"]
+    head_fusion: str = Field(description="rollout head fusion (the explain graph's, or the library default)")
+    discard_ratio: float = Field(description="rollout discard ratio (the explain graph's, or the library default)")
+    query: Literal["cls", "patch-mean"] = Field(
+        description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows "
+                    "for GAP models")
+    grid: tuple[int, int] = Field(description="(gh, gw) = (H / P, W / P)")
+    map: list[list[float | None]] = Field(
+        description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")
+
+
 class ClassifyResponse(BaseModel):
     id: str = Field(description="sha256 hex of the image bytes; pass it to GET /explain")
     model: str
@@ -58,6 +70,8 @@ class ClassifyResponse(BaseModel):
     resolution: tuple[int, int] = Field(description="model input (H, W)")
     predictions: list[Prediction] = Field(description="top_k classes, best first")
     timing_ms: Timing
+    explanation: Explanation | None = Field(None, description="?explain=true only: the attention rollout of the "
+                                            "same forward pass (absent otherwise)")
 
 
 class ExplainResponse(BaseModel):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 
@@ -89,6 +90,24 @@ class ServeSettings(BaseSettings):
     grpc_max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC message either "
                                         "way (gRPC's own default, 4 MiB, is smaller than a 12 MP JPEG)")
 
+    # Who may call: API keys (kept as sha256 hashes only), TLS, browsers of other origins.
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="keys a client sends as Authorization: Bearer KEY or X-API-Key "
+        "(VIT_SERVE_API_KEYS: a JSON list or comma-separated; sha256:HEX entries are taken as hashes); none: no "
+        "key needed")
+    api_keys_file: str | None = Field(None, description="a file of keys (or sha256:HEX hashes), one a line")
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="keys that may also load and unload models (the repository API); "
+        "none: any key may")
+    admin_api_keys_file: str | None = Field(None, description="a file of admin keys, one a line")
+    open_probes: bool = Field(True, description="health, readiness and metrics answer without a key (probes and "
+                              "scrapers keep working)")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins browsers may call from (Starlette's CORSMiddleware; * for "
+        "any); none: CORS off")
+    ssl_certfile: str | None = Field(None, description="TLS certificate (PEM) for HTTPS and gRPC")
+    ssl_keyfile: str | None = Field(None, description="TLS private key (PEM) for HTTPS and gRPC")
+
     # Images kept for GET /explain?id=...
     store: str = Field("memory", description="where the crops for GET /explain?id= live: memory (this process), "
                        "or redis://HOST:PORT/DB (shared by every replica)")
@@ -114,6 +133,28 @@ class ServeSettings(BaseSettings):
     @classmethod
     def _contract_decode(cls, v: object) -> object:
         return None if v == "contract" else v
+
+    @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, v: object) -> object:
+        if isinstance(v, str):  # VIT_SERVE_API_KEYS=a,b as well as a JSON list
+            if v.lstrip().startswith("["):
+                return json.loads(v)
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("api_keys", "admin_api_keys")
+    @classmethod
+    def _hash_keys(cls, v: list[str]) -> list[str]:
+        from vit_serve.serve.security import key_hash
+
+        return [key_hash(k) for k in v]  # the keys themselves are never kept (nor shown by model_dump)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServeSettings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
+        return self
 
     @field_validator("version_policy")
     @classmethod

@@ -96,47 +96,76 @@ def _count(shape: list[int]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
-def _tensor(spec: dict[str, Any], raw: memoryview | None) -> Tensor:
-    name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+def check_spec(name: object, datatype: object, shape: object) -> None:
+    """400 unless an input names itself, a datatype and a shape of non-negative integers."""
     if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list) \
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise BadRequestError("each input needs a name, a datatype and a shape of non-negative integers")
+
+
+def _finite(t: Tensor) -> Tensor:
+    arr = t.data
+    if isinstance(arr, np.ndarray) and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise BadRequestError(f"input {t.name!r}: values must be finite {t.datatype} numbers (NaN, inf or out of "
+                              f"range)")
+    return t
+
+
+def tensor_from_raw(name: str, datatype: str, shape: list[int], raw: memoryview | bytes) -> Tensor:
+    """An input from its raw bytes (row-major little-endian; BYTES: 4-byte length + bytes per element)."""
     count = _count(shape)
+    raw = memoryview(raw)
     if datatype == "BYTES":
-        if raw is not None:
-            items = _bytes_elements(raw, name)
-        else:
-            data = spec.get("data")
-            flat = data if isinstance(data, list) else [data]
-            try:
-                items = [base64.b64decode(s, validate=True) for s in flat]
-            except (binascii.Error, TypeError, ValueError) as e:
-                raise BadRequestError(f"input {name!r}: JSON BYTES elements must be base64 strings ({e})") from e
+        items = _bytes_elements(raw, name)
         if len(items) != count:
             raise BadRequestError(f"input {name!r}: {len(items)} BYTES elements for shape {shape}")
         return Tensor(name, datatype, shape, items)
     dtype = DTYPES.get(datatype)
     if dtype is None:
         raise BadRequestError(f"input {name!r}: unknown datatype {datatype!r}")
+    if len(raw) != count * dtype.itemsize:
+        raise BadRequestError(f"input {name!r}: {len(raw)} bytes of binary data, but {datatype} {shape} needs "
+                              f"{count * dtype.itemsize}")
+    return _finite(Tensor(name, datatype, shape, np.frombuffer(raw, dtype=dtype).reshape(shape)))
+
+
+def tensor_from_values(name: str, datatype: str, shape: list[int], values: Any) -> Tensor:
+    """An input from its elements: numbers (nested or flat), or for BYTES a flat list of byte strings."""
+    count = _count(shape)
+    if datatype == "BYTES":
+        items = [bytes(v) for v in values]
+        if len(items) != count:
+            raise BadRequestError(f"input {name!r}: {len(items)} BYTES elements for shape {shape}")
+        return Tensor(name, datatype, shape, items)
+    dtype = DTYPES.get(datatype)
+    if dtype is None:
+        raise BadRequestError(f"input {name!r}: unknown datatype {datatype!r}")
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values are refused by _finite
+            arr = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise BadRequestError(f"input {name!r}: data is not {datatype} numbers ({e})") from e
+    if arr.size != count:
+        raise BadRequestError(f"input {name!r}: {arr.size} values for shape {shape}")
+    return _finite(Tensor(name, datatype, shape, arr.reshape(shape)))
+
+
+def _tensor(spec: dict[str, Any], raw: memoryview | None) -> Tensor:
+    name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+    check_spec(name, datatype, shape)
     if raw is not None:
-        if len(raw) != count * dtype.itemsize:
-            raise BadRequestError(f"input {name!r}: {len(raw)} bytes of binary data, but {datatype} {shape} needs "
-                                  f"{count * dtype.itemsize}")
-        arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
-    else:
-        if "data" not in spec:
-            raise BadRequestError(f"input {name!r} has neither data nor parameters.binary_data_size")
+        return tensor_from_raw(name, datatype, shape, raw)
+    if datatype == "BYTES":
+        data = spec.get("data")
+        flat = data if isinstance(data, list) else [data]
         try:
-            with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values are refused just below
-                arr = np.asarray(spec["data"], dtype=dtype)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise BadRequestError(f"input {name!r}: data is not {datatype} numbers ({e})") from e
-        if arr.size != count:
-            raise BadRequestError(f"input {name!r}: {arr.size} values for shape {shape}")
-        arr = arr.reshape(shape)
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise BadRequestError(f"input {name!r}: values must be finite {datatype} numbers (NaN, inf or out of range)")
-    return Tensor(name, datatype, shape, arr)
+            items = [base64.b64decode(s, validate=True) for s in flat]
+        except (binascii.Error, TypeError, ValueError) as e:
+            raise BadRequestError(f"input {name!r}: JSON BYTES elements must be base64 strings ({e})") from e
+        return tensor_from_values(name, datatype, shape, items)
+    if datatype in DTYPES and "data" not in spec:
+        raise BadRequestError(f"input {name!r} has neither data nor parameters.binary_data_size")
+    return tensor_from_values(name, datatype, shape, spec.get("data"))
 
 
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -175,7 +204,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
                                 or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs)):
         raise BadRequestError("outputs must be a list of objects with a name")
     for out in outputs or []:
-        _check_output_parameters(out)
+        check_output_parameters(out)
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequestError("parameters must be an object")
@@ -183,7 +212,8 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     return InferRequest(request_id if isinstance(request_id, str) else None, inputs, outputs, params)
 
 
-def _check_output_parameters(out: dict[str, Any]) -> None:
+def check_output_parameters(out: dict[str, Any]) -> None:
+    """400 for an output parameter other than binary_data and classification, or a bad value of one."""
     name, params = out["name"], out.get("parameters")
     if params is None:
         return
@@ -216,7 +246,8 @@ def classify(arr: np.ndarray, k: int, labels: list[str] | None) -> tuple[list[in
     return [rows.shape[0], count], out
 
 
-def _bytes_blob(items: list[bytes]) -> bytes:
+def bytes_blob(items: list[bytes]) -> bytes:
+    """BYTES elements as raw tensor data: each a 4-byte little-endian length, then the bytes."""
     return b"".join(struct.pack("<I", len(b)) + b for b in items)
 
 
@@ -232,7 +263,7 @@ def encode_infer_response(model: str, version: str, request_id: str | None,
         if out.datatype == "BYTES":
             items = list(out.data)
             if out.binary:
-                blobs.append(_bytes_blob(items))
+                blobs.append(bytes_blob(items))
             else:
                 entry["data"] = [b.decode("utf-8", "replace") for b in items]
         else:

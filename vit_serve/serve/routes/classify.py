@@ -9,7 +9,9 @@ from fastapi import APIRouter, Query, Request, Response
 
 from vit_serve.serve.deps import ModelDep
 from vit_serve.serve.gateway import top_k
-from vit_serve.serve.inference import CLASSIFY
+from vit_serve.serve.inference import CLASSIFY, Task
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ClassifyResponse, ErrorBody
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
 
@@ -18,7 +20,8 @@ router = APIRouter(tags=["classify"])
 BY_ID = {"id": "$response.body#/id", "model": "$response.body#/model", "version": "$response.body#/version"}
 
 ERRORS = {
-    400: {"model": ErrorBody, "description": "malformed multipart body, or several models and none named"},
+    400: {"model": ErrorBody, "description": "malformed multipart body, several models and none named, or "
+                                             "explain=true for a model without an explain graph"},
     404: {"model": ErrorBody, "description": "unknown model or version (?model=, ?version=)"},
     413: {"model": ErrorBody, "description": "body over the size limit, or image over the pixel limit"},
     415: {"model": ErrorBody, "description": "not an image (or not a format PIL reads)"},
@@ -28,7 +31,9 @@ ERRORS = {
 }
 
 
-@router.post("/classify", response_model=ClassifyResponse, openapi_extra=IMAGE_REQUEST_BODY, responses={
+# exclude_unset: the explanation is in the answer only when asked for (null scores of predictions stay).
+@router.post("/classify", response_model=ClassifyResponse, response_model_exclude_unset=True,
+             openapi_extra=IMAGE_REQUEST_BODY, responses={
     **ERRORS, 200: {"links": {"ExplainById": {  # OpenAPI link: stateful clients (schemathesis) chain the two calls
         "operationRef": "#/paths/~1explain/get", "parameters": BY_ID,
         "description": "the attention map of the image just classified: GET /explain?id="}}}})
@@ -37,6 +42,8 @@ async def classify(
     response: Response,
     mv: ModelDep,
     top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
+    explain: Annotated[bool, Query(description="also return the attention rollout of the same forward pass "
+                                               "(models with an explain graph)")] = False,
 ) -> dict:
     """Classify one image.
 
@@ -49,16 +56,22 @@ async def classify(
     `GET /explain?id=...` can explain it without a new upload. `?model=&version=` choose the model (default:
     the gateway's default model, at its newest version in service).
 
+    `?explain=true` adds `"explanation": {"method": "rollout", "head_fusion", "discard_ratio", "query",
+    "grid": [gh, gw], "map": gh x gw floats}` (as GET /explain?format=json), from one pass through the explain
+    graph, which gives the logits and the rollout together; other rollout settings: GET /explain?id=. A model
+    without an explain graph answers 400.
+
     The `Server-Timing` header splits the same time finer (ms): read (receiving and hashing the body),
     decode_wait (waiting for a decode thread), decode, queue, infer and total.
     """
     t0 = time.perf_counter()
+    task = mv.explain_task("rollout", None, None) if explain else CLASSIFY  # 400 before the body is read
     with mv.arriving() as arrival:
         upload = await read_image(request)
         t_read = time.perf_counter()
         decoded = await mv.decode(upload.data, upload.sha256)
         t_decoded = time.perf_counter()
-        result = await mv.infer(CLASSIFY, decoded.x, arrival)
+        result = await mv.infer(task, decoded.x, arrival)
     info = mv.info
     total_ms = (time.perf_counter() - t0) * 1e3
     wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
@@ -66,7 +79,7 @@ async def classify(
         f"{name};dur={ms:.3f}" for name, ms in (
             ("read", (t_read - t0) * 1e3), ("decode_wait", wait_ms), ("decode", decoded.decode_ms),
             ("queue", result.queue_ms), ("infer", result.infer_ms), ("total", total_ms)))
-    return {
+    answer = {
         "id": decoded.id,
         "model": info.name,
         "version": str(mv.version),
@@ -75,3 +88,14 @@ async def classify(
         "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
                       "total": total_ms, "batch_size": result.batch_size},
     }
+    if explain:
+        answer["explanation"] = _explanation(mv, task, result)
+    return answer
+
+
+def _explanation(mv: ModelVersion, task: Task, result: Result) -> dict:
+    """The rollout part of an explain task's result, as GET /explain?format=json has it."""
+    rollout, info, settings = result.outputs["rollout"][0], mv.info, task.rollout
+    assert settings is not None  # an explain task carries its resolved settings
+    return {"method": "rollout", "head_fusion": settings.head_fusion, "discard_ratio": settings.discard_ratio,
+            "query": "cls" if info.pool == "token" else "patch-mean", "grid": info.grid, "map": rollout.tolist()}

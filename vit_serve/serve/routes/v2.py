@@ -13,33 +13,24 @@ output with `parameters.classification = k` comes back as Triton's classificatio
 
 from __future__ import annotations
 
-import asyncio
 import zlib
-from typing import Annotated, Any
+from typing import Annotated
 
-import numpy as np
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from vit_serve import __version__
-from vit_serve.serve.backends.base import ModelInfo
+from vit_serve.serve import v2_model
 from vit_serve.serve.deps import GatewayDep
 from vit_serve.serve.errors import BadRequestError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
-from vit_serve.serve.inference import CLASSIFY, Task
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import StrictJSONResponse
-from vit_serve.serve.v2_protocol import (
-    HEADER_LENGTH,
-    InferRequest,
-    OutputTensor,
-    Tensor,
-    classify,
-    encode_infer_response,
-    parse_infer_request,
-)
+from vit_serve.serve.v2_model import model_metadata, versions
+from vit_serve.serve.v2_protocol import HEADER_LENGTH, encode_infer_response, parse_infer_request
+
+__all__ = ["model_metadata", "router"]  # model_metadata lives in v2_model; importable from here as before
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
@@ -69,34 +60,10 @@ class ModelReady(BaseModel):
     ready: bool
 
 
-def _versions(gateway: Gateway, name: str) -> list[str]:
-    served = gateway.repository.served.get(name, {}) if gateway.repository else {}
-    return [str(v) for v in sorted(served, reverse=True)]
-
-
-def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
-    info = mv.info
-    h, w = info.resolution
-    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, info.num_classes]}]
-    if info.explain:
-        outputs.append({"name": "rollout", "datatype": "FP32", "shape": [-1, *info.grid]})
-    return {
-        "name": mv.name,
-        "versions": versions,
-        "platform": f"vit-serve_{mv.backend.name}",
-        "inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
-                   {"name": "image", "datatype": "BYTES", "shape": [-1]}],
-        "outputs": outputs,
-        "parameters": {"input": "send pixel_values or image, not both", "preprocess": info.preprocess.to_dict(),
-                       "labels": info.labels},
-    }
-
-
 @router.get("", responses={200: {"description": "server metadata"}})
 async def server_metadata() -> dict:
     """`{"name", "version", "extensions"}`."""
-    return {"name": "vit-serve", "version": __version__,
-            "extensions": ["binary_tensor_data", "classification", "model_repository"]}
+    return v2_model.server_metadata()
 
 
 @router.get("/health/live", response_model=ServerLive)
@@ -118,13 +85,13 @@ async def metadata(name: NameDep, gateway: GatewayDep) -> dict:
     """Model metadata (its newest version in service): inputs `pixel_values` FP32 [-1, 3, H, W] and `image`
     BYTES [-1] (send one), outputs `logits` FP32 [-1, K] and `rollout` FP32 [-1, gh, gw] (with an explain graph);
     `versions`: those in service, newest first; parameters: the preprocessing contract and the labels."""
-    return model_metadata(gateway.model(name), _versions(gateway, name))
+    return model_metadata(gateway.model(name), versions(gateway, name))
 
 
 @router.get("/models/{name}/versions/{version}", responses={404: V2_ERROR, 503: V2_ERROR})
 async def version_metadata(name: NameDep, version: VersionDep, gateway: GatewayDep) -> dict:
     """The same, for one version."""
-    return model_metadata(gateway.model(name, version), _versions(gateway, name))
+    return model_metadata(gateway.model(name, version), versions(gateway, name))
 
 
 async def _ready(gateway: Gateway, name: str, version: str | None) -> StrictJSONResponse:
@@ -166,27 +133,6 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-async def _pixels(mv: ModelVersion, inputs: dict[str, Tensor]) -> np.ndarray:
-    """The request's one input -> x [B, 3, H, W] float32."""
-    info = mv.info
-    unknown = set(inputs) - {"pixel_values", "image"}
-    if unknown or len(inputs) != 1:
-        raise BadRequestError(f"send exactly one input, pixel_values or image (got {sorted(inputs)})")
-    h, w = info.resolution
-    if "pixel_values" in inputs:
-        t = inputs["pixel_values"]
-        if t.datatype not in ("FP32", "FP16", "FP64"):
-            raise BadRequestError(f"pixel_values must be FP32 (got {t.datatype})")
-        if len(t.shape) != 4 or t.shape[1:] != [3, h, w] or t.shape[0] < 1:
-            raise BadRequestError(f"pixel_values must have shape [B, 3, {h}, {w}] (got {t.shape})")
-        return np.asarray(t.data, dtype=np.float32)
-    t = inputs["image"]
-    if t.datatype != "BYTES" or not t.data:
-        raise BadRequestError("image must be BYTES holding at least one encoded image")
-    decoded = await asyncio.gather(*(mv.decode(bytes(b), keep=False) for b in t.data))
-    return np.concatenate([d.x for d in decoded])
-
-
 INFER_DOC = {
     "response_class": Response,
     "responses": {200: {"description": "outputs (JSON, or JSON + binary tensors)"}, 400: V2_ERROR, 404: V2_ERROR,
@@ -221,36 +167,9 @@ async def _infer(request: Request, gateway: Gateway, mv: ModelVersion) -> Respon
 
 
 async def _infer_on(request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival) -> Response:
-    info = mv.info
     body = _decompress(await request.body(), request.headers.get("content-encoding", "").strip().lower(),
                        gateway.settings.max_body_bytes)
     req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
-    available = ["logits", *(["rollout"] if info.explain else [])]
-    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
-    for out in wanted:
-        if out["name"] not in available:
-            raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
-    if any(out["name"] == "rollout" for out in wanted):
-        hf, dr = req.parameters.get("head_fusion"), req.parameters.get("discard_ratio")
-        if dr is not None and not isinstance(dr, (int, float)):
-            raise BadRequestError("parameters.discard_ratio must be a number")
-        if dr is not None and not 0 <= dr < 1:
-            raise BadRequestError("parameters.discard_ratio must be in [0, 1)")
-        task: Task = mv.explain_task("rollout", hf, dr)
-    else:
-        task = CLASSIFY
-    x = await _pixels(mv, req.inputs)
-    result = await mv.infer(task, x, arrival)
-    outputs = [_output(o, result.outputs[o["name"]], req.binary_output(o), info) for o in wanted]
+    outputs = await v2_model.infer(mv, req, arrival)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
-
-
-
-def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo) -> OutputTensor:
-    """One requested output: the FP32 tensor, or its classification (labels on the logits only)."""
-    k = InferRequest.class_count(out)
-    if k == 0:
-        return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
-    shape, items = classify(arr, k, info.labels if out["name"] == "logits" else None)
-    return OutputTensor(out["name"], "BYTES", shape, items, binary)

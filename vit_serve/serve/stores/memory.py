@@ -1,8 +1,7 @@
-"""Recently classified images, by id (sha256 of the uploaded bytes), for `GET /explain?id=...`.
+"""The in-process store (the default): this process's memory, so each replica knows only its own images.
 
-What is kept is the model-input crop (`vit_serve.preprocess.resize_and_crop` output, uint8 RGB, H x W x 3 bytes):
-the input tensor is recomputed from it exactly with `vit_serve.preprocess.to_tensor`, and the PNG overlay is
-drawn on it. Bounded by count (least recently used first out) and by age; safe to use from several threads.
+Bounded by count (least recently used first out) and by age; safe to use from several threads. Nothing can fail,
+so `find` is `get`.
 """
 
 from __future__ import annotations
@@ -10,12 +9,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Protocol
 
 from PIL import Image
 
 
-class ImageStore:
+class MemoryStore:
     """id -> crop, at most `size` entries, each for `ttl_s` seconds after it was last stored or read."""
 
     def __init__(self, size: int, ttl_s: float) -> None:
@@ -52,6 +50,8 @@ class ImageStore:
             self._items.move_to_end(key)
             return entry[1]
 
+    find = get
+
     def _expire(self, now: float) -> None:
         # Entries are ordered by last use, and so by expiry time: expired ones are at the front.
         while self._items:
@@ -59,24 +59,3 @@ class ImageStore:
             if expires > now:
                 break
             del self._items[key]
-
-
-class CropStore(Protocol):
-    """What the decoder needs of a store: crops by key."""
-
-    def get(self, key: str) -> Image.Image | None: ...
-
-    def put(self, key: str, crop: Image.Image) -> None: ...
-
-
-class Namespaced:
-    """A store seen through a namespace (keys "key:namespace"): one preprocessing contract's crops."""
-
-    def __init__(self, store: CropStore, namespace: str) -> None:
-        self._store, self.namespace = store, namespace
-
-    def get(self, key: str) -> Image.Image | None:
-        return self._store.get(f"{key}:{self.namespace}")
-
-    def put(self, key: str, crop: Image.Image) -> None:
-        self._store.put(f"{key}:{self.namespace}", crop)

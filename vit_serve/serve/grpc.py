@@ -1,0 +1,263 @@
+"""The Open Inference Protocol over gRPC: KServe v2's `inference.GRPCInferenceService`, beside HTTP.
+
+The proto is the spec's own, as the stubs tritonclient ships (`tritonclient.grpc.service_pb2`). Served with
+grpcio's asyncio server in the app's event loop (the app's lifespan starts it when `grpc_port` is set), so that
+gRPC requests go through the same model versions and batchers as HTTP ones.
+
+RPCs: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, RepositoryIndex,
+RepositoryModelLoad and RepositoryModelUnload (the others answer UNIMPLEMENTED). ModelInfer takes one input,
+`pixel_values` FP32 [B, 3, H, W] or `image` BYTES [B] (encoded images), as `raw_input_contents` or typed
+`contents`; request parameters `head_fusion` / `discard_ratio` set the rollout; an output parameter
+`classification = k` answers Triton's classification extension. Outputs are always `raw_output_contents`, as
+Triton sends them. `model_version` "" is the newest version in service.
+
+Errors carry the HTTP routes' messages, with the status mapped as Triton and KServe do (`STATUS_CODES`); anything
+unexpected is logged and answers INTERNAL with one line, never a traceback. Messages either way are limited to
+`grpc_max_message_bytes` (gRPC's own 4 MiB default is smaller than a 12 MP JPEG: kserve#3717); a larger one
+answers RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add_GRPCInferenceServiceServicer_to_server
+
+from vit_serve.serve import v2_model
+from vit_serve.serve.backends.base import BackendUnavailableError
+from vit_serve.serve.errors import BadRequestError, GatewayError, NotReadyError
+from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.routes.repository import repository as repository_of  # its 403 / 503 rules
+from vit_serve.serve.v2_protocol import (
+    DTYPES,
+    InferRequest,
+    OutputTensor,
+    Tensor,
+    bytes_blob,
+    check_output_parameters,
+    check_spec,
+    tensor_from_raw,
+    tensor_from_values,
+)
+
+log = logging.getLogger("vit_serve.serve")
+
+# The gateway's HTTP statuses -> gRPC status codes (Triton's and KServe's choices).
+STATUS_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# Typed `contents` field of each datatype (FP16 has none: it travels raw).
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+            "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+            "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+            "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+R = TypeVar("R")
+Handler = Callable[..., Awaitable[R]]
+
+
+def status_code(status: int) -> grpc.StatusCode:
+    """The gRPC code of an HTTP status the gateway answers (an unlisted 4xx: INVALID_ARGUMENT)."""
+    return STATUS_CODES.get(status, grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL)
+
+
+def _answers_errors(rpc: Handler) -> Handler:
+    """A servicer method whose GatewayErrors (and a backend that does not answer) end the call with their
+    status code and message; anything else is logged and answers INTERNAL in one line."""
+
+    @functools.wraps(rpc)
+    async def wrapped(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await rpc(self, request, context)
+        except GatewayError as e:
+            code, message, retry = status_code(e.status), e.message, (e.headers or {}).get("Retry-After")
+        except BackendUnavailableError as e:
+            log.warning("backend unavailable: %s", e)
+            code, message, retry = grpc.StatusCode.UNAVAILABLE, f"backend unavailable: {e}", "1"
+        except Exception as e:
+            log.exception("gRPC %s failed", rpc.__name__)
+            code, message, retry = grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})", None
+        if retry is not None:
+            context.set_trailing_metadata((("retry-after", str(retry)),))
+        await context.abort(code, message)
+
+    return wrapped
+
+
+def parameter(p: pb.InferParameter | pb.ModelRepositoryParameter) -> Any:
+    """The value a request parameter holds (None when unset)."""
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+def _tensor(spec: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> Tensor:
+    name, datatype, shape = spec.name, spec.datatype, list(spec.shape)
+    check_spec(name, datatype, shape)
+    if raw is not None:
+        if spec.HasField("contents"):
+            raise BadRequestError(f"input {name!r}: send raw_input_contents or contents, not both")
+        return tensor_from_raw(name, datatype, shape, raw)
+    field = CONTENTS.get(datatype)
+    if field is None:
+        raise BadRequestError(f"input {name!r}: {datatype} needs raw_input_contents"
+                              if datatype in DTYPES else f"input {name!r}: unknown datatype {datatype!r}")
+    return tensor_from_values(name, datatype, shape, list(getattr(spec.contents, field)))
+
+
+def infer_request(request: pb.ModelInferRequest) -> InferRequest:
+    """A ModelInferRequest -> the InferRequest the HTTP routes parse too; 400 on anything malformed."""
+    if not request.inputs:
+        raise BadRequestError("an inference request needs at least one input")
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequestError(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs (one per input, "
+                              f"in order, or none)")
+    inputs: dict[str, Tensor] = {}
+    for i, spec in enumerate(request.inputs):
+        tensor = _tensor(spec, raw[i] if raw else None)
+        inputs[tensor.name] = tensor
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for o in request.outputs:
+            out = {"name": o.name, "parameters": {k: parameter(v) for k, v in o.parameters.items()}}
+            check_output_parameters(out)
+            outputs.append(out)
+    params = {k: parameter(v) for k, v in request.parameters.items()}
+    return InferRequest(request.id or None, inputs, outputs, params)
+
+
+def infer_response(model: str, version: str, request_id: str | None,
+                   outputs: list[OutputTensor]) -> pb.ModelInferResponse:
+    """The outputs as a ModelInferResponse, each as raw_output_contents."""
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
+    for out in outputs:
+        response.outputs.add(name=out.name, datatype=out.datatype, shape=list(out.shape))
+        if out.datatype == "BYTES":
+            response.raw_output_contents.append(bytes_blob(list(out.data)))
+        else:
+            response.raw_output_contents.append(np.ascontiguousarray(out.data, DTYPES[out.datatype]).tobytes())
+    return response
+
+
+class Servicer(GRPCInferenceServiceServicer):
+    """The RPCs, on one gateway (method names are the proto's)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    @_answers_errors
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
+        return pb.ServerLiveResponse(live=True)
+
+    @_answers_errors
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:  # noqa: N802
+        ok, _ = await self.gateway.readiness()
+        return pb.ServerReadyResponse(ready=ok)
+
+    @_answers_errors
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:  # noqa: N802
+        """ready false while the model is loading or unloaded; NOT_FOUND for a name the repository lacks."""
+        try:
+            mv = self.gateway.model(request.name or None, request.version or None)
+        except NotReadyError:
+            return pb.ModelReadyResponse(ready=False)
+        ok, _ = await mv.readiness()
+        return pb.ModelReadyResponse(ready=ok)
+
+    @_answers_errors
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:  # noqa: N802
+        return pb.ServerMetadataResponse(**v2_model.server_metadata())
+
+    @_answers_errors
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:  # noqa: N802
+        mv = self.gateway.model(request.name or None, request.version or None)
+        meta = v2_model.model_metadata(mv, v2_model.versions(self.gateway, mv.name))
+        meta.pop("parameters")  # the proto has no field for them: GET /v2/models/{name} has them
+        return pb.ModelMetadataResponse(**meta)
+
+    @_answers_errors
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:  # noqa: N802
+        mv = self.gateway.model(request.model_name or None, request.model_version or None)
+        with mv.using(), mv.arriving() as arrival:
+            req = infer_request(request)
+            outputs = await v2_model.infer(mv, req, arrival)
+        return infer_response(mv.name, str(mv.version), req.id, outputs)
+
+    @_answers_errors
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:  # noqa: N802
+        """Every model version with its state (`ready`: only those in service); a model never loaded: its name."""
+        response = pb.RepositoryIndexResponse()
+        for row in repository_of(self.gateway).index():
+            if request.ready and row.state != "READY":
+                continue
+            response.models.add(name=row.name, version="" if row.version is None else str(row.version),
+                                state=row.state or "", reason=row.reason or "")
+        return response
+
+    @_answers_errors
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Any) -> pb.RepositoryModelLoadResponse:
+        """Load (again) a model; needs --model-control explicit, as over HTTP."""
+        await repository_of(self.gateway).load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_answers_errors
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Any) -> pb.RepositoryModelUnloadResponse:
+        await repository_of(self.gateway).unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class GrpcServer:
+    """The gateway's gRPC server: `await start()` binds settings.host:grpc_port (0: a free port; `port` says which
+    one), `await stop()` lets the calls in flight finish (up to `grace` seconds)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return _address(self.gateway.settings.host, self.port if self.port is not None else 0)
+
+    async def start(self) -> None:
+        s = self.gateway.settings
+        if s.grpc_port is None:
+            raise ValueError("grpc_port is not set")
+        limit = s.grpc_max_message_bytes
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
+                                          ("grpc.max_receive_message_length", limit),
+                                          ("grpc.so_reuseport", 0)])
+        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway), server)
+        address = _address(s.host, s.grpc_port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as e:  # grpcio raises when it cannot bind
+            raise OSError(f"cannot serve gRPC on {address}: {e}") from None
+        await server.start()
+        self._server, self.port = server, port
+        log.info("gRPC (Open Inference Protocol) on %s, messages up to %d bytes", self.address, limit)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None

@@ -1,0 +1,140 @@
+"""Who may call the gateway: API keys (HTTP headers, gRPC metadata) and the admin keys of the repository API.
+
+A key is sent as `Authorization: Bearer KEY` or `X-API-Key: KEY` (over gRPC, the same names as metadata:
+`authorization: Bearer KEY` or `x-api-key: KEY`). Keys are kept only as sha256 hashes (`key_hash`; settings
+accept `sha256:HEX` entries as hashes, so that a deployment need not hold the keys at all); a presented key is
+hashed and compared with every stored hash in constant time (`hmac.compare_digest`), and keys are never logged.
+A request without a valid key gets 401 with `WWW-Authenticate: Bearer realm="vit-serve"`; a valid key that is not
+an admin key gets 403 on load / unload when admin keys are configured.
+
+Open without a key: the web page and its files, the OpenAPI document and /docs (the page asks for a key when
+the API needs one), and, unless `open_probes` is off, health, readiness and metrics, so that probes and
+scrapers keep working when keys are switched on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vit_serve.serve.schemas import json_bytes
+
+HASH_PREFIX = "sha256:"
+REALM = 'Bearer realm="vit-serve"'
+PAGE_PATHS = ("/", "/static/", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/favicon.ico")
+PROBE_PATHS = ("/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready")
+ADMIN_PATH = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
+GRPC_ADMIN_METHODS = ("RepositoryModelLoad", "RepositoryModelUnload")
+GRPC_PROBE_METHODS = ("ServerLive", "ServerReady", "ModelReady")
+
+
+def key_hash(key: str) -> str:
+    """"sha256:HEX" of a key (a "sha256:HEX" entry is taken as a hash already)."""
+    key = key.strip()
+    if key.startswith(HASH_PREFIX) and re.fullmatch(r"[0-9a-f]{64}", key[len(HASH_PREFIX):]):
+        return key
+    return HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
+
+
+def read_key_file(path: str) -> list[str]:
+    """Keys (or hashes) of a file, one a line; blank lines and # comments skipped. ValueError naming the file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the key file {path}: {e}") from e
+    keys = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"the key file {path} holds no key")
+    return keys
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    """The hashes of the API keys and of the admin keys."""
+
+    keys: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
+    open_probes: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: object) -> KeyRing:
+        s = settings
+        keys = list(s.api_keys)  # type: ignore[attr-defined]
+        admin = list(s.admin_api_keys)  # type: ignore[attr-defined]
+        if s.api_keys_file:  # type: ignore[attr-defined]
+            keys += [key_hash(k) for k in read_key_file(s.api_keys_file)]  # type: ignore[attr-defined]
+        if s.admin_api_keys_file:  # type: ignore[attr-defined]
+            admin += [key_hash(k) for k in read_key_file(s.admin_api_keys_file)]  # type: ignore[attr-defined]
+        return cls(tuple(keys) + tuple(admin), tuple(admin), bool(s.open_probes))  # type: ignore[attr-defined]
+
+    @property
+    def on(self) -> bool:
+        return bool(self.keys)
+
+    @staticmethod
+    def _matches(key: str | None, hashes: tuple[str, ...]) -> bool:
+        if key is None:
+            return False
+        presented = key_hash(key) if not key.startswith(HASH_PREFIX) else "-"  # a hash is not a key
+        found = False
+        for h in hashes:  # every hash compared, in constant time each: no early exit to time
+            found |= hmac.compare_digest(presented.encode(), h.encode())
+        return found
+
+    def allows(self, key: str | None, admin: bool = False) -> bool | None:
+        """True: allowed; None: no valid key (401); False: a valid key that may not do this (403)."""
+        if not self.on:
+            return True
+        if not self._matches(key, self.keys):
+            return None
+        return not (admin and self.admin and not self._matches(key, self.admin))
+
+    def is_open(self, path: str) -> bool:
+        if path in PAGE_PATHS or path.startswith("/static/"):
+            return True
+        return self.open_probes and path in PROBE_PATHS
+
+
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key of `Authorization: Bearer KEY` or `X-API-Key: KEY` (None when neither is sent)."""
+    if x_api_key:
+        return x_api_key.strip()
+    if authorization:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
+class ApiKeys:
+    """Pure ASGI middleware: 401 / 403 before anything else runs for requests without the right key."""
+
+    def __init__(self, app: ASGIApp, ring: KeyRing) -> None:
+        self.app, self.ring = app, ring
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.ring.on or scope["method"] == "OPTIONS" \
+                or self.ring.is_open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = presented_key(headers.get("authorization"), headers.get("x-api-key"))
+        verdict = self.ring.allows(key, admin=bool(ADMIN_PATH.match(scope["path"])))
+        if verdict:
+            await self.app(scope, receive, send)
+            return
+        if verdict is None:
+            status, message = 401, ("an API key is needed: send Authorization: Bearer KEY or X-API-Key: KEY"
+                                    if key is None else "the API key is not valid")
+        else:
+            status, message = 403, "loading and unloading models needs an admin key"
+        body = json_bytes({"error": message} if scope["path"].startswith("/v2") else {"detail": message})
+        extra = [(b"www-authenticate", REALM.encode())] if status == 401 else []
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,131 @@
+"""The Redis store (`--store redis://HOST:PORT/DB`): crops shared by every replica of the gateway.
+
+Each crop is one Redis string under `prefix + key` (key: "IMAGE_SHA256:CONTRACT"), a PNG at zlib level 1
+(lossless, so the input tensor recomputed from it is exact; the size and mode travel in its header), set with
+`SET ... PX ttl` and read with `GETEX ... PX ttl`, which renews it as a hit renews the memory store's entries
+(Redis >= 6.2).
+
+Bounds: the TTL is Redis's; a crop larger than `max_entry_bytes` is not stored (logged); `size` 0 keeps nothing,
+as in the memory store. The count is not capped here: the total is the server's business, its `maxmemory`
+with an evicting policy (e.g. `--maxmemory 256mb --maxmemory-policy volatile-lru`: every entry has a TTL).
+
+A Redis that cannot be reached (down, refused, slower than `timeout_s`) never fails a classification: `put`
+logs a warning (once per outage; again when it is back) and `get` is a miss; `find` (GET /explain?id=) raises
+StoreUnavailableError, a 503. Calls run in the caller's thread; redis-py's client is thread-safe (a pool of
+connections).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from PIL import Image
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from vit_serve.serve.stores import StoreUnavailableError
+
+log = logging.getLogger("vit_serve.serve")
+
+PREFIX = "vit-serve:crop:"
+# A 1024 x 1024 RGB crop is 3 MiB raw; PNG of a photo is smaller. Larger crops are not worth a network hop.
+MAX_ENTRY_BYTES = 4 * 2**20
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (it goes into logs and error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
+
+
+def to_png(crop: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    crop.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def from_png(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()
+        return im if im.mode == "RGB" else im.convert("RGB")
+
+
+class RedisStore:
+    """id -> crop in Redis at `url`, each for `ttl_s` seconds after it was last stored or read."""
+
+    def __init__(self, url: str, size: int, ttl_s: float, max_entry_bytes: int = MAX_ENTRY_BYTES,
+                 prefix: str = PREFIX, timeout_s: float = 0.5) -> None:
+        self.url, self.size, self.max_entry_bytes, self.prefix = redacted(url), size, max_entry_bytes, prefix
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        # One retry without waiting: a pooled connection that a Redis restart closed is reopened once; a Redis
+        # that is down answers at once rather than after redis-py's default backoff.
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                               retry=Retry(NoBackoff(), 1))
+        except ValueError as e:
+            raise ValueError(f"--store {self.url}: {e}") from None
+        self._reachable = True
+
+    def put(self, key: str, crop: Image.Image) -> None:
+        if self.size == 0:
+            return
+        data = to_png(crop)
+        if len(data) > self.max_entry_bytes:
+            log.warning("image store %s: a %d x %d crop is %d bytes as PNG, over the %d-byte cap; not stored",
+                        self.url, crop.width, crop.height, len(data), self.max_entry_bytes)
+            return
+        try:
+            self.client.set(self.prefix + key, data, px=self.ttl_ms)
+        except redis.RedisError as e:
+            self._unreachable(e)
+            return
+        self._back()
+
+    def get(self, key: str) -> Image.Image | None:
+        try:
+            return self.find(key)
+        except StoreUnavailableError:
+            return None
+
+    def find(self, key: str) -> Image.Image | None:
+        try:
+            data = self.client.getex(self.prefix + key, px=self.ttl_ms)
+        except redis.RedisError as e:
+            self._unreachable(e)
+            raise StoreUnavailableError(f"the image store ({self.url}) cannot be reached: {_one_line(e)}; "
+                                        f"try again, or send the image with POST /explain",
+                                        headers={"Retry-After": "1"}) from e
+        self._back()
+        if data is None:
+            return None
+        try:
+            return from_png(data)
+        except (OSError, ValueError) as e:  # not one of ours (another program's key under our prefix)
+            log.warning("image store %s: entry %s is not a PNG crop (%s); treated as missing", self.url, key, e)
+            return None
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _unreachable(self, e: Exception) -> None:
+        # One warning per outage: every request would log the same line.
+        if self._reachable:
+            self._reachable = False
+            log.warning("image store %s cannot be reached: %s; GET /explain?id= answers 503 until it is back",
+                        self.url, _one_line(e))
+
+    def _back(self) -> None:
+        if not self._reachable:
+            self._reachable = True
+            log.info("image store %s is reachable again", self.url)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -1,0 +1,112 @@
+"""A served model as the Open Inference Protocol sees it, whatever the transport (HTTP `/v2`, gRPC).
+
+Metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (a request sends one), outputs `logits`
+FP32 [-1, K] and, when the backend can explain, `rollout` FP32 [-1, gh, gw]. `infer` runs a parsed request
+(`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and answers its
+outputs (`classification = k` on an output: Triton's classification extension).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from vit_serve import __version__
+from vit_serve.serve.backends.base import ModelInfo
+from vit_serve.serve.errors import BadRequestError
+from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.inference import CLASSIFY, Task
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.runner import Arrival
+from vit_serve.serve.v2_protocol import InferRequest, OutputTensor, Tensor, classify
+
+SERVER_NAME = "vit-serve"
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+
+
+def server_metadata() -> dict[str, Any]:
+    """`{"name", "version", "extensions"}`."""
+    return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+def versions(gateway: Gateway, name: str) -> list[str]:
+    """The versions of `name` in service, newest first."""
+    served = gateway.repository.served.get(name, {}) if gateway.repository else {}
+    return [str(v) for v in sorted(served, reverse=True)]
+
+
+def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
+    """The model's metadata document (`parameters`: the preprocessing contract and the labels)."""
+    info = mv.info
+    h, w = info.resolution
+    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, info.num_classes]}]
+    if info.explain:
+        outputs.append({"name": "rollout", "datatype": "FP32", "shape": [-1, *info.grid]})
+    return {
+        "name": mv.name,
+        "versions": versions,
+        "platform": f"vit-serve_{mv.backend.name}",
+        "inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
+                   {"name": "image", "datatype": "BYTES", "shape": [-1]}],
+        "outputs": outputs,
+        "parameters": {"input": "send pixel_values or image, not both", "preprocess": info.preprocess.to_dict(),
+                       "labels": info.labels},
+    }
+
+
+async def pixels(mv: ModelVersion, inputs: dict[str, Tensor]) -> np.ndarray:
+    """The request's one input -> x [B, 3, H, W] float32 (images decoded with the model's contract)."""
+    info = mv.info
+    unknown = set(inputs) - {"pixel_values", "image"}
+    if unknown or len(inputs) != 1:
+        raise BadRequestError(f"send exactly one input, pixel_values or image (got {sorted(inputs)})")
+    h, w = info.resolution
+    if "pixel_values" in inputs:
+        t = inputs["pixel_values"]
+        if t.datatype not in ("FP32", "FP16", "FP64"):
+            raise BadRequestError(f"pixel_values must be FP32 (got {t.datatype})")
+        if len(t.shape) != 4 or t.shape[1:] != [3, h, w] or t.shape[0] < 1:
+            raise BadRequestError(f"pixel_values must have shape [B, 3, {h}, {w}] (got {t.shape})")
+        return np.asarray(t.data, dtype=np.float32)
+    t = inputs["image"]
+    if t.datatype != "BYTES" or not t.data:
+        raise BadRequestError("image must be BYTES holding at least one encoded image")
+    decoded = await asyncio.gather(*(mv.decode(bytes(b), keep=False) for b in t.data))
+    return np.concatenate([d.x for d in decoded])
+
+
+def _task(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any]) -> Task:
+    """Explain (with the request's head_fusion / discard_ratio) when rollout is asked for, else classify."""
+    if not any(out["name"] == "rollout" for out in wanted):
+        return CLASSIFY
+    hf, dr = parameters.get("head_fusion"), parameters.get("discard_ratio")
+    if dr is not None and not isinstance(dr, (int, float)):
+        raise BadRequestError("parameters.discard_ratio must be a number")
+    if dr is not None and not 0 <= dr < 1:
+        raise BadRequestError("parameters.discard_ratio must be in [0, 1)")
+    return mv.explain_task("rollout", hf, dr)
+
+
+def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo) -> OutputTensor:
+    """One requested output: the FP32 tensor, or its classification (labels on the logits only)."""
+    k = InferRequest.class_count(out)
+    if k == 0:
+        return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
+    shape, items = classify(arr, k, info.labels if out["name"] == "logits" else None)
+    return OutputTensor(out["name"], "BYTES", shape, items, binary)
+
+
+async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival) -> list[OutputTensor]:
+    """Run `req` on the version (held by the caller, announced as `arrival`): its outputs, in the order asked
+    (all of them when it names none); 400 for an output the model does not have."""
+    available = ["logits", *(["rollout"] if mv.info.explain else [])]
+    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
+    for out in wanted:
+        if out["name"] not in available:
+            raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
+    task = _task(mv, wanted, req.parameters)
+    x = await pixels(mv, req.inputs)
+    result = await mv.infer(task, x, arrival)
+    return [_output(o, result.outputs[o["name"]], req.binary_output(o), mv.info) for o in wanted]
