@@ -23,6 +23,10 @@ copies of it, each request routed with `?model=b`, both with the same intra-op t
 `--rounds` rounds (default 5) of unique small photos at concurrency 16. Check: the repository's median images/s
 >= 0.98x the single model's (routing by model costs at most 2%).
 
+`--mode security`: the same export served with API keys and request ids off, and with both on (each request
+sends its key and an X-Request-ID, which the server echoes and logs), taking turns as above. Check: on >= 0.98x
+off.
+
 `--mode batching`: dynamic batching on (max_batch 16, max_delay_ms 5) and off (max_batch 1) at concurrency 1, 4,
 16 and 64 with unique small photos, against the backend's offline throughput (`onnxruntime` `session.run` on
 preprocessed batches at batch 1 and at the batch the server reached at c=16), and explain vs classify latency
@@ -41,6 +45,8 @@ with `vit_export.export` into `--out` (or an existing export reused with `--expo
     python benchmarks/serve_load.py --mode uploads --model Ti/16 --res 224 --requests 96 --out /tmp/serve_uploads
     # routing by model against the single-model gateway (about 3 minutes):
     python benchmarks/serve_load.py --mode routing --requests 96 --out /tmp/serve_routing
+    # API keys and request ids on against off (about 3 minutes):
+    python benchmarks/serve_load.py --mode security --requests 96 --out /tmp/serve_security
     # dynamic batching (the README's batching table):
     python benchmarks/serve_load.py --mode batching --model S/16 --res 224 --requests 256 --out /tmp/serve_load
     # the crop store: each image sent 8 times
@@ -310,12 +316,12 @@ class Load:
 
 
 async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmup: int,
-               server_cpu_s: Callable[[], float] | None = None) -> Load:
+               server_cpu_s: Callable[[], float] | None = None, headers: dict[str, str] | None = None) -> Load:
     """POSTs of `bodies` (in order, each once) to `path` from `concurrency` concurrent clients; the first `warmup`
     are sent before the clock starts and not measured. `server_cpu_s`: the server's CPU clock (`Server.cpu_s`),
     read around the measured requests."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300.0) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300.0, headers=headers) as client:
 
         async def one(body: bytes) -> tuple[float, dict | None]:
             t0 = time.perf_counter()
@@ -616,6 +622,7 @@ def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
 
 ROUTING_MODELS = ("a", "b", "c")
 ROUTING_OVERHEAD = 0.02
+SECURITY_OVERHEAD = 0.02
 
 
 def routing_repository(onnx: Path, folder: Path) -> Path:
@@ -631,52 +638,82 @@ def routing_repository(onnx: Path, folder: Path) -> Path:
     return folder
 
 
-def run_routing(args: argparse.Namespace, onnx: Path, out: Path, levels: list[int]) -> tuple[list[str], list, dict]:
-    """The single-model gateway (MODEL: the export) against a gateway serving a three-model repository, every
-    request routed with ?model=b; both with the same intra-op threads, taking turns for `--rounds` rounds of
-    unique small photos at each concurrency. The check: the repository's median images/s is within 2%."""
+def compare(args: argparse.Namespace, targets: dict[str, tuple[Path, str, dict[str, str]]], levels: list[int],
+            headers: dict[str, str] | None = None) -> dict[tuple[str, int], list[float]]:
+    """Images/s of each target gateway {name: (MODEL or REPO, request path, VIT_SERVE_* env)}, all up at once,
+    taking turns for `--rounds` rounds of unique small photos at each concurrency (the order flips every round,
+    so that neither always goes first)."""
     threads = args.threads or max(1, (os.cpu_count() or 2) - (os.cpu_count() or 2) // 2)
-    repo = routing_repository(onnx, out / "repository")
     bases = [photo_jpeg()]
-    targets = {"single model": (onnx, "/classify"), "repository of 3, ?model=b": (repo, "/classify?model=b")}
     tp: dict[tuple[str, int], list[float]] = {(t, c): [] for t in targets for c in levels}
     with contextlib.ExitStack() as stack:
         servers = {t: stack.enter_context(Server(path, threads, args.device, args.max_batch, args.max_delay_ms,
-                                                 {"VIT_SERVE_DECODE": "fast"}))
-                   for t, (path, _) in targets.items()}
+                                                 {"VIT_SERVE_DECODE": "fast", **env}))
+                   for t, (path, _, env) in targets.items()}
         k = 0
         for r in range(args.rounds):
             for c in levels:
                 warmup, n = level_sizes(args.requests, c)
-                order = list(targets) if r % 2 == 0 else list(reversed(targets))  # neither always goes first
-                for t in order:
+                for t in (list(targets) if r % 2 == 0 else list(reversed(targets))):
                     bodies = payloads(bases, k, warmup + n)
                     k += warmup + n
-                    lv = asyncio.run(load(servers[t].url, targets[t][1], bodies, c, warmup))
+                    lv = asyncio.run(load(servers[t].url, targets[t][1], bodies, c, warmup, headers=headers))
                     check_unique(lv, 1)
                     tp[t, c].append(lv.throughput)
                     print(f"  round {r + 1} {t} c={c}: {lv.throughput:.1f} img/s", file=sys.stderr)
+    return tp
+
+
+def compare_table(tp: dict[tuple[str, int], list[float]], levels: list[int], what: str,
+                  bound: float) -> tuple[list[str], list]:
+    """The rows of `compare`'s medians, and the check: the second target's median images/s >= `bound` x the
+    first's at every concurrency."""
     rows = ["| gateway | concurrency | rounds | median images/s | min | max |", "|---|---:|---:|---:|---:|---:|"]
     for (t, c), v in tp.items():
         rows.append(f"| {t} | {c} | {len(v)} | {np.median(v):.1f} | {min(v):.1f} | {max(v):.1f} |")
+    base, other = dict.fromkeys(t for t, _ in tp)
     checks = []
-    single, routed = list(targets)
     for c in levels:
-        ratio = float(np.median(tp[routed, c]) / np.median(tp[single, c]))
-        checks.append((f"repository routed by ?model= / single-model gateway, median images/s (c={c})",
-                       f"{ratio:.3f}", f">= {1 - ROUTING_OVERHEAD:.2f}", ratio >= 1 - ROUTING_OVERHEAD))
-    head = (f"{threads} intra-op threads in both; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}; "
-            f"unique small photos, fast decode; {args.rounds} rounds taking turns")
-    results = {"threads": threads, "throughput": {f"{t} c={c}": v for (t, c), v in tp.items()}}
-    return [head, "", *rows], checks, results
+        ratio = float(np.median(tp[other, c]) / np.median(tp[base, c]))
+        checks.append((f"{what}, median images/s (c={c})", f"{ratio:.3f}", f">= {bound:.2f}", ratio >= bound))
+    return rows, checks
+
+
+def run_routing(args: argparse.Namespace, onnx: Path, out: Path, levels: list[int]) -> tuple[list[str], list, dict]:
+    """The single-model gateway (MODEL: the export) against a gateway serving a three-model repository, every
+    request routed with ?model=b. The check: the repository's median images/s is within 2%."""
+    repo = routing_repository(onnx, out / "repository")
+    tp = compare(args, {"single model": (onnx, "/classify", {}),
+                        "repository of 3, ?model=b": (repo, "/classify?model=b", {})}, levels)
+    rows, checks = compare_table(tp, levels, "repository routed by ?model= / single-model gateway",
+                                 1 - ROUTING_OVERHEAD)
+    head = (f"the same intra-op threads in both; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}; "
+            f"unique small photos, fast decode; "
+            f"{args.rounds} rounds taking turns")
+    return [head, "", *rows], checks, {"throughput": {f"{t} c={c}": v for (t, c), v in tp.items()}}
+
+
+def run_security(args: argparse.Namespace, onnx: Path, out: Path, levels: list[int]) -> tuple[list[str], list, dict]:
+    """The gateway with API keys and request ids off against both on (every request sends its key and an
+    X-Request-ID, answered and logged). The check: on costs at most 2% of images/s."""
+    key = "bench-key-0001"
+    tp = compare(args, {"keys and request ids off": (onnx, "/classify", {"VIT_SERVE_REQUEST_IDS": "false"}),
+                        "keys and request ids on": (onnx, "/classify", {"VIT_SERVE_API_KEYS": key})},
+                 levels, headers={"Authorization": f"Bearer {key}", "X-Request-ID": "bench"})
+    rows, checks = compare_table(tp, levels, "keys and request ids on / off", 1 - SECURITY_OVERHEAD)
+    head = (f"the same intra-op threads in both; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}; "
+            f"unique small photos, fast decode; "
+            f"{args.rounds} rounds taking turns")
+    return [head, "", *rows], checks, {"throughput": {f"{t} c={c}": v for (t, c), v in tp.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("uploads", "batching", "routing"), default="uploads",
+    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security"), default="uploads",
                     help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off; "
-                         "routing: a three-model repository against the single-model gateway")
+                         "routing: a three-model repository against the single-model gateway; security: API "
+                         "keys and request ids on against off")
     ap.add_argument("--rounds", type=int, default=5, help="routing: rounds of turns (default 5)")
     ap.add_argument("--model", default="Ti/16", help="architecture (random weights, 1000 classes); default Ti/16")
     ap.add_argument("--res", type=int, default=224, help="input resolution (default 224)")
@@ -704,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "(default: a new temporary folder)")
     args = ap.parse_args(argv)
     try:
-        default_levels = {"uploads": "1,16,64", "batching": "1,4,16,64", "routing": "16"}[args.mode]
+        default_levels = {"uploads": "1,16,64", "batching": "1,4,16,64", "routing": "16", "security": "16"}[args.mode]
         levels = [int(c) for c in (args.concurrency or default_levels).split(",")]
     except ValueError:
         ap.error(f"--concurrency {args.concurrency!r}: expected a comma list of integers")
@@ -723,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, checks, results = run_uploads(args, onnx, out, levels)
     elif args.mode == "routing":
         rows, checks, results = run_routing(args, onnx, out, levels)
+    elif args.mode == "security":
+        rows, checks, results = run_security(args, onnx, out, levels)
     else:
         rows, checks, results = run_batching(args, onnx, levels)
 

@@ -349,3 +349,31 @@ def test_the_model_picker_lists_the_repository_and_every_request_names_the_pick(
 
     assert len(page.errors) == 1 and "status of 404" in page.errors[0]  # Chromium logs the forgotten id's 404
     assert page.foreign == []
+
+
+def test_the_page_asks_for_a_key_when_the_server_needs_one(tmp_path_factory, randomize, photo):
+    """A gateway with API keys: the page shows the key form (its GET /models answered 401), and with the key
+    entered it lists the model, classifies the photo as the API does with that key, and draws the overlay; every
+    request after the key carries it as X-API-Key."""
+    key = "page-key-5d1e"
+    folder = tmp_path_factory.mktemp("page_keys")
+    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=32), seed=3)
+    model.labels = list(LABELS)
+    vit_serve.save(model, folder / "pets.safetensors")
+    with live_server(settings_for(folder / "pets.safetensors", decode_workers=1, api_keys=[key])) as url, \
+            _open_page(url) as pg:
+        sent: list[str | None] = []
+        pg.on("request", lambda r: sent.append(r.headers.get("x-api-key")) if "/classify" in r.url else None)
+        pg.wait_for_selector("#key-form", state="visible")
+        pg.fill("#api-key", key)
+        pg.click("#key-form button")
+        pg.wait_for_function("document.getElementById('model').textContent.includes('pets v1')")
+        assert pg.is_hidden("#key-form")
+        pg.set_input_files("#file", str(photo))
+        pg.wait_for_function("document.querySelectorAll('#predictions li').length === 5")
+        expected = httpx.post(f"{url}/classify", params={"top_k": 5}, headers={"X-API-Key": key},
+                              files={"file": ("chelsea.jpg", photo.read_bytes(), "image/jpeg")}).json()
+        assert [b["index"] for b in _bars(pg)] == [p["index"] for p in expected["predictions"]]
+        assert _wait_overlay(pg)["w"] == 32
+        assert sent and all(k == key for k in sent)
+        assert not pg.errors or all("401" in e for e in pg.errors), pg.errors

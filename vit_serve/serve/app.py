@@ -82,7 +82,8 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
                            expose_headers=["X-Request-ID", "X-Image-Id", "X-Model", "X-Model-Version",
                                            "Server-Timing"], max_age=600)
-    app.add_middleware(RequestId)
+    if settings.request_ids:
+        app.add_middleware(RequestId)
     return app
 
 

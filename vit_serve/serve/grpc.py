@@ -209,14 +209,14 @@ class Servicer(GRPCInferenceServiceServicer):
         return response
 
     @_answers_errors
-    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,  # noqa: N802
                                   context: Any) -> pb.RepositoryModelLoadResponse:
         """Load (again) a model; needs --model-control explicit, as over HTTP."""
         await repository_of(self.gateway).load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @_answers_errors
-    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,  # noqa: N802
                                     context: Any) -> pb.RepositoryModelUnloadResponse:
         await repository_of(self.gateway).unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()

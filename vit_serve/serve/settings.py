@@ -105,6 +105,8 @@ class ServeSettings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins browsers may call from (Starlette's CORSMiddleware; * for "
         "any); none: CORS off")
+    request_ids: bool = Field(True, description="echo X-Request-ID (made when absent) and log one line per "
+                              "request with it")
     ssl_certfile: str | None = Field(None, description="TLS certificate (PEM) for HTTPS and gRPC")
     ssl_keyfile: str | None = Field(None, description="TLS private key (PEM) for HTTPS and gRPC")
 
