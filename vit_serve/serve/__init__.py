@@ -1,9 +1,11 @@
-"""The serving gateway (FastAPI): `create_app(settings)`, `ServeSettings`; run it with `vit-serve serve MODEL`.
+"""The serving gateway (FastAPI): `create_app(settings)`, `ServeSettings`; run it with `vit-serve serve REPO`.
 
-Layout: settings (ServeSettings), app (factory + lifespan), gateway (the running parts), batcher (dynamic
-batching), inference (tasks), images (decode / overlay), uploads, store (recent images), v2_protocol (KServe
-v2 wire format), metrics, middleware, errors, schemas, deps; routes/ (classify, explain, health, metrics, v2,
-page); backends/ (base, torch, onnxruntime, tensorrt, triton, sidecar).
+Layout: settings (ServeSettings), app (factory + lifespan), gateway (the running parts), discovery (what a
+repository holds), repository (the loaded versions: model control, polling, load / unload), model_version (one
+loaded version), runner (batching or direct), inference (the Task), images (decode / overlay), uploads, store
+(recent images), security (API keys), v2_protocol (KServe v2 wire format), metrics, middleware, errors, schemas,
+deps; routes/ (classify, explain, health, metrics, models, v2, repository, page); backends/ (base, torch,
+onnxruntime, tensorrt, triton, sidecar).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class Gateway:
         if name is not None:
             served = repo.served.get(name)
             if not served:
-                return False, f"model {name!r} is not loaded: {repo._why_not(name)}"
+                return False, f"model {name!r} is not loaded: {repo.why_not(name)}"
             return await served[max(served)].readiness()
         loaded = repo.loaded()
         if not loaded:

@@ -128,7 +128,7 @@ class ModelRepository:
         if self.one_file:
             (name,) = self.entries
             if not self.served.get(name):
-                raise RuntimeError(self._why_not(name))
+                raise RuntimeError(self.why_not(name))
         if s.default_model is not None and s.default_model not in self.entries:
             raise ValueError(f"--default-model {s.default_model!r} is not a model of {s.model} (it has "
                              f"{', '.join(sorted(self.entries)) or 'none'})")
@@ -203,7 +203,7 @@ class ModelRepository:
                     del self._failed[known]
             await self._sync(name)
             if not self.served.get(name):
-                raise BadRequestError(f"failed to load {name!r}: {self._why_not(name)}")
+                raise BadRequestError(f"failed to load {name!r}: {self.why_not(name)}")
 
     async def unload(self, name: str) -> None:
         """Stop serving `name` (requests already routed to it finish): explicit model control only."""
@@ -361,7 +361,7 @@ class ModelRepository:
             if name not in self.entries:
                 raise NotFoundError(f"unknown model {name!r}; this gateway serves "
                                     f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
-            raise NotReadyError(f"model {name!r} is not loaded: {self._why_not(name)}", headers={"Retry-After": "1"})
+            raise NotReadyError(f"model {name!r} is not loaded: {self.why_not(name)}", headers={"Retry-After": "1"})
         if version is None:
             return served[max(served)]
         try:
@@ -373,7 +373,7 @@ class ModelRepository:
                                 f"{', '.join(map(str, sorted(served)))})")
         return served[v]
 
-    def _why_not(self, name: str) -> str:
+    def why_not(self, name: str) -> str:
         entry = self.entries.get(name)
         if entry is None:
             return "it is not in the repository"
