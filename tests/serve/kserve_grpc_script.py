@@ -29,7 +29,7 @@ async def main(address: str, model: str, folder: Path) -> dict:
     pixels = np.load(folder / "pixels.npy")
     images = [p.read_bytes() for p in sorted(folder.glob("image_*.bin"))]
     got: dict = {}
-    async with InferenceGRPCClient(address, timeout=60, retries=1) as client:
+    async with InferenceGRPCClient(address, timeout=60) as client:
 
         async def step(key: str, call) -> None:
             """got[key] = what the call returned, or {"exception", "code", "details"}."""

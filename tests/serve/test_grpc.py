@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -24,6 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import httpx
 import numpy as np
@@ -42,15 +41,20 @@ from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-CORPUS_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "upload_corpus.py"
 KSERVE_SCRIPT = Path(__file__).with_name("kserve_grpc_script.py")
 TOL = 1e-5
 
 
+class Live(NamedTuple):
+    url: str  # HTTP base URL
+    grpc: str  # gRPC host:port
+    app: Any
+
+
 @contextmanager
-def live_gateway(settings) -> Iterator[tuple[str, str]]:
+def live_gateway(settings) -> Iterator[Live]:
     """A real uvicorn serving the app in a thread (its lifespan starts the gRPC server on grpc_port=0, a free
-    port); yields (HTTP base URL, gRPC host:port) once /readyz is 200."""
+    port); yields its addresses and the app once /readyz is 200."""
     import uvicorn
 
     from vit_serve.serve.app import create_app
@@ -73,7 +77,7 @@ def live_gateway(settings) -> Iterator[tuple[str, str]]:
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the test server did not become ready")
             time.sleep(0.05)
-        yield url, app.state.grpc.address
+        yield Live(url, app.state.grpc.address, app)
     finally:
         server.should_exit = True
         thread.join(15)
@@ -81,26 +85,26 @@ def live_gateway(settings) -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_onnx) -> Iterator[tuple[str, str]]:
+def server(tiny_onnx) -> Iterator[Live]:
     """The tiny ONNX model (with its explain graph), gRPC on with the default message limit."""
-    with live_gateway(settings_for(tiny_onnx, grpc_port=0)) as addresses:
-        yield addresses
+    with live_gateway(settings_for(tiny_onnx, grpc_port=0)) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = grpcclient.InferenceServerClient(server[1])
+    c = grpcclient.InferenceServerClient(server.grpc)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
-def restricted(tiny_onnx) -> Iterator[tuple[str, str]]:
+def restricted(tiny_onnx) -> Iterator[Live]:
     """A second gateway: 1 MiB gRPC messages, no repository API, and batches of 2 that wait up to 5 s to fill."""
     settings = settings_for(tiny_onnx, grpc_port=0, grpc_max_message_bytes=2**20, repository_api=False,
                             max_batch=2, max_delay_ms=5000)
-    with live_gateway(settings) as addresses:
-        yield addresses
+    with live_gateway(settings) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +118,15 @@ def pixels(photos, backend) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def phone_jpeg(request) -> bytes:
-    """benchmarks/upload_corpus.py's 12 MP (4032x3024) phone photo, cached by pytest."""
-    spec = importlib.util.spec_from_file_location("upload_corpus", CORPUS_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    key = hashlib.sha256(CORPUS_SCRIPT.read_bytes() + Image.__version__.encode()).hexdigest()[:12]
-    folder = request.config.cache.mkdir(f"upload_corpus_{key}")
-    return mod.build(folder, ("phone_astronaut.jpg",))["phone_astronaut.jpg"].read_bytes()
+def phone_jpeg() -> bytes:
+    """A 12 MP (4032x3024) JPEG as a good phone camera writes it: scikit-image's astronaut resized, with
+    sensor-like grain, quality 95 (about 5 MiB: over gRPC's own 4 MiB default, kserve#3717)."""
+    data = pytest.importorskip("skimage.data")
+    img = Image.fromarray(data.astronaut()).resize((4032, 3024), Image.Resampling.BICUBIC)
+    a = np.asarray(img, np.float32) + np.random.default_rng(1).normal(0.0, 8.0, (3024, 4032, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
+    return buf.getvalue()
 
 
 def _input(name: str, datatype: str, array: np.ndarray):
@@ -152,7 +157,7 @@ def _code(e: InferenceServerException) -> str:
 
 
 def test_health_and_metadata_equal_http(server, client):
-    url, _ = server
+    url = server.url
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("tiny") and client.is_model_ready("tiny", "1")
     meta = client.get_model_metadata("tiny", as_json=True)
@@ -173,7 +178,7 @@ def test_health_and_metadata_equal_http(server, client):
 
 def test_aio_client_health_metadata_and_infer(server, backend, pixels):
     async def scenario():
-        async with grpcaio.InferenceServerClient(server[1]) as c:
+        async with grpcaio.InferenceServerClient(server.grpc) as c:
             live, ready, model_ready = await c.is_server_live(), await c.is_server_ready(), await c.is_model_ready(
                 "tiny")
             meta = await c.get_model_metadata("tiny", as_json=True)
@@ -199,7 +204,7 @@ def test_aio_client_health_metadata_and_infer(server, backend, pixels):
 
 
 def test_infer_pixel_values_equals_http_and_onnxruntime(server, client, backend, pixels):
-    url, address = server
+    url, address = server.url, server.grpc
     result = client.infer("tiny", [_input("pixel_values", "FP32", pixels)],
                           outputs=[grpcclient.InferRequestedOutput("logits")], request_id="r1")
     response = result.get_response()
@@ -224,7 +229,7 @@ def test_infer_pixel_values_equals_http_and_onnxruntime(server, client, backend,
 
 
 def test_infer_images_as_bytes_equals_classify_scores(server, client, photos):
-    url, _ = server
+    url = server.url
     result = client.infer("tiny", [_input("image", "BYTES", _images(list(photos.values())))],
                           outputs=[grpcclient.InferRequestedOutput("logits"),
                                    grpcclient.InferRequestedOutput("logits", class_count=3)])
@@ -253,22 +258,26 @@ def test_classification_extension(client, pixels, backend):
         np.testing.assert_allclose([float(v) for v, _, _ in parsed], ref[order], atol=5e-6 + TOL)
 
 
-def test_rollout_equals_http_and_onnxruntime(server, client, backend, pixels):
-    url, _ = server
+def test_rollout_equals_onnxruntime_and_its_parameters_are_read(server, client, backend, pixels):
+    """The ONNX explain graph has its rollout settings built in: the same ones are accepted, others refused with
+    the HTTP route's message (tuned settings on the torch backend: the repository test)."""
+    url = server.url
     every = client.infer("tiny", [_input("pixel_values", "FP32", pixels)])  # no outputs named: all of them
     logits, heat = backend.explain(pixels)
     assert {o.name for o in every.get_response().outputs} == {"logits", "rollout"}
+    print(f"rollout: max |Δ| gRPC vs onnxruntime = {float(np.abs(every.as_numpy('rollout') - heat).max()):.2e}")
     np.testing.assert_allclose(every.as_numpy("rollout"), heat, atol=1e-6, rtol=0)
     np.testing.assert_allclose(every.as_numpy("logits"), logits, atol=TOL, rtol=0)
-    params = {"head_fusion": "max", "discard_ratio": 0.5}
-    tuned = client.infer("tiny", [_input("pixel_values", "FP32", pixels)], parameters=params,
-                         outputs=[grpcclient.InferRequestedOutput("rollout")]).as_numpy("rollout")
-    http = _http_infer(url, {"inputs": [_http_pixels(pixels)], "outputs": [{"name": "rollout"}],
-                             "parameters": params})["rollout"]
-    print(f"rollout (max, 0.5): max |Δ| gRPC vs HTTP = {float(np.abs(tuned - http).max()):.2e}; differs from the "
-          f"default by {float(np.abs(tuned - heat).max()):.2e}")
-    assert tuned.shape == (3, 2, 3) and not np.allclose(tuned, heat)
-    np.testing.assert_allclose(tuned, http, atol=1e-6, rtol=0)
+    same = client.infer("tiny", [_input("pixel_values", "FP32", pixels)], outputs=[
+        grpcclient.InferRequestedOutput("rollout")], parameters={"head_fusion": "mean", "discard_ratio": 0.9})
+    np.testing.assert_array_equal(same.as_numpy("rollout"), every.as_numpy("rollout"))
+    other = {"head_fusion": "max", "discard_ratio": 0.5}
+    error = _grpc_error(client, "tiny", [_input("pixel_values", "FP32", pixels)], parameters=other,
+                        outputs=[grpcclient.InferRequestedOutput("rollout")])
+    http = httpx.post(f"{url}/v2/models/tiny/infer", json={"inputs": [_http_pixels(pixels)], "parameters": other,
+                                                          "outputs": [{"name": "rollout"}]}, timeout=60)
+    assert _code(error) == "INVALID_ARGUMENT" and error.message() == http.json()["error"]
+    assert "head_fusion=max, discard_ratio=0.5" in error.message()
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
@@ -281,7 +290,7 @@ def _grpc_error(client, *args, **kw) -> InferenceServerException:
 
 
 def test_errors_are_status_codes_with_the_http_messages(server, client, pixels):
-    url, address = server
+    url, address = server.url, server.grpc
     bad = pixels[:, :, :16]
     cases = {
         "unknown model": ("NOT_FOUND", ("other", [_input("pixel_values", "FP32", pixels)]), {}, "other", None),
@@ -336,7 +345,7 @@ def test_a_12_megapixel_jpeg_fits_the_default_limit(client, backend, phone_jpeg)
 
 
 def test_a_message_over_the_configured_limit_is_resource_exhausted(restricted, phone_jpeg, pixels):
-    c = grpcclient.InferenceServerClient(restricted[1])
+    c = grpcclient.InferenceServerClient(restricted.grpc)
     try:
         error = _grpc_error(c, "tiny", [_input("image", "BYTES", _images([phone_jpeg]))])
         print(f"{len(phone_jpeg)} bytes against a 1 MiB limit: {_code(error)} {error.message()!r}")
@@ -350,21 +359,42 @@ def test_a_message_over_the_configured_limit_is_resource_exhausted(restricted, p
 
 
 def test_grpc_and_http_requests_share_batches(restricted, pixels, backend):
-    """max_batch 2 with a 5 s window: one gRPC and one HTTP request of one image each make one batch of 2."""
-    url, address = restricted
+    """max_batch 2 with a 5 s window. An HTTP request whose body is still arriving (announced to the batcher, as
+    every request is while it is read) keeps the batch open; a gRPC request queued meanwhile joins it: one batch
+    of 2 images, each answer equal to onnxruntime's."""
+    url, address = restricted.url, restricted.grpc
+    runner = restricted.app.state.gateway.model("tiny").runner
     text = httpx.get(f"{url}/metrics").text
     before = (metric(text, "vit_serve_batch_size_count", model="tiny"),
               metric(text, "vit_serve_batch_size_sum", model="tiny"))
+    body = json.dumps({"inputs": [_http_pixels(pixels[1:2])], "outputs": [{"name": "logits"}]}).encode()
+    release = threading.Event()
+
+    def slow_body() -> Iterator[bytes]:
+        yield body[:100]
+        release.wait(30)
+        yield body[100:]
+
     c = grpcclient.InferenceServerClient(address)
     try:
         with ThreadPoolExecutor(2) as pool:
-            over_grpc = pool.submit(lambda: c.infer("tiny", [_input("pixel_values", "FP32", pixels[:1])],
-                                                    outputs=[grpcclient.InferRequestedOutput("logits")]))
-            over_http = pool.submit(_http_infer, url, {"inputs": [_http_pixels(pixels[1:2])],
-                                                       "outputs": [{"name": "logits"}]})
-            grpc_logits, http_logits = over_grpc.result(60).as_numpy("logits"), over_http.result(60)["logits"]
+            over_http = pool.submit(httpx.post, f"{url}/v2/models/tiny/infer", content=slow_body(), timeout=60,
+                                    headers={"Content-Type": "application/json"})
+            deadline = time.monotonic() + 30
+            while runner._incoming < 1 and time.monotonic() < deadline:  # the HTTP request is being read
+                time.sleep(0.01)
+            over_grpc = pool.submit(c.infer, "tiny", [_input("pixel_values", "FP32", pixels[:1])],
+                                    outputs=[grpcclient.InferRequestedOutput("logits")])
+            while runner.depth < 1 and time.monotonic() < deadline:  # the gRPC request is queued
+                time.sleep(0.01)
+            release.set()
+            grpc_logits = over_grpc.result(60).as_numpy("logits")
+            response = over_http.result(60)
     finally:
+        release.set()
         c.close()
+    assert response.status_code == 200, response.text
+    http_logits = np.asarray(response.json()["outputs"][0]["data"], np.float32).reshape(1, 10)
     text = httpx.get(f"{url}/metrics").text
     batches = metric(text, "vit_serve_batch_size_count", model="tiny") - before[0]
     images = metric(text, "vit_serve_batch_size_sum", model="tiny") - before[1]
@@ -383,7 +413,8 @@ def test_repository_rpcs_with_explicit_model_control(tmp_path, tiny_onnx, tiny_c
     shutil.copy(tiny_ckpt, tmp_path / "other.safetensors")
     settings = settings_for(tmp_path, grpc_port=0, model_control="explicit", load_models=["tiny"],
                             default_model="tiny")
-    with live_gateway(settings) as (url, address):
+    with live_gateway(settings) as live:
+        url, address = live.url, live.grpc
         c = grpcclient.InferenceServerClient(address)
         try:
             index = c.get_model_repository_index(as_json=True)["models"]
@@ -395,6 +426,19 @@ def test_repository_rpcs_with_explicit_model_control(tmp_path, tiny_onnx, tiny_c
             assert c.is_model_ready("other")
             logits = c.infer("other", [_input("pixel_values", "FP32", pixels)]).as_numpy("logits")
             np.testing.assert_allclose(logits, backend.classify(pixels), atol=1e-4, rtol=0)  # torch vs onnxruntime
+            # The torch backend computes any rollout setting: the request parameters reach it as over HTTP.
+            params = {"head_fusion": "max", "discard_ratio": 0.5}
+            tuned = c.infer("other", [_input("pixel_values", "FP32", pixels)], parameters=params,
+                            outputs=[grpcclient.InferRequestedOutput("rollout")]).as_numpy("rollout")
+            r = httpx.post(f"{url}/v2/models/other/infer", json={"inputs": [_http_pixels(pixels)], "parameters": params,
+                                                                 "outputs": [{"name": "rollout"}]}, timeout=60)
+            http = next(o for o in r.json()["outputs"] if o["name"] == "rollout")
+            default = c.infer("other", [_input("pixel_values", "FP32", pixels)],
+                              outputs=[grpcclient.InferRequestedOutput("rollout")]).as_numpy("rollout")
+            print(f"torch rollout (max, 0.5): max |Δ| gRPC vs HTTP = "
+                  f"{float(np.abs(tuned - np.reshape(http['data'], http['shape'])).max()):.2e}")
+            np.testing.assert_allclose(tuned, np.reshape(http["data"], http["shape"]), atol=1e-6, rtol=0)
+            assert tuned.shape == (3, 2, 3) and not np.allclose(tuned, default)
             c.unload_model("other")
             assert not c.is_model_ready("other")
             with pytest.raises(InferenceServerException) as e:
@@ -408,7 +452,7 @@ def test_repository_rules_load_needs_explicit_and_the_api_can_be_off(client, res
     with pytest.raises(InferenceServerException) as e:
         client.load_model("tiny")
     assert _code(e.value) == "INVALID_ARGUMENT" and "--model-control explicit" in e.value.message()
-    c = grpcclient.InferenceServerClient(restricted[1])
+    c = grpcclient.InferenceServerClient(restricted.grpc)
     try:
         for call in (c.get_model_repository_index, lambda: c.load_model("tiny"), lambda: c.unload_model("tiny")):
             with pytest.raises(InferenceServerException) as e:
@@ -425,7 +469,7 @@ def test_kserve_grpc_client_gets_the_http_logits(server, backend, pixels, photos
     from test_kserve_client import _kserve_python
 
     python = _kserve_python()
-    url, address = server
+    url, address = server.url, server.grpc
     np.save(tmp_path / "pixels.npy", pixels)
     for i, data in enumerate(photos.values()):
         (tmp_path / f"image_{i}.bin").write_bytes(data)
@@ -455,3 +499,42 @@ def test_kserve_grpc_client_gets_the_http_logits(server, backend, pixels, photos
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+# ---- lifecycle -------------------------------------------------------------------------------------------------
+
+
+def test_every_gateway_error_has_a_grpc_code():
+    from vit_serve.serve import errors
+    from vit_serve.serve.grpc import status_code
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.GatewayError)]
+    codes = {c.__name__: status_code(c.status) for c in classes}
+    print(codes)
+    assert len(codes) >= 10
+    assert all(code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.OK)
+               for code in codes.values())
+    assert codes["TooLargeError"] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes["GatewayTimeoutError"] == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_grpc_port_in_use_stops_the_start_with_one_line(tiny_onnx, caplog):
+    from vit_serve.serve.app import create_app
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    app = create_app(settings_for(tiny_onnx, grpc_port=port))
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    try:
+        with pytest.raises(OSError, match=f"cannot serve gRPC on 127.0.0.1:{port}"):
+            asyncio.run(start())
+    finally:
+        taken.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(f"cannot serve gRPC on 127.0.0.1:{port}" in line and "\n" not in line for line in lines), lines

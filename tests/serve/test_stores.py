@@ -92,7 +92,9 @@ def test_redis_store_round_trips_crops_exactly_and_expires(redis_url, tiny_model
 
     raw = redis.Redis.from_url(redis_url)  # the server's own view: one key under our prefix, with its TTL
     assert 0 < raw.pttl(PREFIX + "photo") <= 500
-    assert len(raw.get(PREFIX + "noise")) < 224 * 224 * 3 + 1024  # PNG of incompressible noise: about raw size
+    assert len(raw.get(PREFIX + "noise")) == 8 + 224 * 224 * 3  # header + raw RGB
+    raw.set(PREFIX + "foreign", b"not a crop")
+    assert store.find("foreign") is None  # another program's key under our prefix is a miss, not a 500
 
     view = Namespaced(store, "contract")
     view.put("photo", photo)
@@ -107,7 +109,7 @@ def test_redis_store_round_trips_crops_exactly_and_expires(redis_url, tiny_model
     assert store.find("photo") is None
 
     RedisStore(redis_url, size=0, ttl_s=60).put("none", photo)  # size 0 keeps none, as in memory
-    RedisStore(redis_url, size=8, ttl_s=60, max_entry_bytes=1000).put("big", noise)  # over the per-entry cap
+    RedisStore(redis_url, size=8, ttl_s=60, max_entry_bytes=224 * 224 * 3).put("big", noise)  # over the cap
     assert not raw.exists(PREFIX + "none") and not raw.exists(PREFIX + "big")
     raw.close()
 

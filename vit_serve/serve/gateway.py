@@ -70,6 +70,7 @@ class Gateway:
             await self.repository.stop()
         if self.decode_pool is not None:
             self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
         if self._pil_limit is not None:
             Image.MAX_IMAGE_PIXELS, self._pil_limit = self._pil_limit, None
 

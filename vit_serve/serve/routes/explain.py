@@ -7,6 +7,7 @@ have their head_fusion / discard_ratio baked in, other values answer 400 naming 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -118,7 +119,7 @@ async def explain_by_id(
     """
     t0 = time.perf_counter()
     task = _task(mv, params)
-    crop = mv.crop_of(id)
+    crop = await asyncio.get_running_loop().run_in_executor(mv.pool, mv.crop_of, id)  # Redis: a round trip
     if crop is None:
         raise NotFoundError(f"no image with id {id} here for model {mv.name!r} (never sent to it, expired or "
                             f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "

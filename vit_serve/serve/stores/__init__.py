@@ -48,6 +48,10 @@ class CropStore(Protocol):
         """Keep the crop (a store that cannot take it logs why; it never raises)."""
         ...
 
+    def close(self) -> None:
+        """Release connections (the gateway's stop)."""
+        ...
+
 
 class Namespaced:
     """A store seen through a namespace (keys "key:namespace"): one preprocessing contract's crops."""

@@ -25,6 +25,9 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def close(self) -> None:
+        """Nothing to release: the crops go with the process."""
+
     def put(self, key: str, crop: Image.Image) -> None:
         if self.size == 0:
             return

@@ -1,9 +1,11 @@
 """The Redis store (`--store redis://HOST:PORT/DB`): crops shared by every replica of the gateway.
 
-Each crop is one Redis string under `prefix + key` (key: "IMAGE_SHA256:CONTRACT"), a PNG at zlib level 1
-(lossless, so the input tensor recomputed from it is exact; the size and mode travel in its header), set with
+Each crop is one Redis string under `prefix + key` (key: "IMAGE_SHA256:CONTRACT"): an 8-byte header (magic,
+width, height) and the raw RGB bytes (lossless, so the input tensor recomputed from it is exact), set with
 `SET ... PX ttl` and read with `GETEX ... PX ttl`, which renews it as a hit renews the memory store's entries
-(Redis >= 6.2).
+(Redis >= 6.2). Raw rather than PNG: measured on a 224 x 224 photo crop, PNG level 1 is 89 KiB against 147 KiB
+but costs 6.8 ms to encode and 5.0 ms to decode against 0.04 and 0.2 ms, and the read runs on the request's
+critical path.
 
 Bounds: the TTL is Redis's; a crop larger than `max_entry_bytes` is not stored (logged); `size` 0 keeps nothing,
 as in the memory store. The count is not capped here: the total is the server's business, its `maxmemory`
@@ -17,8 +19,8 @@ connections).
 
 from __future__ import annotations
 
-import io
 import logging
+import struct
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -31,7 +33,7 @@ from vit_serve.serve.stores import StoreUnavailableError
 log = logging.getLogger("vit_serve.serve")
 
 PREFIX = "vit-serve:crop:"
-# A 1024 x 1024 RGB crop is 3 MiB raw; PNG of a photo is smaller. Larger crops are not worth a network hop.
+# A 1024 x 1024 RGB crop is 3 MiB; larger ones are not worth a network hop (the upload is decoded again).
 MAX_ENTRY_BYTES = 4 * 2**20
 
 
@@ -45,16 +47,24 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + host))
 
 
-def to_png(crop: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    crop.save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
+MAGIC = b"VSC1"  # vit-serve crop, layout 1
+HEADER = struct.Struct(">4sHH")  # magic, width, height
 
 
-def from_png(data: bytes) -> Image.Image:
-    with Image.open(io.BytesIO(data)) as im:
-        im.load()
-        return im if im.mode == "RGB" else im.convert("RGB")
+def to_bytes(crop: Image.Image) -> bytes:
+    """An RGB crop -> header + raw RGB bytes."""
+    rgb = crop if crop.mode == "RGB" else crop.convert("RGB")
+    return HEADER.pack(MAGIC, rgb.width, rgb.height) + rgb.tobytes()
+
+
+def from_bytes(data: bytes) -> Image.Image:
+    """`to_bytes`'s output -> the crop; ValueError for anything else."""
+    if len(data) < HEADER.size:
+        raise ValueError("too short")
+    magic, width, height = HEADER.unpack_from(data)
+    if magic != MAGIC or len(data) != HEADER.size + width * height * 3:
+        raise ValueError("not a vit-serve crop")
+    return Image.frombytes("RGB", (width, height), data[HEADER.size:])
 
 
 class RedisStore:
@@ -76,9 +86,9 @@ class RedisStore:
     def put(self, key: str, crop: Image.Image) -> None:
         if self.size == 0:
             return
-        data = to_png(crop)
+        data = to_bytes(crop)
         if len(data) > self.max_entry_bytes:
-            log.warning("image store %s: a %d x %d crop is %d bytes as PNG, over the %d-byte cap; not stored",
+            log.warning("image store %s: a %d x %d crop is %d bytes, over the %d-byte cap; not stored",
                         self.url, crop.width, crop.height, len(data), self.max_entry_bytes)
             return
         try:
@@ -106,9 +116,9 @@ class RedisStore:
         if data is None:
             return None
         try:
-            return from_png(data)
-        except (OSError, ValueError) as e:  # not one of ours (another program's key under our prefix)
-            log.warning("image store %s: entry %s is not a PNG crop (%s); treated as missing", self.url, key, e)
+            return from_bytes(data)
+        except ValueError as e:  # not one of ours (another program's key under our prefix)
+            log.warning("image store %s: entry %s is not a crop (%s); treated as missing", self.url, key, e)
             return None
 
     def close(self) -> None:
