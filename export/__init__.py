@@ -10,6 +10,14 @@ PyTorch with onnxruntime, a manifest per export, TensorRT engines (CUDA GPU) and
 a launcher for the tritonserver that the nvidia-pytriton wheel ships.
 """
 
-from vit_export.pipeline import ExportOptions, ExportResult, OptionError, OutputExistsError, export
+from typing import Any
 
 __all__ = ["ExportOptions", "ExportResult", "OptionError", "OutputExistsError", "export"]
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import vit_export` needs neither torch nor onnx until they are used
+    if name in __all__:
+        from vit_export import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'vit_export' has no attribute {name!r}")

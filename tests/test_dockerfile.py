@@ -76,3 +76,25 @@ def test_healthcheck_route_exists():
     from vit_serve.serve.app import create_app
 
     assert "/healthz" in create_app().openapi()["paths"]
+
+
+def test_the_production_example_names_real_settings():
+    """Every VIT_SERVE_* variable the header's production `docker run` sets is a ServeSettings field, and the
+    settings it describes validate (keys from files, TLS, Redis, gRPC, polling)."""
+    pytest.importorskip("pydantic_settings")
+    from vit_serve.serve.settings import ServeSettings
+
+    header = "\n".join(ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.lstrip().startswith("#"))
+    named = dict(re.findall(r"-e VIT_SERVE_(\w+)=(\S+)", header))
+    assert {"API_KEYS_FILE", "SSL_CERTFILE", "SSL_KEYFILE", "STORE", "GRPC_PORT"} <= set(named)
+    fields = set(ServeSettings.model_fields)
+    assert {n.lower() for n in named} <= fields, {n.lower() for n in named} - fields
+    s = ServeSettings(**{n.lower(): v for n, v in named.items()})
+    assert s.grpc_port == 8001 and s.store.startswith("redis://") and s.model_control == "poll"
+
+
+def test_healthchecks_are_python_that_compiles():
+    for args in _instructions("HEALTHCHECK"):
+        argv = json.loads(args[args.index("CMD") + 3:].strip())
+        assert argv[1] == "-c"
+        compile(argv[2], "HEALTHCHECK", "exec")

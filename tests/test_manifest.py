@@ -52,11 +52,11 @@ def _config_json(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, export_tiny) -> dict[str, Path]:
-    """A real `vit-export --format onnx,triton` of a random 2-block Ti/16 at 32x32 with 5 labels."""
+    """A real `vit_export.export` (formats onnx, triton) of a random 2-block Ti/16 at 32x32 with 5 labels."""
     d = tmp_path_factory.mktemp("manifest")
-    code, ckpt = export_tiny(d, 32, 3, LABELS, "--out", str(d / "out"), "--name", "tiny", "--format",
-                             "onnx,triton", "--repo", str(d / "repo"))
-    assert code == 0
+    result, ckpt = export_tiny(d, 32, 3, LABELS, out=d / "out", name="tiny", formats=("onnx", "triton"),
+                               repo=d / "repo")
+    assert result.ok
     return {"dir": d, "ckpt": ckpt, "onnx": d / "out" / "tiny.onnx", "explain": d / "out" / "tiny_explain.onnx",
             "repo": d / "repo"}
 
@@ -99,7 +99,7 @@ def test_every_reader_gets_its_fields_from_the_manifest(exported, tmp_path, caps
     """The onnxruntime backend, the engine reader (its pure functions), the Triton repository writer's output and
     the Triton backend's config reader all give the contract the manifest holds."""
     import onnxruntime as ort
-    from vit_export.cli import report_engine_parity
+    from vit_export.pipeline import report_engine_parity
     from vit_export.sidecar import engine_sidecar
     from vit_export.tensorrt_build import compare_runtimes
 
@@ -138,7 +138,7 @@ def test_every_reader_gets_its_fields_from_the_manifest(exported, tmp_path, caps
     assert twin == out / "tiny_explain.onnx"
     assert (info.resolution, info.patch_size, info.num_classes, info.labels, info.preprocess, info.rollout) == contract
     assert (info.backend, info.device, info.precision) == ("tensorrt", "cuda", "fp16")
-    assert report_engine_parity(check, plan.name) is True
+    assert report_engine_parity(check, plan.name, print) is True
     assert "parity: model_sm90.plan (TensorRT fp16 vs onnxruntime CPU" in capsys.readouterr().out
 
     # The Triton repository: every config's "vit_serve" parameter, read as Triton serves the config.

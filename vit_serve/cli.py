@@ -137,7 +137,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            "triton_startup_timeout_s", "model_name", "host", "port",
                                            "max_batch", "max_delay_ms", "max_queue", "threads", "device", "decode",
                                            "default_model", "model_control", "repository_poll_s", "load_models",
-                                           "version_policy", "repository_api")}
+                                           "version_policy", "repository_api", "grpc_port",
+                                           "grpc_max_message_bytes", "store", "api_keys", "api_keys_file",
+                                           "admin_api_keys", "admin_api_keys_file", "open_probes", "cors_origins",
+                                           "ssl_certfile", "ssl_keyfile", "request_ids")}
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
     except ValidationError as e:
@@ -228,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", help="name shown to clients and under /v2 (default: MODEL's file stem)")
     s.add_argument("--host", help="default 127.0.0.1")
     s.add_argument("--port", type=int, help="default 8000")
+    s.add_argument("--grpc-port", type=int, help="serve the Open Inference Protocol over gRPC on this port "
+                   "(off by default; 0 picks a free port)")
+    s.add_argument("--grpc-max-message-bytes", type=int, help="largest gRPC message either way (default 64 MiB)")
     s.add_argument("--max-batch", type=int, help="largest batch (default 16; 1 turns batching off)")
     s.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5; 0: off)")
     s.add_argument("--max-queue", type=int, help="requests waiting before 503 (default 256)")
@@ -243,6 +249,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--model-control explicit: load NAME at start (repeatable; * loads all)")
     s.add_argument("--version-policy", help="versions of each model to serve: latest (default), latest:N, all, "
                    "specific:V1,V2 (a model's config.pbtxt version_policy wins)")
+    s.add_argument("--store", metavar="URL", help="where crops for GET /explain?id= live: memory (default, this "
+                   "process) or redis://HOST:PORT/DB (shared by every replica)")
+    s.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                   help="a key requests must send (Authorization: Bearer KEY or X-API-Key; repeatable; "
+                        "sha256:HEX for a hash); default: no key needed")
+    s.add_argument("--api-keys-file", metavar="FILE", help="keys (or sha256:HEX hashes), one a line")
+    s.add_argument("--admin-api-key", dest="admin_api_keys", action="append", metavar="KEY",
+                   help="a key that may also load and unload models (repeatable)")
+    s.add_argument("--admin-api-keys-file", metavar="FILE", help="admin keys, one a line")
+    s.add_argument("--no-open-probes", dest="open_probes", action="store_const", const=False,
+                   help="health, readiness and metrics need a key too")
+    s.add_argument("--cors-origin", dest="cors_origins", action="append", metavar="ORIGIN",
+                   help="an origin browsers may call from (repeatable; * for any); default: CORS off")
+    s.add_argument("--ssl-certfile", help="TLS certificate (PEM): HTTPS and gRPC over TLS")
+    s.add_argument("--ssl-keyfile", help="TLS private key (PEM)")
+    s.add_argument("--no-request-ids", dest="request_ids", action="store_const", const=False,
+                   help="neither echo X-Request-ID nor log a line per request")
     s.add_argument("--no-repository-api", dest="repository_api", action="store_const", const=False,
                    help="answer 403 on POST /v2/repository/... (index, load, unload)")
     s.add_argument("--decode", choices=("fast", "exact", "contract"),

@@ -176,24 +176,37 @@ def test_bf16_typed_graph_matches_pytorch_with_layernorm_in_fp32(tiny, tmp_path)
     assert cos.min() > 0.999 and (got.argmax(1) == ref.argmax(1)).all(), (cos, np.abs(got - ref).max())
 
 
-def test_engine_parity_failure_exits_1_with_its_table(onnx_files, capsys):
+def test_engine_parity_failure_exits_1_with_its_table(onnx_files, tiny, capsys):
     """The engine check's decision on a real second runtime: onnxruntime running the fp16 graph, judged as an fp32
-    engine, fails the 1e-3 bound -> table with 'NO' and the one-line error; judged as fp16, it passes."""
-    from vit_export.cli import report_engine_parity
-    from vit_export.parity import session
+    engine, fails the 1e-3 bound -> table with 'NO', and `vit-export` exits 1 with one line; judged as fp16, it
+    passes."""
+    from vit_export import cli
+    from vit_export.parity import check_parity, session
+    from vit_export.pipeline import ExportOptions, ExportResult, WrittenEngine, WrittenGraph, report_engine_parity
+
+    from vit_serve.manifest import Parity
 
     sess = session(onnx_files["fp16"], threads=1)
     run = lambda x: sess.run(None, {"pixel_values": x})[0]  # noqa: E731
     failing = compare_runtimes(onnx_files["fp32"], run, "fp32", (1, 4), candidate="onnxruntime fp16 graph")
     assert not failing["ok"] and max(r["max_abs"] for r in failing["rows"]) > 1e-3
-    assert report_engine_parity(failing, "model_sm90.plan") is False
-    out, err = capsys.readouterr()
+    assert report_engine_parity(failing, "model_sm90.plan", print) is False
+    out = capsys.readouterr().out
     assert "parity: model_sm90.plan (onnxruntime fp16 graph fp32 vs onnxruntime CPU" in out
     assert "NO" in out and "parity FAILED" in out
-    assert len(err.strip().splitlines()) == 1 and "failed its parity check" in err
+
+    # What `vit-export` makes of an export whose engine failed that check: exit 1 and one line on stderr.
+    graph = WrittenGraph(onnx_files["fp32"], onnx_files["dir"] / "m32.json",
+                         check_parity(tiny, onnx_files["fp32"], batch_sizes=(1,), threads=1))
+    plan = onnx_files["dir"] / "model_sm90.plan"
+    engine = WrittenEngine(plan, plan.with_suffix(".json"), Parity.from_dict(failing), None, {})
+    result = ExportResult(ExportOptions(res=64, formats=("tensorrt",)), "m", (64, 64), graph, graph, engine)
+    assert graph.parity.ok and not result.ok and cli._exit_code(result) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "the engine model_sm90.plan failed its parity check" in err
 
     passing = compare_runtimes(onnx_files["fp32"], run, "fp16", (1, 4))
-    assert passing["ok"] and report_engine_parity(passing, "model_sm90.plan") is True
+    assert passing["ok"] and report_engine_parity(passing, "model_sm90.plan", print) is True
     out, err = capsys.readouterr()
     assert "parity passed" in out and err == ""
 

@@ -52,9 +52,9 @@ def _tensors(ts) -> dict[str, tuple[str, tuple[int, ...]]]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, export_tiny):
     d = tmp_path_factory.mktemp("onnx_ensemble")
-    rc, ckpt = export_tiny(d, RES, 3, LABELS, "--format", "onnx,triton", "--out", str(d / "exports"),
-                           "--repo", str(d / "repo"), "--name", NAME)
-    assert rc == 0
+    result, ckpt = export_tiny(d, RES, 3, LABELS, formats=("onnx", "triton"), out=d / "exports", repo=d / "repo",
+                               name=NAME)
+    assert result.ok
     return {"repo": d / "repo", "model": vit_serve.load(ckpt)}
 
 

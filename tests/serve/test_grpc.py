@@ -538,3 +538,46 @@ def test_a_grpc_port_in_use_stops_the_start_with_one_line(tiny_onnx, caplog):
         taken.close()
     lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any(f"cannot serve gRPC on 127.0.0.1:{port}" in line and "\n" not in line for line in lines), lines
+
+
+def test_api_keys_as_metadata_over_tls(tiny_onnx, tmp_path, pixels, backend):
+    """API keys (probes open) and TLS with a self-signed certificate made here by openssl; tritonclient sends the
+    key as metadata and checks the certificate."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (needed to make the test certificate)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    settings = settings_for(tiny_onnx, grpc_port=0, api_keys=["user-key"], admin_api_keys=["admin-key"],
+                            ssl_certfile=str(cert), ssl_keyfile=str(key))
+    with live_gateway(settings) as live:
+        c = grpcclient.InferenceServerClient(live.grpc, ssl=True, root_certificates=str(cert))
+        try:
+            assert c.is_server_live() and c.is_model_ready("tiny")  # probes need no key
+            no_key = _grpc_error(c, "tiny", [_input("pixel_values", "FP32", pixels)])
+            wrong = _grpc_error(c, "tiny", [_input("pixel_values", "FP32", pixels)], headers={"x-api-key": "nope"})
+            logits = c.infer("tiny", [_input("pixel_values", "FP32", pixels)], headers={
+                "authorization": "Bearer user-key"}, outputs=[grpcclient.InferRequestedOutput("logits")])
+            with pytest.raises(InferenceServerException) as user_load:
+                c.load_model("tiny", headers={"x-api-key": "user-key"})
+            with pytest.raises(InferenceServerException) as admin_load:
+                c.load_model("tiny", headers={"x-api-key": "admin-key"})
+        finally:
+            c.close()
+        plain = grpcclient.InferenceServerClient(live.grpc)
+        try:
+            with pytest.raises(InferenceServerException) as e:
+                plain.is_server_live()
+            assert _code(e.value) == "UNAVAILABLE"  # no TLS handshake, no answer
+        finally:
+            plain.close()
+    print(f"no key: {_code(no_key)} {no_key.message()!r}; wrong key: {_code(wrong)}; user key load: "
+          f"{_code(user_load.value)}; admin key load: {_code(admin_load.value)} {admin_load.value.message()!r}")
+    assert _code(no_key) == "UNAUTHENTICATED" and "an API key is needed" in no_key.message()
+    assert _code(wrong) == "UNAUTHENTICATED" and "not valid" in wrong.message()
+    np.testing.assert_allclose(logits.as_numpy("logits"), backend.classify(pixels), atol=TOL, rtol=0)
+    assert _code(user_load.value) == "PERMISSION_DENIED" and "admin key" in user_load.value.message()
+    # The admin key gets past the key check: the repository's own rule answers (model control is not explicit).
+    assert _code(admin_load.value) == "INVALID_ARGUMENT" and "--model-control explicit" in admin_load.value.message()

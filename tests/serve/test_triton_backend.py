@@ -80,9 +80,9 @@ def _counters(metrics_url: str, model: str) -> dict[str, float]:
 def exported(tmp_path_factory, export_tiny):
     d = tmp_path_factory.mktemp("triton_backend")
     # A 20 ms batching window, so that concurrent requests reliably meet in Triton's queue.
-    rc, ckpt = export_tiny(d, RES, 7, LABELS, "--format", "onnx,triton", "--out", str(d / "exports"),
-                           "--repo", str(d / "repo"), "--name", NAME, "--queue-delay-us", "20000")
-    assert rc == 0
+    result, ckpt = export_tiny(d, RES, 7, LABELS, formats=("onnx", "triton"), out=d / "exports", repo=d / "repo",
+                               name=NAME, queue_delay_us=20000)
+    assert result.ok
     sidecar = json.loads((d / "exports" / f"{NAME}.json").read_text())
     return {"repo": d / "repo", "onnx": d / "exports" / f"{NAME}.onnx", "model": vit_serve.load(ckpt),
             "preprocess": PreprocessConfig.from_dict(sidecar["preprocess"])}
@@ -448,6 +448,9 @@ def test_without_a_model_name_every_vit_model_of_the_triton_server_is_served(ser
             explain = _post(url, "/explain", photos["coffee.jpg"], "coffee.jpg", model=copy, format="json")
     finally:
         client.unload_model(copy)
+        deadline = time.monotonic() + 30  # Triton's server is not ready while a model unloads: let it finish
+        while time.monotonic() < deadline and not client.is_server_ready():
+            time.sleep(0.1)
         client.close()
     assert {m["name"] for m in listing["models"]} == want
     assert all(v["state"] == "READY" and v["backend"] == "triton" for m in listing["models"] for v in m["versions"])
@@ -461,7 +464,8 @@ def test_gateway_survives_a_triton_restart(gateway, server, photos, reference):
     """Triton goes away: /readyz and /classify answer 503; it comes back on the same ports: both recover,
     without restarting the gateway."""
     data, name = photos["astronaut.png"], "astronaut.png"
-    assert httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200
+    first = httpx.get(f"{gateway}/readyz", timeout=5)
+    assert first.status_code == 200, first.text
     server.stop()
     try:
         r = httpx.get(f"{gateway}/readyz", timeout=10)

@@ -14,7 +14,9 @@ Triton sends them. `model_version` "" is the newest version in service.
 Errors carry the HTTP routes' messages, with the status mapped as Triton and KServe do (`STATUS_CODES`); anything
 unexpected is logged and answers INTERNAL with one line, never a traceback. Messages either way are limited to
 `grpc_max_message_bytes` (gRPC's own 4 MiB default is smaller than a 12 MP JPEG: kserve#3717); a larger one
-answers RESOURCE_EXHAUSTED.
+answers RESOURCE_EXHAUSTED. With API keys on, a call sends one as metadata (`authorization: Bearer KEY` or
+`x-api-key: KEY`; UNAUTHENTICATED without); load / unload need an admin key when there are admin keys. TLS uses
+the HTTP server's certificate and key.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -34,6 +37,7 @@ from vit_serve.serve.backends.base import BackendUnavailableError
 from vit_serve.serve.errors import BadRequestError, GatewayError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.routes.repository import repository as repository_of  # its 403 / 503 rules
+from vit_serve.serve.security import KeyRing, presented_key
 from vit_serve.serve.v2_protocol import (
     DTYPES,
     InferRequest,
@@ -65,6 +69,10 @@ CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_conte
             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
             "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
+# API keys (vit_serve.serve.security) come as metadata; the probes stay open with open_probes, as over HTTP.
+PROBES = frozenset({"ServerLive", "ServerReady", "ModelReady"})
+ADMIN_RPCS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+
 R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
 
@@ -78,8 +86,22 @@ def _answers_errors(rpc: Handler) -> Handler:
     """A servicer method whose GatewayErrors (and a backend that does not answer) end the call with their
     status code and message; anything else is logged and answers INTERNAL in one line."""
 
+    name = rpc.__name__
+
     @functools.wraps(rpc)
     async def wrapped(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ring = self.keys
+        if ring.on and not (ring.open_probes and name in PROBES):
+            md = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+            key = presented_key(md.get("authorization"), md.get("x-api-key"))
+            verdict = ring.allows(key, admin=name in ADMIN_RPCS)
+            if verdict is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "an API key is needed: send metadata "
+                                    "authorization: Bearer KEY or x-api-key: KEY" if key is None
+                                    else "the API key is not valid")
+            if verdict is False:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    "loading and unloading models needs an admin key")
         try:
             return await rpc(self, request, context)
         except GatewayError as e:
@@ -156,8 +178,8 @@ def infer_response(model: str, version: str, request_id: str | None,
 class Servicer(GRPCInferenceServiceServicer):
     """The RPCs, on one gateway (method names are the proto's)."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, gateway: Gateway, keys: KeyRing) -> None:
+        self.gateway, self.keys = gateway, keys
 
     @_answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
@@ -228,7 +250,8 @@ def _address(host: str, port: int) -> str:
 
 class GrpcServer:
     """The gateway's gRPC server: `await start()` binds settings.host:grpc_port (0: a free port; `port` says which
-    one), `await stop()` lets the calls in flight finish (up to `grace` seconds)."""
+    one; TLS with ssl_certfile / ssl_keyfile), `await stop()` lets the calls in flight finish (up to `grace`
+    seconds)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -247,10 +270,14 @@ class GrpcServer:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
                                           ("grpc.max_receive_message_length", limit),
                                           ("grpc.so_reuseport", 0)])
-        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway), server)
+        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, KeyRing.from_settings(s)), server)
         address = _address(s.host, s.grpc_port)
         try:
-            port = server.add_insecure_port(address)
+            if s.ssl_certfile and s.ssl_keyfile:
+                pair = (Path(s.ssl_keyfile).read_bytes(), Path(s.ssl_certfile).read_bytes())
+                port = server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as e:  # grpcio raises when it cannot bind
             raise OSError(f"cannot serve gRPC on {address}: {e}") from None
         await server.start()
