@@ -45,16 +45,17 @@ def run(coro):
 
 
 @contextmanager
-def live_server(settings) -> Iterator[str]:
-    """A real uvicorn serving the app in a thread, on a free port; yields its base URL once /readyz is 200."""
+def live_app(settings) -> Iterator[tuple[str, object]]:
+    """A real uvicorn serving the app in a thread, on a free port; yields (base URL, app) once /readyz is 200."""
     import uvicorn
 
     from vit_serve.serve.app import create_app
 
+    app = create_app(settings)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -69,11 +70,18 @@ def live_server(settings) -> Iterator[str]:
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the test server did not become ready")
             time.sleep(0.05)
-        yield url
+        yield url, app
     finally:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextmanager
+def live_server(settings) -> Iterator[str]:
+    """`live_app`'s base URL."""
+    with live_app(settings) as (url, _):
+        yield url
 
 
 def metric(text: str, name: str, **labels: str) -> float:

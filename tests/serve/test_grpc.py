@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from gateway_helpers import LABELS, RES, metric, settings_for
+from gateway_helpers import LABELS, RES, live_app, metric, settings_for
 from PIL import Image
 
 from vit_serve.preprocess import preprocess
@@ -53,35 +53,10 @@ class Live(NamedTuple):
 
 @contextmanager
 def live_gateway(settings) -> Iterator[Live]:
-    """A real uvicorn serving the app in a thread (its lifespan starts the gRPC server on grpc_port=0, a free
-    port); yields its addresses and the app once /readyz is 200."""
-    import uvicorn
-
-    from vit_serve.serve.app import create_app
-
-    app = create_app(settings)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the test server did not become ready")
-            time.sleep(0.05)
+    """`live_app` (its lifespan starts the gRPC server on grpc_port=0, a free port): the HTTP and gRPC addresses
+    and the app."""
+    with live_app(settings) as (url, app):
         yield Live(url, app.state.grpc.address, app)
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
