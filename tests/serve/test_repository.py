@@ -317,3 +317,32 @@ def test_hot_reload_under_load(tmp_path, tiny_ckpt, second_ckpt, photos):
     assert index["vit", "3"][0] == "UNAVAILABLE" and "cannot load" in index["vit", "3"][1]
     assert {r.get("version") for r in events["end"]} == {"2"}
     assert len(log) >= clients  # every client got answers
+
+
+def test_poll_reloads_a_version_rewritten_in_place(tmp_path, tiny_ckpt, second_ckpt, photos):
+    """--model-control poll: the files of version 1 replaced in place (new weights, same version number) are
+    loaded again and switched in; the answers change to the new weights'."""
+    (tmp_path / "vit" / "1").mkdir(parents=True)
+    target = tmp_path / "vit" / "1" / "w.safetensors"
+    shutil.copy(tiny_ckpt, target)
+
+    async def scenario():
+        settings = settings_for(tmp_path, model_control="poll", repository_poll_s=0.2)
+        async with serving(settings) as (client, _):
+            before = (await client.post("/classify?top_k=10", content=photos["coffee.jpg"], headers=JPEG)).json()
+            staged = tmp_path / ".w.tmp"
+            shutil.copy(second_ckpt, staged)
+            staged.replace(target)  # atomic: a poll sees the old file or the new one
+            for _ in range(200):
+                await asyncio.sleep(0.1)
+                after = (await client.post("/classify?top_k=10", content=photos["chelsea.jpg"],
+                                           headers=JPEG)).json()
+                again = (await client.post("/classify?top_k=10", content=photos["coffee.jpg"],
+                                           headers=JPEG)).json()
+                if again["predictions"] != before["predictions"]:
+                    return before, again, after
+            return before, None, None
+
+    before, again, _ = run(scenario())
+    assert again is not None, "the rewritten version was never switched in"
+    assert again["version"] == before["version"] == "1"
