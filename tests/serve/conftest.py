@@ -44,6 +44,22 @@ def tiny_onnx(tiny_ckpt, tmp_path_factory) -> Path:
     return result.onnx
 
 
+@pytest.fixture(scope="module")
+def backend(tiny_onnx):
+    """The tiny export on onnxruntime (one thread): the reference the /v2 and gRPC tests compare with."""
+    from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend(tiny_onnx, device="cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def pixels(photos, backend) -> np.ndarray:
+    """The photos preprocessed with the export's contract, [3, 3, H, W] float32."""
+    from vit_serve.preprocess import preprocess
+
+    return torch.stack([preprocess(b, backend.info.preprocess) for b in photos.values()]).numpy()
+
+
 def _encode(arr: np.ndarray, fmt: str) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format=fmt, **({"quality": 92} if fmt == "JPEG" else {}))

@@ -27,12 +27,10 @@ from typing import Any, NamedTuple
 import httpx
 import numpy as np
 import pytest
-import torch
 from gateway_helpers import LABELS, RES, live_app, metric, settings_for
 from PIL import Image
 
 from vit_serve.preprocess import preprocess
-from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import grpc  # noqa: E402
@@ -80,16 +78,6 @@ def restricted(tiny_onnx) -> Iterator[Live]:
                             max_batch=2, max_delay_ms=5000)
     with live_gateway(settings) as live:
         yield live
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_onnx):
-    return OnnxRuntimeBackend(tiny_onnx, device="cpu", threads=1)
-
-
-@pytest.fixture(scope="module")
-def pixels(photos, backend) -> np.ndarray:
-    return torch.stack([preprocess(b, backend.info.preprocess) for b in photos.values()]).numpy()
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,6 @@ from gateway_helpers import LABELS, RES, live_server, run, serving, settings_for
 
 import vit_serve
 from vit_serve.explain import rollout
-from vit_serve.preprocess import preprocess
-from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
 
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -35,16 +33,6 @@ def client(server):
     c = httpclient.InferenceServerClient(server.removeprefix("http://"), network_timeout=60)
     yield c
     c.close()
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_onnx):
-    return OnnxRuntimeBackend(tiny_onnx, device="cpu", threads=1)
-
-
-@pytest.fixture(scope="module")
-def pixels(photos, backend) -> np.ndarray:
-    return torch.stack([preprocess(b, backend.info.preprocess) for b in photos.values()]).numpy()
 
 
 def test_health_and_metadata(client):

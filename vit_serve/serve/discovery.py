@@ -211,6 +211,12 @@ def _triton_style(folder: Path) -> ModelEntry | None:
     return entry
 
 
+def _one_file(name: str, path: Path, backend: Literal["torch", "onnxruntime", "tensorrt"]) -> ModelEntry:
+    """Model `name`, version 1: the file, fingerprinted with its manifest and explain twin."""
+    companions = [path, path.with_suffix(".json"), path.with_name(f"{path.stem}{EXPLAIN_SUFFIX}.onnx")]
+    return ModelEntry(name, {1: VersionSource(name, 1, path, backend, fingerprint(companions))})
+
+
 def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, ModelEntry]:
     """The repository at `path` (a model file or a folder), by model name; `name` renames a one-file repository.
 
@@ -227,8 +233,7 @@ def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Mod
             raise ValueError(f"{root.name} is not a model vit-serve serves (NAME.onnx, a TensorRT engine or a "
                              f"checkpoint: {', '.join(CHECKPOINT_SUFFIXES)})")
         model = name or root.stem
-        companions = [root, root.with_suffix(".json"), root.with_name(f"{root.stem}{EXPLAIN_SUFFIX}.onnx")]
-        return {model: ModelEntry(model, {1: VersionSource(model, 1, root, backend, fingerprint(companions))})}
+        return {model: _one_file(model, root, backend)}
     if not root.is_dir():
         raise FileNotFoundError(f"no such file or folder: {root}")
     entries: dict[str, ModelEntry] = {}
@@ -238,8 +243,7 @@ def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Mod
             if entry is None:
                 continue
         elif child.is_file() and (backend := backend_for(child)):
-            companions = [child, child.with_suffix(".json"), child.with_name(f"{child.stem}{EXPLAIN_SUFFIX}.onnx")]
-            entry = ModelEntry(child.stem, {1: VersionSource(child.stem, 1, child, backend, fingerprint(companions))})
+            entry = _one_file(child.stem, child, backend)
         else:
             continue
         if entry.name in entries:

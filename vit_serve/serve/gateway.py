@@ -93,10 +93,10 @@ class Gateway:
             return False, "the models are loading"
         name = repo.default_name
         if name is not None:
-            served = repo.served.get(name)
-            if not served:
+            newest = repo.newest(name)
+            if newest is None:
                 return False, f"model {name!r} is not loaded: {repo.why_not(name)}"
-            return await served[max(served)].readiness()
+            return await newest.readiness()
         loaded = repo.loaded()
         if not loaded:
             return False, "no model is loaded"

@@ -175,7 +175,7 @@ class ModelVersion:
             if keep:
                 self.crops.put(key, crop)
         x = await loop.run_in_executor(self.pool, input_tensor, crop, cfg)
-        return Decoded(key, crop, x, (time.perf_counter() - t0) * 1e3)
+        return Decoded(key or "", crop, x, (time.perf_counter() - t0) * 1e3)
 
     async def tensor_of(self, crop: Image.Image) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self.pool, input_tensor, crop, self.info.preprocess)

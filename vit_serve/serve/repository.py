@@ -347,6 +347,11 @@ class ModelRepository:
     def names(self) -> list[str]:
         return sorted(set(self.entries) | set(self.served))
 
+    def newest(self, name: str | None) -> ModelVersion | None:
+        """The newest version of `name` in service (None: none, or no name)."""
+        served = self.served.get(name) if name is not None else None
+        return served[max(served)] if served else None
+
     def get(self, name: str | None = None, version: str | int | None = None) -> ModelVersion:
         """The version a request is routed to: `name` (None: the default model) at `version` (None: its newest
         loaded version). 404 naming what exists; 503 while the model is loading or unloaded."""
@@ -363,7 +368,7 @@ class ModelRepository:
                                     f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
             raise NotReadyError(f"model {name!r} is not loaded: {self.why_not(name)}", headers={"Retry-After": "1"})
         if version is None:
-            return served[max(served)]
+            return served[max(served)]  # `newest`, with the 404 / 503 above
         try:
             v = int(version)
         except (TypeError, ValueError):

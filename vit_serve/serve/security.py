@@ -19,10 +19,14 @@ import hmac
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vit_serve.serve.schemas import json_bytes
+
+if TYPE_CHECKING:  # settings import this module (key_hash) when they validate
+    from vit_serve.serve.settings import ServeSettings
 
 HASH_PREFIX = "sha256:"
 REALM = 'Bearer realm="vit-serve"'
@@ -62,15 +66,13 @@ class KeyRing:
     open_probes: bool = True
 
     @classmethod
-    def from_settings(cls, settings: object) -> KeyRing:
-        s = settings
-        keys = list(s.api_keys)  # type: ignore[attr-defined]
-        admin = list(s.admin_api_keys)  # type: ignore[attr-defined]
-        if s.api_keys_file:  # type: ignore[attr-defined]
-            keys += [key_hash(k) for k in read_key_file(s.api_keys_file)]  # type: ignore[attr-defined]
-        if s.admin_api_keys_file:  # type: ignore[attr-defined]
-            admin += [key_hash(k) for k in read_key_file(s.admin_api_keys_file)]  # type: ignore[attr-defined]
-        return cls(tuple(keys) + tuple(admin), tuple(admin), bool(s.open_probes))  # type: ignore[attr-defined]
+    def from_settings(cls, s: ServeSettings) -> KeyRing:
+        keys, admin = list(s.api_keys), list(s.admin_api_keys)  # hashed by the settings already
+        if s.api_keys_file:
+            keys += [key_hash(k) for k in read_key_file(s.api_keys_file)]
+        if s.admin_api_keys_file:
+            admin += [key_hash(k) for k in read_key_file(s.admin_api_keys_file)]
+        return cls(tuple(keys) + tuple(admin), tuple(admin), s.open_probes)
 
     @property
     def on(self) -> bool:

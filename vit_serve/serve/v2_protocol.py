@@ -111,18 +111,25 @@ def _finite(t: Tensor) -> Tensor:
     return t
 
 
-def tensor_from_raw(name: str, datatype: str, shape: list[int], raw: memoryview | bytes) -> Tensor:
-    """An input from its raw bytes (row-major little-endian; BYTES: 4-byte length + bytes per element)."""
-    count = _count(shape)
-    raw = memoryview(raw)
-    if datatype == "BYTES":
-        items = _bytes_elements(raw, name)
-        if len(items) != count:
-            raise BadRequestError(f"input {name!r}: {len(items)} BYTES elements for shape {shape}")
-        return Tensor(name, datatype, shape, items)
+def _bytes_tensor(name: str, shape: list[int], items: list[bytes]) -> Tensor:
+    if len(items) != _count(shape):
+        raise BadRequestError(f"input {name!r}: {len(items)} BYTES elements for shape {shape}")
+    return Tensor(name, "BYTES", shape, items)
+
+
+def _dtype(name: str, datatype: str) -> np.dtype:
     dtype = DTYPES.get(datatype)
     if dtype is None:
         raise BadRequestError(f"input {name!r}: unknown datatype {datatype!r}")
+    return dtype
+
+
+def tensor_from_raw(name: str, datatype: str, shape: list[int], raw: memoryview | bytes) -> Tensor:
+    """An input from its raw bytes (row-major little-endian; BYTES: 4-byte length + bytes per element)."""
+    raw = memoryview(raw)
+    if datatype == "BYTES":
+        return _bytes_tensor(name, shape, _bytes_elements(raw, name))
+    dtype, count = _dtype(name, datatype), _count(shape)
     if len(raw) != count * dtype.itemsize:
         raise BadRequestError(f"input {name!r}: {len(raw)} bytes of binary data, but {datatype} {shape} needs "
                               f"{count * dtype.itemsize}")
@@ -131,21 +138,15 @@ def tensor_from_raw(name: str, datatype: str, shape: list[int], raw: memoryview 
 
 def tensor_from_values(name: str, datatype: str, shape: list[int], values: Any) -> Tensor:
     """An input from its elements: numbers (nested or flat), or for BYTES a flat list of byte strings."""
-    count = _count(shape)
     if datatype == "BYTES":
-        items = [bytes(v) for v in values]
-        if len(items) != count:
-            raise BadRequestError(f"input {name!r}: {len(items)} BYTES elements for shape {shape}")
-        return Tensor(name, datatype, shape, items)
-    dtype = DTYPES.get(datatype)
-    if dtype is None:
-        raise BadRequestError(f"input {name!r}: unknown datatype {datatype!r}")
+        return _bytes_tensor(name, shape, [bytes(v) for v in values])
+    dtype = _dtype(name, datatype)
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values are refused by _finite
             arr = np.asarray(values, dtype=dtype)
     except (TypeError, ValueError, OverflowError) as e:
         raise BadRequestError(f"input {name!r}: data is not {datatype} numbers ({e})") from e
-    if arr.size != count:
+    if arr.size != _count(shape):
         raise BadRequestError(f"input {name!r}: {arr.size} values for shape {shape}")
     return _finite(Tensor(name, datatype, shape, arr.reshape(shape)))
 

@@ -25,7 +25,6 @@ async def readyz(gateway: GatewayDep) -> StrictJSONResponse:
     ok, reason = await gateway.readiness()
     repo = gateway.repository
     name = repo.default_name if repo is not None else None
-    served = repo.served.get(name) if repo is not None and name is not None else None
-    backend = served[max(served)].backend.name if served else None
-    body = Readiness(ready=ok, model=name, backend=backend, reason=reason)
+    newest = repo.newest(name) if repo is not None else None
+    body = Readiness(ready=ok, model=name, backend=newest.backend.name if newest else None, reason=reason)
     return StrictJSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
