@@ -3,7 +3,8 @@
 Errors are one line and a non-zero exit.
 
     vit-export CKPT [--res 384 | 224x320 | dynamic] [--format onnx,tensorrt,triton] [--batch dynamic|N]
-               [--precision fp32|fp16|int8] [--out DIR] [--repo DIR] [--name NAME] [--opset 18]
+               [--precision fp32|fp16|int8] [--outputs logits[,embedding]] [--out DIR] [--repo DIR] [--name NAME]
+               [--opset 18]
                [--check-images DIR] [--calibration-images DIR] [--int8-scheme dynamic|static] [--force]
                [--trt-precision fp16|bf16|fp32] [--max-batch 16] [--instances 1]
                [--triton-ensemble onnx|trt|py] [--triton-device cpu|gpu]
@@ -43,6 +44,7 @@ from vit_export.pipeline import (
     parse_batch,
     parse_export_resolution,
     parse_formats,
+    parse_outputs,
 )
 
 from vit_serve.cli_parser import OneLineParser, argument_type
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=argument_type(parse_batch), default="dynamic",
                    help="'dynamic' (default) or a fixed batch size")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--outputs", type=argument_type(parse_outputs), default=("logits",),
+                   help="the graph's outputs: logits (default) or logits,embedding (the pre-logits image "
+                        "representation, forward_head(pre_logits=True), also in the Triton models)")
     p.add_argument("--out", default="exports", help="folder of the ONNX files and engines (default: exports)")
     p.add_argument("--repo", default="model_repo", help="Triton model repository (default: model_repo)")
     p.add_argument("--name", help="file name stem (default: the checkpoint's name and the resolution)")
@@ -176,6 +181,7 @@ def options(args: argparse.Namespace) -> ExportOptions:
         discard_ratio=args.discard_ratio, tol=args.tol, force=args.force, trt_precision=args.trt_precision,
         max_batch=args.max_batch, instances=args.instances, triton_ensemble=args.triton_ensemble,
         triton_device=args.triton_device, queue_delay_us=args.queue_delay_us, max_queue=args.max_queue,
+        outputs=args.outputs,
     )
 
 

@@ -2,7 +2,8 @@
 
 Two graphs per checkpoint:
 
-    <name>.onnx           pixel_values [B, 3, H, W] float32 -> logits [B, K] float32
+    <name>.onnx           pixel_values [B, 3, H, W] float32 -> logits [B, K] float32 (and with `embedding`,
+                          embedding [B, D]: the pre-logits representation, `forward_head(pre_logits=True)`)
     <name>_explain.onnx   pixel_values [B, 3, H, W] float32 -> logits [B, K], rollout [B, H/P, W/P] float32
 
 The explain graph computes attention rollout (`vit_serve.explain.rollout`, Abnar & Zuidema 2020) inside the
@@ -39,15 +40,21 @@ Res = tuple[int, int] | Literal["dynamic"] | None
 
 
 class LogitsGraph(nn.Module):
-    """pixel_values [B, 3, H, W] float32 -> logits [B, K] float32 (fp16 models: cast in, compute, cast out)."""
+    """pixel_values [B, 3, H, W] float32 -> logits [B, K] float32 (fp16 models: cast in, compute, cast out);
+    with `embedding`, (logits, embedding [B, D]), the embedding being what the head reads
+    (`forward_head(pre_logits=True)`, timm's image embedding)."""
 
-    def __init__(self, model: VisionTransformer) -> None:
+    def __init__(self, model: VisionTransformer, embedding: bool = False) -> None:
         super().__init__()
         self.model = model
         self.dtype = next(model.parameters()).dtype
+        self.embedding = embedding
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values.to(self.dtype)).float()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.embedding:
+            return self.model(pixel_values.to(self.dtype)).float()
+        pre = self.model.forward_head(self.model.forward_features(pixel_values.to(self.dtype)), pre_logits=True)
+        return self.model.head(pre).float(), pre.float()
 
 
 class ExplainGraph(nn.Module):
@@ -190,6 +197,7 @@ def export_onnx(
     precision: str = "fp32",
     overwrite: bool = False,
     simplify: bool = True,
+    embedding: bool = False,
 ) -> Path:
     """Export `model` to ONNX at `path` (atomically; FileExistsError if it exists and not `overwrite`).
 
@@ -197,6 +205,7 @@ def export_onnx(
         None -> the model's own resolution, static; "dynamic" -> resampling in the graph, H and W symbolic
         multiples of the patch size. batch: "dynamic" (default) or a fixed N.
     explain: the explain graph (outputs "logits" [B, K] and "rollout" [B, gh, gw]).
+    embedding: a second output "embedding" [B, D] of the logits graph (`LogitsGraph`); not with `explain`.
     precision: "fp32", or "fp16" (fp16 weights and compute, LayerNorm in fp32, float32 inputs and outputs).
     simplify: run onnxslim, kept only when onnxruntime's outputs are unchanged (`vit_export.simplify`).
     The export settings are stored in the ONNX metadata_props ("vit_export" key, JSON).
@@ -208,6 +217,8 @@ def export_onnx(
         raise ValueError(f"opset {opset} is too old; LayerNormalization needs opset >= 17")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} for ONNX export; expected one of {', '.join(PRECISIONS)}")
+    if explain and embedding:
+        raise ValueError("the embedding output belongs to the logits graph, not to the explain graph")
     if not (batch == "dynamic" or (isinstance(batch, int) and batch > 0)):
         raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
     if res is not None and res != "dynamic":
@@ -217,8 +228,8 @@ def export_onnx(
     if precision == "fp16":
         m = to_fp16(m)
     h, w = m.cfg.img_size
-    graph = ExplainGraph(m, head_fusion, discard_ratio) if explain else LogitsGraph(m)
-    outputs = ["logits", "rollout"] if explain else ["logits"]
+    graph = ExplainGraph(m, head_fusion, discard_ratio) if explain else LogitsGraph(m, embedding)
+    outputs = ["logits", "rollout"] if explain else ["logits", "embedding"] if embedding else ["logits"]
     # An example batch of 2 keeps a dynamic batch axis from being specialised to 1.
     x = torch.randn(batch if isinstance(batch, int) else 2, 3, h, w)
     with torch.no_grad():
@@ -232,6 +243,7 @@ def export_onnx(
         "opset": opset,
         "precision": precision,
         "explain": explain,
+        "embedding": embedding,
         "resample_mode": m.cfg.resample_mode,
         "patch_size": m.cfg.patch_size,
         "exporter": exporter,

@@ -80,7 +80,8 @@ def runtime_session(onnx_path: str | Path, runtime: str = "onnxruntime", threads
 class ParityRow:
     """One comparison: inputs, resolution, batch, max |Δ logit|, min cosine, top-1 agreement, rollout max |Δ|,
     and for a rollout map: the number of near-threshold attention weights (over the batch and layers), the largest
-    |Δ| beyond what flipping them explains (the judged number), the map's minimum cosine and top-5 cell agreement."""
+    |Δ| beyond what flipping them explains (the judged number), the map's minimum cosine and top-5 cell agreement;
+    for a graph with an embedding output, its max |Δ| and minimum cosine (judged as the logits are)."""
 
     inputs: str
     res: str
@@ -94,6 +95,8 @@ class ParityRow:
     rollout_beyond: float | None = None
     rollout_cosine: float | None = None
     rollout_top: float | None = None
+    embedding_max_abs: float | None = None
+    embedding_cosine: float | None = None
 
 
 @dataclass
@@ -112,9 +115,11 @@ class ParityReport:
 
     def table(self) -> str:
         """The rows as a printable table."""
+        embedding = any(r.embedding_max_abs is not None for r in self.rows)
         head = (
             f"{'inputs':<8} {'res':>9} {'batch':>5} {'max|Δlogit|':>12} {'cosine':>10} {'top-1':>7} "
-            f"{'rollout|Δ|':>11} {'near':>5} {'beyond':>9} {'map cos':>10} {'top-5':>6}  ok"
+            f"{'rollout|Δ|':>11} {'near':>5} {'beyond':>9} {'map cos':>10} {'top-5':>6}"
+            + (f" {'embed|Δ|':>9} {'emb cos':>10}" if embedding else "") + "  ok"
         )
         lines = [
             f"parity: {Path(self.onnx_path).name} ({self.runtime} CPU vs PyTorch, {self.precision}; {self.criteria})",
@@ -129,7 +134,8 @@ class ParityReport:
                 f"{r.inputs:<8} {r.res:>9} {r.batch:>5} {r.max_abs:>12.2e} {r.cosine:>10.7f} "
                 f"{r.top1:>6.0%} {fmt(r.rollout_max_abs, '.2e'):>11} {fmt(r.rollout_near, 'd'):>5} "
                 f"{fmt(r.rollout_beyond, '.2e'):>9} {fmt(r.rollout_cosine, '.7f'):>10} {fmt(r.rollout_top, '.0%'):>6}"
-                f"  {'yes' if r.ok else 'NO'}"
+                + (f" {fmt(r.embedding_max_abs, '.2e'):>9} {fmt(r.embedding_cosine, '.7f'):>10}" if embedding else "")
+                + f"  {'yes' if r.ok else 'NO'}"
             )
         if any(r.rollout_near for r in self.rows):
             lines.append(
@@ -272,6 +278,8 @@ def check_parity(
     criteria = f"top-1 = 100%, cosine >= {FP16_MIN_COSINE}" if precision == "fp16" else f"max |Δ logit| <= {tol:g}"
     if explain and precision == "fp32":
         criteria += f", rollout |Δ| <= {ROLLOUT_TOL:g} beyond near-threshold flips"
+    if info.get("embedding"):
+        criteria += ", the same for the embedding"
     report = ParityReport(str(onnx_path), precision, criteria, runtime=runtime)
     sess = runtime_session(onnx_path, runtime, threads)
     model = model.eval()
@@ -336,11 +344,17 @@ def compare_outputs(
     model: VisionTransformer, x: torch.Tensor, outs: Sequence[np.ndarray], kind: str, precision: str, tol: float,
     info: dict,
 ) -> ParityRow:
-    """One row: a runtime's outputs `outs` (logits, and the rollout map for an explain graph) on inputs `x`
-    against `model`'s."""
+    """One row: a runtime's outputs `outs` (logits, and the rollout map for an explain graph or the embedding for
+    a graph with one) on inputs `x` against `model`'s."""
     got = outs[0]
     ro = None
-    if info.get("explain"):
+    emb_abs = emb_cos = None
+    if info.get("embedding"):
+        pre = model.forward_head(model.forward_features(x), pre_logits=True)
+        ref_t = model.head(pre)
+        emb_abs = float(np.abs(outs[1] - pre.numpy()).max())
+        emb_cos = _cosine(outs[1], pre.numpy())
+    elif info.get("explain"):
         ref_t, attentions = model(x, return_attention=True)
         p = model.cfg.patch_size
         ro = compare_rollout(
@@ -359,10 +373,13 @@ def compare_outputs(
     cos = _cosine(got, ref)
     top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
     ok = top1 == 1.0 and cos >= FP16_MIN_COSINE if precision == "fp16" else max_abs <= tol
+    if emb_abs is not None:
+        ok = ok and (emb_cos >= FP16_MIN_COSINE if precision == "fp16" else emb_abs <= tol)
     if ro is not None and precision == "fp32":  # fp16 attentions: the rollout is reported, not judged
         ok = ok and ro.ok
     res = f"{x.shape[-2]}x{x.shape[-1]}"
     if ro is None:
-        return ParityRow(kind, res, x.shape[0], max_abs, cos, top1, None, bool(ok))
+        return ParityRow(kind, res, x.shape[0], max_abs, cos, top1, None, bool(ok), embedding_max_abs=emb_abs,
+                         embedding_cosine=emb_cos)
     return ParityRow(kind, res, x.shape[0], max_abs, cos, top1, ro.max_abs, bool(ok), ro.near, ro.beyond,
                      ro.cosine, ro.top)

@@ -82,6 +82,18 @@ def parse_formats(text: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(set(out), key=FORMATS.index)) or ("onnx",)
 
 
+OUTPUTS = ("logits", "embedding")
+
+
+def parse_outputs(text: str | Sequence[str]) -> tuple[str, ...]:
+    """"logits,embedding" -> ("logits", "embedding"): the logits graph's outputs (logits always among them)."""
+    names = tuple(dict.fromkeys(v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()))
+    unknown = [n for n in names if n not in OUTPUTS]
+    if unknown or "logits" not in names:
+        raise OptionError("outputs", f"<outputs> takes logits or logits,embedding (got {','.join(names) or 'none'})")
+    return names
+
+
 def parse_batch(value: str | int) -> int | Literal["dynamic"]:
     """"dynamic" or a positive integer (as an int or its digits)."""
     text = str(value).strip()
@@ -128,6 +140,8 @@ class ExportOptions:
     the checkpoint's stem, or "vit" for a model object, then the resolution and a non-fp32 precision).
     check_images: real images for the parity checks; calibration_images: for static int8 (default check_images).
     head_fusion, discard_ratio: the explain graph's rollout; tol: fp32 parity bound on max |Δ logit|.
+    outputs: the logits graph's outputs, "logits" or "logits,embedding" (the pre-logits representation, also in
+    the Triton models and ensemble).
     force: replace existing ONNX files and engines (never a repository's versions: a re-export adds one).
     trt_precision: engine precision; max_batch: every Triton model's max_batch_size and the engine's largest
     batch; instances, triton_ensemble (the classifier the ensemble calls), triton_device, queue_delay_us,
@@ -156,6 +170,7 @@ class ExportOptions:
     triton_device: str = "cpu"
     queue_delay_us: int = 1000
     max_queue: int = 128
+    outputs: tuple[str, ...] | str = ("logits",)
 
     def __post_init__(self) -> None:
         def norm(name: str, value: Any) -> None:
@@ -165,6 +180,7 @@ class ExportOptions:
             norm("res", parse_export_resolution(self.res))
         norm("formats", parse_formats(self.formats))
         norm("batch", parse_batch(self.batch))
+        norm("outputs", parse_outputs(self.outputs))
         for name in ("out", "repo", "check_images", "calibration_images"):
             if getattr(self, name) is not None:
                 norm(name, Path(getattr(self, name)))
@@ -203,6 +219,10 @@ class ExportOptions:
             raise OptionError("res", "<formats> tensorrt needs a fixed <res> (e.g. <res> 384): engines are built "
                                      "for one input size, and the dynamic graph's in-graph position-embedding "
                                      "resampling is not built into an engine")
+        if "tensorrt" in self.formats and "embedding" in self.outputs:
+            raise OptionError("outputs", "<formats> tensorrt builds engines with the logits output only: drop "
+                                         "embedding from <outputs>, or export it for onnx / triton without "
+                                         "tensorrt")
         if self.calibration_images is not None and self.precision != "int8":
             raise OptionError("calibration_images", "<calibration_images> calibrates static int8: it needs "
                                                     "<precision> int8")
@@ -349,7 +369,7 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
             t0 = time.perf_counter()
             export_onnx(model, dest, res=res, batch=opts.batch, opset=opts.opset, explain=explain,
                         head_fusion=opts.head_fusion, discard_ratio=opts.discard_ratio, precision=onnx_precision,
-                        overwrite=opts.force)
+                        overwrite=opts.force, embedding=not explain and "embedding" in opts.outputs)
             say(f"  exported in {time.perf_counter() - t0:.1f}s; checking parity with onnxruntime ...")
             report = check_parity(model, dest, images, tol=opts.tol)
             say(report.table())

@@ -3,12 +3,14 @@
 For an export named NAME (`NAME.onnx`, `NAME_explain.onnx` and their sidecars), the repository gets
 
     NAME_onnx/            platform onnxruntime_onnx    pixel_values [3, H, W] -> logits [K] (labels.txt)
+                                                       (+ embedding [D] with `vit-export --outputs logits,embedding`)
     NAME_explain_onnx/    platform onnxruntime_onnx    pixel_values -> logits [K], rollout [gh, gw]
     NAME_trt/             platform tensorrt_plan       (only with an engine) model_smXY.plan per compute capability
     NAME_py/              backend python               the ONNX graph run by onnxruntime inside Triton's Python
     NAME_explain_py/      backend python               backend (servers that have only that backend)
     NAME_preprocess/      backend python               image [1] (encoded bytes) -> pixel_values [3, H, W]
     NAME_ensemble/        platform ensemble            image -> NAME_preprocess -> classifier -> logits [K]
+                                                       (+ embedding [D] when the classifier has it)
 
 each as `<model>/config.pbtxt` (+ labels.txt, warmup/) and `<model>/<version>/...`. Dims exclude the batch axis
 (max_batch_size > 0: Triton's dynamic batcher forms the batches). Every config carries a "vit_serve" parameter
@@ -153,6 +155,8 @@ def _plans(
     pixels = Tensor("pixel_values", "TYPE_FP32", pixel_dims)
     logits = Tensor("logits", "TYPE_FP32", (num_classes,), label_file)
     rollout = Tensor("rollout", "TYPE_FP32", grid_dims)
+    # The logits graph's outputs: logits, and the embedding when the export has one (the TensorRT engine never).
+    heads = [logits, *([Tensor("embedding", "TYPE_FP32", (side.embedding_dim,))] if side.embedding_dim else [])]
     image = Tensor("image", "TYPE_STRING", (1,))
     warm_pixels = [
         {"name": "zeros_batch_1", "batch_size": 1, "inputs": {"pixel_values": {"zero_data": True}}},
@@ -193,9 +197,9 @@ def _plans(
     py_params = {"intra_op_num_threads": str(threads)}
     plans: list[_Plan] = []
     for role, src, outputs, explain_role in (
-        ("onnx", onnx_path, [logits], "explain_onnx"),
+        ("onnx", onnx_path, heads, "explain_onnx"),
         ("explain_onnx", explain_path, [logits, rollout], None),
-        ("py", onnx_path, [logits], "explain_py"),
+        ("py", onnx_path, heads, "explain_py"),
         ("explain_py", explain_path, [logits, rollout], None),
     ):
         python = role.endswith("py")
@@ -271,14 +275,15 @@ def _plans(
 
     target = next(p.config for p in plans if p.name == names[ensemble_target])
     explain_of = "explain_py" if ensemble_target == "py" else "explain_onnx"
+    ens_heads = heads if ensemble_target != "trt" else [logits]
     ens_cfg = ensemble_config(
         names["ensemble"],
         [image],
-        [logits],
+        ens_heads,
         min(target.max_batch_size, batching.max_batch),
         [
             (names["preprocess"], {"image": "image"}, {"pixel_values": "pixel_values"}),
-            (names[ensemble_target], {"pixel_values": "pixel_values"}, {"logits": "logits"}),
+            (names[ensemble_target], {"pixel_values": "pixel_values"}, {t.name: t.name for t in ens_heads}),
         ],
         parameters=meta(
             kind="ensemble", runtime="ensemble", classifier=names[ensemble_target], explain_model=names[explain_of]

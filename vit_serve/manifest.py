@@ -404,6 +404,12 @@ class ExportManifest:
         return self.preprocess.input_size if self.resolution == "dynamic" else self.resolution
 
     @property
+    def embedding_dim(self) -> int:
+        """D of the graph's "embedding" output (`vit-export --outputs logits,embedding`), 0 when it has none."""
+        emb = self.io.output("embedding")
+        return int(emb.shape[-1]) if emb is not None and emb.shape and _is_int(emb.shape[-1]) else 0
+
+    @property
     def num_classes(self) -> int:
         """K, from the logits output's last dim, else from the labels."""
         logits = self.io.output("logits")

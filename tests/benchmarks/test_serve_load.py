@@ -93,3 +93,10 @@ def test_upload_checks_and_the_memory_ceiling():
     assert more - one == pytest.approx(63 * 20)  # two body copies of 10 MB per more connection
     settings["decode_workers"] = 2
     assert m.memory_ceiling(100.0, settings, 1, (224, 224)) - one == pytest.approx(6 * 50_000_000 / 2**20)
+
+
+def test_the_middleware_cost_is_measured_against_the_bare_app():
+    """The security mode's direct measurement: the real ApiKeys + RequestId around an app that answers at once
+    cost something positive, and far less than a millisecond, per request."""
+    us = _script().middleware_cost_us("bench-key", n=2000)
+    assert 0 < us < 1000

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from gateway_helpers import live_server, run, serving, settings_for
+from gateway_helpers import live_server, metric, run, serving, settings_for
 
 KEY, ADMIN = "k-3f9a1c", "admin-77e2b0"
 JPEG = {"Content-Type": "image/jpeg"}
@@ -46,6 +46,9 @@ def test_a_key_is_needed_and_probes_stay_open(tiny_ckpt, photos):
     assert r[0].headers["www-authenticate"] == 'Bearer realm="vit-serve"'
     assert "an API key is needed" in r[0].json()["detail"] and "not valid" in r[3].json()["detail"]
     assert "error" in r[5].json()  # /v2 answers its own error shape
+    # The refused requests are counted too (before routing: endpoint "unmatched"), the accepted by route.
+    assert metric(r[9].text, "vit_serve_requests_total", status="401") == 5
+    assert metric(r[9].text, "vit_serve_requests_total", endpoint="/classify", status="200") == 2
     closed = _statuses(settings_for(tiny_ckpt, api_keys=[KEY], open_probes=False),
                        [("GET", p, {}) for p in ("/healthz", "/readyz", "/metrics", "/v2/health/live")])
     assert [x.status_code for x in closed] == [401] * 4

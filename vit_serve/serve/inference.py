@@ -1,8 +1,9 @@
 """What the model computes for a request: a `Task`. Requests whose tasks are equal share a batch.
 
-Outputs are named as in the exported graphs and the Open Inference Protocol: "logits" [B, K] and "rollout"
-[B, gh, gw], float32. An explain task carries its rollout settings resolved once, by the model version that
-takes the request (`ModelInfo.resolve_rollout`): backends run them as they are.
+Outputs are named as in the exported graphs and the Open Inference Protocol: "logits" [B, K], "rollout"
+[B, gh, gw] and "embedding" [B, D] (the pre-logits representation, `forward_head(pre_logits=True)`), float32.
+An explain task carries its rollout settings resolved once, by the model version that takes the request
+(`ModelInfo.resolve_rollout`): backends run them as they are.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import numpy as np
 from vit_serve.manifest import RolloutSettings
 
 Outputs = dict[str, np.ndarray]
-TaskKind = Literal["classify", "explain", "grad_rollout"]
+TaskKind = Literal["classify", "explain", "embed", "grad_rollout"]
 
 
 @dataclass(frozen=True)
 class Task:
-    """classify: logits; explain: logits + attention rollout with `rollout`; grad_rollout: gradient-weighted
-    rollout of class `target` (None: each image's top-1; the torch backend only)."""
+    """classify: logits; explain: logits + attention rollout with `rollout`; embed: logits + embedding (not
+    normalised); grad_rollout: gradient-weighted rollout of class `target` (None: each image's top-1; the torch
+    backend only)."""
 
     kind: TaskKind = "classify"
     rollout: RolloutSettings | None = None
@@ -29,3 +31,4 @@ class Task:
 
 
 CLASSIFY = Task()
+EMBED = Task("embed")

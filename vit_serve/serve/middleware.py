@@ -1,8 +1,9 @@
 """Pure ASGI middleware (no per-request task or body copy): request ids, request metrics, the 500 boundary, the
 body limit.
 
-Order, outermost first: RequestId -> CORS -> ApiKeys (security.py) -> RequestMetrics -> ErrorBoundary ->
-BodyLimit -> FastAPI's exception handlers -> routes.
+Order, outermost first: RequestId -> CORS -> RequestMetrics -> ApiKeys (security.py) -> ErrorBoundary ->
+BodyLimit -> FastAPI's exception handlers -> routes. RequestMetrics sits outside ApiKeys so that the 401s it
+answers are counted too (before routing: endpoint "unmatched", like a 404 of an unknown path).
 """
 
 from __future__ import annotations
@@ -27,6 +28,22 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("vit_serve_requ
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # visible ASCII, as load balancers and tracers make them
 
 
+class _Answer:
+    """The status an app answers with, seen on its way out (500 until a response starts); `headers` are added
+    to the response's."""
+
+    def __init__(self, send: Send, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        self._send, self._headers = send, headers
+        self.status = 500
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            if self._headers:
+                message = {**message, "headers": [*message.get("headers", []), *self._headers]}
+        await self._send(message)
+
+
 class RequestId:
     """Echoes the client's `X-Request-ID` (visible ASCII, at most 128 characters; another is replaced), or makes
     one (uuid4 hex); every answer carries it, and one access line per request logs it with method, path,
@@ -42,20 +59,12 @@ class RequestId:
         sent = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"x-request-id"), "")
         rid = sent if REQUEST_ID.match(sent) else uuid.uuid4().hex
         token = request_id.set(rid)
-        status = 500
+        answer = _Answer(send, ((b"x-request-id", rid.encode()),))
         t0 = time.perf_counter()
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive, answer.send)
         finally:
-            access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], status,
+            access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], answer.status,
                         (time.perf_counter() - t0) * 1e3)
             request_id.reset(token)
 
@@ -89,20 +98,13 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        answer = _Answer(send)
         t0 = time.perf_counter()
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, answer.send)
         finally:
             endpoint = _endpoint(scope)
-            self.metrics.requests.labels(endpoint, scope["method"], str(status)).inc()
+            self.metrics.requests.labels(endpoint, scope["method"], str(answer.status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 

@@ -27,7 +27,7 @@ from vit_serve.serve.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.serve.errors import BadRequestError, InvalidValueError
 from vit_serve.serve.gpu_decode import GpuDecoder
 from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
-from vit_serve.serve.inference import Task
+from vit_serve.serve.inference import EMBED, Task
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.runner import Arrival, Result, Runner
 from vit_serve.serve.stores import CropStore, Namespaced
@@ -204,6 +204,13 @@ class ModelVersion:
             return Task("explain", rollout=info.resolve_rollout(head_fusion, discard_ratio))
         except ValueError as e:
             raise BadRequestError(str(e)) from None
+
+    def embed_task(self) -> Task:
+        """The Task for an embedding request, or 400 when the model has no embedding output."""
+        if not self.info.embedding_dim:
+            raise BadRequestError(f"{self.name} has no embedding output: re-export it with vit-export --outputs "
+                                  f"logits,embedding (or serve its checkpoint with the torch backend)")
+        return EMBED
 
     def arriving(self) -> Arrival:
         """Announce a request to the runner before reading and decoding it (`with version.arriving() as a:`)."""

@@ -74,6 +74,18 @@ class ClassifyResponse(BaseModel):
                                             "same forward pass (absent otherwise)")
 
 
+class EmbedResponse(BaseModel):
+    id: str = Field(description="sha256 hex of the image bytes; pass it to GET /explain")
+    model: str
+    version: str = Field(description="the model version that answered")
+    resolution: tuple[int, int] = Field(description="model input (H, W)")
+    dim: int = Field(description="D, the embedding's length")
+    normalized: bool = Field(description="whether the embedding was L2-normalised (?normalize=true)")
+    embedding: list[float | None] = Field(description="the pre-logits image representation, forward_head("
+                                                      "pre_logits=True) (null where not finite)")
+    timing_ms: Timing
+
+
 class ExplainResponse(BaseModel):
     id: str = Field(description="sha256 hex of the image bytes")
     model: str

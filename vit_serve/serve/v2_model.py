@@ -1,7 +1,8 @@
 """A served model as the Open Inference Protocol sees it, whatever the transport (HTTP `/v2`, gRPC).
 
 Metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (a request sends one), outputs `logits`
-FP32 [-1, K] and, when the backend can explain, `rollout` FP32 [-1, gh, gw]. `infer` runs a parsed request
+FP32 [-1, K], when the backend can explain `rollout` FP32 [-1, gh, gw], and when the model has one `embedding`
+FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`). `infer` runs a parsed request
 (`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and answers its
 outputs (`classification = k` on an output: Triton's classification extension).
 """
@@ -37,13 +38,21 @@ def versions(gateway: Gateway, name: str) -> list[str]:
     return [str(v) for v in sorted(served, reverse=True)]
 
 
+def output_specs(info: ModelInfo) -> list[dict[str, Any]]:
+    """The model's outputs as the metadata lists them: logits, then rollout and embedding when it has them."""
+    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, info.num_classes]}]
+    if info.explain:
+        outputs.append({"name": "rollout", "datatype": "FP32", "shape": [-1, *info.grid]})
+    if info.embedding_dim:
+        outputs.append({"name": "embedding", "datatype": "FP32", "shape": [-1, info.embedding_dim]})
+    return outputs
+
+
 def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
     """The model's metadata document (`parameters`: the preprocessing contract and the labels)."""
     info = mv.info
     h, w = info.resolution
-    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, info.num_classes]}]
-    if info.explain:
-        outputs.append({"name": "rollout", "datatype": "FP32", "shape": [-1, *info.grid]})
+    outputs = output_specs(info)
     return {
         "name": mv.name,
         "versions": versions,
@@ -77,10 +86,17 @@ async def pixels(mv: ModelVersion, inputs: dict[str, Tensor]) -> np.ndarray:
     return np.concatenate([d.x for d in decoded])
 
 
-def _task(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any]) -> Task:
-    """Explain (with the request's head_fusion / discard_ratio) when rollout is asked for, else classify."""
-    if not any(out["name"] == "rollout" for out in wanted):
-        return CLASSIFY
+def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any]) -> list[Task]:
+    """The passes the outputs asked for need: explain (with the request's head_fusion / discard_ratio) for the
+    rollout, embed for the embedding (both: two passes), else classify."""
+    names = {out["name"] for out in wanted}
+    tasks = [_explain_task(mv, parameters)] if "rollout" in names else []
+    if "embedding" in names:
+        tasks.append(mv.embed_task())
+    return tasks or [CLASSIFY]
+
+
+def _explain_task(mv: ModelVersion, parameters: dict[str, Any]) -> Task:
     hf, dr = parameters.get("head_fusion"), parameters.get("discard_ratio")
     if dr is not None and not isinstance(dr, (int, float)):
         raise BadRequestError("parameters.discard_ratio must be a number")
@@ -101,12 +117,14 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo)
 async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival) -> list[OutputTensor]:
     """Run `req` on the version (held by the caller, announced as `arrival`): its outputs, in the order asked
     (all of them when it names none); 400 for an output the model does not have."""
-    available = ["logits", *(["rollout"] if mv.info.explain else [])]
+    available = [o["name"] for o in output_specs(mv.info)]
     wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
     for out in wanted:
         if out["name"] not in available:
             raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
-    task = _task(mv, wanted, req.parameters)
+    tasks = _tasks(mv, wanted, req.parameters)
     x = await pixels(mv, req.inputs)
-    result = await mv.infer(task, x, arrival)
-    return [_output(o, result.outputs[o["name"]], req.binary_output(o), mv.info) for o in wanted]
+    outputs: dict[str, np.ndarray] = {}
+    for i, task in enumerate(tasks):  # the arrival announced one request: the first pass takes it
+        outputs.update((await mv.infer(task, x, arrival if i == 0 else None)).outputs)
+    return [_output(o, outputs[o["name"]], req.binary_output(o), mv.info) for o in wanted]

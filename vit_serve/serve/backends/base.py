@@ -59,6 +59,7 @@ class ModelInfo:
     runtime: str = ""
     explain_model: str | None = None
     max_batch_size: int = 0
+    embedding_dim: int = 0
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -120,6 +121,9 @@ class LocalBackend(Backend):
         if task.kind == "explain":
             logits, rollout = self.explain(x, task.rollout)
             return {"logits": logits, "rollout": rollout}
+        if task.kind == "embed":
+            logits, embedding = self.embed(x)
+            return {"logits": logits, "embedding": embedding}
         return {"rollout": np.stack([self.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])])}
 
     def warmup(self) -> None:
@@ -134,6 +138,12 @@ class LocalBackend(Backend):
         """x [B, 3, H, W] -> (logits [B, K], rollout [B, gh, gw]) (`vit_serve.explain.rollout`) with `rollout`'s
         settings (None: the model's own, `info.resolve_rollout()`)."""
         raise NotImplementedError(f"the {self.name} backend has no explain graph")
+
+    def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x [B, 3, H, W] -> (logits [B, K], embedding [B, D]): the pooled, pre-logits representation the head
+        reads (timm's `forward_head(x, pre_logits=True)`), not normalised."""
+        raise NotImplementedError(f"the model {self.info.name!r} has no embedding output (re-export it with "
+                                  f"vit-export --outputs logits,embedding, or serve its checkpoint)")
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         """x [1, 3, H, W] -> gradient rollout map [gh, gw] (torch backend only)."""

@@ -1,4 +1,5 @@
-"""The ONNX Runtime backend: `<name>.onnx` (logits) and, when present, `<name>_explain.onnx` (logits + rollout).
+"""The ONNX Runtime backend: `<name>.onnx` (logits, and the embedding when exported with it) and, when present,
+`<name>_explain.onnx` (logits + rollout).
 
 The sidecars `vit-export` wrote beside them give the resolution, preprocessing, labels and the explain graph's
 rollout settings, which are baked into the graph: `explain` with other settings raises ValueError naming them.
@@ -60,8 +61,10 @@ class OnnxRuntimeBackend(LocalBackend):
         # fp16 exports take float16 pixels; everything leaves as float32.
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
         used = tuple(self.session.get_providers())
+        has_embedding = any(o.name == "embedding" for o in self.session.get_outputs())
         self.info = dataclasses.replace(self.info, providers=used,
-                                        device="cuda" if "CUDAExecutionProvider" in used else "cpu")
+                                        device="cuda" if "CUDAExecutionProvider" in used else "cpu",
+                                        embedding_dim=self.info.embedding_dim if has_embedding else 0)
 
     def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
         return {INPUT: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
@@ -69,6 +72,12 @@ class OnnxRuntimeBackend(LocalBackend):
     def classify(self, x: np.ndarray) -> np.ndarray:
         (logits,) = self.session.run(["logits"], self._feed(x))
         return logits.astype(np.float32, copy=False)
+
+    def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not self.info.embedding_dim:
+            return super().embed(x)
+        logits, embedding = self.session.run(["logits", "embedding"], self._feed(x))
+        return logits.astype(np.float32, copy=False), embedding.astype(np.float32, copy=False)
 
     def explain(self, x: np.ndarray, rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The explain graph, whose rollout settings are its own (`rollout`, resolved against them, is not

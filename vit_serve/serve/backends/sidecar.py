@@ -78,4 +78,5 @@ def model_info(path: Path, side: ExportManifest, name: str | None, explain_side:
         pool=side.architecture.pool,
         precision=side.precision,
         dynamic_resolution=side.dynamic_resolution,
+        embedding_dim=side.embedding_dim,
     )

@@ -53,6 +53,7 @@ class TorchBackend(LocalBackend):
             backend=self.name,
             device=str(self.device),
             pool=cfg.pool,
+            embedding_dim=self.model.num_features,
             precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(next(self.model.parameters()).dtype, "fp32"),
         )
 
@@ -68,6 +69,11 @@ class TorchBackend(LocalBackend):
     def classify(self, x: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             return self._out(self.model(self._input(x)))
+
+    def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with torch.inference_mode():
+            embedding = self.model.forward_head(self.model.forward_features(self._input(x)), pre_logits=True)
+            return self._out(self.model.head(embedding)), self._out(embedding)
 
     def explain(self, x: np.ndarray, rollout_settings: RolloutSettings | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:

@@ -1,1 +1,2 @@
-"""The gateway's routes, one module each: classify, explain, health, metrics, v2 (Open Inference Protocol), page."""
+"""The gateway's routes, one module each: classify, embed, explain, health, metrics, models, v2 (Open Inference
+Protocol) and its repository extension, page."""

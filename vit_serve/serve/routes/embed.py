@@ -1,0 +1,55 @@
+"""POST /embed: an image in, its embedding out (the pre-logits representation, `vit_serve.embedding`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+
+from vit_serve.embedding import l2_normalize
+from vit_serve.serve.deps import ModelDep
+from vit_serve.serve.routes.classify import ERRORS
+from vit_serve.serve.schemas import EmbedResponse
+from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
+
+router = APIRouter(tags=["embed"])
+
+
+@router.post("/embed", response_model=EmbedResponse, openapi_extra=IMAGE_REQUEST_BODY, responses={
+    **ERRORS, 400: {"description": "malformed multipart body, several models and none named, or a model without "
+                                   "an embedding output"}})
+async def embed(
+    request: Request,
+    mv: ModelDep,
+    normalize: Annotated[bool, Query(description="L2-normalise the embedding (cosine similarity is then the "
+                                                 "dot product)")] = False,
+) -> dict:
+    """The embedding of one image: `forward_head(forward_features(x), pre_logits=True)` of the model, [D]
+    floats, the representation the classifier head reads (retrieval, deduplication, clustering).
+
+    Body as POST /classify (multipart field `file`, or a raw `image/*` body). Models served from a checkpoint
+    have one; an ONNX export has one when exported with `vit-export --outputs logits,embedding` (other models
+    answer 400). The image is kept like /classify's, so `GET /explain?id=` works on it too.
+    """
+    t0 = time.perf_counter()
+    task = mv.embed_task()  # 400 before the body is read
+    with mv.arriving() as arrival:
+        upload = await read_image(request)
+        decoded = await mv.decode(upload.data, upload.sha256)
+        result = await mv.infer(task, decoded.x, arrival)
+    vector = result.outputs["embedding"][0]
+    if normalize:
+        vector = l2_normalize(vector)
+    info = mv.info
+    return {
+        "id": decoded.id,
+        "model": info.name,
+        "version": str(mv.version),
+        "resolution": info.resolution,
+        "dim": int(vector.shape[-1]),
+        "normalized": normalize,
+        "embedding": vector.tolist(),
+        "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
+                      "total": (time.perf_counter() - t0) * 1e3, "batch_size": result.batch_size},
+    }
