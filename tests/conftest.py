@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,3 +111,40 @@ def export_tiny(randomize) -> Callable[..., tuple[ExportResult, Path]]:
             torch.set_num_threads(threads)
 
     return export
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A real redis-server on a free port (no persistence), stopped after the module: the shared explain store
+    (tests/serve/test_stores.py, tests/deploy/test_ray_serve.py)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        print("skipped: redis-server is not on PATH (Debian: apt-get install redis-server)")
+        pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
+    redis = pytest.importorskip("redis")
+    port = _free_port()
+    folder = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start: {proc.stderr.read().decode()}") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)

@@ -140,7 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            "version_policy", "repository_api", "grpc_port",
                                            "grpc_max_message_bytes", "store", "api_keys", "api_keys_file",
                                            "admin_api_keys", "admin_api_keys_file", "open_probes", "cors_origins",
-                                           "ssl_certfile", "ssl_keyfile", "request_ids")}
+                                           "ssl_certfile", "ssl_keyfile", "request_ids", "otel")}
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
     except ValidationError as e:
@@ -148,7 +148,44 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("; ".join(f"--{n.replace('_', '-')} / VIT_SERVE_{n.upper()}: {err['msg']}"
                                    for n, err in zip(names, e.errors(), strict=True))) from None
     check_model(settings)  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
+    if (args.engine or settings.engine) == "ray":
+        return _serve_on_ray(args, settings)
     run(settings)
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, settings) -> int:
+    try:
+        from vit_serve.deploy import ray as on_ray
+    except ImportError as e:  # the ray extra is missing: its message names it
+        raise OSError(str(e)) from None
+    actor: dict = {"num_cpus": 1 if args.replica_cpus is None else args.replica_cpus}
+    if args.replica_gpus:
+        actor["num_gpus"] = args.replica_gpus
+    replicas = args.replicas or 1
+    autoscaling = {"min_replicas": replicas, "max_replicas": args.max_replicas} if args.max_replicas else None
+    try:
+        on_ray.run(settings, address=args.address, num_replicas=replicas, autoscaling_config=autoscaling,
+                   ray_actor_options=actor, ingress_replicas=args.ingress_replicas or 1)
+    except RuntimeError as e:  # the application did not start: its reason, in one line
+        raise OSError(str(e)) from None
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from vit_serve.predict import PredictOptions, predict
+
+    fields = [f.name for f in dataclasses.fields(PredictOptions)]
+    try:
+        result = predict(PredictOptions(**{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}))
+    except ImportError as e:  # an optional extra (pyarrow, tqdm, ray) is missing: its message names the extra
+        raise OSError(str(e)) from e
+    done = f"{result.written} rows written, {result.skipped} already there"
+    bad = f", {len(result.errors)} unreadable (listed in {result.out}.errors.jsonl)" if result.errors else ""
+    print(f"{result.out}: {done}{bad}; {result.rows} rows in all; {result.images_per_s:.1f} images/s")
+    if result.nothing_readable:
+        raise ValueError(f"none of the {len(result.errors)} files could be read (first: {result.errors[0][0]}: "
+                         f"{result.errors[0][1]})")
     return 0
 
 
@@ -266,12 +303,66 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-keyfile", help="TLS private key (PEM)")
     s.add_argument("--no-request-ids", dest="request_ids", action="store_const", const=False,
                    help="neither echo X-Request-ID nor log a line per request")
+    s.add_argument("--otel", action="store_const", const=True,
+                   help="OpenTelemetry tracing (needs vit-serve[otel]): a span per request, context passed on to "
+                        "Triton; endpoint, service name, sampler from the standard OTEL_* variables")
     s.add_argument("--no-repository-api", dest="repository_api", action="store_const", const=False,
                    help="answer 403 on POST /v2/repository/... (index, load, unload)")
     s.add_argument("--decode", choices=("fast", "exact", "contract"),
                    help="upload decoding: fast (the default: JPEG DCT-domain downscaling), exact (timm's "
                         "transform, bit for bit) or contract (the model's own contract field)")
+    r = s.add_argument_group("Ray Serve (--engine ray; pip install 'vit-serve[ray]')")
+    r.add_argument("--engine", choices=("local", "ray"),
+                   help="local (default: this process) or ray (the gateway as a Ray Serve application, each model "
+                        "version its own deployment)")
+    r.add_argument("--address", help="the Ray cluster (auto, ray://HOST:10001; default: a local one)")
+    r.add_argument("--replicas", type=int, help="replicas of each model deployment (default 1)")
+    r.add_argument("--max-replicas", type=int, help="autoscale each model from --replicas up to this")
+    r.add_argument("--ingress-replicas", type=int,
+                   help="gateway replicas (default 1; more need --store redis://... for GET /explain?id=)")
+    r.add_argument("--replica-cpus", type=float, help="CPUs per model replica (default 1)")
+    r.add_argument("--replica-gpus", type=float, help="GPUs per model replica (default 0)")
     s.set_defaults(func=_cmd_serve)
+
+    pr = sub.add_parser("predict", help="offline batch prediction over image files -> JSONL, CSV or Parquet",
+                        description="Predict every image of SRC with MODEL and write one row per image (path, top-k "
+                                    "labels, indices and scores as /classify answers them). Resumable: a rerun "
+                                    "skips the rows already written.")
+    pr.add_argument("model", metavar="MODEL", help="a checkpoint, an exported NAME.onnx (NAME.json beside it), an "
+                    "engine, or a repository folder (what `vit-serve serve REPO` takes; then --model NAME)")
+    pr.add_argument("src", metavar="SRC", help="a folder (recursive), a glob ('photos/**/*.jpg'), a text file of "
+                    "paths (one a line), one image, or with --image-folder an ImageFolder root")
+    pr.add_argument("--out", required=True, help="preds.jsonl, preds.csv or preds.parquet (a folder of parts)")
+    pr.add_argument("--model", dest="model_name", metavar="NAME", help="the model of a repository folder (its "
+                    "newest version)")
+    pr.add_argument("--top-k", type=int, help="classes per row (default 5)")
+    pr.add_argument("--batch-size", type=int, help="images per model call (default 16)")
+    pr.add_argument("--workers", type=int, help="decode workers (default: as the gateway, max(2, min(4, cores - "
+                    "model threads)))")
+    pr.add_argument("--processes", action="store_const", const=True, help="decode in worker processes instead "
+                    "of threads")
+    pr.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto")
+    pr.add_argument("--threads", type=int, help="intra-op threads of the model runtime (default: its own)")
+    pr.add_argument("--decode", choices=("fast", "exact", "contract"), help="decode path, as `serve --decode` "
+                    "(default fast, the gateway's default)")
+    pr.add_argument("--embeddings", action="store_const", const=True, help="add the pre-logits embedding")
+    pr.add_argument("--normalize", action="store_const", const=True, help="L2-normalise the embeddings")
+    pr.add_argument("--explain", action="store_const", const=True, help="write the attention-rollout maps to "
+                    "OUT.rollout.npy ([N, gh, gw]; each row's rollout_index names its map)")
+    pr.add_argument("--image-folder", action="store_const", const=True, help="SRC is an ImageFolder "
+                    "(SRC/<class>/...): rows also carry target and target_index")
+    pr.add_argument("--max-pixels", type=int, help="larger images are skipped as unreadable (default 50 M)")
+    pr.add_argument("--part-rows", type=int, help="Parquet: rows per part file (default 4096; a part is also "
+                    "written every 30 s)")
+    pr.add_argument("--engine", choices=("local", "ray"), help="local (default) or ray (Ray Data; pip install "
+                    "'vit-serve[ray]')")
+    pr.add_argument("--address", help="--engine ray: the cluster (auto, ray://HOST:10001; default: a local one)")
+    pr.add_argument("--actors", type=int, help="--engine ray: model actors (default: one per GPU, or one per CPU "
+                    "of the cluster)")
+    pr.add_argument("--force", action="store_const", const=True, help="replace an OUT written with another model "
+                    "or other settings")
+    pr.add_argument("--quiet", action="store_const", const=True, help="no progress bar or per-file lines")
+    pr.set_defaults(func=_cmd_predict)
 
     q = sub.add_parser("quickstart", help="train on the digits set, fine-tune at 2x resolution, export, serve",
                        description="The whole product on the embedded default: pre-train a small ViT on the "

@@ -90,3 +90,10 @@ def test_a_model_that_cannot_be_served_ends_with_one_line_and_no_traceback():
     assert "Traceback" not in out, out
     reason = [line for line in out.splitlines() if "cannot serve tiny" in line]
     assert len(reason) == 1 and f"127.0.0.1:{port}" in reason[0], out
+
+
+def test_engine_ray_refuses_what_ray_serve_cannot_serve_in_one_line(capsys, tiny_ckpt):
+    """`--engine ray` is checked by `vit_serve.deploy.ray.build_app` before any cluster starts."""
+    pytest.importorskip("ray.serve")
+    err = _one_line_error(capsys, ["serve", str(tiny_ckpt), "--engine", "ray", "--model-control", "poll"])
+    assert "poll" in err

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,36 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A real redis-server on a free port (no persistence), stopped after the module."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        print("skipped: redis-server is not on PATH (Debian: apt-get install redis-server)")
-        pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
-    redis = pytest.importorskip("redis")
-    port = _free_port()
-    folder = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    client = redis.Redis(port=port)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start: {proc.stderr.read().decode()}") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(10)
 
 
 def _crop(data: bytes, cfg) -> Image.Image:

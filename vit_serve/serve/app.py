@@ -19,21 +19,22 @@ from vit_serve.serve.errors import install_error_handlers
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.grpc import GrpcServer
 from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestId, RequestIdFilter, RequestMetrics
-from vit_serve.serve.routes import classify, explain, health, metrics, models, page, repository, v2
+from vit_serve.serve.routes import classify, embed, explain, health, metrics, models, page, repository, v2
 from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.security import ApiKeys, KeyRing
 from vit_serve.serve.settings import ServeSettings
+from vit_serve.serve.tracing import instrument
 
 log = logging.getLogger("vit_serve.serve")
 
 DESCRIPTION = """Classify images with a Vision Transformer and see what it attended to.
 
 `POST /classify` (multipart field `file`, or a raw `image/*` body) answers the top-k classes and an `id`;
-`GET /explain?id=...` draws the attention rollout of that image; `?model=&version=` pick a model of the
-repository (`GET /models` lists them). The Open Inference Protocol (KServe v2, with the binary tensor and
-classification extensions and Triton's model repository extension) is under `/v2`. Health: `/healthz`,
-`/readyz`; Prometheus metrics: `/metrics`.
+`GET /explain?id=...` draws the attention rollout of that image; `POST /embed` answers its embedding;
+`?model=&version=` pick a model of the repository (`GET /models` lists them). The Open Inference Protocol
+(KServe v2, with the binary tensor and classification extensions and Triton's model repository extension) is
+under `/v2`. Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
 """
 
 
@@ -68,15 +69,15 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     gateway = Gateway(settings)
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in (classify, explain, health, metrics, models, v2, repository, page):
+    for module in (classify, embed, explain, health, metrics, models, v2, repository, page):
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # Outermost last: RequestId -> CORS -> ApiKeys -> RequestMetrics -> ErrorBoundary -> BodyLimit -> routes.
+    # Outermost last: RequestId -> CORS -> RequestMetrics -> ApiKeys -> ErrorBoundary -> BodyLimit -> routes.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ErrorBoundary)
-    app.add_middleware(RequestMetrics, metrics=gateway.metrics)
     app.add_middleware(ApiKeys, ring=KeyRing.from_settings(settings))
+    app.add_middleware(RequestMetrics, metrics=gateway.metrics)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
@@ -84,6 +85,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
                                            "Server-Timing"], max_age=600)
     if settings.request_ids:
         app.add_middleware(RequestId)
+    instrument(app, settings)  # OpenTelemetry's server span outside them all, when settings.otel
     return app
 
 

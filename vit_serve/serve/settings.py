@@ -65,6 +65,10 @@ class ServeSettings(BaseSettings):
     repository_api: bool = Field(True, description="serve the repository API (POST /v2/repository/...); off: "
                                  "those routes answer 403")
     backend: BackendName = Field("auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
+    engine: Literal["local", "ray"] = Field(
+        "local", description="where the models run: local (in this process), or ray (each model version a Ray "
+                             "Serve deployment that this gateway, a Ray Serve ingress, calls; vit_serve.deploy.ray "
+                             "sets it)")
     triton_url: str = Field("localhost:8000", description="Triton server host:port (HTTP) for --backend triton")
     triton_timeout_s: float = Field(10.0, gt=0, description="longest wait for one Triton call (inference, "
                                     "health) before answering 504; the others in flight are not affected")
@@ -107,6 +111,9 @@ class ServeSettings(BaseSettings):
         "any); none: CORS off")
     request_ids: bool = Field(True, description="echo X-Request-ID (made when absent) and log one line per "
                               "request with it")
+    otel: bool = Field(False, description="OpenTelemetry tracing (the otel extra): a span per request, the trace "
+                       "context passed on to Triton; exporter, endpoint, service name and sampler from the "
+                       "standard OTEL_* variables (vit_serve.serve.tracing)")
     ssl_certfile: str | None = Field(None, description="TLS certificate (PEM) for HTTPS and gRPC")
     ssl_keyfile: str | None = Field(None, description="TLS private key (PEM) for HTTPS and gRPC")
 

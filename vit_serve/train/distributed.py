@@ -5,7 +5,7 @@ of the evaluation set over the processes."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,20 @@ def setup(device_type: str) -> tuple[int, int]:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()
+
+
+def restart_hazard(env: Mapping[str, str] = os.environ) -> str | None:
+    """Why torchrun may fail to restart this worker group (`--max-restarts`), or None.
+
+    By default torch's c10d rendezvous lets every worker group of a job share the agent's TCPStore, with no
+    namespace per attempt, so a restarted group can read the addresses the killed one left there and fail to
+    connect (pytorch/pytorch#135712, still so in torch 2.14); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set for
+    torchrun, gives every attempt a store of its own."""
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return ("torchrun --max-restarts with the rendezvous store shared across attempts: a restarted group may "
+                "read the killed group's addresses and fail to connect; run torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+    return None
 
 
 def teardown() -> None:

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         scaler.load_state_dict(st["scaler"])
         step, epoch, start, best = st["step"], st["epoch"], st["index_in_epoch"] * micro, st["best"]
         set_rng_state(st["rng"])
+        if is_main:
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            print(f"resuming at step {step} of {cfg.steps} from {state_path}"
+                  + (f" (torchrun restart {restart})" if restart else ""), flush=True)
+    # Every rank reads the state itself: ranks that found different ones (a node-local --out on several
+    # machines) would run different numbers of steps into a deadlock. The sum over the ranks equals
+    # world x own step on every rank only when all the steps are equal.
+    if world > 1 and int(distributed.sum_across(torch.tensor(step, device=device)).item()) != world * step:
+        raise TrainingError(f"the processes found different training states at {state_path} (this one: "
+                            f"{'step ' + str(step) if step else 'none'}); with several machines --out must be a "
+                            "folder every machine sees at the same path (shared storage)")
     trunk = net
     if world > 1 and device.type != "xla":  # on XLA, torch_xla all-reduces the gradients (xla.reduce_gradients)
         trunk = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if pin else None,
@@ -182,6 +194,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.compile:
         trunk = torch.compile(trunk)
 
+    if is_main and (hazard := distributed.restart_hazard()):
+        print(f"warning: {hazard}", file=sys.stderr, flush=True)
     log = MetricsLog(out, enabled=is_main)
     if is_main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -282,7 +296,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     save_all()
 
     summary: dict[str, Any] = {"steps": step, "wall_s": wall, "images_per_s": images_total / max(wall, 1e-9),
-                               "skipped": skipped_total}
+                               "skipped": skipped_total, "world_size": world}
     if cfg.objective == "classify":
         res = run_eval()
         summary.update(top1=res["top1"], top5=res["top5"], val_loss=res["loss"], val_images=res["n"])

@@ -2,7 +2,9 @@
 
 `create_backend(settings)` picks and builds one; `resolve_backend` says which `--backend auto` means for a MODEL:
 `.onnx` -> onnxruntime, `.engine` / `.plan` / `.trt` -> tensorrt, anything else -> torch (a checkpoint file,
-folder or hub id). A model on a Triton server needs `--backend triton` (MODEL is then its name there).
+folder or hub id). A model on a Triton server needs `--backend triton` (MODEL is then its name there). With
+`engine="ray"` (the gateway as a Ray Serve ingress, `vit_serve.deploy.ray`) every model is a `ray.RayModelBackend`:
+a handle on the Ray Serve deployment that loads it with the backend above.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def create_backend(settings: ServeSettings) -> Backend:
 
 
 def _load_backend(settings: ServeSettings) -> Backend:
+    if settings.engine == "ray":  # the model runs in its own Ray Serve deployment (vit_serve.deploy.ray)
+        from vit_serve.serve.backends.ray import RayModelBackend
+
+        return RayModelBackend(settings)
     backend = check_model(settings)
     if backend == "torch":
         from vit_serve.serve.backends.torch import TorchBackend

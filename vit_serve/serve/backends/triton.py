@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from vit_serve.manifest import TritonMeta
+from vit_serve.serve import tracing
 from vit_serve.serve.backends.base import BackendUnavailableError, ModelInfo, RemoteBackend
 from vit_serve.serve.errors import GatewayTimeoutError
 from vit_serve.serve.inference import Outputs, Task
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 INPUT = "pixel_values"
 LOGITS = "logits"
 ROLLOUT = "rollout"
+EMBEDDING = "embedding"
 PROBE_TIMEOUT_S = 2.0
 # Connections beyond max_queue: readiness probes and the parts of a batch split over max_batch_size.
 SPARE_CONNECTIONS = 8
@@ -81,6 +83,7 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
     if num_classes <= 0:
         num_classes = len(labels or [])
     resolution = meta.serving_resolution
+    embedding = next((o for o in config.get("output", []) if o.get("name") == EMBEDDING), None)
     return ModelInfo(
         name=model,
         resolution=resolution,
@@ -99,6 +102,7 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
         runtime=meta.runtime or config.get("platform") or config.get("backend", ""),
         explain_model=meta.explain_model,
         max_batch_size=int(config.get("max_batch_size", 0)),
+        embedding_dim=0 if embedding is None else int(embedding["dims"][-1]),
     )
 
 
@@ -204,6 +208,7 @@ class TritonBackend(RemoteBackend):
         startup = float(_first(startup_timeout_s, getattr(settings, "triton_startup_timeout_s", None), 30.0))
         # The gateway lets at most max_queue requests be outstanding: each gets a connection at once.
         self.pool_size = int(_first(max_queue, getattr(settings, "max_queue", None), 256)) + SPARE_CONNECTIONS
+        self.trace = bool(getattr(settings, "otel", False))  # pass the trace context on to Triton
         if self.protocol == "http":
             import tritonclient.http.aio as client_module
         else:
@@ -265,6 +270,11 @@ class TritonBackend(RemoteBackend):
     def _call_kwargs(self, timeout_s: float) -> dict[str, Any]:
         # gRPC sends its deadline to the server; the HTTP client has no per-call timeout (`_guard` keeps it).
         return {"client_timeout": timeout_s} if self.protocol == "grpc" else {}
+
+    def _trace_headers(self) -> dict[str, str] | None:
+        """With tracing on, the current trace context (W3C traceparent / tracestate): HTTP headers or gRPC
+        metadata, which Triton's OpenTelemetry tracing continues."""
+        return tracing.context_headers() if self.trace else None
 
     async def _guard(self, conn: _Connection, what: str, coro: Any, timeout_s: float) -> Any:
         """Await one client call within `timeout_s`: past it GatewayTimeoutError (504); connection failures and
@@ -374,14 +384,15 @@ class TritonBackend(RemoteBackend):
         inp.set_data_from_numpy(x, **binary)
         requested = [self._tc.InferRequestedOutput(n, **binary) for n in outputs]
         result = await self._guard(conn, f"infer {model}", conn.client.infer(
-            model, [inp], outputs=requested, **self._call_kwargs(self.timeout_s)), self.timeout_s)
+            model, [inp], outputs=requested, headers=self._trace_headers(), **self._call_kwargs(self.timeout_s)),
+            self.timeout_s)
         self._mark(True)
         return [result.as_numpy(n) for n in outputs]
 
     async def run(self, task: Task, x: np.ndarray) -> Outputs:
-        """x [B, 3, H, W] float32 -> logits [B, K] (classify) or logits + rollout [B, gh, gw] (explain, from the
-        explain model, whose rollout settings the task was resolved against): one Triton request, the server
-        batches."""
+        """x [B, 3, H, W] float32 -> logits [B, K] (classify), logits + rollout [B, gh, gw] (explain, from the
+        explain model, whose rollout settings the task was resolved against) or logits + embedding [B, D] (embed):
+        one Triton request, the server batches."""
         if task.kind == "classify":
             (logits,) = await self._infer(self._shared(), self.model, x, [LOGITS])
             return {"logits": logits}
@@ -390,6 +401,12 @@ class TritonBackend(RemoteBackend):
                 raise NotImplementedError(f"Triton model {self.model!r} has no explain model")
             logits, rollout = await self._infer(self._shared(), self.explain_model, x, [LOGITS, ROLLOUT])
             return {"logits": logits, "rollout": rollout}
+        if task.kind == "embed":
+            if not self.info.embedding_dim:
+                raise NotImplementedError(f"Triton model {self.model!r} has no {EMBEDDING!r} output (re-export "
+                                          f"with vit-export --outputs logits,embedding)")
+            logits, embedding = await self._infer(self._shared(), self.model, x, [LOGITS, EMBEDDING])
+            return {"logits": logits, "embedding": embedding}
         raise NotImplementedError(f"grad_rollout needs the torch backend; {self.model!r} runs on Triton")
 
     # ---- health --------------------------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""Offline prediction benchmark: `vit-serve predict` against the gateway's `/classify`, and Ray Data against the
+local engine, side by side in one run.
+
+(a) A folder of 12 MP phone JPEGs (benchmarks/upload_corpus.py's, each copy made unique with `serve_load.unique_jpeg`,
+so that every file is a different upload of the same decode work) through `predict` (local engine, its defaults:
+fast decode, batch 16, the gateway's decode-thread count) against the same files POSTed to `/classify` of a real
+gateway (serve_load's `Server`: uvicorn in a subprocess, server defaults) at concurrency 16. Same model and backend:
+ViT-Ti/16 at 224, random weights, exported by vit-export, onnxruntime. Rounds take turns; medians are compared.
+Target: predict >= 1.2x the gateway's images/s (no HTTP, no JSON, batches always full).
+
+(b) The same folder through `--engine ray` on a local Ray cluster of 2 CPUs (`ray.init(num_cpus=2)`, started
+before the clock) against the local engine (writing Parquet both), each timed end to end as a user waits for it
+(model load, and for Ray the actors' start-up, included) and in the steady state (rows per second from the first
+batch written to the last). Reported: both, and Ray's overhead: the difference of the wall times, a fixed cost
+of starting the actors and the dataset. Target: Ray's steady state >= 0.7x the local engine's.
+
+    python benchmarks/predict.py --images 64 --rounds 3 --out /tmp/predict_bench       # about 5 minutes on 2 cores
+    python benchmarks/predict.py --images 8 --rounds 1 --res 64 --no-ray --out /tmp/pb   # a smoke run
+
+Exit status: 0 when every check passes, 1 when one fails (the table is printed either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_load  # a sibling script: its gateway server, load generator, payloads and export)
+import upload_corpus
+
+if TYPE_CHECKING:
+    from vit_serve.predict import PredictResult
+
+PREDICT_OVER_GATEWAY = 1.2
+RAY_OVER_LOCAL = 0.7
+CONCURRENCY = 16
+
+
+def phone_bases(corpus: Path) -> list[bytes]:
+    paths = upload_corpus.build(corpus, upload_corpus.PHONE_NAMES)
+    return [paths[name].read_bytes() for name in upload_corpus.PHONE_NAMES]
+
+
+def make_folder(folder: Path, bases: list[bytes], n: int) -> None:
+    """n unique 12 MP phone JPEGs in `folder` (the corpus's phone photos, numbered by a comment segment)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, body in enumerate(serve_load.payloads(bases, 0, n)):
+        path = folder / f"photo_{i:04d}.jpg"
+        if not path.exists():
+            path.write_bytes(body)
+
+
+def run_predict(onnx: Path, src: Path, out: Path, engine: str = "local") -> tuple[PredictResult, float]:
+    """One `predict` run from scratch: its result and the wall time of the whole call (model load included)."""
+    from vit_serve.predict import PredictOptions, predict
+
+    t0 = time.perf_counter()
+    result = predict(PredictOptions(model=str(onnx), src=str(src), out=str(out), quiet=True, force=True,
+                                    engine=engine))  # type: ignore[arg-type]
+    wall = time.perf_counter() - t0
+    if result.errors:
+        raise SystemExit(f"predict could not read {result.errors[0]}")
+    return result, wall
+
+
+def run_gateway(server: serve_load.Server, bases: list[bytes], n: int, start: int) -> float:
+    """images/s of n POST /classify from 16 concurrent clients, after 16 warm-up requests: the folder's photos
+    numbered from `start` (new bytes every round, so the gateway's crop store never answers: each is decoded)."""
+    bodies = serve_load.payloads(bases, start, n + CONCURRENCY)
+    return asyncio.run(serve_load.load(server.url, "/classify", bodies, CONCURRENCY, CONCURRENCY)).throughput
+
+
+def checks(predict_ips: float, gateway_ips: float, ray_ips: float | None, local_ips: float | None
+           ) -> list[tuple[str, str, str, bool]]:
+    """(what, measured, target, ok) for the two targets (the Ray one only when it ran)."""
+    out = [(f"predict / gateway /classify at c={CONCURRENCY}", f"{predict_ips / gateway_ips:.2f}x",
+            f">= {PREDICT_OVER_GATEWAY}x", predict_ips >= PREDICT_OVER_GATEWAY * gateway_ips)]
+    if ray_ips is not None and local_ips:
+        out.append(("Ray Data engine / local engine (steady state)", f"{ray_ips / local_ips:.2f}x",
+                    f">= {RAY_OVER_LOCAL}x", ray_ips >= RAY_OVER_LOCAL * local_ips))
+    return out
+
+
+def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in
+                                                             range(len(header))) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=64, help="phone photos in the folder (default 64)")
+    p.add_argument("--rounds", type=int, default=3, help="turns of predict and the gateway (default 3)")
+    p.add_argument("--model", default="Ti/16")
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--out", type=Path, default=Path("/tmp/predict_bench"))
+    p.add_argument("--no-ray", action="store_true", help="skip (b)")
+    args = p.parse_args(argv)
+
+    onnx = serve_load.export_model(args.model, args.res, args.out)
+    bases = phone_bases(args.out / "corpus")
+    make_folder(args.out / "photos", bases, args.images)
+    preds, gws = [], []
+    with serve_load.Server(onnx, None, "cpu", 16, 5.0) as server:
+        for r in range(args.rounds):
+            gws.append(run_gateway(server, bases, args.images, (r + 1) * 100_000))
+            preds.append(run_predict(onnx, args.out / "photos", args.out / "preds.jsonl")[0].images_per_s)
+            print(f"round {r + 1}: gateway {gws[-1]:.1f} images/s, predict {preds[-1]:.1f}", file=sys.stderr)
+    predict_ips, gateway_ips = statistics.median(preds), statistics.median(gws)
+    rows = [(f"predict (local engine, batch 16) over {args.images} files", f"{predict_ips:.1f}",
+             " / ".join(f"{v:.1f}" for v in preds), ""),
+            (f"gateway POST /classify, c={CONCURRENCY}", f"{gateway_ips:.1f}", " / ".join(f"{v:.1f}" for v in gws), "")]
+    ray_ips = local_ips = None
+    if not args.no_ray:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            local, local_wall = run_predict(onnx, args.out / "photos", args.out / "local.parquet")
+            on_ray, ray_wall = run_predict(onnx, args.out / "photos", args.out / "ray.parquet", engine="ray")
+        finally:
+            ray.shutdown()
+        n = local.written
+        local_ips, ray_ips = local.steady_images_per_s, on_ray.steady_images_per_s
+        rows += [("local engine (Parquet): steady state / end to end", f"{local_ips:.1f}",
+                  f"{n / local_wall:.1f} ({local_wall:.1f} s wall)", ""),
+                 ("Ray Data engine, 2-CPU local cluster: steady state / end to end", f"{ray_ips:.1f}",
+                  f"{n / ray_wall:.1f} ({ray_wall:.1f} s wall)", f"overhead {ray_wall - local_wall:+.1f} s")]
+    print(table(rows, ("run", "images/s", "rounds / end to end", "note")))
+    print()
+    results = checks(predict_ips, gateway_ips, ray_ips, local_ips)
+    print(table([(w, m, t, "met" if ok else "NOT MET") for w, m, t, ok in results],
+                ("check", "measured", "target", "")))
+    return 0 if all(ok for *_, ok in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""The Kubernetes manifests under deploy/, validated against things this project did not write, and against the
+project itself.
+
+- Every manifest parses (multi-document YAML) and validates, strictly (unknown fields are errors), against the
+  Kubernetes OpenAPI schemas that `kubernetes-validate` ships (offline), for the oldest and newest Kubernetes
+  named in K8S_VERSIONS; the TLS component's JSON patch is applied with `jsonpatch` (RFC 6902) first.
+- The KServe resources (InferenceService, ServingRuntime: CRDs, not in those schemas) are deserialized strictly
+  into the typed models of KServe's Python SDK in its own environment (VIT_SERVE_KSERVE_PYTHON, as
+  tests/serve/test_kserve_client.py); a misspelled field on a mutated copy must fail there and in the schemas.
+- Against the project: every VIT_SERVE_* variable is a ServeSettings field and the settings build; container
+  arguments go through the real `vit-serve serve` parser (the Deployment's after the Dockerfile's ENTRYPOINT;
+  the KServe transformer's through its sh wrapper, run by /bin/sh with the arguments KServe appends); the
+  Triton runtime loads models that `vit-export --format triton` really writes and that the gateway can serve;
+  and the Deployment's own settings start the real gateway (two replicas sharing a real redis-server started
+  with the Redis manifest's arguments): its probe paths answer, the HPA's metric is in /metrics, the keys come
+  from the Secret's files, and an image classified on one replica is explained by id on the other.
+
+No cluster, kustomize or container engine runs here: what kubectl, KServe's controller and the kubelet would do
+beyond these checks is not exercised.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+# The oldest Kubernetes still commonly served and the newest kubernetes-validate 1.37 ships.
+K8S_VERSIONS = ("1.30", "1.37")
+CRD_GROUP = "serving.kserve.io"
+KSERVE_ENV = "VIT_SERVE_KSERVE_PYTHON"
+KSERVE_SCRIPT = Path(__file__).with_name("kserve_models_script.py")
+PREFIX = "VIT_SERVE_"
+# KServe appends --model_name <isvc> --predictor_host <isvc>-predictor.<namespace> --http_port 8080 to a custom
+# transformer's arguments (pkg/apis/serving/v1beta1/transformer_custom.go); the namespace of that test.
+NAMESPACE = "default"
+
+
+# ---- reading deploy/ ---------------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _kustomizations() -> dict[Path, dict]:
+    return {p: _load(p)[0] for p in sorted(DEPLOY.rglob("kustomization.yaml"))}
+
+
+def _patch_files() -> set[Path]:
+    return {(k.parent / p["path"]).resolve() for k, doc in _kustomizations().items() for p in doc.get("patches", [])}
+
+
+def _manifest_files() -> list[Path]:
+    skip = set(_kustomizations()) | _patch_files()
+    return [p for p in sorted(DEPLOY.rglob("*.yaml")) if p.resolve() not in skip]
+
+
+def _documents() -> list[tuple[Path, dict]]:
+    return [(p, d) for p in _manifest_files() for d in _load(p)]
+
+
+def _doc(kind: str, name: str) -> dict:
+    found = [d for _, d in _documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name} under deploy/, found {len(found)}"
+    return copy.deepcopy(found[0])
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _settings_kwargs(env: dict[str, str]) -> dict[str, str]:
+    return {k[len(PREFIX):].lower(): v for k, v in env.items() if k.startswith(PREFIX)}
+
+
+def _tls_deployment() -> dict:
+    """The gateway's Deployment with the TLS component's JSON patch applied (jsonpatch: RFC 6902)."""
+    jsonpatch = pytest.importorskip("jsonpatch")
+    component = _kustomizations()[DEPLOY / "k8s" / "tls" / "kustomization.yaml"]
+    (patch,) = component["patches"]
+    assert patch["target"]["kind"] == "Deployment"
+    ops = _load(DEPLOY / "k8s" / "tls" / patch["path"])[0]
+    return jsonpatch.apply_patch(_doc("Deployment", patch["target"]["name"]), ops)
+
+
+def _transformer() -> dict:
+    (container,) = _doc("InferenceService", "vit")["spec"]["transformer"]["containers"]
+    return container
+
+
+# ---- Kubernetes schemas ------------------------------------------------------------------------------------
+
+
+def test_every_manifest_is_a_named_resource():
+    docs = _documents()
+    assert {p.parent.name for p, _ in docs} == {"k8s", "kserve", "redis", "prometheus-adapter"}
+    for path, doc in docs:
+        assert {"apiVersion", "kind", "metadata"} <= set(doc), path
+        assert doc["metadata"].get("name"), path
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_validate_strictly_against_the_kubernetes_schemas(version):
+    assert version in {kubernetes_validate.utils.major_minor(v) for v in kubernetes_validate.utils.all_versions()}
+    crds = []
+    for path, doc in [*_documents(), (DEPLOY / "k8s/tls/patch.yaml", _tls_deployment())]:
+        if doc["apiVersion"].split("/")[0] == CRD_GROUP:
+            crds.append(doc["kind"])
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{path.relative_to(ROOT)}: {doc['kind']} {doc['metadata']['name']}: "
+                        f"{'.'.join(map(str, e.path))}: {e.message}")
+    # Nothing else is skipped: the CRDs go to the KServe SDK below.
+    assert sorted(crds) == ["InferenceService", "ServingRuntime"]
+
+
+def test_strict_schemas_catch_a_misspelled_field():
+    """The negative control: a misspelled probe passes the lax schemas and fails the strict ones."""
+    version = K8S_VERSIONS[-1]
+    bad = _doc("Deployment", "vit-serve")
+    container = bad["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    kubernetes_validate.validate(bad, version, strict=False)
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        kubernetes_validate.validate(bad, version, strict=True)
+    wrong_type = _doc("HorizontalPodAutoscaler", "vit-serve")
+    wrong_type["spec"]["maxReplicas"] = "ten"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, version, strict=True)
+
+
+def test_kustomizations_name_every_manifest_once():
+    listed: list[Path] = []
+    for path, k in _kustomizations().items():
+        assert k["apiVersion"].startswith("kustomize.config.k8s.io/") and k["kind"] in ("Kustomization", "Component")
+        for entry in k.get("resources", []):
+            target = (path.parent / entry).resolve()
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), f"{path}: {entry}"
+            if target.is_file():
+                listed.append(target)
+        for patch in k.get("patches", []):
+            assert (path.parent / patch["path"]).is_file(), f"{path}: {patch['path']}"
+        for component in k.get("components", []):
+            assert _load(path.parent / component / "kustomization.yaml")[0]["kind"] == "Component"
+    assert sorted(listed) == sorted(p.resolve() for p in _manifest_files())
+    # The commented-out component exists (the line users uncomment).
+    text = (DEPLOY / "k8s" / "kustomization.yaml").read_text()
+    assert re.search(r"^#\s+- tls\b", text, re.M) and (DEPLOY / "k8s" / "tls" / "kustomization.yaml").is_file()
+
+
+# ---- KServe's SDK ------------------------------------------------------------------------------------------
+
+
+def _kserve_python() -> str:
+    named = os.environ.get(KSERVE_ENV)
+    if named:
+        if not Path(named).is_file():
+            pytest.fail(f"{KSERVE_ENV}={named} is not a file")
+        check = subprocess.run([named, "-c", "import kserve, kubernetes"], capture_output=True, text=True)
+        if check.returncode != 0:
+            pytest.fail(f"{KSERVE_ENV}={named} cannot import kserve: {check.stderr.strip()[-500:]}")
+        return named
+    if importlib.util.find_spec("kserve") is not None:
+        return sys.executable
+    pytest.skip(f"KServe's SDK is not installed: set {KSERVE_ENV} to a python that has it (python3 -m venv V && "
+                f"V/bin/pip install kserve; .ci/run does this)")
+
+
+def test_kserve_resources_deserialize_strictly_into_the_sdk_models(tmp_path):
+    python = _kserve_python()
+    docs = [{"name": f"{p.relative_to(DEPLOY)}:{d['kind']}", "kind": d["kind"], "doc": d}
+            for p, d in _documents() if d["apiVersion"].split("/")[0] == CRD_GROUP]
+    isvc = next(d["doc"] for d in docs if d["kind"] == "InferenceService")
+    mutations = {}  # name -> (document, the misspelled field the error must name)
+    bad = copy.deepcopy(isvc)
+    bad["spec"]["predictor"]["model"]["storageUrl"] = bad["spec"]["predictor"]["model"].pop("storageUri")
+    mutations["storageUrl"] = (bad, "storageUrl")
+    bad = copy.deepcopy(isvc)
+    probe = bad["spec"]["transformer"]["containers"][0]["readinessProbe"]["httpGet"]
+    probe["paht"] = probe.pop("path")
+    mutations["paht"] = (bad, "paht")
+    bad = copy.deepcopy(isvc)
+    bad["spec"]["transformer"]["minReplica"] = 1
+    mutations["minReplica"] = (bad, "minReplica")
+    runtime = next(d["doc"] for d in docs if d["kind"] == "ServingRuntime")
+    bad = copy.deepcopy(runtime)
+    bad["spec"]["supportedModelFormats"][0]["autoselect"] = False
+    mutations["autoselect"] = (bad, "autoselect")
+    kinds = {"storageUrl": "InferenceService", "paht": "InferenceService", "minReplica": "InferenceService",
+             "autoselect": "ServingRuntime"}
+    docs += [{"name": f"mutated:{n}", "kind": kinds[n], "doc": d} for n, (d, _) in mutations.items()]
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    done = subprocess.run([python, str(KSERVE_SCRIPT), str(tmp_path / "docs.json")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout)
+    print(f"kserve {answer['kserve']}, kubernetes client {answer['kubernetes']}")
+    results = answer["results"]
+    assert sorted(n for n in results if not n.startswith("mutated:")) == [
+        "kserve/inferenceservice.yaml:InferenceService", "kserve/servingruntime.yaml:ServingRuntime"]
+    for name, error in results.items():
+        if name.startswith("mutated:"):
+            field = mutations[name.split(":", 1)[1]][1]
+            assert error is not None and field in error, f"{name}: {error}"
+        else:
+            assert error is None, f"{name}: {error}"
+
+
+# ---- against the project -----------------------------------------------------------------------------------
+
+
+def _containers_with_settings() -> dict[str, dict]:
+    return {"k8s Deployment": _doc("Deployment", "vit-serve")["spec"]["template"]["spec"]["containers"][0],
+            "k8s Deployment + tls": _tls_deployment()["spec"]["template"]["spec"]["containers"][0],
+            "kserve transformer": _transformer()}
+
+
+@pytest.mark.parametrize("which", ["k8s Deployment", "k8s Deployment + tls", "kserve transformer"])
+def test_every_vit_serve_variable_is_a_setting(which):
+    pytest.importorskip("pydantic_settings")
+    from vit_serve.serve.settings import ServeSettings
+
+    container = _containers_with_settings()[which]
+    names = {e["name"] for e in container["env"]}
+    ours = {n for n in names if n.startswith(PREFIX)}
+    assert ours, which
+    unknown = {n for n in ours if n[len(PREFIX):].lower() not in ServeSettings.model_fields}
+    assert not unknown, f"{which}: not ServeSettings fields: {sorted(unknown)}"
+    ServeSettings(**_settings_kwargs(_env(container)))  # the values validate too (the TLS pair, the store URL)
+
+
+def _dockerfile_entrypoint() -> list[str]:
+    lines = [ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.startswith("ENTRYPOINT ")]
+    assert len(set(lines)) == 1, "both images (cpu, cuda) have the same entry point"
+    return json.loads(lines[0][len("ENTRYPOINT "):])
+
+
+def test_deployment_arguments_parse_and_its_ports_are_the_gateways():
+    from vit_serve.cli import build_parser
+
+    deployment = _doc("Deployment", "vit-serve")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    entrypoint = _dockerfile_entrypoint()
+    assert "command" not in container, "the image's ENTRYPOINT runs (vit-serve serve --host 0.0.0.0 --port 8000)"
+    args = build_parser().parse_args([*entrypoint[1:], *container["args"]])
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == args.port
+    assert ports["grpc"] == int(_env(container)["VIT_SERVE_GRPC_PORT"])
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert args.model == mounts["models"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] in ports, probe
+    service = _doc("Service", "vit-serve")
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+    assert service["spec"]["selector"].items() <= pod_labels(deployment).items()
+    hpa = _doc("HorizontalPodAutoscaler", "vit-serve")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vit-serve"}
+    # The key files are the Secret's keys, in the Secret's mount.
+    secret = _doc("Secret", "vit-serve-keys")
+    volume = next(v for v in pod["volumes"] if v["name"] == "keys")
+    assert volume["secret"]["secretName"] == "vit-serve-keys"
+    for var in ("VIT_SERVE_API_KEYS_FILE", "VIT_SERVE_ADMIN_API_KEYS_FILE"):
+        path = Path(_env(container)[var])
+        assert str(path.parent) == mounts["keys"] and path.name in secret["stringData"], var
+    # The store is the Redis Service.
+    redis_service = _doc("Service", "vit-serve-redis")
+    assert _env(container)["VIT_SERVE_STORE"] == f"redis://vit-serve-redis:{redis_service['spec']['ports'][0]['port']}/0"
+
+
+def pod_labels(deployment: dict) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def test_the_secrets_placeholders_are_hashes_no_key_matches():
+    """What `kubectl apply -k` puts in place before the Secret is replaced: entries the gateway reads as hashes
+    (sha256:HEX, kept as they are), so no key sent by a client can match them."""
+    from vit_serve.serve.security import key_hash
+
+    for name, text in _doc("Secret", "vit-serve-keys")["stringData"].items():
+        entries = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        assert entries == ["sha256:" + "0" * 64], name
+        assert "PLACEHOLDER" in text
+        assert all(key_hash(e) == e for e in entries)  # taken as a hash, not as the key "sha256:000..."
+
+
+def _stub_gateway(folder: Path) -> Path:
+    """A `vit-serve` for PATH that parses its arguments with the real parser and prints them with the
+    VIT_SERVE_* environment it was given, instead of starting a server."""
+    folder.mkdir()
+    stub = folder / "vit-serve"
+    stub.write_text(f"#!{sys.executable}\n" + "import json, os, sys\n"
+                    "from vit_serve.cli import build_parser\n"
+                    "args = build_parser().parse_args(sys.argv[1:])\n"
+                    "print(json.dumps({'args': {k: v for k, v in vars(args).items() if k != 'func'},\n"
+                    "                  'env': {k: v for k, v in os.environ.items() if k.startswith('VIT_SERVE_')}}))\n")
+    stub.chmod(0o755)
+    return folder
+
+
+def test_kserve_transformer_turns_kserves_arguments_into_settings(tmp_path):
+    """The transformer's command, run by /bin/sh with the arguments KServe appends, calls `vit-serve serve`
+    with arguments its parser takes, Triton's gRPC address on the predictor's Service, and KServe's port."""
+    from vit_serve.serve.backends.triton import parse_url
+    from vit_serve.serve.settings import ServeSettings
+
+    isvc = _doc("InferenceService", "vit")
+    container = _transformer()
+    assert "args" not in container, "KServe appends its own arguments; ours would come before them"
+    kserve_args = ["--model_name", isvc["metadata"]["name"],
+                   "--predictor_host", f"{isvc['metadata']['name']}-predictor.{NAMESPACE}", "--http_port", "8080"]
+    bin_dir = _stub_gateway(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", **_env(container)}
+    done = subprocess.run([*container["command"], *kserve_args], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    assert seen["args"]["command"] == "serve"
+    settings = ServeSettings(**_settings_kwargs(seen["env"]))
+    assert settings.backend == "triton" and settings.host == "0.0.0.0"
+    assert parse_url(settings.triton_url) == ("grpc", f"vit-predictor.{NAMESPACE}:80")
+    ports = [p["containerPort"] for p in container["ports"]]
+    assert ports == [settings.port] == [8080]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == settings.port
+    # gRPC all the way: the predictor's first (Service) port is Triton's --grpc-port, as h2c.
+    predictor = isvc["spec"]["predictor"]["model"]
+    (port,) = predictor["ports"]
+    runtime = _doc("ServingRuntime", predictor["runtime"])
+    triton_args = runtime["spec"]["containers"][0]["args"]
+    assert port["name"] == "h2c" and f"--grpc-port={port['containerPort']}" in triton_args
+    assert "grpc-v2" in runtime["spec"]["protocolVersions"]
+    assert {k: predictor["modelFormat"][k] for k in ("name", "version")} == {"name": "triton", "version": "2"}
+    assert any(f["name"] == "triton" and f["version"] == "2" for f in runtime["spec"]["supportedModelFormats"])
+    # The HPA scales the transformer's Deployment, named <isvc>-transformer by KServe in RawDeployment mode,
+    # and KServe creates no autoscaler of its own.
+    annotations = isvc["metadata"]["annotations"]
+    assert annotations["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    assert annotations["serving.kserve.io/autoscalerClass"] == "external"
+    hpa = _doc("HorizontalPodAutoscaler", "vit-transformer")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"{isvc['metadata']['name']}-transformer"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, export_tiny) -> Path:
+    """`vit-export --format onnx,triton` of a tiny random ViT under the quickstart's name: FOLDER/exports (what
+    deploy/k8s serves) and FOLDER/model_repo (what deploy/kserve's predictor serves)."""
+    from vit_serve.quickstart import QuickstartPaths
+
+    folder = tmp_path_factory.mktemp("export")
+    name = QuickstartPaths(Path("runs/quickstart")).onnx.stem
+    result, _ = export_tiny(folder, 32, 0, [str(i) for i in range(10)], formats=("onnx", "triton"), name=name,
+                            out=folder / "exports", repo=folder / "model_repo")
+    assert result.ok
+    return folder
+
+
+def test_the_triton_runtime_loads_what_vit_export_writes_and_the_gateway_serves(exported):
+    """`vit-export --format triton` under the quickstart's name: the runtime's --load-model models are in the
+    repository, run on the stock Triton image's backends (no Python-backend model), and the transformer's model
+    is a logits model the gateway accepts (backends.triton.model_info) whose explain model is loaded too."""
+    pytest.importorskip("tritonclient")
+    from google.protobuf import json_format
+    from vit_export.triton_config import parse
+
+    from vit_serve.serve.backends.triton import model_info
+
+    runtime = _doc("ServingRuntime", "vit-serve-tritonserver")
+    args = runtime["spec"]["containers"][0]["args"]
+    assert "--model-control-mode=explicit" in args and "--model-store=/mnt/models" in args
+    loaded = [a.split("=", 1)[1] for a in args if a.startswith("--load-model=")]
+    configs = {}
+    for model in loaded:
+        text = (exported / "model_repo" / model / "config.pbtxt").read_text()
+        configs[model] = json_format.MessageToDict(parse(text), preserving_proto_field_name=True)
+        assert configs[model].get("platform") in ("onnxruntime_onnx", "tensorrt_plan"), model
+    served = _env(_transformer())["VIT_SERVE_MODEL"]
+    info = model_info(served, configs[served], "test")
+    assert info.explain and info.explain_model in loaded
+    # Why explicit model control: the repository also holds Python-backend models the stock image cannot load.
+    python_models = {p.parent.name for p in (exported / "model_repo").glob("*/config.pbtxt")
+                     if 'backend: "python"' in p.read_text()}
+    assert python_models and not python_models & set(loaded)
+    # The predictor's storage is the repository folder itself (KServe mounts it at --model-store).
+    assert _doc("InferenceService", "vit")["spec"]["predictor"]["model"]["storageUri"].endswith("/model_repo")
+
+
+# ---- the Deployment's settings, served ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_from_manifest(tmp_path_factory) -> Iterator[tuple[str, Any]]:
+    """Debian's redis-server with the Redis manifest's arguments (plus a local port), and a client."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
+    redis = pytest.importorskip("redis")
+    (container,) = _doc("Deployment", "vit-serve-redis")["spec"]["template"]["spec"]["containers"]
+    port = _free_port()
+    proc = subprocess.Popen([exe, *container["args"], "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server refused the manifest's arguments: "
+                                       f"{proc.stderr.read().decode()}") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0", client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, exported, redis_from_manifest) -> Iterator[tuple[list, str]]:
+    """Two gateways built from the Deployment's env, as two pods: its volumes made local folders (the models an
+    export, the keys the Secret's files written as secret.yaml tells users to), the Redis Service replaced by
+    the local redis-server, gRPC on a free port. Yields the TestClients and the API key."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from vit_serve.serve.app import create_app
+    from vit_serve.serve.settings import ServeSettings
+
+    folder = tmp_path_factory.mktemp("pod")
+    deployment = _doc("Deployment", "vit-serve")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    mounts = {m["name"]: folder / m["mountPath"].lstrip("/") for m in container["volumeMounts"]}
+    shutil.copytree(exported / "exports", mounts["models"])
+    key = secrets.token_urlsafe(32)
+    mounts["keys"].mkdir(parents=True)
+    for name in _doc("Secret", "vit-serve-keys")["stringData"]:
+        (mounts["keys"] / name).write_text("sha256:" + hashlib.sha256(key.encode()).hexdigest() + "\n")
+    env = _env(container)
+    for name, mount in ((m["name"], m["mountPath"]) for m in container["volumeMounts"]):
+        env = {k: v.replace(mount, str(mounts[name])) if v.startswith(mount + "/") else v for k, v in env.items()}
+    redis_url, _ = redis_from_manifest
+    env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0"}
+    model = str(mounts["models"])
+    settings = ServeSettings(**_settings_kwargs(env), model=model, host="127.0.0.1", device="cpu")
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        yield [a, b], key
+
+
+def _probe_paths(container: dict) -> set[str]:
+    return {container[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")}
+
+
+def test_redis_runs_with_the_manifests_limits(redis_from_manifest):
+    _, client = redis_from_manifest
+    assert client.config_get("maxmemory")["maxmemory"] == str(256 * 1024 * 1024)
+    assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
+    assert client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
+
+
+def test_probe_paths_answer_without_a_key(replicas):
+    clients, _ = replicas
+    paths = _probe_paths(_doc("Deployment", "vit-serve")["spec"]["template"]["spec"]["containers"][0])
+    paths |= _probe_paths(_transformer())
+    assert paths == {"/healthz", "/readyz"}
+    for client in clients:
+        for path in sorted(paths):
+            answer = client.get(path)
+            assert answer.status_code == 200, (path, answer.text)
+
+
+def test_the_hpas_metric_is_exported_and_the_adapter_rule_names_it(replicas):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    clients, _ = replicas
+    text = clients[0].get("/metrics").text
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    (adapter,) = [d for _, d in _documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "adapter-config"]
+    rules = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    exposed = {r["name"]["as"]: re.match(r"'?(\w+)\{", r["seriesQuery"]).group(1) for r in rules}
+    for name in ("vit-serve", "vit-transformer"):
+        hpa = _doc("HorizontalPodAutoscaler", name)
+        pods = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+        assert pods, name
+        for metric in pods:
+            assert metric in exposed, f"no prometheus-adapter rule exposes {metric}"
+            series = exposed[metric]
+            assert series in samples, f"{series} is not in the gateway's /metrics"
+            assert samples[series].labels.get("model") == "digits_32"
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 40), (200, 30, 90)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_keys_come_from_the_secret_and_any_replica_explains_by_id(replicas):
+    clients, key = replicas
+    a, b = clients
+    png, auth = _png(), {"Authorization": f"Bearer {key}"}
+    assert a.post("/classify", content=png, headers={"Content-Type": "image/png"}).status_code == 401
+    placeholder = {"Authorization": "Bearer sha256:" + "0" * 64}
+    assert a.post("/classify", content=png, headers={"Content-Type": "image/png", **placeholder}).status_code == 401
+    classified = a.post("/classify", content=png, headers={"Content-Type": "image/png", **auth})
+    assert classified.status_code == 200, classified.text
+    explained = b.get(f"/explain?id={classified.json()['id']}&format=json", headers=auth)
+    assert explained.status_code == 200, explained.text

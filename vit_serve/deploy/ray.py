@@ -1,0 +1,319 @@
+"""The gateway as a Ray Serve application: `build_app(settings, ...)`, and `run(settings, ...)` for
+`vit-serve serve --engine ray`.
+
+* The ingress deployment (`Gateway`) is the FastAPI app of `create_app(settings)`: every route, decode, key, store
+  and metric is the gateway's. Its settings say engine="ray", so each model version it loads is a
+  `RayModelBackend` (vit_serve.serve.backends.ray) on that version's deployment, driven by a `DirectRunner`.
+  Each answer carries `X-Ray-Replica`, the ingress replica that served it.
+* One deployment per model version (`ModelServer`, named `deployment_name(model, path)`), with `num_replicas` or
+  an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`). Each replica loads the model with
+  `create_backend` (torch, onnxruntime, tensorrt: MODEL's files, the discovery's choice) and warms it up.
+* Dynamic batching in the replica with Ray Serve's `@serve.batch`, up to `max_batch` images (rows, not requests:
+  `batch_size_fn`) or `max_delay_ms` from the first, the model's own config.pbtxt limits first, as the gateway's;
+  requests of different tasks that meet in one batch run as one model call per task, in the replica's one model
+  thread. Not our `BatchingRunner`: it waits for a batch to fill only while the gateway knows more requests are
+  being read and decoded (`runner.Arrival`); in a replica, a process away from those uploads, it would never
+  wait, and `max_delay_ms` would mean nothing there. Ray's batcher keeps both knobs (and Ray's batch metrics).
+* `GET /explain?id=` works whichever ingress replica classified the image when the store is shared:
+  settings.store = "redis://HOST:PORT/DB".
+
+The deployments are fixed when the application is built: model control is "none" (a new version needs a new
+`serve.run`, which Ray Serve rolls out replica by replica). The Ray Serve proxy serves HTTP (`run` starts it on
+settings.host / settings.port, with settings' TLS files); the gateway's gRPC port is not served here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import ray
+    from ray import serve
+    from ray.serve.handle import DeploymentHandle
+except ImportError:  # one line for the CLI and for an import by hand
+    raise ImportError("vit_serve.deploy.ray needs Ray Serve: pip install 'vit-serve[ray]' (ray[serve])") from None
+
+from vit_serve.serve.app import create_app
+from vit_serve.serve.backends import create_backend
+from vit_serve.serve.backends.base import LocalBackend
+from vit_serve.serve.backends.ray import RAY_METRICS, deployment_name
+from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
+from vit_serve.serve.inference import Outputs, Task
+from vit_serve.serve.settings import ServeSettings
+
+log = logging.getLogger("vit_serve.deploy.ray")
+
+APP_NAME = "vit-serve"
+FAILED = "cannot serve"  # how the ingress says why it cannot start (run() finds it in Ray's status)
+REPLICA_HEADER = "X-Ray-Replica"
+
+
+def _replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def _rows(items: list[tuple[Task, np.ndarray]]) -> int:
+    return sum(x.shape[0] for _, x in items)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """A task group of a batch that raised: its requests get the exception, the others their answers."""
+
+    error: Exception
+
+
+class ModelServer:
+    """One model version: its replicas load the model, batch requests and run them in one model thread."""
+
+    def __init__(self, settings: ServeSettings, name: str, version: int, path: str, backend: str,
+                 max_batch: int, max_delay_ms: float) -> None:
+        self.name, self.version = name, version
+        self.replica = _replica_id()
+        self.max_batch = max_batch
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{name}")
+        self.backend: LocalBackend | None = None
+        self.error: str | None = None
+        local = settings.model_copy(update={"model": path, "backend": backend, "model_name": name, "engine": "local"})
+        t0 = time.perf_counter()
+        try:
+            loaded = create_backend(local)
+            if not isinstance(loaded, LocalBackend):
+                raise ValueError(f"the {loaded.name} backend runs elsewhere already; Ray serves local backends")
+            loaded.warmup()
+            self.backend = loaded
+            log.info("%s version %d loaded (%s) and warmed up in %.2f s on replica %s", name, version,
+                     loaded.name, time.perf_counter() - t0, self.replica)
+        except Exception as e:  # the gateway shows the reason (GET /models); other models serve on
+            self.error = " ".join(str(e).split()) or type(e).__name__
+            log.warning("%s version %d cannot load: %s", name, version, self.error)
+        self._batched.set_max_batch_size(max_batch)
+        self._batched.set_batch_wait_timeout_s(max_delay_ms / 1e3)
+
+    def _loaded(self) -> LocalBackend:
+        if self.backend is None:
+            raise RuntimeError(self.error)
+        return self.backend
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress needs: the model's info, version, whether it can do grad_rollout."""
+        backend = self._loaded()
+        return {"info": backend.info, "version": self.version, "grad_rollout": backend.supports_grad_rollout,
+                "replica": self.replica}
+
+    def ready(self) -> bool:
+        return self.backend is not None and self.backend.ready()
+
+    async def run(self, task: Task, x: np.ndarray) -> tuple[Outputs, str, int]:
+        """`task` on x [n, 3, H, W] -> (its outputs, this replica's id, the images in the batch it ran in)."""
+        backend = self._loaded()
+        if x.shape[0] > self.max_batch:  # larger than any batch: alone, as the gateway's batcher does
+            outputs = await asyncio.get_running_loop().run_in_executor(self.thread, backend.run, task, x)
+            return outputs, self.replica, x.shape[0]
+        answer = await self._batched((task, x))
+        if isinstance(answer, _Failed):
+            raise answer.error
+        return answer
+
+    @serve.batch(batch_size_fn=_rows)  # max_batch_size / batch_wait_timeout_s: set per model in __init__
+    async def _batched(self, items: list[tuple[Task, np.ndarray]]) -> list[tuple[Outputs, str, int] | _Failed]:
+        backend = self._loaded()
+        loop = asyncio.get_running_loop()
+        groups: dict[Task, list[int]] = {}
+        for i, (task, _) in enumerate(items):
+            groups.setdefault(task, []).append(i)
+        answers: list[Any] = [None] * len(items)
+        for task, members in groups.items():
+            parts = [items[i][1] for i in members]
+            x = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            try:
+                outputs = await loop.run_in_executor(self.thread, backend.run, task, x)
+            except Exception as e:
+                for i in members:
+                    answers[i] = _Failed(e)
+                continue
+            offset = 0
+            for i, part in zip(members, parts, strict=True):
+                n = part.shape[0]
+                answers[i] = ({k: v[offset:offset + n] for k, v in outputs.items()}, self.replica, x.shape[0])
+                offset += n
+        return answers
+
+
+class _ReplicaHeader:
+    """ASGI middleware: every HTTP answer names the ingress replica that served it."""
+
+    def __init__(self, app: Callable, replica: str) -> None:
+        self.app, self.value = app, replica.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REPLICA_HEADER.lower().encode(), self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+class Gateway:
+    """The gateway's FastAPI app; its models are the `ModelServer` deployments passed in (as handles)."""
+
+    async def __init__(self, settings: ServeSettings, models: list[DeploymentHandle], startup_timeout_s: float
+                       ) -> None:
+        self.settings = settings
+        self.replica = _replica_id()
+        try:  # every model deployment has a replica (loaded, or knowing why not) before the gateway starts
+            ready = await asyncio.wait_for(asyncio.gather(*(m.ready.remote() for m in models)), startup_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the model deployments did not start within {startup_timeout_s:g} s") from None
+        root = Path(settings.model)
+        if len(models) == 1 and not ready[0] and (not root.is_dir() or (root / "config.json").is_file()):
+            try:  # one model, and it cannot load: nothing to serve (the single gateway does not start either)
+                await models[0].describe.remote()
+            except Exception as e:
+                reason = " ".join(str(getattr(e, "cause", None) or e).split())
+                raise RuntimeError(f"{FAILED} {settings.model}: {reason}") from None
+
+    def __serve_build_asgi_app__(self) -> Any:
+        app = create_app(self.settings)
+        app.state.gateway.metrics.registry.register(RAY_METRICS)  # the replicas' counts on /metrics
+        app.add_middleware(_ReplicaHeader, replica=self.replica)
+        return app
+
+
+# Deployments made of classes importable by name (Ray pickles a class it cannot import by value, globals and all).
+MODEL_DEPLOYMENT = serve.deployment(ModelServer)
+INGRESS_DEPLOYMENT = serve.deployment(serve.ingress()(Gateway))
+
+
+def _absolute(settings: ServeSettings) -> ServeSettings:
+    """Paths made absolute: replicas do not run in the caller's working directory."""
+    update: dict[str, str] = {}
+    for field in ("model", "api_keys_file", "admin_api_keys_file", "ssl_certfile", "ssl_keyfile"):
+        value = getattr(settings, field)
+        if value and Path(value).exists():
+            update[field] = str(Path(value).resolve())
+    return settings.model_copy(update=update)
+
+
+def _check(settings: ServeSettings) -> None:
+    if not settings.model:
+        raise ValueError("no model given: pass REPO (a folder of models) or MODEL (a checkpoint, NAME.onnx, an "
+                         "engine)")
+    if settings.backend == "triton":
+        raise ValueError("--backend triton already runs the models on a Triton server; serve the gateway alone "
+                         "(the local engine) in front of it")
+    if settings.model_control != "none":
+        raise ValueError(f"--model-control {settings.model_control} is not available on Ray Serve: the model "
+                         f"deployments are fixed when the application is built (use none; serve again to roll out "
+                         f"a new version)")
+    if settings.grpc_port is not None:
+        raise ValueError("--grpc-port is not served on Ray Serve (HTTP goes through Ray Serve's proxy)")
+
+
+def _limits(settings: ServeSettings, entry: ModelEntry) -> tuple[int, float]:
+    """(max_batch, max_delay_ms) of a model: its config.pbtxt's, else the settings'; (1, 0) when batching is off."""
+    own = entry.limits
+    max_batch = own.max_batch or settings.max_batch
+    delay = own.max_delay_ms if own.max_delay_ms is not None else settings.max_delay_ms
+    return (max_batch, delay) if max_batch > 1 and delay > 0 else (1, 0.0)
+
+
+def served_versions(settings: ServeSettings) -> list[tuple[ModelEntry, VersionSource]]:
+    """The model versions of settings.model that the gateway would serve (each model's version policy)."""
+    default = VersionPolicy.parse(settings.version_policy)
+    chosen: list[tuple[ModelEntry, VersionSource]] = []
+    for name, entry in sorted(scan(settings.model, settings.model_name).items()):
+        if entry.error is not None:
+            log.warning("model %s is not served: %s", name, entry.error)
+            continue
+        for v in (entry.policy or default).select(list(entry.versions)):
+            chosen.append((entry, entry.versions[v]))
+    return chosen
+
+
+def build_app(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: dict[str, Any] | None = None,
+              ray_actor_options: dict[str, Any] | None = None, ingress_replicas: int = 1,
+              ingress_actor_options: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
+              startup_timeout_s: float = 600.0) -> serve.Application:
+    """The application: the gateway's ingress (`ingress_replicas`, `ingress_actor_options`) and one deployment
+    per model version (`num_replicas`, or `autoscaling_config`; `ray_actor_options`, e.g. {"num_gpus": 1};
+    `max_ongoing_requests` per model replica, default twice its batch so that one batch fills while one runs).
+    ValueError for what Ray Serve cannot serve; FileNotFoundError for a missing MODEL."""
+    _check(settings)
+    settings = _absolute(settings)
+    models: list[serve.Application] = []
+    for entry, source in served_versions(settings):
+        max_batch, delay_ms = _limits(settings, entry)
+        options: dict[str, Any] = {
+            "name": deployment_name(entry.name, source.path),
+            "max_ongoing_requests": max_ongoing_requests or 2 * max_batch,
+            "ray_actor_options": ray_actor_options or {"num_cpus": 1},
+        }
+        if autoscaling_config is not None:
+            options["autoscaling_config"] = autoscaling_config
+        else:
+            options["num_replicas"] = num_replicas
+        models.append(MODEL_DEPLOYMENT.options(**options).bind(
+            settings, entry.name, source.version, str(source.path), source.backend, max_batch, delay_ms))
+    if not models:
+        raise ValueError(f"no model to serve in {settings.model}")
+    ingress = INGRESS_DEPLOYMENT.options(num_replicas=ingress_replicas, max_ongoing_requests=settings.max_queue,
+                              ray_actor_options=ingress_actor_options or {"num_cpus": 1})
+    return ingress.bind(settings.model_copy(update={"engine": "ray"}), models, startup_timeout_s)
+
+
+def _why_not_started(e: Exception, name: str) -> str:
+    """The ingress's own reason (`FAILED ...`) from Ray's status of the application, else Ray's first line."""
+    texts = [str(e)]
+    try:
+        status = serve.status().applications.get(name)
+        if status is not None:
+            texts += [status.message, *(d.message for d in status.deployments.values())]
+    except Exception:  # the controller is gone: Ray's own message
+        pass
+    lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+    ours = [line[line.index(FAILED):] for line in lines if f"RuntimeError: {FAILED} " in line]
+    return ours[-1] if ours else (lines[0] if lines else type(e).__name__)
+
+
+def run(settings: ServeSettings, address: str | None = None, blocking: bool = True, name: str = APP_NAME,
+        route_prefix: str = "/", **options: Any) -> DeploymentHandle:
+    """Start (or join, `address`: "auto", "ray://HOST:PORT") a Ray cluster, the Ray Serve proxy on settings.host
+    and settings.port (a proxy already running keeps its own), and the application `name` at `route_prefix`
+    (`build_app(settings, **options)`); with `blocking`, serve until interrupted, then delete it. RuntimeError
+    (one line, the reason) when it does not start."""
+    app = build_app(settings, **options)
+    settings = _absolute(settings)  # the proxy reads the TLS files in its own process
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING)
+    http = {"host": settings.host, "port": settings.port}
+    if settings.ssl_certfile:
+        http |= {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile}
+    serve.start(http_options=http)
+    try:
+        handle = serve.run(app, name=name, route_prefix=route_prefix)
+    except Exception as e:
+        raise RuntimeError(f"the Ray Serve application did not start: {_why_not_started(e, name)}") from None
+    log.info("serving %s on http://%s:%d%s (Ray Serve)", name, settings.host, settings.port, route_prefix)
+    if not blocking:
+        return handle
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        serve.delete(name)
+    return handle

@@ -1,0 +1,436 @@
+"""Offline batch prediction over image files: `predict(PredictOptions(...))`, what `vit-serve predict` runs.
+
+MODEL is anything `vit-serve serve` takes (a checkpoint, an exported NAME.onnx with NAME.json, an engine, or a
+repository folder with `model_name` picking one, at its newest version); it is loaded by the serving backends
+(`vit_serve.serve.backends.create_backend`), images are decoded by the gateway's own functions
+(`vit_serve.serve.images`) on the same decode path (`decode`, "fast" by default, as the gateway), and the top-k
+come from the gateway's `top_k`: a row's scores are those `/classify` answers for the same file.
+
+SRC (`list_images`): a folder (recursive), a glob, a text file of paths (one a line, relative ones from the file's
+folder), one image, or with `image_folder` an ImageFolder root (`root/<class>/...`, `vit_serve.data.ImageFolder`),
+whose rows also carry `target` (the folder name) and `target_index` (its index among the sorted class folders).
+
+Engines: "local" (decode worker threads or processes, `workers`, overlapped with the model in this thread, in
+batches) and "ray" (`vit_serve.predict_ray`: Ray Data, one model actor per GPU or per CPU). Both write
+through `vit_serve.predict_writers` (formats, resume, manifest, errors, rollout maps). Importing this module
+imports neither Ray nor the gateway.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from vit_serve.data import IMAGE_EXTENSIONS
+from vit_serve.predict_writers import (
+    ErrorLog,
+    RolloutFile,
+    Row,
+    check_manifest,
+    open_writer,
+    output_format,
+    sidecar,
+    write_manifest,
+)
+
+if TYPE_CHECKING:
+    from vit_serve.preprocess import PreprocessConfig
+    from vit_serve.serve.backends.base import LocalBackend, ModelInfo
+    from vit_serve.serve.discovery import VersionSource
+
+GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass(frozen=True)
+class PredictOptions:
+    """What `vit-serve predict` can be told (one field per flag; checked when built: ValueError naming it)."""
+
+    model: str
+    src: str
+    out: str
+    model_name: str | None = None
+    top_k: int = 5
+    batch_size: int = 16
+    workers: int = 0  # 0: the gateway's default (`default_decode_workers`)
+    processes: bool = False  # decode in worker processes rather than threads
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = None
+    decode: Literal["fast", "exact", "contract"] = "fast"
+    embeddings: bool = False
+    normalize: bool = False
+    explain: bool = False
+    image_folder: bool = False
+    force: bool = False
+    quiet: bool = False
+    max_pixels: int = 50_000_000
+    part_rows: int = 4096
+    engine: Literal["local", "ray"] = "local"
+    address: str | None = None
+    actors: int = 0  # ray: model actors (0: one per GPU, or one per CPU of the cluster)
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "batch_size", "max_pixels", "part_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("workers", "actors"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be 0 (automatic) or more, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        if self.normalize and not self.embeddings:
+            raise ValueError("--normalize applies to --embeddings; add --embeddings")
+        choices = {"device": ("auto", "cpu", "cuda"), "decode": ("fast", "exact", "contract"),
+                   "engine": ("local", "ray")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.address is not None and self.engine != "ray":
+            raise ValueError("--address is for --engine ray")
+        output_format(Path(self.out))
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image to predict: its path as SRC lists it (the row's key), and its ImageFolder class if any."""
+
+    path: str
+    target: str | None = None
+    target_index: int | None = None
+
+
+@dataclass
+class PredictResult:
+    """What a run did: rows written now, rows found done (skipped), files it could not read, the time taken."""
+
+    out: Path
+    total: int
+    written: int
+    skipped: int
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    rows: int = 0  # rows in OUT now
+    marks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, rows written) per batch
+
+    @property
+    def steady_images_per_s(self) -> float:
+        """Rows per second from the first batch written to the last (start-up excluded); 0 with < 2 batches."""
+        if len(self.marks) < 2 or self.marks[-1][0] <= self.marks[0][0]:
+            return 0.0
+        return (self.marks[-1][1] - self.marks[0][1]) / (self.marks[-1][0] - self.marks[0][0])
+
+    @property
+    def images_per_s(self) -> float:
+        return self.written / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def nothing_readable(self) -> bool:
+        """This run tried files, every one failed, and OUT has no rows: the one failure that exits 1."""
+        return bool(self.errors) and self.written == 0 and self.rows == 0
+
+
+# ---- SRC -------------------------------------------------------------------------------------------------------
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS) and not Path(name).name.startswith(".")
+
+
+def _walk(root: Path) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        yield from (os.path.join(dirpath, f) for f in sorted(filenames) if _is_image(f))
+
+
+def list_images(src: str, image_folder: bool = False) -> list[Item]:
+    """SRC -> the images to predict, in a deterministic order, each path once. ValueError when there are none."""
+    path = Path(src)
+    if image_folder:
+        from vit_serve.data import ImageFolder
+
+        ds = ImageFolder(path)  # DataError (a ValueError) naming the problem
+        items = [Item(p, ds.classes[t], t) for p, t in ds.samples]
+    elif path.is_dir():
+        items = [Item(p) for p in _walk(path)]
+    elif path.is_file() and _is_image(path.name):
+        items = [Item(src)]
+    elif path.is_file():
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{src}: neither an image nor a text file of image paths") from None
+        base = path.parent
+        items = [Item(ln if os.path.isabs(ln) else str(base / ln))
+                 for ln in (raw.strip() for raw in lines) if ln and not ln.startswith("#")]
+    elif GLOB_CHARS & set(src):
+        items = [Item(p) for p in sorted(glob.glob(src, recursive=True)) if os.path.isfile(p) and _is_image(p)]
+    else:
+        raise FileNotFoundError(f"no such file or folder: {src}")
+    seen: set[str] = set()
+    items = [i for i in items if not (i.path in seen or seen.add(i.path))]
+    if not items:
+        raise ValueError(f"{src}: no images found (looked for {', '.join(e[1:] for e in IMAGE_EXTENSIONS)})")
+    return items
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+
+def resolve_model(model: str, name: str | None = None) -> VersionSource:
+    """MODEL (a model, or a repository folder as `vit-serve serve` reads it) -> the version to load: `name`'s
+    (or the only model's) newest version."""
+    from vit_serve.serve.discovery import scan
+
+    entries = scan(model)
+    if name is not None and name not in entries:
+        raise ValueError(f"--model {name}: not in {model} (it has {', '.join(sorted(entries)) or 'no model'})")
+    if name is None:
+        if len(entries) != 1:
+            raise ValueError(f"{model} holds {len(entries)} models ({', '.join(sorted(entries)) or 'none'}); "
+                             f"pick one with --model NAME")
+        name = next(iter(entries))
+    entry = entries[name]
+    if entry.error or not entry.versions:
+        why = entry.error or "; ".join(entry.broken.values()) or "no version"
+        raise ValueError(f"model {name} of {model} cannot be loaded: {why}")
+    return entry.versions[max(entry.versions)]
+
+
+def model_digest(source: VersionSource) -> str:
+    """sha256 of the model file (a folder or hub id: its discovery fingerprint), what the manifest keys on."""
+    if not source.path.is_file():
+        return f"fingerprint:{source.fingerprint}"
+    h = hashlib.sha256()
+    with open(source.path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
+    """The serving backend for `source`, on `opts.device`, decoding as `opts.decode` says (as the gateway)."""
+    from vit_serve.serve.backends import create_backend
+    from vit_serve.serve.backends.base import LocalBackend
+    from vit_serve.serve.settings import ServeSettings
+
+    settings = ServeSettings(model=str(source.path), backend=source.backend, model_name=source.name,
+                             device=opts.device, threads=opts.threads, decode=opts.decode,
+                             max_pixels=opts.max_pixels, decode_workers=max(1, opts.workers))
+    backend = create_backend(settings)
+    if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
+        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
+    return backend
+
+
+def check_outputs(info: ModelInfo, opts: PredictOptions) -> None:
+    """One line before any work when the model cannot give what was asked for."""
+    if opts.embeddings and not info.embedding_dim:
+        raise ValueError(f"--embeddings: the model {info.name!r} has no embedding output (re-export it with its "
+                         f"embedding, or predict with its checkpoint)")
+    if opts.explain:
+        if not info.explain:
+            raise ValueError(f"--explain: the model {info.name!r} has no explain graph (vit-export writes "
+                             f"NAME_explain.onnx beside NAME.onnx; a checkpoint always has one)")
+        info.resolve_rollout()
+
+
+def columns_of(opts: PredictOptions) -> tuple[str, ...]:
+    """The optional columns of a run's rows."""
+    return tuple(c for c, on in (("target", opts.image_folder), ("embedding", opts.embeddings),
+                                 ("rollout_index", opts.explain)) if on)
+
+
+def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> dict[str, Any]:
+    """What must match for a rerun to append to OUT."""
+    return {"model": source.name, "version": source.version, "model_sha256": digest, "top_k": opts.top_k,
+            "decode": opts.decode, "columns": list(columns_of(opts)), "normalize": opts.normalize,
+            "max_pixels": opts.max_pixels}
+
+
+# ---- one batch -------------------------------------------------------------------------------------------------
+
+def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.ndarray | None, str | None]:
+    """A file -> (its model input [3, H, W] float32, None), or (None, why it cannot be read), decoded as the
+    gateway decodes an upload of the same bytes (`vit_serve.serve.images`)."""
+    from vit_serve.serve.errors import GatewayError
+    from vit_serve.serve.images import decode_crop, input_tensor
+
+    if "\n" in path or "\r" in path:
+        return None, "a path with a line break cannot be a row key"
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return input_tensor(decode_crop(data, cfg, max_pixels), cfg)[0], None
+    except GatewayError as e:
+        return None, e.message
+    except OSError as e:
+        return None, f"cannot read: {e.strerror or e}"
+
+
+def compute(backend: LocalBackend, x: np.ndarray, embeddings: bool, explain: bool
+            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """x [B, 3, H, W] -> (logits, embedding or None, rollout maps or None). The logits are always those of the
+    classify (or embed) graph, what `/classify` answers, never the explain graph's."""
+    emb = maps = None
+    if embeddings:
+        logits, emb = backend.embed(x)
+    else:
+        logits = backend.classify(x)
+    if explain:
+        _, maps = backend.explain(x, backend.info.resolve_rollout())
+    return logits, emb, maps
+
+
+def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: PredictOptions,
+              emb: np.ndarray | None = None, rollout_index: list[int] | None = None) -> list[Row]:
+    """The rows of a batch: path, [target, target_index], labels, indices, scores (`/classify`'s top_k), and
+    [embedding (L2-normalised with `normalize`), rollout_index]."""
+    from vit_serve.embedding import l2_normalize
+    from vit_serve.serve.gateway import top_k
+
+    if emb is not None and opts.normalize:
+        emb = l2_normalize(emb)  # as POST /embed?normalize=true
+    rows = []
+    for i, item in enumerate(items):
+        best = top_k(logits[i], opts.top_k, info)
+        row: Row = {"path": item.path}
+        if opts.image_folder:
+            row |= {"target": item.target, "target_index": item.target_index}
+        row |= {"labels": [b["label"] for b in best], "indices": [b["index"] for b in best],
+                "scores": [b["score"] for b in best]}
+        if emb is not None:
+            row["embedding"] = emb[i].tolist()
+        if rollout_index is not None:
+            row["rollout_index"] = rollout_index[i]
+        rows.append(row)
+    return rows
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+class Sink:
+    """Where a batch's outputs go: the rollout maps first, then the rows (see predict_writers)."""
+
+    def __init__(self, writer: Any, rollout: RolloutFile | None, errors: ErrorLog, bar: Any, info: ModelInfo,
+                 opts: PredictOptions) -> None:
+        self.writer, self.rollout, self.errors, self.bar = writer, rollout, errors, bar
+        self.info, self.opts = info, opts
+        self.written = 0
+        self.marks: list[tuple[float, int]] = []  # (time, rows written) after each batch
+
+
+    def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None) -> None:
+        index = self.rollout.append(maps) if self.rollout is not None and maps is not None else None
+        self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index))
+        self.written += len(items)
+        self.marks.append((time.perf_counter(), self.written))
+        self.bar.update(len(items))
+
+    def error(self, path: str, why: str) -> None:
+        self.errors.add(path, why)
+        if not self.opts.quiet:
+            self.bar.write(f"vit-serve predict: skipped {path}: {why}")
+        self.bar.update(1)
+
+
+def run_local(backend: LocalBackend, items: list[Item], sink: Sink, opts: PredictOptions, workers: int) -> None:
+    """Decode in `workers` threads (or processes), in order, a bounded window ahead of the model, which runs
+    batches of `opts.batch_size` in this thread while the workers decode the next images."""
+    cfg = backend.info.preprocess
+    if opts.processes:
+        import multiprocessing
+
+        pool: Executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    else:
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="vit-serve-predict-decode")
+    ahead = 2 * opts.batch_size + workers
+    todo, window = iter(items), deque()
+    batch: list[tuple[Item, np.ndarray]] = []
+
+    def run(batch: list[tuple[Item, np.ndarray]]) -> None:
+        x = np.stack([x for _, x in batch])
+        sink.batch([i for i, _ in batch], *compute(backend, x, opts.embeddings, opts.explain))
+
+    try:
+        while True:
+            while len(window) < ahead and (item := next(todo, None)) is not None:
+                window.append((item, pool.submit(decode_file, item.path, cfg, opts.max_pixels)))
+            if not window:
+                break
+            item, future = window.popleft()
+            x, why = future.result()
+            if x is None:
+                sink.error(item.path, why or "unreadable")
+                continue
+            batch.append((item, x))
+            if len(batch) == opts.batch_size:
+                run(batch)
+                batch = []
+        if batch:
+            run(batch)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _progress(total: int, done: int, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="img", disable=quiet, dynamic_ncols=True, smoothing=0.1,
+                desc="predict")
+
+
+def predict(opts: PredictOptions) -> PredictResult:
+    """Run the job: list SRC, check OUT (resume or refuse), load the model, predict what is not yet written."""
+    out = Path(opts.out)
+    source = resolve_model(opts.model, opts.model_name)
+    items = list_images(opts.src, opts.image_folder)
+    key = manifest_key(source, model_digest(source), opts)
+    check_manifest(out, key, opts.force)
+    if opts.engine == "ray":
+        from vit_serve.predict_ray import require_ray
+
+        require_ray()  # before the model is loaded here: one line naming the extra
+    backend = load_backend(source, opts)
+    info = backend.info
+    check_outputs(info, opts)
+    writer = open_writer(out, opts.top_k, columns_of(opts), opts.part_rows)
+    about = {"model_path": str(source.path), "backend": info.backend, "resolution": list(info.resolution),
+             "preprocess": asdict(info.preprocess), "engine": opts.engine,
+             "rollout": asdict(info.resolve_rollout()) if opts.explain else None,
+             "labels": [info.label(i) for i in range(info.num_classes)]}
+    write_manifest(out, key, about)
+    rollout = RolloutFile(sidecar(out, "rollout.npy"), info.grid) if opts.explain else None
+    errors = ErrorLog(sidecar(out, "errors.jsonl"))
+    todo = [i for i in items if i.path not in writer.done]
+    skipped = len(items) - len(todo)
+    bar = _progress(len(items), skipped, opts.quiet)
+    sink = Sink(writer, rollout, errors, bar, info, opts)
+    t0 = time.perf_counter()
+    try:
+        if todo and opts.engine == "ray":
+            from vit_serve.predict_ray import run_ray
+
+            backend.close()  # the actors load their own
+            run_ray(source, todo, sink, opts)
+        elif todo:
+            from vit_serve.serve.settings import available_cpus, default_decode_workers
+
+            workers = opts.workers or default_decode_workers(available_cpus(), opts.threads, info.device)
+            backend.warmup()
+            t0 = time.perf_counter()
+            run_local(backend, todo, sink, opts, workers)
+    finally:
+        writer.close()
+        bar.close()
+        errors.close()
+        if rollout is not None:
+            rollout.close()
+    return PredictResult(out, len(items), sink.written, skipped, errors.errors, time.perf_counter() - t0,
+                         writer.rows, sink.marks)
