@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +94,26 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def save_tiny_(path: Path, res: int | tuple[int, int], seed: int, labels: list[str], contract: bool = True) -> Path:
+    """A 2-block Ti/16 at `res` with random non-trivial weights (seed) and `labels`, saved at `path`; `contract`:
+    an ImageNet-style preprocessing contract (bicubic, crop 0.875), else the library's default."""
+    from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig
+
+    model = randomize_(vit_serve.create_model("Ti/16", num_classes=len(labels), depth=2, img_size=res), seed=seed)
+    model.labels = list(labels)
+    if contract:
+        model.preprocess_cfg = PreprocessConfig(input_size=res, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+                                                interpolation="bicubic", crop_pct=0.875)
+    vit_serve.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def save_tiny() -> Callable[..., Path]:
+    """`save_tiny(path, res, seed, labels, contract=True) -> path` (`save_tiny_`)."""
+    return save_tiny_
+
+
 @pytest.fixture(scope="session")
 def export_tiny(randomize) -> Callable[..., tuple[ExportResult, Path]]:
     """`export_tiny(folder, res, seed, labels, **options) -> (result, checkpoint)`: a 2-block Ti/16 at res x res with
@@ -99,10 +122,7 @@ def export_tiny(randomize) -> Callable[..., tuple[ExportResult, Path]]:
     import vit_export
 
     def export(folder: Path, res: int, seed: int, labels: list[str], **options: Any) -> tuple[ExportResult, Path]:
-        model = randomize(vit_serve.create_model("Ti/16", num_classes=len(labels), depth=2, img_size=res), seed=seed)
-        model.labels = list(labels)
-        ckpt = folder / "tiny.safetensors"
-        vit_serve.save(model, ckpt)
+        ckpt = save_tiny_(folder / "tiny.safetensors", res, seed, labels, contract=False)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -119,19 +139,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A real redis-server on a free port (no persistence), stopped after the module: the shared explain store
-    (tests/serve/test_stores.py, tests/deploy/test_ray_serve.py)."""
+@contextmanager
+def redis_server(folder: Path, *args: str) -> Iterator[tuple[str, Any]]:
+    """Debian's redis-server with `args` on a free local port, and a client, stopped on exit; skips the test when
+    there is none."""
     exe = shutil.which("redis-server")
     if exe is None:
         print("skipped: redis-server is not on PATH (Debian: apt-get install redis-server)")
         pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
     redis = pytest.importorskip("redis")
     port = _free_port()
-    folder = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([exe, *args, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     client = redis.Redis(port=port)
     try:
         deadline = time.monotonic() + 20
@@ -141,10 +160,47 @@ def redis_url(tmp_path_factory) -> Iterator[str]:
                 break
             except redis.ConnectionError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start: {proc.stderr.read().decode()}") from None
+                    raise RuntimeError(f"redis-server {' '.join(args)} did not start: "
+                                       f"{proc.stderr.read().decode()}") from None
                 time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://127.0.0.1:{port}/0", client
     finally:
         client.close()
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A real redis-server on a free port (no persistence), stopped after the module: the shared explain store
+    (tests/serve/test_stores.py, tests/deploy/test_ray_serve.py)."""
+    with redis_server(tmp_path_factory.mktemp("redis"), "--save", "", "--appendonly", "no") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="session")
+def start_redis() -> Callable[..., Any]:
+    """`redis_server` for tests that start one with their own arguments: `with start_redis(folder, *args) as
+    (url, client):`."""
+    return redis_server
+
+
+KSERVE_ENV = "VIT_SERVE_KSERVE_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def kserve_python() -> str:
+    """A python with KServe's SDK (it pins its own web stack, so .ci/run gives it its own venv, named by
+    VIT_SERVE_KSERVE_PYTHON): a set but broken variable fails the test; no SDK anywhere skips it."""
+    named = os.environ.get(KSERVE_ENV)
+    if named:
+        if not Path(named).is_file():
+            pytest.fail(f"{KSERVE_ENV}={named} is not a file")
+        check = subprocess.run([named, "-c", "import kserve, kubernetes"], capture_output=True, text=True)
+        if check.returncode != 0:
+            pytest.fail(f"{KSERVE_ENV}={named} cannot import kserve: {check.stderr.strip()[-500:]}")
+        return named
+    if importlib.util.find_spec("kserve") is not None:
+        return sys.executable
+    pytest.skip(f"KServe's SDK is not installed: set {KSERVE_ENV} to a python that has it (python3 -m venv V && "
+                f"V/bin/pip install kserve numpy pillow; .ci/run does this)")

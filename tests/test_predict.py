@@ -22,21 +22,16 @@ from PIL import Image
 import vit_serve
 from vit_serve.cli import main
 from vit_serve.predict import list_images
-from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig, preprocess
+from vit_serve.preprocess import PreprocessConfig, preprocess
 
 LABELS = ["tabby", "espresso", "astronaut", "teapot", "lighthouse", "sunflower", "locomotive", "seal", "crane", "fox"]
 RES = (32, 48)  # non-square: a transposed rollout grid shows
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, randomize) -> Path:
-    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=RES), seed=3)
-    model.labels = list(LABELS)
-    model.preprocess_cfg = PreprocessConfig(input_size=RES, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-                                            interpolation="bicubic", crop_pct=0.875)
-    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
-    vit_serve.save(model, path)
-    return path
+def ckpt(tmp_path_factory, save_tiny) -> Path:
+    """A 2-block Ti/16 at 32x48 with random non-trivial weights and an ImageNet-style contract."""
+    return save_tiny(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors", RES, 3, LABELS)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -33,7 +32,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,6 @@ DEPLOY = ROOT / "deploy"
 # The oldest Kubernetes still commonly served and the newest kubernetes-validate 1.37 ships.
 K8S_VERSIONS = ("1.30", "1.37")
 CRD_GROUP = "serving.kserve.io"
-KSERVE_ENV = "VIT_SERVE_KSERVE_PYTHON"
 KSERVE_SCRIPT = Path(__file__).with_name("kserve_models_script.py")
 PREFIX = "VIT_SERVE_"
 # KServe appends --model_name <isvc> --predictor_host <isvc>-predictor.<namespace> --http_port 8080 to a custom
@@ -174,23 +171,8 @@ def test_kustomizations_name_every_manifest_once():
 # ---- KServe's SDK ------------------------------------------------------------------------------------------
 
 
-def _kserve_python() -> str:
-    named = os.environ.get(KSERVE_ENV)
-    if named:
-        if not Path(named).is_file():
-            pytest.fail(f"{KSERVE_ENV}={named} is not a file")
-        check = subprocess.run([named, "-c", "import kserve, kubernetes"], capture_output=True, text=True)
-        if check.returncode != 0:
-            pytest.fail(f"{KSERVE_ENV}={named} cannot import kserve: {check.stderr.strip()[-500:]}")
-        return named
-    if importlib.util.find_spec("kserve") is not None:
-        return sys.executable
-    pytest.skip(f"KServe's SDK is not installed: set {KSERVE_ENV} to a python that has it (python3 -m venv V && "
-                f"V/bin/pip install kserve; .ci/run does this)")
-
-
-def test_kserve_resources_deserialize_strictly_into_the_sdk_models(tmp_path):
-    python = _kserve_python()
+def test_kserve_resources_deserialize_strictly_into_the_sdk_models(tmp_path, kserve_python):
+    python = kserve_python
     docs = [{"name": f"{p.relative_to(DEPLOY)}:{d['kind']}", "kind": d["kind"], "doc": d}
             for p, d in _documents() if d["apiVersion"].split("/")[0] == CRD_GROUP]
     isvc = next(d["doc"] for d in docs if d["kind"] == "InferenceService")
@@ -419,34 +401,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def redis_from_manifest(tmp_path_factory) -> Iterator[tuple[str, Any]]:
+def redis_from_manifest(tmp_path_factory, start_redis) -> Iterator[tuple[str, Any]]:
     """Debian's redis-server with the Redis manifest's arguments (plus a local port), and a client."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
-    redis = pytest.importorskip("redis")
     (container,) = _doc("Deployment", "vit-serve-redis")["spec"]["template"]["spec"]["containers"]
-    port = _free_port()
-    proc = subprocess.Popen([exe, *container["args"], "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    client = redis.Redis(port=port)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server refused the manifest's arguments: "
-                                       f"{proc.stderr.read().decode()}") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0", client
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(10)
+    with start_redis(tmp_path_factory.mktemp("redis"), *container["args"]) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

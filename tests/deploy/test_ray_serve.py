@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 
 import vit_serve
-from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig, preprocess
+from vit_serve.preprocess import preprocess
 
 RES = (32, 48)
 LABELS = [f"label_{i}" for i in range(10)]
@@ -51,15 +51,9 @@ def _settings(model: Path, **kw: Any):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, randomize) -> Path:
+def ckpt(tmp_path_factory, save_tiny) -> Path:
     """A 2-block Ti/16 at 32x48 with random non-trivial weights and an ImageNet-style contract."""
-    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=RES), seed=3)
-    model.labels = list(LABELS)
-    model.preprocess_cfg = PreprocessConfig(input_size=RES, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-                                            interpolation="bicubic", crop_pct=0.875)
-    path = tmp_path_factory.mktemp("ray_model") / "tiny.safetensors"
-    vit_serve.save(model, path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("ray_model") / "tiny.safetensors", RES, 3, LABELS)
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,12 @@ from gateway_helpers import LABELS, RES
 from PIL import Image
 
 import vit_serve
-from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory, randomize) -> Path:
+def tiny_ckpt(tmp_path_factory, save_tiny) -> Path:
     """A 2-block Ti/16 at 32x48 (grid 2x3), random non-trivial weights, 10 labels, an ImageNet-style contract."""
-    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=RES), seed=1)
-    model.labels = list(LABELS)
-    model.preprocess_cfg = PreprocessConfig(input_size=RES, mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-                                            interpolation="bicubic", crop_pct=0.875)
-    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
-    vit_serve.save(model, path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors", RES, 1, LABELS)
 
 
 @pytest.fixture(scope="session")

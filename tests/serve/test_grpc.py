@@ -428,10 +428,8 @@ def test_repository_rules_load_needs_explicit_and_the_api_can_be_off(client, res
 # ---- KServe's SDK ----------------------------------------------------------------------------------------------
 
 
-def test_kserve_grpc_client_gets_the_http_logits(server, backend, pixels, photos, tmp_path):
-    from test_kserve_client import _kserve_python
-
-    python = _kserve_python()
+def test_kserve_grpc_client_gets_the_http_logits(kserve_python, server, backend, pixels, photos, tmp_path):
+    python = kserve_python
     url, address = server.url, server.grpc
     np.save(tmp_path / "pixels.npy", pixels)
     for i, data in enumerate(photos.values()):

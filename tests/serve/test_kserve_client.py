@@ -11,11 +11,9 @@ skips otherwise. A VIT_SERVE_KSERVE_PYTHON that cannot import kserve fails the t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,29 +24,13 @@ from gateway_helpers import LABELS, live_server, settings_for
 from vit_serve.preprocess import preprocess
 from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
 
-ENV = "VIT_SERVE_KSERVE_PYTHON"
 SCRIPT = Path(__file__).with_name("kserve_client_script.py")
 TOL = 1e-5
 
 
-def _kserve_python() -> str:
-    named = os.environ.get(ENV)
-    if named:
-        if not Path(named).is_file():
-            pytest.fail(f"{ENV}={named} is not a file")
-        check = subprocess.run([named, "-c", "import kserve"], capture_output=True, text=True)
-        if check.returncode != 0:
-            pytest.fail(f"{ENV}={named} cannot import kserve: {check.stderr.strip()[-500:]}")
-        return named
-    if importlib.util.find_spec("kserve") is not None:
-        return sys.executable
-    pytest.skip(f"KServe's SDK is not installed: set {ENV} to a python that has it (python3 -m venv V && "
-                f"V/bin/pip install kserve numpy pillow; .ci/run does this)")
-
-
 @pytest.fixture(scope="module")
-def answers(request, tmp_path_factory) -> dict:
-    python = _kserve_python()  # before the export: a skip costs nothing
+def answers(kserve_python, request, tmp_path_factory) -> dict:
+    python = kserve_python  # before the export: a skip costs nothing
     tiny_onnx, photos = request.getfixturevalue("tiny_onnx"), request.getfixturevalue("photos")
     folder = tmp_path_factory.mktemp("kserve")
     backend = OnnxRuntimeBackend(tiny_onnx, device="cpu", threads=1)
