@@ -119,14 +119,6 @@ class PredictResult:
     errors: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     rows: int = 0  # rows in OUT now
-    marks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, rows written) per batch
-
-    @property
-    def steady_images_per_s(self) -> float:
-        """Rows per second from the first batch written to the last (start-up excluded); 0 with < 2 batches."""
-        if len(self.marks) < 2 or self.marks[-1][0] <= self.marks[0][0]:
-            return 0.0
-        return (self.marks[-1][1] - self.marks[0][1]) / (self.marks[-1][0] - self.marks[0][0])
 
     @property
     def images_per_s(self) -> float:
@@ -323,14 +315,12 @@ class Sink:
         self.writer, self.rollout, self.errors, self.bar = writer, rollout, errors, bar
         self.info, self.opts = info, opts
         self.written = 0
-        self.marks: list[tuple[float, int]] = []  # (time, rows written) after each batch
 
 
     def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None) -> None:
         index = self.rollout.append(maps) if self.rollout is not None and maps is not None else None
         self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index))
         self.written += len(items)
-        self.marks.append((time.perf_counter(), self.written))
         self.bar.update(len(items))
 
     def error(self, path: str, why: str) -> None:
@@ -433,4 +423,4 @@ def predict(opts: PredictOptions) -> PredictResult:
         if rollout is not None:
             rollout.close()
     return PredictResult(out, len(items), sink.written, skipped, errors.errors, time.perf_counter() - t0,
-                         writer.rows, sink.marks)
+                         writer.rows)

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from gateway_helpers import live_server, settings_for
+from gateway_helpers import live_app, live_server, settings_for
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -172,6 +172,35 @@ def test_request_span_continues_the_callers_trace(receiver, tiny_onnx, photos):
     assert attrs["http.route"] == "/classify"
     assert attrs.get("http.response.status_code", attrs.get("http.status_code")) == 200
     assert fresh.trace_id.hex() != trace_id and fresh.parent_span_id == b""  # a root span of its own trace
+
+
+def test_grpc_calls_continue_the_callers_trace(receiver, tiny_onnx, photos):
+    """tritonclient.grpc's ModelInfer with a traceparent in its metadata: a SERVER span named after the RPC, in the
+    caller's trace with the caller's span as parent, OpenTelemetry's rpc.* attributes and status code 0; a failed
+    call (unknown model) records its status code; the health RPCs are not traced."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    header, trace_id, parent = _traceparent()
+    with live_app(settings_for(tiny_onnx, otel=True, grpc_port=0)) as (_, app):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{app.state.grpc.port}")
+        assert client.is_server_live(headers={"traceparent": header})
+        image = grpcclient.InferInput("image", [1], "BYTES")
+        image.set_data_from_numpy(np.array([photos["coffee.jpg"]], dtype=object))
+        client.infer("tiny", [image], headers={"traceparent": header})
+        with pytest.raises(InferenceServerException):
+            client.infer("absent", [image], headers={"traceparent": header})
+        client.close()
+        receiver.wait_for(lambda spans: sum(s.kind == SERVER for _, s in spans) >= 2)
+    grpc_spans = [s for _, s in receiver.spans if s.kind == SERVER and s.name.startswith("inference.")]
+    assert sorted(s.name for s in grpc_spans) == ["inference.GRPCInferenceService/ModelInfer"] * 2, \
+        receiver.summary()
+    for span in grpc_spans:
+        assert (span.trace_id.hex(), span.parent_span_id.hex()) == (trace_id, parent)
+        attrs = _attributes(span)
+        assert (attrs["rpc.system"], attrs["rpc.method"]) == ("grpc", "ModelInfer")
+    assert sorted(_attributes(s)["rpc.grpc.status_code"] for s in grpc_spans) == [0, 5]  # OK, NOT_FOUND
 
 
 OFF_SCRIPT = """

@@ -45,7 +45,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         await gateway.start()
         if gateway.settings.grpc_port is not None:
-            app.state.grpc = GrpcServer(gateway)
+            app.state.grpc = GrpcServer(gateway, getattr(app.state, "tracer_provider", None))
             await app.state.grpc.start()
     except Exception as e:
         log.error("cannot serve %s: %s", gateway.settings.model, " ".join(str(e).split()))

@@ -38,6 +38,7 @@ from vit_serve.serve.errors import BadRequestError, GatewayError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.routes.repository import repository as repository_of  # its 403 / 503 rules
 from vit_serve.serve.security import KeyRing, presented_key
+from vit_serve.serve.tracing import grpc_server_span
 from vit_serve.serve.v2_protocol import (
     DTYPES,
     InferRequest,
@@ -102,16 +103,23 @@ def _answers_errors(rpc: Handler) -> Handler:
             if verdict is False:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     "loading and unloading models needs an admin key")
-        try:
-            return await rpc(self, request, context)
-        except GatewayError as e:
-            code, message, retry = status_code(e.status), e.message, (e.headers or {}).get("Retry-After")
-        except BackendUnavailableError as e:
-            log.warning("backend unavailable: %s", e)
-            code, message, retry = grpc.StatusCode.UNAVAILABLE, f"backend unavailable: {e}", "1"
-        except Exception as e:
-            log.exception("gRPC %s failed", rpc.__name__)
-            code, message, retry = grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})", None
+        tracer = None if name in PROBES else self.tracer  # probes are not traced (as over HTTP)
+        with grpc_server_span(tracer, name, context.invocation_metadata()) as span:
+            try:
+                answer = await rpc(self, request, context)
+                if span is not None:
+                    span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
+                return answer
+            except GatewayError as e:
+                code, message, retry = status_code(e.status), e.message, (e.headers or {}).get("Retry-After")
+            except BackendUnavailableError as e:
+                log.warning("backend unavailable: %s", e)
+                code, message, retry = grpc.StatusCode.UNAVAILABLE, f"backend unavailable: {e}", "1"
+            except Exception as e:
+                log.exception("gRPC %s failed", rpc.__name__)
+                code, message, retry = grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})", None
+            if span is not None:
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
         if retry is not None:
             context.set_trailing_metadata((("retry-after", str(retry)),))
         await context.abort(code, message)
@@ -178,8 +186,8 @@ def infer_response(model: str, version: str, request_id: str | None,
 class Servicer(GRPCInferenceServiceServicer):
     """The RPCs, on one gateway (method names are the proto's)."""
 
-    def __init__(self, gateway: Gateway, keys: KeyRing) -> None:
-        self.gateway, self.keys = gateway, keys
+    def __init__(self, gateway: Gateway, keys: KeyRing, tracer: Any | None = None) -> None:
+        self.gateway, self.keys, self.tracer = gateway, keys, tracer
 
     @_answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
@@ -253,8 +261,10 @@ class GrpcServer:
     one; TLS with ssl_certfile / ssl_keyfile), `await stop()` lets the calls in flight finish (up to `grace`
     seconds)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, tracer_provider: Any | None = None) -> None:
         self.gateway = gateway
+        # With tracing on (vit_serve.serve.tracing), each call is a span of the app's own provider.
+        self.tracer = None if tracer_provider is None else tracer_provider.get_tracer("vit_serve.serve.grpc")
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -270,7 +280,8 @@ class GrpcServer:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
                                           ("grpc.max_receive_message_length", limit),
                                           ("grpc.so_reuseport", 0)])
-        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, KeyRing.from_settings(s)), server)
+        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, KeyRing.from_settings(s), self.tracer),
+                                                   server)
         address = _address(s.host, s.grpc_port)
         try:
             if s.ssl_certfile and s.ssl_keyfile:

@@ -4,7 +4,8 @@ On, the app gets a TracerProvider of its own (a BatchSpanProcessor in front of t
 and FastAPIInstrumentor: one server span per request, named after its route ("POST /classify"), which continues
 the caller's trace when the request carries a W3C `traceparent`. The probes (/healthz, /readyz, /metrics) are not
 traced unless OTEL_PYTHON_FASTAPI_EXCLUDED_URLS (or OTEL_PYTHON_EXCLUDED_URLS) says otherwise. The Triton
-backend passes the context on (`context_headers`), so Triton's own spans join the same trace.
+backend passes the context on (`context_headers`), so Triton's own spans join the same trace. The gRPC server
+makes a span per call the same way (`grpc_server_span`; the health RPCs are not traced).
 
 The rest is OpenTelemetry's own variables, read by its SDK: OTEL_EXPORTER_OTLP_ENDPOINT (default
 http://localhost:4318) or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS, _TIMEOUT,
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 EXTRA = "pip install 'vit-serve[otel]'"
@@ -87,6 +88,27 @@ def context_headers() -> dict[str, str]:
     carrier: dict[str, str] = {}
     inject(carrier)
     return carrier
+
+
+GRPC_SERVICE = "inference.GRPCInferenceService"
+
+
+@contextlib.contextmanager
+def grpc_server_span(tracer: Any | None, method: str, metadata: Any) -> Iterator[Any | None]:
+    """A SERVER span around one gRPC call (`GRPC_SERVICE/method`, OpenTelemetry's rpc.* attributes), continuing
+    the caller's trace from the call's metadata (`traceparent`); yields the span, or None when `tracer` is None
+    (tracing off: nothing is imported)."""
+    if tracer is None:
+        yield None
+        return
+    from opentelemetry.propagate import extract
+    from opentelemetry.trace import SpanKind
+
+    carrier = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
+    attributes = {"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": method}
+    with tracer.start_as_current_span(f"{GRPC_SERVICE}/{method}", context=extract(carrier), kind=SpanKind.SERVER,
+                                      attributes=attributes) as span:
+        yield span
 
 
 def _env(*names: str) -> str:
