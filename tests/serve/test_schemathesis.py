@@ -203,7 +203,7 @@ def api(app):
         path = context.operation.path if context.operation else ""
         if path == "/v2/models/{name}/infer" and isinstance(body, dict):
             return st.one_of(_v2_bodies(), st.just(body))
-        if path not in ("/classify", "/explain"):
+        if path not in ("/classify", "/explain", "/embed"):
             return st.just(body)
         if isinstance(body, dict) and "file" in body:
             real = st.sampled_from(IMAGES).map(lambda img: {**body, "file": img})
@@ -351,12 +351,12 @@ def test_the_schema_covers_the_image_routes(api):
     """The routes above are really exercised: the uploads are multipart (and raw image/*) in the spec, and
     classify's answer links to GET /explain by id."""
     paths = api.raw_schema["paths"]
-    for path, method in (("/classify", "post"), ("/explain", "post"), ("/explain", "get")):
+    for path, method in (("/classify", "post"), ("/explain", "post"), ("/explain", "get"), ("/embed", "post")):
         assert method in paths.get(path, {}), f"{method.upper()} {path} missing from /openapi.json"
     content = paths["/classify"]["post"]["requestBody"]["content"]
     assert "multipart/form-data" in content and "image/*" in content
     assert content["multipart/form-data"]["schema"]["properties"]["file"]["format"] == "binary"
-    for path in ("/classify", "/explain"):
+    for path in ("/classify", "/explain", "/embed"):
         link = paths[path]["post"]["responses"]["200"]["links"]["ExplainById"]
         assert link["operationRef"] == "#/paths/~1explain/get" and link["parameters"] == {
             "id": "$response.body#/id", "model": "$response.body#/model", "version": "$response.body#/version"}

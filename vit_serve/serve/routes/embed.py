@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 
 from vit_serve.embedding import l2_normalize
 from vit_serve.serve.deps import ModelDep
-from vit_serve.serve.routes.classify import ERRORS
+from vit_serve.serve.routes.classify import BY_ID, ERRORS
 from vit_serve.serve.schemas import EmbedResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
 
@@ -18,7 +18,9 @@ router = APIRouter(tags=["embed"])
 
 @router.post("/embed", response_model=EmbedResponse, openapi_extra=IMAGE_REQUEST_BODY, responses={
     **ERRORS, 400: {"description": "malformed multipart body, several models and none named, or a model without "
-                                   "an embedding output"}})
+                                   "an embedding output"},
+    200: {"links": {"ExplainById": {"operationRef": "#/paths/~1explain/get", "parameters": BY_ID,
+                                    "description": "the attention map of the image just embedded: GET /explain?id="}}}})
 async def embed(
     request: Request,
     mv: ModelDep,
