@@ -285,8 +285,11 @@ class RolloutFile:
         self.map_bytes = 4 * grid[0] * grid[1]
         if path.exists():
             with open(path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+                read = {(1, 0): np.lib.format.read_array_header_1_0,
+                        (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(f))
+                if read is None:
+                    raise ValueError(f"{path} is not an .npy file this version of numpy writes; pass --force")
+                shape, fortran, dtype = read(f)
                 self.offset = f.tell()
             if tuple(shape[1:]) != self.grid or dtype != np.dtype("<f4") or fortran:
                 raise ValueError(f"{path} holds maps of shape {tuple(shape[1:])}, not {self.grid}; pass --force")
