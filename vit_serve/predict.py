@@ -119,6 +119,9 @@ class PredictResult:
     errors: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     rows: int = 0  # rows in OUT now
+    # Rows per second after the first batch was written (the pipeline filled, as a load test leaves its warm-up
+    # requests out of its rate); 0 with a single batch.
+    steady_images_per_s: float = 0.0
 
     @property
     def images_per_s(self) -> float:
@@ -315,12 +318,15 @@ class Sink:
         self.writer, self.rollout, self.errors, self.bar = writer, rollout, errors, bar
         self.info, self.opts = info, opts
         self.written = 0
+        self.first: tuple[float, int] | None = None  # (perf_counter, rows written) after the first batch
 
 
     def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None) -> None:
         index = self.rollout.append(maps) if self.rollout is not None and maps is not None else None
         self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index))
         self.written += len(items)
+        if self.first is None:
+            self.first = (time.perf_counter(), self.written)
         self.bar.update(len(items))
 
     def error(self, path: str, why: str) -> None:
@@ -422,5 +428,8 @@ def predict(opts: PredictOptions) -> PredictResult:
         errors.close()
         if rollout is not None:
             rollout.close()
-    return PredictResult(out, len(items), sink.written, skipped, errors.errors, time.perf_counter() - t0,
-                         writer.rows)
+    end = time.perf_counter()
+    steady = 0.0
+    if sink.first is not None and sink.written > sink.first[1] and end > sink.first[0]:
+        steady = (sink.written - sink.first[1]) / (end - sink.first[0])
+    return PredictResult(out, len(items), sink.written, skipped, errors.errors, end - t0, writer.rows, steady)
