@@ -53,8 +53,8 @@ class LogitsGraph(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if not self.embedding:
             return self.model(pixel_values.to(self.dtype)).float()
-        pre = self.model.forward_head(self.model.forward_features(pixel_values.to(self.dtype)), pre_logits=True)
-        return self.model.head(pre).float(), pre.float()
+        logits, embedding = self.model.forward_embedding(pixel_values.to(self.dtype))
+        return logits.float(), embedding.float()
 
 
 class ExplainGraph(nn.Module):

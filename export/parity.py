@@ -350,10 +350,9 @@ def compare_outputs(
     ro = None
     emb_abs = emb_cos = None
     if info.get("embedding"):
-        pre = model.forward_head(model.forward_features(x), pre_logits=True)
-        ref_t = model.head(pre)
-        emb_abs = float(np.abs(outs[1] - pre.numpy()).max())
-        emb_cos = _cosine(outs[1], pre.numpy())
+        ref_t, embedding = model.forward_embedding(x)
+        emb_abs = float(np.abs(outs[1] - embedding.numpy()).max())
+        emb_cos = _cosine(outs[1], embedding.numpy())
     elif info.get("explain"):
         ref_t, attentions = model(x, return_attention=True)
         p = model.cfg.patch_size

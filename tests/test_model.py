@@ -171,6 +171,8 @@ def test_forward_api_composes():
         assert feats.shape == (2, 16) and feats.abs().max() <= 1  # tanh representation layer
         assert torch.equal(model.head(feats), model.forward_head(tokens))
         assert torch.equal(model(x), model.forward_head(tokens))
+        logits, embedding = model.forward_embedding(x)
+        assert torch.equal(embedding, feats) and torch.equal(logits, model(x))
 
 
 def test_gap_pools_patch_tokens_after_the_final_norm():

@@ -262,6 +262,12 @@ class VisionTransformer(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
+    def forward_embedding(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, C, H, W] -> (logits [B, K], embedding [B, D]) from one pass: the embedding is
+        `forward_head(tokens, pre_logits=True)` (timm's image representation), the logits the head applied to it."""
+        embedding = self.forward_head(self.forward_features(x), pre_logits=True)
+        return self.head(embedding), embedding
+
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """[B, C, H, W] -> logits [B, K]; with return_attention, (logits, [attn [B, heads, N, N]] * depth)."""
         if return_attention:

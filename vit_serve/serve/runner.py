@@ -62,6 +62,11 @@ class Result:
     infer_ms: float
     batch_size: int
 
+    def timing_ms(self, decode_ms: float, total_ms: float) -> dict[str, float]:
+        """The answer's `timing_ms` (schemas.Timing): decode, queue, infer, total and the batch size."""
+        return {"decode": decode_ms, "queue": self.queue_ms, "infer": self.infer_ms, "total": total_ms,
+                "batch_size": self.batch_size}
+
 
 class Arrival:
     """A request on its way to the queue (body being read, image being decoded): the collector may wait for it.

@@ -72,8 +72,8 @@ class TorchBackend(LocalBackend):
 
     def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with torch.inference_mode():
-            embedding = self.model.forward_head(self.model.forward_features(self._input(x)), pre_logits=True)
-            return self._out(self.model.head(embedding)), self._out(embedding)
+            logits, embedding = self.model.forward_embedding(self._input(x))
+            return self._out(logits), self._out(embedding)
 
     def explain(self, x: np.ndarray, rollout_settings: RolloutSettings | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:

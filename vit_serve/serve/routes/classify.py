@@ -85,8 +85,7 @@ async def classify(
         "version": str(mv.version),
         "resolution": info.resolution,
         "predictions": top_k(result.outputs["logits"][0], top_k_, info),
-        "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
-                      "total": total_ms, "batch_size": result.batch_size},
+        "timing_ms": result.timing_ms(decoded.decode_ms, total_ms),
     }
     if explain:
         answer["explanation"] = _explanation(mv, task, result)

@@ -52,6 +52,5 @@ async def embed(
         "dim": int(vector.shape[-1]),
         "normalized": normalize,
         "embedding": vector.tolist(),
-        "timing_ms": {"decode": decoded.decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
-                      "total": (time.perf_counter() - t0) * 1e3, "batch_size": result.batch_size},
+        "timing_ms": result.timing_ms(decoded.decode_ms, (time.perf_counter() - t0) * 1e3),
     }

@@ -97,8 +97,7 @@ async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image
         "grid": info.grid,
         "map": heat.tolist(),
         "predictions": top_k(logits[0], 5, info) if logits is not None else [],
-        "timing_ms": {"decode": decode_ms, "queue": result.queue_ms, "infer": result.infer_ms,
-                      "total": (time.perf_counter() - t0) * 1e3, "batch_size": result.batch_size},
+        "timing_ms": result.timing_ms(decode_ms, (time.perf_counter() - t0) * 1e3),
     }
 
 
