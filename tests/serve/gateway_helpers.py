@@ -7,7 +7,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
@@ -44,6 +44,21 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def wait_ready(url: str, alive: Callable[[], bool], timeout: float = 60.0, poll: float = 0.05) -> bool:
+    """Poll `url`/readyz until it answers 200 (True), or until the server is gone (`alive()` false) or `timeout`
+    seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or not alive():
+            return False
+        time.sleep(poll)
+
+
 @contextmanager
 def live_app(settings) -> Iterator[tuple[str, object]]:
     """A real uvicorn serving the app in a thread, on a free port; yields (base URL, app) once /readyz is 200."""
@@ -60,16 +75,8 @@ def live_app(settings) -> Iterator[tuple[str, object]]:
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the test server did not become ready")
-            time.sleep(0.05)
+        if not wait_ready(url, thread.is_alive):
+            raise RuntimeError("the test server did not become ready")
         yield url, app
     finally:
         server.should_exit = True

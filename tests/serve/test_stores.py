@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from gateway_helpers import metric, run, serving, settings_for
+from gateway_helpers import metric, run, serving, settings_for, wait_ready
 from PIL import Image
 
 from vit_serve.explain import rollout
@@ -104,17 +104,9 @@ def _serve_process(model: Path, store: str, port: int) -> subprocess.Popen:
 
 
 def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the gateway process did not become ready: {proc.communicate()[1].decode()[-2000:]}")
-        time.sleep(0.1)
+    if not wait_ready(url, lambda: proc.poll() is None, timeout=120, poll=0.1):
+        proc.kill()
+        raise RuntimeError(f"the gateway process did not become ready: {proc.communicate()[1].decode()[-2000:]}")
 
 
 def test_explain_by_id_on_another_gateway_process_with_redis(redis_url, tiny_ckpt, photos):
