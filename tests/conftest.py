@@ -185,6 +185,25 @@ def start_redis() -> Callable[..., Any]:
     return redis_server
 
 
+@contextmanager
+def ready_test_client(settings: Any) -> Iterator[Any]:
+    """Starlette's TestClient over the app of `settings`, once every model is warmed up: the lifespan returns
+    when the models are loaded, and the warm-up runs on in the background (LOADING, /readyz 503 until then)."""
+    from fastapi.testclient import TestClient
+
+    from vit_serve.serve.app import create_app
+
+    with TestClient(create_app(settings)) as client:
+        client.portal.call(client.app.state.gateway.wait_ready, 60)
+        yield client
+
+
+@pytest.fixture(scope="session")
+def ready_client() -> Callable[..., Any]:
+    """`ready_test_client` for tests outside tests/serve: `with ready_client(settings) as client:`."""
+    return ready_test_client
+
+
 KSERVE_ENV = "VIT_SERVE_KSERVE_PYTHON"
 
 

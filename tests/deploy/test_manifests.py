@@ -409,14 +409,11 @@ def redis_from_manifest(tmp_path_factory, start_redis) -> Iterator[tuple[str, An
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, exported, redis_from_manifest) -> Iterator[tuple[list, str]]:
+def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> Iterator[tuple[list, str]]:
     """Two gateways built from the Deployment's env, as two pods: its volumes made local folders (the models an
     export, the keys the Secret's files written as secret.yaml tells users to), the Redis Service replaced by
     the local redis-server, gRPC on a free port. Yields the TestClients and the API key."""
     pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from vit_serve.serve.app import create_app
     from vit_serve.serve.settings import ServeSettings
 
     folder = tmp_path_factory.mktemp("pod")
@@ -435,7 +432,7 @@ def replicas(tmp_path_factory, exported, redis_from_manifest) -> Iterator[tuple[
     env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0"}
     model = str(mounts["models"])
     settings = ServeSettings(**_settings_kwargs(env), model=model, host="127.0.0.1", device="cpu")
-    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+    with ready_client(settings) as a, ready_client(settings) as b:
         yield [a, b], key
 
 

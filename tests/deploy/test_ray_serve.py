@@ -178,17 +178,12 @@ def test_concurrent_requests_reach_both_model_replicas_and_run_there_in_batches(
     assert total - alone > 0
 
 
-def test_answers_equal_the_single_gateway(cluster, ckpt, photos):
-    from fastapi.testclient import TestClient
-
-    from vit_serve.serve.app import create_app
-
+def test_answers_equal_the_single_gateway(cluster, ckpt, photos, ready_client):
     local_settings = _settings(ckpt)
     cfg = vit_serve.load(ckpt).preprocess_cfg
     x = torch.stack([preprocess(data, cfg) for data in photos.values()]).numpy()
     body = _v2_body(x, ["logits", "rollout"])
-    with httpx.Client(base_url=cluster["url"], timeout=120) as ray_client, TestClient(create_app(local_settings)) \
-            as local_client:
+    with httpx.Client(base_url=cluster["url"], timeout=120) as ray_client, ready_client(local_settings) as local_client:
         on_ray = _v2_outputs(ray_client.post("/v2/models/tiny/infer", json=body))
         local = _v2_outputs(local_client.post("/v2/models/tiny/infer", json=body))
         for name in ("logits", "rollout"):
@@ -205,11 +200,10 @@ def test_answers_equal_the_single_gateway(cluster, ckpt, photos):
                                        [p["score"] for p in b["predictions"]], rtol=0, atol=1e-6)
 
 
-def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt, photos, redis_url):
+def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt, photos, redis_url,
+                                                                  ready_client):
     import redis
-    from fastapi.testclient import TestClient
 
-    from vit_serve.serve.app import create_app
     from vit_serve.serve.stores.redis import PREFIX
 
     classified: dict[str, str] = {}  # image id -> the ingress replica that classified it
@@ -237,7 +231,7 @@ def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt
         assert crossed, "every GET /explain went to the ingress replica that classified the image"
         assert client.get(f"/explain?id={'0' * 64}").status_code == 404  # an id nobody classified
 
-    with TestClient(create_app(_settings(ckpt))) as local:  # the single gateway, the same uploads
+    with ready_client(_settings(ckpt)) as local:  # the single gateway, the same uploads
         for image, answer in crossed.items():
             assert local.post("/classify", content=uploads[image], headers={"Content-Type": "image/jpeg"}
                               ).json()["id"] == image
@@ -247,16 +241,13 @@ def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt
             assert diff <= 1e-6, diff
 
 
-def test_a_model_that_cannot_load_is_shown_with_the_single_gateways_reason_and_the_other_serves(cluster, repo):
-    from fastapi.testclient import TestClient
-
-    from vit_serve.serve.app import create_app
-
+def test_a_model_that_cannot_load_is_shown_with_the_single_gateways_reason_and_the_other_serves(cluster, repo,
+                                                                                               ready_client):
     def states(models: dict[str, Any]) -> dict[str, tuple[str, str]]:
         return {m["name"]: (m["versions"][0]["state"], m["versions"][0]["reason"]) for m in models["models"]}
 
     on_ray = states(httpx.get(f"{cluster['url']}/models", timeout=60).json())
-    with TestClient(create_app(_settings(repo, default_model="tiny"))) as local:
+    with ready_client(_settings(repo, default_model="tiny")) as local:
         reference = states(local.get("/models").json())
     print(f"broken on Ray: {on_ray['broken']}")
     assert on_ray == reference

@@ -192,11 +192,12 @@ def test_killed_worker_is_restarted_and_resumes_exactly(one_machine, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], texts[0][-3000:] + texts[1][-3000:]
     assert 0 < killed_at < STEPS
     # torchrun restarted the group: the killed worker's agent counted a failure and used its restart
-    # (restart_count=1); the other agent restarts because a node came back to the rendezvous (which torchrun
-    # does not count). Both rendezvoused a second time ...
+    # (restart_count=1). The other agent restarts either because a node came back to the rendezvous (not
+    # counted) or, when its own worker fails first on the lost connection, as a failure of its own (counted):
+    # a race torchrun allows. Both rendezvoused a second time ...
     rounds = [rendezvous(t) for t in texts]
     assert [len(r) for r in rounds] == [2, 2]
-    assert sorted(rs[1]["restart_count"] for rs in rounds) == ["0", "1"]
+    assert sorted(rs[1]["restart_count"] for rs in rounds) in (["0", "1"], ["1", "1"])
     assert sorted(rs[1]["global_world_sizes"] for rs in rounds) == ["[2]", "[2]"]
     assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in texts[0] + texts[1]
     assert all(rs[0]["master_port"] != rs[1]["master_port"] for rs in rounds)  # a new store for the new group
