@@ -286,7 +286,12 @@ def test_hot_reload_under_load(tmp_path, tiny_ckpt, second_ckpt, photos):
                                          limits=httpx.Limits(max_connections=clients)) as client:
                 async def worker() -> None:
                     while (sent := time.monotonic()) < stop:
-                        r = await client.post("/classify?top_k=1", content=photo, headers=JPEG)
+                        try:
+                            r = await client.post("/classify?top_k=1", content=photo, headers=JPEG)
+                        except httpx.TransportError as e:  # logged (status 0) with when it happened, and failed
+                            log.append((sent, time.monotonic(), 0, f"{type(e).__name__}: {e} "
+                                        f"({sent - (stop - duration):.2f} s in; events {events})"))
+                            continue
                         log.append((sent, time.monotonic(), r.status_code, r.json().get("version", r.text)))
 
                 async def operator() -> None:
