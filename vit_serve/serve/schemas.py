@@ -10,7 +10,7 @@ The /v2 binary tensor extension carries the exact IEEE values.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pydantic_core
@@ -51,16 +51,22 @@ class Timing(BaseModel):
     batch_size: int = Field(description="images in the batch this one ran in")
 
 
+# The map's fields, shared by the rollout in a classify answer and GET /explain's answer.
+MapQuery = Annotated[Literal["cls", "patch-mean"], Field(
+    description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows for "
+                "GAP models")]
+MapGrid = Annotated[tuple[int, int], Field(description="(gh, gw) = (H / P, W / P)")]
+RelevanceMap = Annotated[list[list[float | None]], Field(
+    description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")]
+
+
 class Explanation(BaseModel):
     method: Literal["rollout"]
     head_fusion: str = Field(description="rollout head fusion (the explain graph's, or the library default)")
     discard_ratio: float = Field(description="rollout discard ratio (the explain graph's, or the library default)")
-    query: Literal["cls", "patch-mean"] = Field(
-        description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows "
-                    "for GAP models")
-    grid: tuple[int, int] = Field(description="(gh, gw) = (H / P, W / P)")
-    map: list[list[float | None]] = Field(
-        description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")
+    query: MapQuery
+    grid: MapGrid
+    map: RelevanceMap
 
 
 class ClassifyResponse(BaseModel):
@@ -93,12 +99,9 @@ class ExplainResponse(BaseModel):
     method: Literal["rollout", "grad_rollout"]
     head_fusion: str | None = Field(description="rollout head fusion (None for grad_rollout)")
     discard_ratio: float | None = Field(description="rollout discard ratio (None for grad_rollout)")
-    query: Literal["cls", "patch-mean"] = Field(
-        description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows "
-                    "for GAP models")
-    grid: tuple[int, int] = Field(description="(gh, gw) = (H / P, W / P)")
-    map: list[list[float | None]] = Field(
-        description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")
+    query: MapQuery
+    grid: MapGrid
+    map: RelevanceMap
     predictions: list[Prediction] = Field(description="top classes of the same forward pass (empty for grad_rollout)")
     timing_ms: Timing
 
