@@ -83,12 +83,12 @@ def cluster(repo, redis_url) -> Iterator[dict[str, Any]]:
     model deployment (a quarter each), Redis as the store; yields its URL, settings and tiny's deployment."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from vit_serve.deploy.ray import run
+    from vit_serve.deploy.ray import run, start_ray
     from vit_serve.serve.backends.ray import deployment_name
 
     port = _free_port()
     settings = _settings(repo, default_model="tiny", store=redis_url, max_batch=16, max_delay_ms=50, port=port)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
         run(settings, blocking=False, num_replicas=2, ray_actor_options={"num_cpus": 0.25}, ingress_replicas=2,
             ingress_actor_options={"num_cpus": 0.5})
@@ -266,6 +266,23 @@ def test_one_model_that_cannot_load_fails_the_start_with_its_reason_in_one_line(
     print(e.value)
     assert str(e.value).startswith(f"the Ray Serve application did not start: cannot serve {broken}: cannot read ")
     assert "\n" not in str(e.value) and "corrupt safetensors" in str(e.value)
+
+
+def test_the_local_cluster_gives_the_proxy_time_to_start(cluster):
+    """Ray Serve kills an HTTP proxy not ready in 5 s, which failed serve.start on a loaded 2-core machine: the
+    cluster `start_ray` starts hands its processes a longer limit (read by the Serve controller)."""
+    import ray
+
+    from vit_serve.deploy.ray import SERVE_ENV_DEFAULTS
+
+    @ray.remote(num_cpus=0)
+    def environment(names: list[str]) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+    seen = ray.get(environment.remote(list(SERVE_ENV_DEFAULTS)), timeout=120)
+    print(f"the cluster's workers see {seen}")
+    assert seen == {name: os.environ[name] for name in SERVE_ENV_DEFAULTS}  # start_ray set what was unset
+    assert float(seen["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) >= 30
 
 
 def test_the_ray_engine_outside_ray_serve_is_one_clear_error(ckpt):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -290,6 +291,20 @@ def _why_not_started(e: Exception, name: str) -> str:
     return ours[-1] if ours else (lines[0] if lines else type(e).__name__)
 
 
+# Ray Serve gives its HTTP proxy 5 s to start and then kills it, which fails serve.start on a loaded 2-core machine
+# (a fresh worker process imports Ray Serve and uvicorn first). Read by the Serve controller, which inherits the
+# environment of the local cluster that `start_ray` starts; a cluster started elsewhere keeps its own setting.
+SERVE_ENV_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
+
+def start_ray(address: str | None = None, **init_options: Any) -> None:
+    """`ray.init(address, **init_options)` (no address: a local cluster), with SERVE_ENV_DEFAULTS for the
+    variables the environment does not set."""
+    for key, value in SERVE_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    ray.init(address=address, **init_options)
+
+
 def run(settings: ServeSettings, address: str | None = None, blocking: bool = True, name: str = APP_NAME,
         route_prefix: str = "/", **options: Any) -> DeploymentHandle:
     """Start (or join, `address`: "auto", "ray://HOST:PORT") a Ray cluster, the Ray Serve proxy on settings.host
@@ -299,7 +314,7 @@ def run(settings: ServeSettings, address: str | None = None, blocking: bool = Tr
     app = build_app(settings, **options)
     settings = _absolute(settings)  # the proxy reads the TLS files in its own process
     if not ray.is_initialized():
-        ray.init(address=address, logging_level=logging.WARNING)
+        start_ray(address, logging_level=logging.WARNING)
     http = {"host": settings.host, "port": settings.port}
     if settings.ssl_certfile:
         http |= {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile}
