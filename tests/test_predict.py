@@ -153,16 +153,8 @@ def test_the_formats_hold_the_same_rows(onnx, photos, tmp_path):
     assert got["jsonl"] == got["csv"] == got["parquet"]  # repr round-trips floats exactly
 
 
-def _classify(settings, files: list[Path]) -> list[list[dict]]:
-    from fastapi.testclient import TestClient
-
-    from vit_serve.serve.app import create_app
-
-    with TestClient(create_app(settings)) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, "the gateway did not become ready"
-            time.sleep(0.05)
+def _classify(ready_client, settings, files: list[Path]) -> list[list[dict]]:
+    with ready_client(settings) as client:
         answers = []
         for f in files:
             r = client.post("/classify?top_k=5", files={"file": (f.name, f.read_bytes(), "image/jpeg")})
@@ -172,7 +164,7 @@ def _classify(settings, files: list[Path]) -> list[list[dict]]:
 
 
 @pytest.mark.parametrize("kind", ["onnx", "checkpoint"])
-def test_scores_equal_the_gateways_classify(kind, onnx, ckpt, photos, tmp_path):
+def test_scores_equal_the_gateways_classify(kind, onnx, ckpt, photos, tmp_path, ready_client):
     """Reference: the real gateway app (create_app, lifespan, batcher) answering POST /classify for each file, on
     its default (fast) decode path, as predict's default. Batch 1 (what sequential requests get): equal bit for
     bit; batch 4: the same classes, scores within 1e-6."""
@@ -180,7 +172,7 @@ def test_scores_equal_the_gateways_classify(kind, onnx, ckpt, photos, tmp_path):
 
     model = onnx if kind == "onnx" else ckpt
     files = [photos / g for g in GOOD]
-    want = _classify(ServeSettings(model=str(model), device="cpu", threads=1), files)
+    want = _classify(ready_client, ServeSettings(model=str(model), device="cpu", threads=1), files)
     assert run(model, photos, "--out", tmp_path / "b1.jsonl", "--batch-size", "1", "--threads", "1") == 0
     assert run(model, photos, "--out", tmp_path / "b4.jsonl", "--batch-size", "4", "--threads", "1") == 0
     one, four = by_path(read_rows(tmp_path / "b1.jsonl")), by_path(read_rows(tmp_path / "b4.jsonl"))
