@@ -391,6 +391,91 @@ def test_the_triton_runtime_loads_what_vit_export_writes_and_the_gateway_serves(
     assert _doc("InferenceService", "vit")["spec"]["predictor"]["model"]["storageUri"].endswith("/model_repo")
 
 
+# Triton's flags that the harness owns (its own binary path, repository, ports and models); every other argument
+# of the ServingRuntime is passed to the real tritonserver as the manifest writes it.
+HARNESS_FLAGS = ("--model-store=", "--model-repository=", "--grpc-port=", "--http-port=", "--load-model=")
+ECHO_MODEL = {  # a Python-backend model, the one kind the bundled tritonserver can run
+    "config.pbtxt": 'backend: "python"\nmax_batch_size: 0\n'
+                    'input [{ name: "x", data_type: TYPE_FP32, dims: [ 1 ] }]\n'
+                    'output [{ name: "y", data_type: TYPE_FP32, dims: [ 1 ] }]\n',
+    "1/model.py": "import triton_python_backend_utils as pb\n\n\nclass TritonPythonModel:\n"
+                  "    def execute(self, requests):\n"
+                  "        return [pb.InferenceResponse([pb.Tensor('y', pb.get_input_tensor_by_name(r, 'x')\n"
+                  "                                                           .as_numpy())]) for r in requests]\n",
+}
+
+
+def _kubelet_expand(arg: str, env: dict[str, str]) -> str:
+    """$(VAR) references in a container argument, expanded from the container's env as kubelet does."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def test_tritons_repository_api_is_refused_without_the_secrets_key(tmp_path):
+    """The bundled tritonserver (2.51, the runtime image's release) run with the ServingRuntime's arguments, the
+    Secret's key expanded as kubelet does: POST /v2/repository/index, load and unload, over HTTP and gRPC, are
+    refused without the header and answered with it; health, metadata, model config and inference (all the
+    gateway uses) stay open."""
+    tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+    import urllib.error
+    import urllib.request
+
+    from vit_export.tritonserver import TritonServer, available
+
+    reason = available()
+    if reason:
+        pytest.skip(f"no tritonserver here: {reason}")
+    (container,) = _doc("ServingRuntime", "vit-serve-tritonserver")["spec"]["containers"]
+    (ref,) = [e for e in container["env"] if "valueFrom" in e]
+    secret = ref["valueFrom"]["secretKeyRef"]
+    assert (secret["name"], secret["key"]) == ("vit-serve-triton", "repository-key") and "value" not in ref
+    key = secrets.token_hex(32)
+    args = [_kubelet_expand(a, {ref["name"]: key}) for a in container["args"][1:]]
+    assert container["args"][0] == "tritonserver" and not any("$(" in a for a in args)
+    restricted = [a for a in args if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))]
+    assert len(restricted) == 2 and all(a.endswith(f":triton-repository-key={key}") for a in restricted)
+    assert all("model-repository" in a.split(":")[0].split("=")[1].split(",") for a in restricted)
+    for name, text in ECHO_MODEL.items():
+        (tmp_path / "echo" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "echo" / name).write_text(text)
+    header = "triton-repository-key"
+    with TritonServer(tmp_path, models=["echo"],
+                      extra_args=tuple(a for a in args if not a.startswith(HARNESS_FLAGS))) as server:
+
+        def post(path: str, headers: dict[str, str], body: bytes = b"{}") -> tuple[int, str]:
+            request = urllib.request.Request(f"{server.http_url}{path}", data=body, method="POST", headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=30) as answer:
+                    return answer.status, answer.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        for path in ("/v2/repository/index", "/v2/repository/models/echo/unload", "/v2/repository/models/echo/load"):
+            status, body = post(path, {})
+            assert status == 403 and header in body, (path, status, body)
+            status, body = post(path, {header: "not-" + key})
+            assert status == 403, (path, status, body)
+        assert post("/v2/repository/index", {header: key})[0] == 200
+        infer = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [2.5]}]}).encode()
+        status, body = post("/v2/models/echo/infer", {}, infer)
+        assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2.5], body
+        # Triton 2.51 checks a restricted gRPC protocol's key under its own prefix.
+        grpc_header = f"triton-grpc-protocol-{header}"
+        grpc = tritonclient_grpc.InferenceServerClient(server.grpc_url)
+        try:
+            with pytest.raises(tritonclient_grpc.InferenceServerException, match=grpc_header):
+                grpc.get_model_repository_index()
+            with pytest.raises(tritonclient_grpc.InferenceServerException, match=grpc_header):
+                grpc.unload_model("echo", headers={header: key})  # the HTTP header's name is not the gRPC one
+            assert [m.name for m in grpc.get_model_repository_index(headers={grpc_header: key}).models] == ["echo"]
+            assert grpc.is_server_ready() and grpc.is_model_ready("echo")  # open, as the gateway calls them
+            assert grpc.get_model_config("echo").config.backend == "python"
+            x = tritonclient_grpc.InferInput("x", [1], "FP32")
+            x.set_data_from_numpy(__import__("numpy").array([2.5], dtype="float32"))
+            assert grpc.infer("echo", [x]).as_numpy("y").tolist() == [2.5]
+        finally:
+            grpc.close()
+
+
 # ---- the Deployment's settings, served ---------------------------------------------------------------------
 
 
@@ -400,19 +485,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class RedisPod:
+    """The Redis Deployment's pod made local: each volume a folder under `root` (the ConfigMap's and the Secret's
+    items written as kubelet mounts them, the Secret's password replaced by `password`), and `local` turning the
+    manifest's paths into those folders."""
+
+    def __init__(self, root: Path, password: str) -> None:
+        self.root = root
+        self.spec = _doc("Deployment", "vit-serve-redis")["spec"]["template"]["spec"]
+        self.folders = {v["name"]: root / v["name"] for v in self.spec["volumes"]}
+        self.mounts: dict[str, str] = {}
+        for c in self.spec["containers"] + self.spec["initContainers"]:
+            for m in c["volumeMounts"]:
+                assert self.mounts.setdefault(m["name"], m["mountPath"]) == m["mountPath"], m
+        for volume in self.spec["volumes"]:
+            folder = self.folders[volume["name"]]
+            folder.mkdir(parents=True)
+            if "configMap" in volume:
+                for name, text in _doc("ConfigMap", volume["configMap"]["name"])["data"].items():
+                    (folder / name).write_text(self.local(text))
+            if "secret" in volume:
+                secret = _doc("Secret", volume["secret"]["secretName"])
+                for item in volume["secret"]["items"]:
+                    assert item["key"] in secret["stringData"]
+                    (folder / item["path"]).write_text(password)
+
+    def local(self, text: str) -> str:
+        for name, mount in sorted(self.mounts.items(), key=lambda kv: -len(kv[1])):
+            text = text.replace(mount, str(self.folders[name]))
+        return text
+
+    def run_init(self) -> subprocess.CompletedProcess:
+        """The init container's command, run by /bin/sh on the local folders."""
+        (init,) = self.spec["initContainers"]
+        command = [self.local(a) for a in init["command"]]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    def redis_args(self) -> list[str]:
+        (container,) = self.spec["containers"]
+        return [self.local(a) for a in container["args"]]
+
+
+REDIS_TEST_PASSWORD = secrets.token_hex(32)  # what `openssl rand -hex 32` makes, as secret.yaml says
+
+
 @pytest.fixture(scope="module")
 def redis_from_manifest(tmp_path_factory, start_redis) -> Iterator[tuple[str, Any]]:
-    """Debian's redis-server with the Redis manifest's arguments (plus a local port), and a client."""
-    (container,) = _doc("Deployment", "vit-serve-redis")["spec"]["template"]["spec"]["containers"]
-    with start_redis(tmp_path_factory.mktemp("redis"), *container["args"]) as started:
+    """Debian's redis-server started as the Redis pod starts: the init container's script writes the requirepass
+    directive from the Secret's file, then redis-server runs on the ConfigMap's redis.conf (plus a local port and
+    folder); the client authenticates with the Secret's password."""
+    pod = RedisPod(tmp_path_factory.mktemp("redis-pod"), REDIS_TEST_PASSWORD)
+    done = pod.run_init()
+    assert done.returncode == 0, done.stderr
+    with start_redis(tmp_path_factory.mktemp("redis"), *pod.redis_args(), password=REDIS_TEST_PASSWORD,
+                     requirepass=False) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> Iterator[tuple[list, str]]:
     """Two gateways built from the Deployment's env, as two pods: its volumes made local folders (the models an
-    export, the keys the Secret's files written as secret.yaml tells users to), the Redis Service replaced by
-    the local redis-server, gRPC on a free port. Yields the TestClients and the API key."""
+    export, the keys the Secret's files written as secret.yaml tells users to, the Redis password the local
+    redis-server's, as the vit-serve-redis Secret's file), the Redis Service replaced by the local redis-server
+    (its URL without the password), gRPC on a free port. Yields the TestClients and the API key."""
     pytest.importorskip("fastapi")
     from vit_serve.serve.settings import ServeSettings
 
@@ -425,9 +560,14 @@ def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> I
     mounts["keys"].mkdir(parents=True)
     for name in _doc("Secret", "vit-serve-keys")["stringData"]:
         (mounts["keys"] / name).write_text("sha256:" + hashlib.sha256(key.encode()).hexdigest() + "\n")
-    env = _env(container)
-    for name, mount in ((m["name"], m["mountPath"]) for m in container["volumeMounts"]):
-        env = {k: v.replace(mount, str(mounts[name])) if v.startswith(mount + "/") else v for k, v in env.items()}
+    mounts["redis-password"].mkdir(parents=True)
+    (mounts["redis-password"] / "password").write_text(REDIS_TEST_PASSWORD)
+    env = {}
+    for var, value in _env(container).items():  # a path in a mount becomes that path in the mount's folder
+        owner = [(m["mountPath"], m["name"]) for m in container["volumeMounts"]
+                 if value.startswith(m["mountPath"] + "/")]
+        mount, name = max(owner, default=(None, None), key=lambda o: len(o[0] or ""))
+        env[var] = value.replace(mount, str(mounts[name]), 1) if mount else value
     redis_url, _ = redis_from_manifest
     env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0"}
     model = str(mounts["models"])
@@ -442,9 +582,121 @@ def _probe_paths(container: dict) -> set[str]:
 
 def test_redis_runs_with_the_manifests_limits(redis_from_manifest):
     _, client = redis_from_manifest
+    assert client.config_get("requirepass")["requirepass"] == REDIS_TEST_PASSWORD
     assert client.config_get("maxmemory")["maxmemory"] == str(256 * 1024 * 1024)
     assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
     assert client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
+
+
+def test_redis_refuses_a_client_without_the_secrets_password(redis_from_manifest):
+    """The config the manifest ships (requirepass from the Secret's file, through the init container): a PING
+    without the password is refused with NOAUTH, one with a wrong password with WRONGPASS, the Secret's answers."""
+    import redis
+
+    url, client = redis_from_manifest
+    port = client.connection_pool.connection_kwargs["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # a bare client, no redis-py retries
+        raw.sendall(b"PING\r\n")
+        assert raw.recv(200).startswith(b"-NOAUTH")
+    with redis.Redis(port=port) as anonymous, pytest.raises(redis.AuthenticationError, match=r"NOAUTH|authenticated"):
+        anonymous.ping()
+    with redis.Redis(port=port, password="not-" + REDIS_TEST_PASSWORD) as wrong, \
+            pytest.raises(redis.AuthenticationError, match=r"WRONGPASS|invalid"):
+        wrong.ping()
+    with redis.Redis(port=port, password=REDIS_TEST_PASSWORD) as authenticated:
+        assert authenticated.ping() is True
+    assert "@" not in url  # the gateways' URL carries no password: they read it from the Secret's file
+
+
+@pytest.mark.parametrize("password, reason", [
+    (None, "32 to 256 characters, not 11"),  # the shipped placeholder
+    ("a b" + "c" * 40, "only letters, digits"),  # Redis's config parser would split it
+    ("p" * 40 + '"', "only letters, digits"),
+    ("p" * 20, "32 to 256 characters, not 20"),
+])
+def test_redis_init_refuses_the_placeholder_and_passwords_redis_would_misread(tmp_path, password, reason):
+    placeholder = _doc("Secret", "vit-serve-redis")["stringData"]["password"]
+    assert "PLACEHOLDER" in placeholder
+    pod = RedisPod(tmp_path, placeholder if password is None else password)
+    done = pod.run_init()
+    assert done.returncode != 0 and reason in done.stderr and "Secret vit-serve-redis" in done.stderr, done.stderr
+    assert not any(pod.folders["auth"].iterdir()), "no requirepass directive written"
+
+
+def _gateway_pods() -> dict[str, tuple[dict, dict, dict]]:
+    """{which: (pod labels, pod spec, the gateway container)} of the two gateways that use the shared Redis."""
+    deployment = _doc("Deployment", "vit-serve")
+    transformer = _doc("InferenceService", "vit")["spec"]["transformer"]
+    return {"k8s Deployment": (pod_labels(deployment), deployment["spec"]["template"]["spec"],
+                               deployment["spec"]["template"]["spec"]["containers"][0]),
+            "kserve transformer": (transformer["labels"], transformer, transformer["containers"][0])}
+
+
+def _secret_file(spec: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file `path` in `container`, mounted from a Secret volume of the pod `spec`."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in container["volumeMounts"]:
+        if str(Path(path).parent) == mount["mountPath"] and "secret" in volumes[mount["name"]]:
+            secret = volumes[mount["name"]]["secret"]
+            items = {i["path"]: i["key"] for i in secret.get("items", [])}
+            name = Path(path).name
+            return secret["secretName"], items.get(name, name) if items else name
+    raise AssertionError(f"{path} is not in a Secret mount")
+
+
+@pytest.mark.parametrize("which", ["k8s Deployment", "kserve transformer"])
+def test_gateways_read_the_redis_password_and_their_keys_from_secret_files(which):
+    _, spec, container = _gateway_pods()[which]
+    env = _env(container)
+    assert env["VIT_SERVE_STORE"] == "redis://vit-serve-redis:6379/0"  # no password in the URL
+    assert _secret_file(spec, container, env["VIT_SERVE_STORE_PASSWORD_FILE"]) == ("vit-serve-redis", "password")
+    name, key = _secret_file(spec, container, env["VIT_SERVE_API_KEYS_FILE"])
+    assert key in _doc("Secret", name)["stringData"]
+    # Redis's pod reads the same Secret key, and nothing carries the password in clear.
+    redis_pod = _doc("Deployment", "vit-serve-redis")["spec"]["template"]["spec"]
+    (volume,) = [v for v in redis_pod["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "vit-serve-redis" and volume["secret"]["items"][0]["key"] == "password"
+    for c in redis_pod["containers"] + redis_pod["initContainers"]:
+        assert "env" not in c and not any("requirepass" in a for a in c.get("args", [])), c["name"]
+    config = _doc("ConfigMap", "vit-serve-redis-config")["data"]["redis.conf"]
+    assert not re.search(r"^\s*requirepass", config, re.M) and re.search(r"^include /run/", config, re.M)
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) applied to `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def test_only_the_gateways_pods_may_reach_redis():
+    """The NetworkPolicy selects the Redis pod, allows ingress (and nothing else in it) only from pods of this
+    namespace that both gateways are and that Redis and Triton are not, and only on Redis's port."""
+    policy = _doc("NetworkPolicy", "vit-serve-redis")["spec"]
+    redis_deployment = _doc("Deployment", "vit-serve-redis")
+    assert _selects(policy["podSelector"], pod_labels(redis_deployment))
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "pods of this namespace only (no namespaceSelector, no ipBlock)"
+    for which, (labels, _, _) in _gateway_pods().items():
+        assert _selects(peer["podSelector"], labels), which
+    # KServe labels the predictor's pods with the InferenceService's name and component; ours add none.
+    predictor = {"serving.kserve.io/inferenceservice": "vit", "component": "predictor",
+                 **_doc("InferenceService", "vit")["spec"]["predictor"].get("labels", {})}
+    for name, labels in {"redis": pod_labels(redis_deployment), "triton predictor": predictor, "none": {}}.items():
+        assert not _selects(peer["podSelector"], labels), name
+    (port,) = rule["ports"]
+    (container,) = redis_deployment["spec"]["template"]["spec"]["containers"]
+    assert port["protocol"] == "TCP" and port["port"] in {p["name"] for p in container["ports"]}
+    assert _selects({"matchLabels": {"a": "1"}}, {"a": "1", "b": "2"})  # the selector's semantics, both ways
+    assert not _selects({"matchExpressions": [{"key": "a", "operator": "In", "values": ["2"]}]}, {"a": "1"})
 
 
 def test_probe_paths_answer_without_a_key(replicas):
