@@ -1,25 +1,42 @@
-"""One prepared check of every CUDA path, for when a GPU is lent: under 8 minutes on one GPU.
+"""The CUDA paths with a verdict each, for when a GPU is lent: one command, under 540 s on one H200.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget 450] [--only NAME,...]   # from the repository root
-    python benchmarks/gpu_check.py --list                                         # the stages; no GPU needed
+    python benchmarks/gpu_check.py --out gpu_check_out     # from the repository root; the whole check
+    python benchmarks/gpu_check.py --list                  # the stages and their criteria; no GPU needed
 
-Stages, in order (each runs in its own process under the global time budget; a stage that would not fit in
-what is left is skipped with a line saying so, and one that overruns is stopped):
+On a lent machine: `run(command="python benchmarks/gpu_check.py --out $OUT/gpu_check", timeout_s=560)` (the
+global budget, --budget, defaults to 530 s; each stage runs in its own process and is stopped at its limit).
+Test tools the machine lacks (pytest, timm, onnx, onnxruntime, onnxscript, scikit-image) are installed first with
+`pip install --no-index --find-links DIR` from wheels carried along (--wheels DIR, default ./gpu_check_wheels:
+`pip download -d gpu_check_wheels pytest timm onnx onnxruntime onnxscript scikit-image` on a machine with PyPI,
+then carry the folder), else from PyPI when it is reachable; otherwise one line names what is missing and the
+stages needing it give no verdict. --no-install leaves the environment as it is.
 
-* cuda-tests:    pytest on every test file under tests/ that has a CUDA-only test (found by scanning them)
-* sdpa-kernel:   which scaled-dot-product-attention kernel runs for ViT-B/16 in bf16 (torch.profiler; flash expected)
-* forward:       forward images/s, vit-serve vs timm, ViT-B/16 at 224, bf16 autocast, same weights, eager
-* train:         training images/s (forward, backward, AdamW), same models and precision, eager
-* ddp-nccl:      DDP over NCCL with torchrun, world size = the number of GPUs, checked against one process;
-                 then `vit-serve train --device cuda --precision bf16` under torchrun (the real loop)
-* tensorrt:      tests/export/test_tensorrt.py and the TensorRT serving test, when `import tensorrt` works
-* forward-compile, train-compile: the throughput stages again with torch.compile on both models
+Stages, in order (the compile stages before TensorRT), and what each is judged by:
 
-It prints a table per part and writes it to DIR/gpu_check.md (and gpu_check.json) with `--out DIR`.
-Without a CUDA device it says so in one line and exits 3 (as `vit-export` does for TensorRT). Exit 1 when a stage
-failed, else 0 (a stage skipped for want of time or a package, or stopped at its limit, gives no verdict).
-Works without `pip install -e .`: the repository root and a `vit_export` alias of export/ (pyproject's
-package-dir mapping) are put on the path of this process and of its children.
+* cuda-tests:      the CUDA-only tests under tests/ (those skipped on a machine without CUDA), each run once
+                   (the TensorRT ones run in the tensorrt stage): pass when none fails and at least one ran
+* sdpa-kernel:     a flash-attention CUDA kernel runs for ViT-B/16 in bf16 (torch.profiler)
+* forward:         ViT-B/16 at 224 against timm with the same weights: fp32 logits max |Δ| <= 1e-3 (TF32 off),
+                   bf16 autocast logits cosine >= 0.999; eager images/s reported
+* train:           the first 3 AdamW steps' losses in bf16 on CUDA equal the CPU's fp32 run within 2% (bf16);
+                   eager training images/s against timm reported
+* gpu-decode:      nvJPEG decode + resize of the two 12 MP phone JPEGs against the CPU fast path: PSNR >= 35 dB
+* ddp-nccl:        two ranks over NCCL (torchrun) give the parameters of one process on both batches (|Δ| <= 1e-4);
+                   skipped, with the reason, on a machine with one GPU
+* forward-compile: torch.compile'd forward images/s against timm compiled, bf16: ratio >= 0.95
+* train-compile:   the same for training steps: ratio >= 0.95
+* tensorrt:        `vit-export --format tensorrt` on a ViT-B/16 at 224 and at 384 (exit 0: its own parity check
+                   passed), each engine served by `vit-serve serve --backend tensorrt` (POST /classify: top-1 equal
+                   to PyTorch's), the Triton repository served by `tritonserver` when one with the TensorRT backend
+                   is installed, and the TensorRT tests under tests/
+
+Verdicts: pass, FAIL, no verdict (it should have been judged and was not: no CUDA device, a tool missing, every
+test skipped or none collected, stopped at its time limit), skipped (does not apply here, e.g. DDP on one GPU).
+Exit status: 0 when every stage passed or was skipped, 1 when one failed, 3 when none failed but one gave no
+verdict. Without a CUDA device the script runs to the end in a few seconds: every stage "no verdict: no CUDA
+device" (nothing is trained or exported), exit 3. The table is printed, and written to DIR/gpu_check.md and
+DIR/gpu_check.json with --out DIR. Works without `pip install -e .`: the repository root and a `vit_export` alias
+of export/ (pyproject's package-dir mapping) are put on the path of this process and of its children.
 """
 
 from __future__ import annotations
@@ -33,46 +50,212 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import urllib.request
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-NO_CUDA_EXIT = 3
-DEFAULT_BUDGET_S = 450.0  # 7.5 minutes: the whole check stays under 8 on one GPU
+DEFAULT_BUDGET_S = 530.0  # the whole check, start-up and report included, stays under 540 s on one H200
+DEVICE_LIMIT_S = 540.0
 TIMM_NAME = "vit_base_patch16_224"
+DEFAULT_WHEELS = REPO / "gpu_check_wheels"
+
+PASS, FAIL, NO_VERDICT, SKIPPED = "pass", "FAIL", "no verdict", "skipped"
+EXIT_OK, EXIT_FAILED, EXIT_NO_VERDICT = 0, 1, 3
+
+# The criteria (the issue's bounds).
+FP32_LOGIT_MAX_ABS = 1e-3
+BF16_LOGIT_COSINE_MIN = 0.999
+COMPILED_RATIO_MIN = 0.95
+TRAIN_LOSS_REL_TOL = 0.02  # bf16 autocast against fp32: 8 mantissa bits, a few steps of AdamW
+DECODE_PSNR_MIN = 35.0
+DDP_PARAM_MAX_ABS = 1e-4
 
 # A test file has CUDA-only tests when it asks for CUDA, a GPU or TensorRT in a skip condition.
 _CUDA_TEST_RE = re.compile(r"cuda\.is_available|\bneeds?_(?:cuda|gpu|trt)\b|mark\.(?:cuda|gpu)\b|CUDA GPU",
                            re.IGNORECASE)
-_PYTEST_COUNT_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+# A test is CUDA-only when a skipif mark's reason names CUDA, a GPU, TensorRT or nvJPEG.
+_CUDA_REASON_RE = re.compile(r"cuda|gpu|tensorrt|nvjpeg", re.IGNORECASE)
+_TENSORRT_REASON_RE = re.compile(r"tensorrt", re.IGNORECASE)
+SELECT_ENV = "GPU_CHECK_SELECT"  # "cuda" or "tensorrt": which CUDA-only tests the plugin below keeps
+# Test tools: the import name and the pip name.
+TOOLS = {"pytest": "pytest", "timm": "timm", "onnx": "onnx", "onnxruntime": "onnxruntime",
+         "onnxscript": "onnxscript", "skimage": "scikit-image"}
 
 
-# ---- pure parts (tested on the CPU) ---------------------------------------------------------------------------
+# ---- verdicts (pure; tested on the CPU) ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Criterion:
+    """One judged number: `value` against `bound` (at least or at most); value None: it was not measured."""
+
+    name: str
+    value: float | None
+    bound: float
+    at_least: bool
+
+    @property
+    def ok(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.bound if self.at_least else self.value <= self.bound
+
+    def text(self) -> str:
+        got = "not measured" if self.value is None else f"{self.value:.4g}"
+        return f"{self.name} {got} ({'>=' if self.at_least else '<='} {self.bound:g})"
+
+
+def at_least(name: str, value: float | None, bound: float) -> Criterion:
+    return Criterion(name, value, bound, True)
+
+
+def at_most(name: str, value: float | None, bound: float) -> Criterion:
+    return Criterion(name, value, bound, False)
+
+
+def judge(criteria: Sequence[Criterion]) -> str:
+    """FAIL when a criterion fails, pass when at least one was measured and all passed, else no verdict."""
+    oks = [c.ok for c in criteria if c.ok is not None]
+    if any(ok is False for ok in oks):
+        return FAIL
+    return PASS if oks else NO_VERDICT
+
+
+@dataclass(frozen=True)
+class PytestSummary:
+    """What pytest's junit XML says: test counts, skip reasons, and pytest's exit code (None: stopped)."""
+
+    tests: int = 0
+    failures: int = 0
+    errors: int = 0
+    skipped: int = 0
+    skip_reasons: tuple[str, ...] = ()
+    exit_code: int | None = 0
+
+    @property
+    def passed(self) -> int:
+        return self.tests - self.failures - self.errors - self.skipped
+
+
+def read_junit(path: Path, exit_code: int | None) -> PytestSummary:
+    """The summary of pytest's `--junitxml` file (no file: nothing was collected, or pytest never got there)."""
+    if not path.is_file():
+        return PytestSummary(exit_code=exit_code)
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    reasons = sorted({(s.get("message") or "").strip() for s in root.iter("skipped")})
+    return PytestSummary(
+        tests=sum(int(s.get("tests", 0)) for s in suites), failures=sum(int(s.get("failures", 0)) for s in suites),
+        errors=sum(int(s.get("errors", 0)) for s in suites), skipped=sum(int(s.get("skipped", 0)) for s in suites),
+        skip_reasons=tuple(r for r in reasons if r), exit_code=exit_code)
+
+
+def tests_verdict(s: PytestSummary) -> tuple[str, str]:
+    """pass / FAIL / no verdict, and why, from a pytest run's summary.
+
+    FAIL: a test failed or errored, or pytest itself failed (exit 2-4: interrupted, internal or usage error);
+    no verdict: stopped at its time limit, none collected (exit 5), or every test skipped; else pass."""
+    counts = f"{s.passed} passed, {s.failures} failed, {s.errors} errors, {s.skipped} skipped"
+    if s.failures or s.errors:
+        return FAIL, counts
+    if s.exit_code is None:
+        return NO_VERDICT, f"stopped at its time limit ({counts})"
+    if s.exit_code not in (0, 5):
+        return FAIL, f"pytest exited {s.exit_code} ({counts})"
+    if s.tests == 0:
+        return NO_VERDICT, "no test collected"
+    if s.skipped == s.tests:
+        return NO_VERDICT, f"all {s.tests} skipped: " + "; ".join(s.skip_reasons)[:300]
+    return PASS, counts
+
+
+def exit_code(verdicts: Sequence[str]) -> int:
+    """1 when a stage failed; 3 when none failed but one gave no verdict; else 0 (pass or skipped)."""
+    if FAIL in verdicts:
+        return EXIT_FAILED
+    return EXIT_NO_VERDICT if NO_VERDICT in verdicts or not verdicts else EXIT_OK
+
+
+def cuda_test_kind(skip_reasons: Sequence[str]) -> str | None:
+    """"tensorrt", "cuda" or None (not CUDA-only), from the reasons of a test's skipif marks."""
+    cuda = [r for r in skip_reasons if _CUDA_REASON_RE.search(r)]
+    if not cuda:
+        return None
+    return "tensorrt" if any(_TENSORRT_REASON_RE.search(r) for r in cuda) else "cuda"
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """As a pytest plugin (`-p gpu_check`, with $GPU_CHECK_SELECT set): keep only the CUDA-only tests of that
+    kind, so that each runs once, in its stage, and a stage whose tests all skip gives no verdict."""
+    kind = os.environ.get(SELECT_ENV)
+    if not kind:
+        return
+    keep, drop = [], []
+    for item in items:
+        reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
+        (keep if cuda_test_kind(reasons) == kind else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+def missing_tools(find: Callable[[str], object] = importlib.util.find_spec) -> list[str]:
+    """The pip names of the test tools that do not import here."""
+    return [pip for mod, pip in TOOLS.items() if find(mod) is None]
+
+
+def install_plan(missing: Sequence[str], wheels: Path | None, index_reachable: bool) -> tuple[list[str] | None, str]:
+    """(the pip arguments that install `missing`, or None; a one-line account). Carried wheels first, then PyPI."""
+    if not missing:
+        return None, "test tools: all present"
+    names = " ".join(missing)
+    if wheels is not None and wheels.is_dir() and any(wheels.glob("*.whl")):
+        return (["install", "--no-index", "--find-links", str(wheels), *missing],
+                f"test tools: installing {names} from {wheels}")
+    if index_reachable:
+        return ["install", *missing], f"test tools: installing {names} from PyPI"
+    where = f"no wheels in {wheels}" if wheels is not None else "no --wheels folder"
+    return None, (f"test tools missing: {names} ({where}, PyPI unreachable): on a machine with PyPI run "
+                  f"`pip download -d gpu_check_wheels {names}` and carry the folder; the stages needing them "
+                  "give no verdict")
+
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     what: str
-    needs_s: float  # the least time the stage needs; it is skipped when less is left
+    criterion: str
+    needs_s: float  # the least time the stage needs; it gets no verdict when less is left
     limit_s: float  # the most it may take
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("cuda-tests", "pytest on the test files with CUDA-only tests", 30, 150),
-    Stage("sdpa-kernel", "SDPA kernel of ViT-B/16 bf16 (torch.profiler)", 15, 60),
-    Stage("forward", "forward images/s vs timm, ViT-B/16 224 bf16, eager", 20, 60),
-    Stage("train", "training images/s vs timm, ViT-B/16 224 bf16, eager", 25, 75),
-    Stage("ddp-nccl", "DDP over NCCL (torchrun, world = GPUs) + `vit-serve train` bf16 on CUDA", 30, 120),
-    Stage("tensorrt", "TensorRT engine tests (when tensorrt imports)", 30, 150),
-    Stage("forward-compile", "forward images/s vs timm with torch.compile", 60, 150),
-    Stage("train-compile", "training images/s vs timm with torch.compile", 90, 180),
+    Stage("cuda-tests", "the CUDA-only tests under tests/ (TensorRT's excepted), once each",
+          "none fails, one at least runs", 30, 110),
+    Stage("sdpa-kernel", "SDPA kernel of ViT-B/16 bf16 (torch.profiler)", "a flash kernel runs", 10, 40),
+    Stage("forward", "ViT-B/16 224 logits and images/s vs timm, same weights, eager",
+          f"fp32 max |Δ| <= {FP32_LOGIT_MAX_ABS:g}, bf16 cosine >= {BF16_LOGIT_COSINE_MIN}", 20, 60),
+    Stage("train", "first AdamW steps bf16 CUDA vs fp32 CPU; training images/s vs timm, eager",
+          f"loss within {TRAIN_LOSS_REL_TOL:.0%} of the CPU's", 30, 75),
+    Stage("gpu-decode", "nvJPEG on the 12 MP phone JPEGs vs the CPU fast path",
+          f"PSNR >= {DECODE_PSNR_MIN:g} dB", 15, 45),
+    Stage("ddp-nccl", "DDP over NCCL, 2 ranks (torchrun) vs one process", f"params |Δ| <= {DDP_PARAM_MAX_ABS:g}; "
+          "skipped on one GPU", 20, 60),
+    Stage("forward-compile", "forward images/s vs timm, both torch.compile'd, bf16",
+          f"ratio >= {COMPILED_RATIO_MIN}", 40, 90),
+    Stage("train-compile", "training images/s vs timm, both torch.compile'd, bf16",
+          f"ratio >= {COMPILED_RATIO_MIN}", 50, 110),
+    Stage("tensorrt", "vit-export --format tensorrt B/16 224 + 384, served by the gateway (and tritonserver), "
+          "the TensorRT tests", "exports exit 0, served top-1 = PyTorch's, tests pass", 90, 200),
 )
 
 
@@ -95,15 +278,6 @@ def cuda_test_files(tests_dir: Path) -> list[Path]:
     return sorted(p for p in tests_dir.rglob("test_*.py") if _CUDA_TEST_RE.search(p.read_text(errors="replace")))
 
 
-def pytest_counts(output: str) -> dict[str, int]:
-    """The counts of pytest's last summary line ("3 passed, 2 skipped in 4.1s")."""
-    lines = [ln for ln in output.splitlines() if _PYTEST_COUNT_RE.search(ln)]
-    if not lines:
-        return {}
-    return {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
-            for n, kind in _PYTEST_COUNT_RE.findall(lines[-1])}
-
-
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in r) + " |" for r in rows]
@@ -111,18 +285,16 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def _vit_export_importable() -> bool:
-    try:
-        import vit_export  # noqa: F401  (installed, or already aliased in this process)
-    except ImportError:
-        return False
-    return True
+    """Installed, or already aliased in this process (found, not imported: importing it imports torch)."""
+    return importlib.util.find_spec("vit_export") is not None
 
 
 def child_env(repo: Path = REPO, installed: bool | None = None) -> dict[str, str]:
     """The environment for child processes: `vit_serve` and `vit_export` importable from the working tree
-    even when the package is not installed (pyproject maps vit_export to export/: a symlink does the same)."""
+    even when the package is not installed (pyproject maps vit_export to export/: a symlink does the same),
+    and this script importable as the pytest plugin `gpu_check`."""
     env = dict(os.environ)
-    paths = [str(repo)]
+    paths = [str(repo), str(Path(__file__).resolve().parent)]
     if not (_vit_export_importable() if installed is None else installed):
         alias = Path(tempfile.mkdtemp(prefix="gpu_check-path-"))
         atexit.register(shutil.rmtree, alias, ignore_errors=True)
@@ -145,10 +317,27 @@ def _ensure_importable() -> dict[str, str]:
 @dataclass
 class Result:
     stage: str
-    status: str  # pass | FAIL | skipped (not run) | stopped (ran out of its time: no verdict)
+    verdict: str  # pass | FAIL | no verdict | skipped
     detail: str
+    criteria: list[Criterion] = field(default_factory=list)
     seconds: float = 0.0
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def judged(stage: str, criteria: list[Criterion], detail: str, data: dict[str, Any] | None = None) -> Result:
+    """A stage's result from its criteria; the detail leads with them."""
+    text = "; ".join(c.text() for c in criteria)
+    return Result(stage, judge(criteria), f"{text}; {detail}" if detail else text, criteria, data=data or {})
+
+
+def combine(parts: Sequence[tuple[str, str]]) -> str:
+    """The verdict of a stage made of parts (each (verdict, detail)): FAIL if one failed, no verdict if one gave
+    none, pass if one passed, else skipped."""
+    verdicts = [v for v, _ in parts]
+    for v in (FAIL, NO_VERDICT, PASS):
+        if v in verdicts:
+            return v
+    return SKIPPED
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO) -> tuple[int | None, str]:
@@ -157,7 +346,7 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO)
     p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
-        out, _ = p.communicate(timeout=timeout)
+        out, _ = p.communicate(timeout=max(1.0, timeout))
         return p.returncode, out
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
@@ -183,97 +372,222 @@ def _tail(text: str, n: int = 300) -> str:
     return text[-n:]
 
 
+def _needs(*modules: str) -> str | None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"not installed here: {', '.join(missing)}" if missing else None
+
+
+@dataclass
+class Context:
+    env: dict[str, str]
+    work: Path
+    gpus: int
+
+
 # ---- the stages, parent side ----------------------------------------------------------------------------------
 
-def stage_cuda_tests(env: dict[str, str], timeout: float) -> Result:
-    if importlib.util.find_spec("pytest") is None:
-        return Result("cuda-tests", "skipped", "pytest is not installed here")
-    files = [f for f in cuda_test_files(REPO / "tests") if f.name != "test_tensorrt.py"]
+def run_pytest(ctx: Context, kind: str, files: Sequence[Path], timeout: float) -> tuple[str, str]:
+    """The CUDA-only tests of `kind` in `files`, once, judged by `tests_verdict` from pytest's junit XML."""
     if not files:
-        return Result("cuda-tests", "skipped", "no test file under tests/ has a CUDA-only test")
+        return NO_VERDICT, "no test file under tests/ has a CUDA-only test"
+    junit = ctx.work / f"pytest-{kind}.xml"
     # addopts cleared: pyproject's `--dist loadfile` needs pytest-xdist, which may be missing here.
-    argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider",
-            *[str(f.relative_to(REPO)) for f in files]]
-    rc, out = _run(argv, env, timeout)
-    counts = pytest_counts(out)
-    names = ", ".join(str(f.relative_to(REPO)) for f in files)
+    argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider", "-p",
+            "gpu_check", f"--junitxml={junit}", *[str(f) for f in files]]
+    rc, _ = _run(argv, {**ctx.env, SELECT_ENV: kind}, timeout)
+    return tests_verdict(read_junit(junit, rc))
+
+
+def stage_cuda_tests(ctx: Context, timeout: float) -> Result:
+    if (why := _needs("pytest")) is not None:
+        return Result("cuda-tests", NO_VERDICT, why)
+    verdict, detail = run_pytest(ctx, "cuda", cuda_test_files(REPO / "tests"), timeout)
+    return Result("cuda-tests", verdict, detail)
+
+
+def stage_ddp(ctx: Context, timeout: float) -> Result:
+    if ctx.gpus < 2:
+        return Result("ddp-nccl", SKIPPED, f"{ctx.gpus} GPU here: DDP over NCCL needs 2 ranks on 2 GPUs")
+    report = ctx.work / "ddp.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    rc, out = _run([*torchrun, str(Path(__file__).resolve()), "--ddp-worker", str(report)], ctx.env, timeout)
     if rc is None:
-        return Result("cuda-tests", "stopped", f"at {timeout:.0f} s ({names})", data={"output": out[-4000:]})
-    summary = ", ".join(f"{v} {k}" for k, v in counts.items()) or _tail(out)
-    ok = rc == 0 or (rc == 5 and not counts.get("failed"))  # 5: nothing collected
-    return Result("cuda-tests", "pass" if ok else "FAIL", f"{summary} ({names})", data={"output": out[-4000:]})
+        return Result("ddp-nccl", NO_VERDICT, f"stopped at its time limit: {_tail(out)}")
+    if rc != 0 or not report.exists():
+        return Result("ddp-nccl", FAIL, f"DDP worker exit {rc}: {_tail(out)}")
+    ddp = json.loads(report.read_text())
+    criteria = [at_most("params |Δ| vs one process", ddp["max_param_diff_vs_single_process"], DDP_PARAM_MAX_ABS),
+                at_least("ranks agree", float(ddp["ranks_agree"]), 1.0),
+                at_least("all_reduce", float(ddp["all_reduce_ok"]), 1.0)]
+    return judged("ddp-nccl", criteria, f"2 ranks over {ddp['backend']}, {ddp['steps']} steps", ddp)
 
 
-def stage_tensorrt(env: dict[str, str], timeout: float) -> Result:
-    if importlib.util.find_spec("tensorrt") is None:
-        return Result("tensorrt", "skipped", "`import tensorrt` fails here (not installed)")
-    if importlib.util.find_spec("pytest") is None:
-        return Result("tensorrt", "skipped", "pytest is not installed here")
-    argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider",
-            "tests/export/test_tensorrt.py", "tests/serve/test_backends.py", "-k", "tensorrt or engine"]
-    rc, out = _run(argv, env, timeout)
+def stage_measure(name: str, ctx: Context, timeout: float) -> Result:
+    """A measuring stage, run in its own process (`run_child`); judged by `criteria_of`."""
+    rc, data, out = _child_stage(name, ctx.env, timeout)
     if rc is None:
-        return Result("tensorrt", "stopped", f"at {timeout:.0f} s", data={"output": out[-4000:]})
-    summary = ", ".join(f"{v} {k}" for k, v in pytest_counts(out).items()) or _tail(out)
-    return Result("tensorrt", "pass" if rc == 0 else "FAIL", summary, data={"output": out[-4000:]})
+        return Result(name, NO_VERDICT, f"stopped at its time limit: {_tail(out)}")
+    if data.get("no_verdict"):
+        return Result(name, NO_VERDICT, data["no_verdict"])
+    if rc != 0 or not data:
+        return Result(name, FAIL, f"exit {rc}: {_tail(out)}")
+    criteria, detail = criteria_of(name, data)
+    return judged(name, criteria, detail, data)
 
 
-def stage_ddp(env: dict[str, str], timeout: float) -> Result:
+def criteria_of(name: str, data: dict[str, Any]) -> tuple[list[Criterion], str]:
+    """A measuring stage's criteria and its reported numbers, from what its child measured."""
+    if name == "sdpa-kernel":
+        return [at_least("flash kernel ran", float(data["flash"]), 1.0)], (
+            f"kernels: {', '.join(data['kernels']) or 'none'}")
+    if name == "gpu-decode":
+        return [at_least("min PSNR dB", data["min_psnr"], DECODE_PSNR_MIN)], ", ".join(
+            f"{k} {v:.1f} dB" for k, v in data["psnr"].items())
+    rate = (f"timm {data['timm']:.0f} img/s, vit-serve {data['ours']:.0f} img/s, ratio "
+            f"{data['ours'] / data['timm']:.3f} (batch {data['batch']})")
+    if name == "forward":
+        return [at_most("fp32 max |Δ logit|", data["fp32_max_abs"], FP32_LOGIT_MAX_ABS),
+                at_least("bf16 cosine", data["bf16_cosine"], BF16_LOGIT_COSINE_MIN)], rate
+    if name == "train":
+        return [at_most("max |Δ loss| / loss vs CPU fp32", data["loss_rel_diff"], TRAIN_LOSS_REL_TOL)], (
+            f"losses CPU {data['cpu_losses']} CUDA bf16 {data['cuda_losses']}; {rate}")
+    return [at_least("vit-serve / timm compiled", data["ours"] / data["timm"], COMPILED_RATIO_MIN)], (
+        f"{rate}, compile {data['compile_s']['timm']:.0f} s / {data['compile_s']['ours']:.0f} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+            if r.status == 200:
+                return True
+        time.sleep(0.5)
+    return False
+
+
+@contextlib.contextmanager
+def _server(argv: list[str], env: dict[str, str], log: Path):
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _serve_engine(ctx: Context, plan: Path, image: Path, want: list[float], timeout: float) -> tuple[str, str]:
+    """`vit-serve serve PLAN --backend tensorrt` answers POST /classify with PyTorch's top-1 (`want`: PyTorch's
+    logits; a class within 1% of the logit range of PyTorch's best is its top-1 too, at fp16)."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "vit_serve", "serve", str(plan), "--backend", "tensorrt", "--device", "cuda",
+            "--host", "127.0.0.1", "--port", str(port)]
+    log = ctx.work / f"serve-{plan.parent.name}.log"
+    with _server(argv, ctx.env, log) as proc:
+        if not _wait_http(f"http://127.0.0.1:{port}/readyz", proc, min(60.0, timeout)):
+            return FAIL, f"gateway not ready: {_tail(log.read_text(errors='replace'))}"
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/classify", data=image.read_bytes(),
+                                     headers={"Content-Type": "image/png"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            got = json.loads(r.read())["predictions"][0]["index"]
+    best = max(range(len(want)), key=want.__getitem__)
+    ok = want[got] >= want[best] - 0.01 * (max(want) - min(want))
+    return (PASS if ok else FAIL), f"gateway TensorRT top-1 {got} (PyTorch {best})"
+
+
+def _tritonserver_with_tensorrt() -> str | None:
+    """The path of a tritonserver that has the TensorRT backend, else None (the pytriton wheel's has not)."""
+    exe = shutil.which("tritonserver") or ("/opt/tritonserver/bin/tritonserver"
+                                           if Path("/opt/tritonserver/bin/tritonserver").exists() else None)
+    if exe is None:
+        return None
+    backends = Path(exe).resolve().parents[1] / "backends" / "tensorrt"
+    return exe if backends.is_dir() else None
+
+
+def _serve_triton(ctx: Context, repo: Path, timeout: float) -> tuple[str, str]:
+    """tritonserver loads every TensorRT model of the repository the export wrote (READY in its index)."""
+    exe = _tritonserver_with_tensorrt()
+    if exe is None:
+        return SKIPPED, "no tritonserver with the TensorRT backend here"
+    port = _free_port()
+    argv = [exe, f"--model-repository={repo}", f"--http-port={port}", f"--grpc-port={_free_port()}",
+            f"--metrics-port={_free_port()}"]
+    log = ctx.work / "tritonserver.log"
+    with _server(argv, ctx.env, log) as proc:
+        if not _wait_http(f"http://127.0.0.1:{port}/v2/health/ready", proc, min(90.0, timeout)):
+            return FAIL, f"tritonserver not ready: {_tail(log.read_text(errors='replace'))}"
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            index = json.loads(r.read())
+    states = {m["name"]: m.get("state", "?") for m in index}
+    ok = bool(states) and all(s == "READY" for s in states.values())
+    return (PASS if ok else FAIL), "tritonserver: " + ", ".join(f"{k} {v}" for k, v in states.items())
+
+
+def stage_tensorrt(ctx: Context, timeout: float) -> Result:
+    if (why := _needs("tensorrt", "onnx", "onnxruntime", "onnxscript")) is not None:
+        return Result("tensorrt", NO_VERDICT, why)
     import torch
 
-    world = torch.cuda.device_count()
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gpu_check-ddp-") as tmp:
-        report = Path(tmp) / "ddp.json"
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-        rc, out = _run([*torchrun, str(Path(__file__).resolve()), "--ddp-worker", str(report)], env, timeout)
-        if rc != 0 or not report.exists():
-            why = "stopped at the time limit" if rc is None else f"exit {rc}"
-            return Result("ddp-nccl", "FAIL", f"DDP worker {why}: {_tail(out)}", data={"output": out[-4000:]})
-        ddp = json.loads(report.read_text())
-        ok = ddp["max_param_diff_vs_single_process"] <= 1e-4 and ddp["ranks_agree"] and ddp["all_reduce_ok"]
-        detail = (f"world {world} over {ddp['backend']}: params after {ddp['steps']} DDP steps vs one process on "
-                  f"the concatenated batch, max |diff| {ddp['max_param_diff_vs_single_process']:.1e}; ranks agree: "
-                  f"{ddp['ranks_agree']}; CUDA all_reduce: {ddp['all_reduce_ok']}")
-        left = timeout - (time.monotonic() - t0)
-        if left < 20:
-            return Result("ddp-nccl", "pass" if ok else "FAIL", detail + "; `vit-serve train`: no time left", data=ddp)
-        missing = [m for m in ("sklearn", "torchvision") if importlib.util.find_spec(m) is None]
-        if missing:
-            return Result("ddp-nccl", "pass" if ok else "FAIL",
-                          detail + f"; `vit-serve train`: skipped ({', '.join(missing)} not installed)", data=ddp)
-        out_dir = Path(tmp) / "train"
-        rc, out = _run([*torchrun, "-m", "vit_serve", "train", "--device", "cuda", "--precision", "bf16",
-                        "--steps", "60", "--log-every", "20", "--out", str(out_dir)], env, left)
-        summary_path = out_dir / "summary.json"
-        if rc == 0 and summary_path.exists():
-            s = json.loads(summary_path.read_text())
-            detail += (f"; `vit-serve train --device cuda --precision bf16` x{world}: 60 steps, "
-                       f"top-1 {100 * s['top1']:.1f}%, {s['images_per_s']:.0f} img/s")
-        else:
-            ok = False
-            detail += f"; `vit-serve train` on CUDA failed ({'timeout' if rc is None else f'exit {rc}'}): {_tail(out)}"
-            ddp["train_output"] = out[-4000:]
-    return Result("ddp-nccl", "pass" if ok else "FAIL", detail, data=ddp)
+    import vit_serve
+    from vit_serve.preprocess import PreprocessConfig, preprocess
 
-
-def stage_measure(name: str, env: dict[str, str], timeout: float) -> Result:
-    rc, data, out = _child_stage(name, env, timeout)
-    if rc is None:
-        return Result(name, "stopped", f"at {timeout:.0f} s: {_tail(out)}", data={"output": out[-4000:]})
-    if rc != 0 or not data:
-        return Result(name, "FAIL", f"exit {rc}: {_tail(out)}", data={"output": out[-4000:]})
-    if name == "sdpa-kernel":
-        ok = data["flash"]
-        detail = (f"aten: {', '.join(data['aten_ops']) or 'none'}; kernels: {', '.join(data['kernels']) or 'none'}"
-                  + ("" if ok else " (no flash kernel ran)"))
+    end = time.monotonic() + timeout
+    parts: list[tuple[str, str]] = []
+    torch.manual_seed(0)
+    model = vit_serve.create_model("B/16", num_classes=1000)
+    with torch.no_grad():  # a zero-initialised head would make every top-1 class 0
+        model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    ckpt = ctx.work / "b16.safetensors"
+    vit_serve.save(model, ckpt)
+    image = ctx.work / "photo.png"
+    _test_photo(image)
+    for res in (224, 384):
+        out, repo = ctx.work / f"trt{res}", ctx.work / f"repo{res}"
+        argv = [sys.executable, "-m", "vit_export.cli", str(ckpt), "--format", "tensorrt,triton", "--res", str(res),
+                "--out", str(out), "--repo", str(repo), "--name", f"b16_{res}", "--triton-ensemble", "trt"]
+        rc, log = _run(argv, ctx.env, end - time.monotonic())
+        if rc != 0:
+            parts.append((NO_VERDICT if rc is None else FAIL,
+                          f"vit-export {res}: {'stopped' if rc is None else f'exit {rc}'}: {_tail(log)}"))
+            continue
+        parts.append((PASS, f"vit-export {res}: exit 0"))
+        plans = sorted(out.glob("*_tensorrt/*.plan"))
+        if not plans:
+            parts.append((FAIL, f"vit-export {res} wrote no engine"))
+            continue
+        m = vit_serve.load(ckpt)
+        m.set_resolution(res)
+        with torch.no_grad():
+            cfg = (m.preprocess_cfg or PreprocessConfig()).with_size(res, res)
+            want = m(preprocess(image, cfg)[None])[0].tolist()
+        parts.append(_serve_engine(ctx, plans[0], image, want, end - time.monotonic()))
+        parts.append(_serve_triton(ctx, repo, end - time.monotonic()))
+    if (why := _needs("pytest")) is None:
+        v, d = run_pytest(ctx, "tensorrt", cuda_test_files(REPO / "tests"), max(1.0, end - time.monotonic()))
+        parts.append((v, f"TensorRT tests: {d}"))
     else:
-        ok = True  # throughput is reported, not judged: the ratio column says it
-        detail = (f"timm {data['timm']:.0f} img/s, vit-serve {data['ours']:.0f} img/s, ratio "
-                  f"{data['ours'] / data['timm']:.3f}x (batch {data['batch']}"
-                  + (f", compile {data['compile_s']['timm']:.0f} s / {data['compile_s']['ours']:.0f} s" if
-                     data.get("compile_s") else "") + ")")
-    return Result(name, "pass" if ok else "FAIL", detail, data=data)
+        parts.append((NO_VERDICT, f"TensorRT tests: {why}"))
+    return Result("tensorrt", combine(parts), "; ".join(d for _, d in parts))
+
+
+def _test_photo(path: Path) -> None:
+    """A real photograph (scikit-image's astronaut) as a PNG."""
+    import skimage.data
+    from PIL import Image
+
+    Image.fromarray(skimage.data.astronaut()).save(path)
 
 
 # ---- the stages, child side (one fresh process each, CUDA) ------------------------------------------------------
@@ -288,6 +602,8 @@ def _models() -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     ref = timm.create_model(TIMM_NAME, pretrained=False)
+    with torch.no_grad():  # timm zero-initialises the head: logits of zeros would agree whatever the network
+        ref.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
     ours = build_model(convert_timm(ref.state_dict(), TIMM_NAME))
     return ref.cuda(), ours.cuda()
 
@@ -303,12 +619,74 @@ def _images_per_s(step: Callable[[], Any], batch: int, iters: int) -> float:
     return batch * iters / (time.perf_counter() - t)
 
 
+def _cosine_min(a: Any, b: Any) -> float:
+    import torch.nn.functional as F
+
+    return float(F.cosine_similarity(a.double(), b.double(), dim=-1).min())
+
+
+def forward_agreement(ref: Any, ours: Any) -> dict[str, float]:
+    """fp32 (TF32 off) max |Δ logit| and bf16-autocast minimum cosine between `ours` and timm's `ref`."""
+    import torch
+
+    x = torch.randn(8, 3, 224, 224, generator=torch.Generator().manual_seed(1)).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with torch.inference_mode():
+        fp32 = float((ours.eval()(x) - ref.eval()(x)).abs().max())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            cos = _cosine_min(ours(x).float(), ref(x).float())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return {"fp32_max_abs": fp32, "bf16_cosine": cos}
+
+
+def train_losses(device: str, steps: int = 3, batch: int = 8) -> list[float]:
+    """The first `steps` AdamW losses of ViT-B/16 (timm's init, same data): fp32 on the CPU, bf16 on CUDA."""
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    from vit_serve.checkpoints.converted import build_model
+    from vit_serve.checkpoints.timm_state import convert_timm
+
+    torch.manual_seed(0)
+    ref = timm.create_model(TIMM_NAME, pretrained=False)
+    model = build_model(convert_timm(ref.state_dict(), TIMM_NAME)).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(batch, 3, 224, 224, generator=g), torch.randint(0, 1000, (batch,), generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+def loss_rel_diff(cpu: Sequence[float], cuda: Sequence[float]) -> float:
+    """The largest |Δ loss| / CPU loss over the steps (inf when a loss is not finite or a step is missing)."""
+    if len(cpu) != len(cuda) or not cpu:
+        return float("inf")
+    diffs = [abs(a - b) / abs(a) for a, b in zip(cpu, cuda, strict=True)]
+    return max(diffs) if all(d == d for d in diffs) else float("inf")
+
+
 def child_throughput(train: bool, compile: bool) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     torch.backends.cuda.matmul.allow_tf32 = True
     ref, ours = _models()
+    res: dict[str, Any] = {}
+    if not train and not compile:
+        res.update(forward_agreement(ref, ours))
+    if train and not compile:
+        cpu, cuda = train_losses("cpu"), train_losses("cuda")
+        res.update(cpu_losses=[round(v, 4) for v in cpu], cuda_losses=[round(v, 4) for v in cuda],
+                   loss_rel_diff=loss_rel_diff(cpu, cuda))
     batch = 128 if train else 256
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
@@ -339,10 +717,8 @@ def child_throughput(train: bool, compile: bool) -> dict[str, Any]:
     for _ in range(5):  # interleaved rounds: drift on the chip touches both alike
         for name in ("timm", "ours"):
             rates[name].append(_images_per_s(steps[name], batch, 10))
-    res: dict[str, Any] = {k: statistics.median(v) for k, v in rates.items()}
-    res.update(batch=batch, rounds=rates)
-    if compile:
-        res["compile_s"] = compile_s
+    res.update({k: statistics.median(v) for k, v in rates.items()})
+    res.update(batch=batch, rounds=rates, compile_s=compile_s)
     return res
 
 
@@ -360,11 +736,42 @@ def child_sdpa_kernel() -> dict[str, Any]:
             model(x)
             torch.cuda.synchronize()
     names = {e.key for e in prof.key_averages()}
-    aten = sorted(n for n in names if n.startswith("aten::_") and ("attention" in n or "flash" in n))
     kernels = sorted(n for n in names if not n.startswith("aten::")
                      and re.search(r"flash|fmha|attention|sdpa", n, re.IGNORECASE))
-    return {"aten_ops": aten, "kernels": [k[:120] for k in kernels],
+    return {"kernels": [k[:120] for k in kernels],
             "flash": any("flash" in k.lower() for k in kernels)}  # the CUDA kernel that ran, not the op asked
+
+
+def psnr(a: Any, b: Any) -> float:
+    import numpy as np
+
+    mse = float(((np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * float(np.log10(255.0**2 / mse))
+
+
+def child_gpu_decode() -> dict[str, Any]:
+    """nvJPEG (`GpuDecoder` on cuda) against the CPU fast path on the corpus' two 12 MP phone JPEGs."""
+    if (why := _needs("torchvision", "skimage", "matplotlib")) is not None:
+        return {"no_verdict": why}
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import upload_corpus
+
+    from vit_serve.preprocess import PreprocessConfig, load_image, resize_and_crop
+    from vit_serve.serve.gpu_decode import GpuDecoder
+
+    names = ("phone_astronaut.jpg", "phone_mosaic_exif6.jpg")
+    with tempfile.TemporaryDirectory(prefix="gpu_check-corpus-") as tmp:
+        files = upload_corpus.build(tmp, names)
+        datas = {n: Path(files[n]).read_bytes() for n in names}
+    cfg = PreprocessConfig(decode="fast")
+    dec = GpuDecoder(cfg, 50_000_000, device="cuda")
+    crops = dec.crops(list(datas.values()))
+    dec.close()
+    if dec.fallbacks:
+        return {"psnr": {}, "min_psnr": None, "fallbacks": dict(dec.fallbacks)}
+    values = {n: psnr(c, resize_and_crop(load_image(d, cfg=cfg), cfg)) for (n, d), c in
+              zip(datas.items(), crops, strict=True)}
+    return {"psnr": values, "min_psnr": min(values.values())}
 
 
 def ddp_worker(report: Path, device_type: str = "cuda") -> None:
@@ -429,7 +836,7 @@ def ddp_worker(report: Path, device_type: str = "cuda") -> None:
 
 
 def run_child(name: str) -> int:
-    fn = {"sdpa-kernel": child_sdpa_kernel,
+    fn = {"sdpa-kernel": child_sdpa_kernel, "gpu-decode": child_gpu_decode,
           "forward": lambda: child_throughput(False, False), "train": lambda: child_throughput(True, False),
           "forward-compile": lambda: child_throughput(False, True),
           "train-compile": lambda: child_throughput(True, True)}[name]
@@ -439,48 +846,86 @@ def run_child(name: str) -> int:
 
 # ---- the report -----------------------------------------------------------------------------------------------
 
-def environment() -> list[list[str]]:
-    import torch
+def environment(cuda: bool) -> list[list[str]]:
+    """Versions (from the installed distributions: nothing is imported but torch) and the GPUs."""
+    from importlib import metadata
 
-    rows = [["torch", torch.__version__], ["CUDA (torch build)", str(torch.version.cuda)]]
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        rows.append([f"GPU {i}", f"{p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB"])
-    for mod in ("timm", "onnx", "onnxruntime", "tensorrt", "pytest"):
-        spec = importlib.util.find_spec(mod)
-        if spec is None:
-            rows.append([mod, "not installed"])
-            continue
+    rows = [["python", sys.version.split()[0]]]
+    for dist in ("torch", "timm", "onnx", "onnxruntime", "tensorrt", "torchvision", "pytest"):
         try:
-            rows.append([mod, getattr(__import__(mod), "__version__", "?")])
-        except Exception as e:  # a broken install is reported, not fatal
-            rows.append([mod, f"import fails: {type(e).__name__}"])
+            rows.append([dist, metadata.version(dist)])
+        except metadata.PackageNotFoundError:
+            rows.append([dist, "not installed"])
+    if cuda:
+        import torch
+
+        rows.append(["CUDA (torch build)", str(torch.version.cuda)])
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            rows.append([f"GPU {i}", f"{p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB"])
     return rows
 
 
-def report(results: list[Result], env_rows: list[list[str]], budget_s: float, wall_s: float) -> str:
-    parts = ["# GPU check", "", markdown_table(["", "version"], env_rows), "",
-             markdown_table(["stage", "result", "detail", "s"],
-                            [[r.stage, r.status, r.detail, f"{r.seconds:.0f}"] for r in results])]
-    speed = [r for r in results if r.stage in ("forward", "train", "forward-compile", "train-compile")
-             and r.status == "pass"]
-    if speed:
-        parts += ["", "ViT-B/16 at 224, bf16 autocast, same weights, images/s (median of 5 interleaved rounds):", "",
-                  markdown_table(["measurement", "batch", "timm", "vit-serve", "vit-serve / timm"],
-                                 [[r.stage, r.data["batch"], f"{r.data['timm']:.0f}", f"{r.data['ours']:.0f}",
-                                   f"{r.data['ours'] / r.data['timm']:.3f}x"] for r in speed])]
-    parts += ["", f"Total {wall_s:.0f} s of a {budget_s:.0f} s budget."]
-    return "\n".join(parts) + "\n"
+def report(results: list[Result], env_rows: list[list[str]], notes: list[str], budget_s: float,
+           wall_s: float) -> str:
+    parts = ["# GPU check", "", markdown_table(["", "version"], env_rows), "", *notes, "" if notes else None,
+             markdown_table(["stage", "verdict", "criterion", "detail", "s"],
+                            [[r.stage, r.verdict, _criterion(r.stage), r.detail, f"{r.seconds:.0f}"]
+                             for r in results])]
+    code = exit_code([r.verdict for r in results])
+    parts += ["", f"Total {wall_s:.0f} s of a {budget_s:.0f} s budget; exit {code}."]
+    return "\n".join(p for p in parts if p is not None) + "\n"
+
+
+def _criterion(name: str) -> str:
+    return next(s.criterion for s in STAGES if s.name == name)
+
+
+def cuda_devices() -> tuple[int, str | None]:
+    """(the number of CUDA devices, or 0 and why not)."""
+    try:
+        import torch
+    except ImportError:
+        return 0, "torch is not installed"
+    if not torch.cuda.is_available():
+        return 0, "no CUDA device"
+    return torch.cuda.device_count(), None
+
+
+def _index_reachable(timeout: float = 3.0) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=timeout):
+        return True
+    return False
+
+
+def install_tools(wheels: Path | None) -> str:
+    """Install the missing test tools (carried wheels, else PyPI when reachable); one line saying what happened."""
+    missing = missing_tools()
+    if not missing:
+        return "test tools: all present"
+    plan, line = install_plan(missing, wheels, bool(missing) and _index_reachable())
+    if plan is None:
+        return line
+    rc, out = _run([sys.executable, "-m", "pip", "-q", *plan], dict(os.environ), 300)
+    importlib.invalidate_caches()
+    still = missing_tools()
+    if rc == 0 and not still:
+        return line + ": done"
+    return line + f": pip exit {rc}; still missing: {', '.join(still) or 'none'} ({_tail(out, 200)})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json into this folder")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                     help=f"seconds for the whole check (default {DEFAULT_BUDGET_S:.0f})")
     ap.add_argument("--only", help="comma list of stage names to run (default: all)")
+    ap.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS,
+                    help="folder of wheels for the missing test tools (default ./gpu_check_wheels)")
+    ap.add_argument("--no-install", action="store_true", help="install nothing, even when a test tool is missing")
     ap.add_argument("--list", "--dry-run", dest="list", action="store_true",
-                    help="list the stages and exit (no GPU needed)")
+                    help="list the stages and their criteria, and exit (no GPU needed)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--ddp-worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--ddp-device", default="cuda", help=argparse.SUPPRESS)
@@ -491,9 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown stage {', '.join(unknown)}; the stages are {', '.join(names)}")
     if args.list:
-        print(markdown_table(["stage", "what", "needs s", "at most s"],
-                             [[s.name, s.what, f"{s.needs_s:.0f}", f"{s.limit_s:.0f}"] for s in STAGES]))
-        print(f"\nglobal budget {args.budget:.0f} s; a stage is skipped when less than it needs is left")
+        print(markdown_table(["stage", "what", "criterion", "needs s", "at most s"],
+                             [[s.name, s.what, s.criterion, f"{s.needs_s:.0f}", f"{s.limit_s:.0f}"] for s in STAGES]))
+        print(f"\nglobal budget {args.budget:.0f} s; a stage gets no verdict when less than it needs is left")
         return 0
     env = _ensure_importable()
     if args.child:
@@ -502,48 +947,50 @@ def main(argv: list[str] | None = None) -> int:
         ddp_worker(args.ddp_worker, args.ddp_device)
         return 0
 
-    import torch
-
-    if not torch.cuda.is_available():
-        msg = ("gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check here "
-               "(--list shows the stages)")
-        print(msg, file=sys.stderr)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "gpu_check.md").write_text(f"# GPU check\n\n{msg}\n")
-        return NO_CUDA_EXIT
-
     t_start = time.monotonic()
     budget = Budget(args.budget)
-    env_rows = environment()
+    gpus, no_cuda = cuda_devices()
+    notes: list[str] = []
     results: list[Result] = []
-    runners: dict[str, Callable[[dict[str, str], float], Result]] = {
+    if no_cuda is None and not args.no_install:
+        notes.append(install_tools(args.wheels))
+        print(notes[-1], file=sys.stderr, flush=True)
+    runners: dict[str, Callable[[Context, float], Result]] = {
         "cuda-tests": stage_cuda_tests, "tensorrt": stage_tensorrt, "ddp-nccl": stage_ddp}
-    for stage in STAGES:
-        if stage.name not in only:
-            continue
-        limit = budget.allow(stage)
-        if limit is None:
-            results.append(Result(stage.name, "skipped",
-                                  f"budget spent: {budget.left():.0f} s left, needs {stage.needs_s:.0f} s"))
-        else:
-            print(f"[{time.monotonic() - t_start:5.0f} s] {stage.name}: {stage.what} (at most {limit:.0f} s)",
-                  file=sys.stderr, flush=True)
-            t = time.monotonic()
-            run = runners.get(stage.name)
-            res = run(env, limit) if run else stage_measure(stage.name, env, limit)
-            res.seconds = time.monotonic() - t
-            results.append(res)
-        print(f"        {results[-1].status}: {results[-1].detail}", file=sys.stderr, flush=True)
-    text = report(results, env_rows, args.budget, time.monotonic() - t_start)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
+        ctx = Context(env, Path(work), gpus)
+        for stage in STAGES:
+            if stage.name not in only:
+                continue
+            limit = budget.allow(stage)
+            if no_cuda is not None:
+                results.append(Result(stage.name, NO_VERDICT, no_cuda))
+            elif limit is None:
+                results.append(Result(stage.name, NO_VERDICT,
+                                      f"budget spent: {budget.left():.0f} s left, needs {stage.needs_s:.0f} s"))
+            else:
+                print(f"[{time.monotonic() - t_start:5.0f} s] {stage.name}: {stage.what} (at most {limit:.0f} s)",
+                      file=sys.stderr, flush=True)
+                t = time.monotonic()
+                run = runners.get(stage.name)
+                try:
+                    res = run(ctx, limit) if run else stage_measure(stage.name, ctx, limit)
+                except Exception as e:  # a stage's own crash is its FAIL, never the end of the check
+                    res = Result(stage.name, FAIL, f"{type(e).__name__}: {e}")
+                res.seconds = time.monotonic() - t
+                results.append(res)
+            print(f"        {results[-1].stage}: {results[-1].verdict}: {results[-1].detail}", file=sys.stderr,
+                  flush=True)
+    env_rows = environment(no_cuda is None)
+    text = report(results, env_rows, notes, args.budget, time.monotonic() - t_start)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_check.md").write_text(text)
         (args.out / "gpu_check.json").write_text(json.dumps(
-            [{"stage": r.stage, "status": r.status, "detail": r.detail, "seconds": r.seconds, "data": r.data}
-             for r in results], indent=2, default=str))
-    return 1 if any(r.status == "FAIL" for r in results) else 0
+            [{**asdict(r), "criteria": [{**asdict(c), "ok": c.ok} for c in r.criteria]} for r in results],
+            indent=2, default=str))
+    return exit_code([r.verdict for r in results])
 
 
 if __name__ == "__main__":

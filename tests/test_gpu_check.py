@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
@@ -28,21 +30,25 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, **env})
 
 
-def test_without_a_gpu_it_says_so_in_one_line_and_exits_3(tmp_path):
+def test_without_a_gpu_every_stage_is_no_verdict_and_it_exits_3(tmp_path):
+    """Run to the end as on a CPU-only machine: nothing trained or exported, each stage "no verdict"."""
     r = _run("--out", str(tmp_path / "report"), CUDA_VISIBLE_DEVICES="")
-    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.returncode == gpu_check.EXIT_NO_VERDICT == 3, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no CUDA device" in lines[0]
-    assert "no CUDA device" in (tmp_path / "report" / "gpu_check.md").read_text()
+    rows = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
+    assert [row["stage"] for row in rows] == [s.name for s in gpu_check.STAGES]
+    assert all(row["verdict"] == "no verdict" and row["detail"] == "no CUDA device" for row in rows)
+    md = (tmp_path / "report" / "gpu_check.md").read_text()
+    assert md.count("| no verdict |") == len(gpu_check.STAGES) and "exit 3" in md
 
 
 def test_list_names_every_stage_without_a_gpu():
     r = _run("--list", CUDA_VISIBLE_DEVICES="")
     assert r.returncode == 0, r.stderr
-    for name in ("cuda-tests", "sdpa-kernel", "forward", "train", "ddp-nccl", "tensorrt", "forward-compile",
-                 "train-compile"):
+    for name in ("cuda-tests", "sdpa-kernel", "forward", "train", "gpu-decode", "ddp-nccl", "forward-compile",
+                 "train-compile", "tensorrt"):
         assert f"| {name} |" in r.stdout
+    assert "| ratio >= 0.95 |" in r.stdout and "PSNR >= 35 dB" in r.stdout
     assert _run("--dry-run").stdout == r.stdout
 
 
@@ -51,15 +57,23 @@ def test_unknown_stage_is_a_usage_error():
     assert r.returncode == 2 and "unknown stage nope" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_the_stages_fit_the_8_minute_limit():
-    assert gpu_check.DEFAULT_BUDGET_S <= 8 * 60 - 20  # start-up and the report fit in the rest
+def test_the_stages_fit_540_s_and_compile_comes_before_tensorrt():
+    assert gpu_check.DEFAULT_BUDGET_S <= 540 - 10  # start-up and the report fit in the rest
     assert all(s.needs_s <= s.limit_s for s in gpu_check.STAGES)
+    assert sum(s.needs_s for s in gpu_check.STAGES) <= gpu_check.DEFAULT_BUDGET_S
+    order = [s.name for s in gpu_check.STAGES]
+    assert order.index("forward-compile") < order.index("train-compile") < order.index("tensorrt")
+
+
+def test_help_says_how_to_run_it_in_one_command():
+    r = _run("--help")
+    assert r.returncode == 0 and "python benchmarks/gpu_check.py --out" in r.stdout and "540 s" in r.stdout
 
 
 def test_budget_skips_a_stage_that_no_longer_fits():
     now = [0.0]
     budget = gpu_check.Budget(100, clock=lambda: now[0])
-    stage = gpu_check.Stage("x", "", needs_s=30, limit_s=50)
+    stage = gpu_check.Stage("x", "", "", needs_s=30, limit_s=50)
     assert budget.allow(stage) == 50
     now[0] = 60  # 40 s left: runs, cut to what is left
     assert budget.allow(stage) == 40
@@ -78,17 +92,6 @@ def test_finds_the_test_files_with_cuda_only_tests(tmp_path):
                                           "def test_a(): pass\n")
     (tmp_path / "test_cpu.py").write_text("def test_b(): pass\n")
     assert [p.name for p in gpu_check.cuda_test_files(tmp_path)] == ["test_gpu.py"]
-
-
-def test_pytest_counts_reads_pytests_own_summary(tmp_path):
-    (tmp_path / "test_x.py").write_text("import pytest\n"
-                                        "def test_ok(): pass\n"
-                                        "def test_bad(): assert False\n"
-                                        "@pytest.mark.skip(reason='r')\n"
-                                        "def test_skip(): pass\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                        str(tmp_path / "test_x.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert gpu_check.pytest_counts(r.stdout) == {"failed": 1, "passed": 1, "skipped": 1}
 
 
 def test_an_uninstalled_tree_imports_vit_export_from_export(tmp_path):
@@ -112,3 +115,123 @@ def test_ddp_stage_proves_gradient_averaging_with_gloo_on_cpu(tmp_path):
     assert res["backend"] == "gloo" and res["world"] == 2
     assert res["ranks_agree"] and res["all_reduce_ok"]
     assert res["max_param_diff_vs_single_process"] <= 1e-4
+
+
+# ---- the verdicts, as pure functions ---------------------------------------------------------------------------
+
+def test_a_failing_criterion_fails_its_stage_and_an_unmeasured_one_gives_no_verdict():
+    pass_, fail_, none_ = "pass", "FAIL", "no verdict"
+    assert gpu_check.judge([gpu_check.at_least("ratio", 0.96, 0.95)]) == pass_
+    assert gpu_check.judge([gpu_check.at_least("ratio", 0.94, 0.95)]) == fail_
+    assert gpu_check.judge([gpu_check.at_most("max |Δ|", 2e-3, 1e-3), gpu_check.at_least("cos", 1.0, 0.999)]) == fail_
+    assert gpu_check.judge([gpu_check.at_least("PSNR", None, 35)]) == none_
+    assert gpu_check.judge([]) == none_
+    # What each measuring stage's child reports, judged: every criterion can fail.
+    rate = {"timm": 1000.0, "batch": 256, "compile_s": {"timm": 30.0, "ours": 31.0}}
+    cases = {
+        "forward": ({**rate, "ours": 990.0, "fp32_max_abs": 4e-4, "bf16_cosine": 0.9995},
+                    {"fp32_max_abs": 2e-3}, {"bf16_cosine": 0.998}),
+        "train": ({**rate, "ours": 990.0, "loss_rel_diff": 0.004, "cpu_losses": [7.1], "cuda_losses": [7.1]},
+                  {"loss_rel_diff": 0.05}, {"loss_rel_diff": gpu_check.loss_rel_diff([7.0], [float("nan")])}),
+        "forward-compile": ({**rate, "ours": 960.0}, {"ours": 940.0}, {"ours": 500.0}),
+        "train-compile": ({**rate, "ours": 1100.0}, {"ours": 900.0}, {"ours": 949.0}),
+        "gpu-decode": ({"psnr": {"a.jpg": 41.0}, "min_psnr": 41.0}, {"min_psnr": 34.9}, {"min_psnr": 20.0}),
+        "sdpa-kernel": ({"flash": True, "kernels": ["flash_fwd"]}, {"flash": False}, {"flash": False}),
+    }
+    for name, (good, *bad) in cases.items():
+        assert gpu_check.judge(gpu_check.criteria_of(name, good)[0]) == pass_, name
+        for change in bad:
+            assert gpu_check.judge(gpu_check.criteria_of(name, {**good, **change})[0]) == fail_, (name, change)
+    assert gpu_check.judge(gpu_check.criteria_of("gpu-decode", {"psnr": {}, "min_psnr": None})[0]) == none_
+
+
+def test_losses_agree_within_bf16_tolerance_or_not():
+    assert gpu_check.loss_rel_diff([6.9, 6.8], [6.93, 6.79]) == pytest.approx(0.03 / 6.9)
+    assert gpu_check.loss_rel_diff([6.9], [6.9, 6.8]) == float("inf")  # a step missing
+    assert gpu_check.loss_rel_diff([6.9], [float("nan")]) == float("inf")
+
+
+def test_exit_code_and_combined_verdicts():
+    assert gpu_check.exit_code(["pass", "skipped"]) == 0
+    assert gpu_check.exit_code(["pass", "no verdict"]) == 3
+    assert gpu_check.exit_code(["FAIL", "no verdict", "pass"]) == 1
+    assert gpu_check.exit_code([]) == 3
+    assert gpu_check.combine([("pass", "a"), ("skipped", "no tritonserver")]) == "pass"
+    assert gpu_check.combine([("pass", "a"), ("no verdict", "stopped")]) == "no verdict"
+    assert gpu_check.combine([("no verdict", "x"), ("FAIL", "y")]) == "FAIL"
+    assert gpu_check.combine([("skipped", "x")]) == "skipped"
+
+
+def test_ddp_on_one_gpu_is_skipped_with_its_reason(tmp_path):
+    r = gpu_check.stage_ddp(gpu_check.Context(dict(os.environ), tmp_path, gpus=1), 60)
+    assert r.verdict == "skipped" and "needs 2 ranks on 2 GPUs" in r.detail
+
+
+def _pytest_stage(tmp_path, kind: str, source: str | None) -> tuple[str, str]:
+    """`run_pytest` (the cuda-tests and tensorrt stages' runner) on one test file, with pytest for real."""
+    files = []
+    if source is not None:
+        (tmp_path / "test_sample.py").write_text(source)
+        files = [tmp_path / "test_sample.py"]
+    ctx = gpu_check.Context(gpu_check.child_env(REPO), tmp_path, gpus=1)
+    return gpu_check.run_pytest(ctx, kind, files, 120)
+
+
+SAMPLE = ("import pytest\n"
+          "@pytest.mark.skipif(True, reason='no CUDA device: checked on GPUs only')\n"
+          "def test_cuda(): pass\n"
+          "@pytest.mark.skipif(True, reason='needs tensorrt and a CUDA GPU')\n"
+          "def test_engine(): pass\n"
+          "def test_cpu(): pass\n")
+
+
+def test_pytest_verdicts_from_junit_all_skipped_none_collected_failed_passed(tmp_path):
+    """Reference: pytest's own junit XML. The CPU test in the file is deselected: counted, it would make a
+    stage whose CUDA tests all skipped "pass"."""
+    verdict, detail = _pytest_stage(tmp_path, "cuda", SAMPLE)
+    assert verdict == "no verdict" and detail == "all 1 skipped: no CUDA device: checked on GPUs only"
+    verdict, detail = _pytest_stage(tmp_path, "tensorrt", SAMPLE)
+    assert verdict == "no verdict" and "needs tensorrt and a CUDA GPU" in detail
+    assert _pytest_stage(tmp_path, "cuda", "def test_cpu(): pass\n") == ("no verdict", "no test collected")
+    assert _pytest_stage(tmp_path, "cuda", "") == ("no verdict", "no test collected")
+    assert _pytest_stage(tmp_path, "cuda", None)[0] == "no verdict"
+    failing = ("import pytest\n"
+               "@pytest.mark.skipif(False, reason='needs a CUDA GPU')\n"
+               "def test_cuda(): assert 1 == 2\n")
+    assert _pytest_stage(tmp_path, "cuda", failing) == ("FAIL", "0 passed, 1 failed, 0 errors, 0 skipped")
+    passing = failing.replace("1 == 2", "1 == 1") + ("@pytest.mark.skipif(True, reason='needs two CUDA GPUs')\n"
+                                                     "def test_two(): pass\n")
+    assert _pytest_stage(tmp_path, "cuda", passing) == ("pass", "1 passed, 0 failed, 0 errors, 1 skipped")
+    broken = "import pytest\n@pytest.mark.skipif(False, reason='needs a CUDA GPU')\ndef test_cuda(:\n"
+    assert _pytest_stage(tmp_path, "cuda", broken)[0] == "FAIL"  # a collection error is no pass
+
+
+def test_pytest_verdict_of_a_stopped_or_broken_run():
+    s = gpu_check.PytestSummary
+    assert gpu_check.tests_verdict(s(tests=3, skipped=1, exit_code=None))[0] == "no verdict"
+    assert gpu_check.tests_verdict(s(tests=3, failures=1, exit_code=None))[0] == "FAIL"
+    assert gpu_check.tests_verdict(s(exit_code=4))[0] == "FAIL"  # usage error: no report at all
+    assert gpu_check.tests_verdict(s(tests=2, skipped=1, exit_code=0)) == ("pass", "1 passed, 0 failed, 0 errors, "
+                                                                           "1 skipped")
+
+
+def test_cuda_test_kind_from_skip_reasons():
+    assert gpu_check.cuda_test_kind(["no CUDA device: nvJPEG decoding is checked on GPUs only"]) == "cuda"
+    assert gpu_check.cuda_test_kind(["TensorRT build skipped: no GPU"]) == "tensorrt"
+    assert gpu_check.cuda_test_kind(["redis-server is not installed"]) is None
+    assert gpu_check.cuda_test_kind([]) is None
+
+
+def test_missing_tools_are_installed_from_carried_wheels_or_pypi_or_named(tmp_path):
+    assert gpu_check.missing_tools(lambda m: None if m in ("timm", "skimage") else object()) == ["timm",
+                                                                                                "scikit-image"]
+    assert gpu_check.install_plan([], tmp_path, False) == (None, "test tools: all present")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    plan, line = gpu_check.install_plan(["timm"], wheels, False)
+    assert plan is None and "pip download -d gpu_check_wheels timm" in line  # an empty folder is no source
+    (wheels / "timm-1.0-py3-none-any.whl").write_bytes(b"")
+    plan, line = gpu_check.install_plan(["timm"], wheels, False)
+    assert plan == ["install", "--no-index", "--find-links", str(wheels), "timm"] and str(wheels) in line
+    plan, line = gpu_check.install_plan(["timm"], tmp_path / "none", True)
+    assert plan == ["install", "timm"] and "PyPI" in line

@@ -239,6 +239,13 @@ def _stock_timm(arch: str, depth: int | None = None) -> vit_serve.VisionTransfor
     return build_model(convert_timm(ref.state_dict(), arch)).eval()
 
 
+# Whether onnxruntime flips a weight that PyTorch leaves within rounding of its threshold depends on both CPU
+# kernels. A flipped [class]-row weight moves its cell by ~1.5e-3, ~5e-4 off the map's cosine, and may cost one of
+# its top-5 cells: the judged number is `beyond`; the map's cosine and top-5 are held to what two such flips leave.
+MAP_COSINE_MIN = 0.998
+MAP_TOP_MIN = 0.6
+
+
 @pytest.mark.parametrize(
     "arch", ["vit_tiny_patch16_224", "vit_tiny_patch16_384", "vit_small_patch16_224", "vit_small_patch16_384"]
 )
@@ -253,7 +260,8 @@ def test_rollout_check_on_stock_timm_presets(tmp_path, arch):
     print(report.table())
     assert report.ok and [r.batch for r in report.rows] == [1, 8]
     for r in report.rows:
-        assert r.rollout_beyond <= 1e-5 and r.rollout_near > 0 and r.rollout_cosine > 0.9999 and r.rollout_top == 1.0
+        assert r.rollout_beyond <= 1e-5 and r.rollout_near > 0
+        assert r.rollout_cosine > MAP_COSINE_MIN and r.rollout_top >= MAP_TOP_MIN
 
 
 def test_rollout_check_on_full_stock_vit_s16_at_batch_8(tmp_path):
@@ -265,53 +273,111 @@ def test_rollout_check_on_full_stock_vit_s16_at_batch_8(tmp_path):
     print(report.table())
     assert report.ok
     for r in report.rows:
-        assert r.rollout_beyond <= 1e-5 and r.rollout_cosine > 0.9999 and r.rollout_top == 1.0
+        assert r.rollout_beyond <= 1e-5
+        assert r.rollout_cosine > MAP_COSINE_MIN and r.rollout_top >= MAP_TOP_MIN
+
+
+# The layers whose discard threshold gets a tie by construction, and how far the second runtime's copy of the tied
+# weight sits below it: a few float32 ulps (float32's epsilon is 1.2e-7), as another runtime's rounding would.
+TIED_LAYERS = (5, 11)
+NUDGE_REL = 4e-7
+
+
+def _tied_at_threshold(
+    attentions: list[torch.Tensor], layers: tuple[int, ...] = TIED_LAYERS, nudge: float = NUDGE_REL,
+    noise: float = 2e-7, seed: int = 0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Attentions with a weight exactly at a discard threshold, and a second runtime's rounding of them.
+
+    The rollout fuses the heads before it thresholds, so each of `layers` is given fused, as [B, 1, N, N] (the
+    mean of one head is the value itself: a tie is one float copied, exact whatever the CPU's reduction kernels).
+    In it, per image, the largest [class]-row weight that the 90% discard drops is set to the layer's threshold
+    (its smallest kept weight): a tie, which `discard_lowest` keeps whole. The second runtime has that weight
+    `nudge` (relative) lower, so it drops it: a flip on every machine, by construction, whatever the CPU's kernels
+    made of the model's attentions. The other layers keep their heads, and the second runtime's carry relative
+    noise of `noise` (incidental flips, where the attentions put weights near a threshold).
+    Returns (PyTorch's side, the other runtime's side): L tensors [B, heads or 1, N, N] each.
+    """
+    from vit_serve.explain import discard_lowest, fuse_heads
+
+    g = torch.Generator().manual_seed(seed)
+    tied, other = [], []
+    for layer, a in enumerate(attentions):
+        if layer not in layers:
+            tied.append(a)
+            other.append(a * (1 + noise * torch.randn(a.shape, generator=g)))
+            continue
+        fused = fuse_heads(a.float()).clone()  # [B, N, N]
+        batch, n = fused.shape[0], fused.shape[-1]
+        flat = fused.reshape(batch, -1)
+        kept = discard_lowest(fused, 0.9).reshape(batch, -1) != 0
+        kept[:, 0] = False  # [0, 0] is never discarded: it is no threshold
+        threshold = torch.where(kept, flat, torch.inf).argmin(dim=-1)
+        cls_dropped = torch.where(~kept[:, 1:n], flat[:, 1:n], -torch.inf)
+        assert torch.isfinite(cls_dropped.amax(dim=-1)).all(), "the 90% discard dropped no [class]-row weight"
+        column = 1 + cls_dropped.argmax(dim=-1)
+        rows = torch.arange(batch)
+        flat[rows, column] = flat[rows, threshold]  # one float copied: an exact tie at the threshold
+        nudged = flat.clone()
+        nudged[rows, column] = flat[rows, threshold] * (1 - nudge)
+        assert (nudged[rows, column] < flat[rows, threshold]).all()  # float32 keeps the nudge: it is > 1 ulp
+        tied.append(fused[:, None])
+        other.append(nudged.reshape(fused.shape)[:, None])
+    return tied, other
 
 
 @pytest.fixture(scope="module")
 def s16_attentions():
-    """Full-depth stock ViT-S/16 attentions on a batch of 8 (PyTorch only), and a map from a simulated second
-    runtime: the same attentions with relative rounding noise of 2e-7 (float32's epsilon is 1.2e-7)."""
+    """Full-depth stock ViT-S/16 attentions on a batch of 8 (PyTorch only) and their rollout map; and the case
+    `_tied_at_threshold` builds from them: PyTorch's side with exact ties at two layers' discard thresholds, and
+    the map of a simulated second runtime that rounds the tied weights a few ulps lower."""
     from vit_serve.explain import rollout
 
     model = _stock_timm("vit_small_patch16_224")
     x = torch.randn(8, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         _, attentions = model(x, return_attention=True)
-    g = torch.Generator().manual_seed(0)
-    noisy = [a * (1 + 2e-7 * torch.randn(a.shape, generator=g)) for a in attentions]
-    other = rollout(noisy, (14, 14), 1, "token", "mean", 0.9).map.numpy()
     ref = rollout(attentions, (14, 14), 1, "token", "mean", 0.9).map.numpy()
-    return attentions, other, ref
+    tied, nudged = _tied_at_threshold(list(attentions))
+    tied_ref = rollout(tied, (14, 14), 1, "token", "mean", 0.9).map.numpy()
+    other = rollout(nudged, (14, 14), 1, "token", "mean", 0.9).map.numpy()
+    return {"stock": (attentions, ref), "tied": (tied, tied_ref), "other": other}
 
 
 def test_rollout_flips_at_rounding_level_pass_and_are_explained(s16_attentions):
-    """Reference: vit_serve.explain.rollout. Rounding-level noise in the attentions flips near-threshold weights and
-    moves the map by more than 1e-5 (the old criterion fails it); the envelope explains the whole move, tightly."""
+    """Reference: vit_serve.explain.rollout. A weight exactly at a discard threshold, rounded a few ulps lower by a
+    second runtime, is dropped there: the map moves by more than 1e-5 (the old criterion fails it) on every
+    machine, by ~1.5e-3 for a [class]-row weight (the largest move a flip makes), and the envelope explains the
+    whole move, tightly."""
     from vit_export.parity import compare_rollout, rollout_envelope
 
-    attentions, other, ref = s16_attentions
+    tied, ref = s16_attentions["tied"]
+    other = s16_attentions["other"]
     diff = np.abs(other - ref).reshape(8, -1)
-    assert diff.max() > 1e-5  # the case the old max |Δ| <= 1e-5 check failed
-    result = compare_rollout(other, attentions, (14, 14))
+    assert (diff.max(axis=-1) > 1e-4).all()  # every image: the case the old max |Δ| <= 1e-5 check failed
+    result = compare_rollout(other, tied, (14, 14))
     print(result)
-    assert result.ok and result.near > 0 and result.beyond <= 1e-5 and result.max_abs == pytest.approx(diff.max())
-    assert result.cosine > 0.9999 and result.top == 1.0
-    counts, envelope = rollout_envelope(attentions)
+    assert result.ok and result.beyond <= 1e-5 and result.max_abs == pytest.approx(diff.max())
+    assert result.near >= 2 * len(TIED_LAYERS) * 8  # each tie is two weights at the threshold
+    # A [class]-row flip moves its cell by ~1.5e-3 and costs ~5e-4 of the map's cosine (reported, not judged).
+    assert result.cosine > 0.998
+    counts, envelope = rollout_envelope(tied)
     assert len(counts) == 8 and envelope.shape == (8, 196)
     moved = diff > 1e-6
     assert np.all(diff[moved] <= 2.0 * envelope.numpy()[moved] + 1e-5)
     assert (diff[moved] / envelope.numpy()[moved]).max() > 0.5  # a bound, not a blanket: it is reached
 
 
+@pytest.mark.parametrize("case", ["stock", "tied"])
 @pytest.mark.parametrize("wrong", ["discard 0.8", "max fusion", "transposed", "one cell +1e-4", "no discard"])
-def test_rollout_check_fails_on_wrong_maps(s16_attentions, wrong):
-    """A check that cannot fail is no check: maps that are genuinely wrong fail it, near-threshold weights or not."""
+def test_rollout_check_fails_on_wrong_maps(s16_attentions, wrong, case):
+    """A check that cannot fail is no check: maps that are genuinely wrong fail it, near-threshold weights or not
+    (the stock attentions, and the same with weights exactly at two layers' thresholds)."""
     from vit_export.parity import compare_rollout
 
     from vit_serve.explain import rollout
 
-    attentions, _, ref = s16_attentions
+    attentions, ref = s16_attentions[case]
     maps = {
         "discard 0.8": lambda: rollout(attentions, (14, 14), 1, "token", "mean", 0.8).map.numpy(),
         "max fusion": lambda: rollout(attentions, (14, 14), 1, "token", "max", 0.9).map.numpy(),
