@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # vit-serve gateway image. Two targets:
 #   docker build -t vit-serve .                      # CPU (the default, last stage): torch CPU + onnxruntime
-#   docker build --target cuda -t vit-serve:cuda .   # CUDA 12: torch CUDA, onnxruntime-gpu, TensorRT
+#   docker build --target cuda -t vit-serve:cuda .   # CUDA 12: torch CUDA, onnxruntime-gpu, TensorRT, torchvision
+#                                                    # (nvJPEG decode of uploads: the server logs "decode: nvJPEG")
 #   docker run -p 8000:8000 -v $PWD/runs/quickstart/exports:/models vit-serve /models/digits_32.onnx
 # In production (a repository of models, API keys, TLS, Redis for explain-by-id across replicas, gRPC):
 #   docker run -p 8000:8000 -p 8001:8001 -v $PWD/model_repository:/models:ro -v $PWD/secrets:/run/secrets:ro \
@@ -33,7 +34,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY vit_serve ./vit_serve
 COPY export ./export
 RUN python3 -m venv /opt/venv \
- && /opt/venv/bin/pip install ".[serve,export,triton,tensorrt]" \
+ && /opt/venv/bin/pip install ".[serve,export,triton,tensorrt,cuda]" \
  && /opt/venv/bin/pip uninstall -y onnxruntime && /opt/venv/bin/pip install onnxruntime-gpu
 
 # ---- runtime (CUDA) -----------------------------------------------------------------------------------

@@ -215,6 +215,10 @@ class ExportOptions:
             raise OptionError("precision", "<formats> tensorrt builds from an fp32 or fp16 graph; <precision> int8 "
                                            "is onnxruntime's quantization (choose the engine's precision with "
                                            "<trt_precision>)")
+        if "tensorrt" in self.formats and self.precision == "fp16" and self.trt_precision != "fp16":
+            raise OptionError("trt_precision", f"<precision> fp16 builds an fp16 engine from the fp16 graph, not "
+                                               f"<trt_precision> {self.trt_precision}: drop one (an fp32 graph, "
+                                               f"the default <precision>, builds any <trt_precision>)")
         if "tensorrt" in self.formats and self.res == "dynamic":
             raise OptionError("res", "<formats> tensorrt needs a fixed <res> (e.g. <res> 384): engines are built "
                                      "for one input size, and the dynamic graph's in-graph position-embedding "
@@ -422,7 +426,7 @@ def _tensorrt(
         return None, reason
     version = tensorrt_version()
     graph_precision = "fp16" if opts.precision == "fp16" else "fp32"
-    precision = "fp16" if opts.precision == "fp16" else opts.trt_precision
+    precision = opts.trt_precision  # an fp16 graph with another engine precision is refused by ExportOptions
     plan = plan_build(version, precision, graph_precision)
     source = onnx_path
     if plan.graph_precision != graph_precision:

@@ -29,6 +29,8 @@ class BuildPlan:
 
     builder_flags / creation_flags: names of `trt.BuilderFlag` / `trt.NetworkDefinitionCreationFlag` members.
     pin_norm_fp32: weak typing only; set every normalisation layer's precision and output types to fp32.
+    cleared_flags: `trt.BuilderFlag` members to clear (TensorRT sets TF32 by default: an fp32 engine clears it,
+    so that its matmuls are full fp32, which the fp32 parity bound assumes).
     """
 
     trt_version: str
@@ -38,6 +40,7 @@ class BuildPlan:
     creation_flags: tuple[str, ...]
     builder_flags: tuple[str, ...]
     pin_norm_fp32: bool
+    cleared_flags: tuple[str, ...] = ()
 
 
 def trt_major(version: str) -> int:
@@ -77,13 +80,14 @@ def plan_build(version: str, engine_precision: str, graph_precision: str = "fp32
             f"an {graph_precision} graph builds an {graph_precision} engine only (asked for {engine_precision}); "
             "export the graph in fp32 to choose the engine's precision"
         )
+    cleared = ("TF32",) if engine_precision == "fp32" else ()  # TF32 is on by default in 10.x and 11.x
     if major == 10 and graph_precision == "fp32":
         reduced = engine_precision != "fp32"
         flags = (engine_precision.upper(), "OBEY_PRECISION_CONSTRAINTS") if reduced else ()
-        return BuildPlan(version, engine_precision, "fp32", False, (), flags, reduced)
+        return BuildPlan(version, engine_precision, "fp32", False, (), flags, reduced, cleared)
     # Strongly typed: the graph's types are the engine's. TensorRT 11 ignores (and deprecates) the creation flag.
     creation = ("STRONGLY_TYPED",) if major == 10 else ()
-    return BuildPlan(version, engine_precision, engine_precision, True, creation, (), False)
+    return BuildPlan(version, engine_precision, engine_precision, True, creation, (), False, cleared)
 
 
 def timing_cache_name(compute_capability: str, version: str) -> str:

@@ -98,3 +98,41 @@ def test_healthchecks_are_python_that_compiles():
         argv = json.loads(args[args.index("CMD") + 3:].strip())
         assert argv[1] == "-c"
         compile(argv[2], "HEALTHCHECK", "exec")
+
+
+def _stage_text(name: str) -> str:
+    """The instructions of stage `name` (continuations joined), up to the next FROM."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    m = re.search(rf"^FROM\s+\S+\s+AS\s+{re.escape(name)}\s*$(.*?)(?=^FROM\s|\Z)", text, re.M | re.I | re.S)
+    assert m, f"no stage {name}"
+    return m.group(1)
+
+
+def _requirements(extras: set[str]) -> set[str]:
+    """The distribution names the project's `extras` pull in, following extras of the project itself."""
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    names, todo, seen = set(), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for req in optional[extra]:
+            name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()
+            if name == PYPROJECT["project"]["name"]:
+                todo += re.search(r"\[([^\]]+)\]", req).group(1).split(",")
+            else:
+                names.add(name)
+    return names
+
+
+def test_the_cuda_image_has_torchvision_for_nvjpeg():
+    """The gateway decodes JPEG uploads with nvJPEG through torchvision (vit_serve.serve.gpu_decode); without it
+    every upload silently took the CPU path in the CUDA image. The CPU image needs none."""
+    def installed(stage: str) -> set[str]:
+        extras = {e for group in re.findall(r'"\.\[([^\]]+)\]"', _stage_text(stage)) for e in group.split(",")}
+        plain = set(re.findall(r"pip install (?:--index-url \S+ )?\"?([A-Za-z][\w.-]*)", _stage_text(stage)))
+        return _requirements(extras) | {p.lower() for p in plain}
+
+    assert "torchvision" in installed("build-cuda")
+    assert "torchvision" not in installed("build-cpu")  # the CPU image keeps its CPU torch (no second download)

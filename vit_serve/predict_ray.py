@@ -93,6 +93,15 @@ def _actors(opts: PredictOptions, resources: dict[str, float]) -> tuple[int, dic
     return opts.actors or max(1, int(resources.get("CPU", 1))), {"num_cpus": 1}
 
 
+def model_stage(n: int, reserve: dict[str, Any]) -> dict[str, Any]:
+    """`map_batches` arguments of the model stage besides the function: a fixed pool of `n` actors
+    (`compute=ActorPoolStrategy(size=n)`, Ray Data's form since 2.51, where `concurrency=` is deprecated) each
+    reserving `reserve`."""
+    import ray.data
+
+    return {"compute": ray.data.ActorPoolStrategy(size=n), **reserve}
+
+
 def run_ray(source: VersionSource, todo: list[Item], sink: Sink, opts: PredictOptions) -> None:
     """Predict `todo` on a Ray cluster (`opts.address`; none: the one this process runs, or a new local one) and
     hand each result batch to `sink`."""
@@ -118,7 +127,7 @@ def run_ray(source: VersionSource, todo: list[Item], sink: Sink, opts: PredictOp
         if on_gpu:
             ds = ds.map_batches(decode_batch, batch_size=opts.batch_size, num_cpus=1,
                                 fn_kwargs={"cfg": sink.info.preprocess, "max_pixels": opts.max_pixels})
-        ds = ds.map_batches(ModelActor, batch_size=opts.batch_size, concurrency=n, **reserve,
+        ds = ds.map_batches(ModelActor, batch_size=opts.batch_size, **model_stage(n, reserve),
                             fn_constructor_kwargs={"source": source, "opts": actor_opts, "decode": not on_gpu})
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
             rows = [int(r) for r in batch["row"]]

@@ -205,6 +205,7 @@ def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt
     import redis
 
     from vit_serve.serve.stores.redis import PREFIX
+    from vit_serve.serve.stores.secret import StoreSecret
 
     classified: dict[str, str] = {}  # image id -> the ingress replica that classified it
     uploads: dict[str, bytes] = {}
@@ -215,7 +216,9 @@ def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt
             classified.setdefault(r.json()["id"], r.headers[REPLICA])
             uploads[r.json()["id"]] = data
         stored = [k.decode() for k in redis.Redis.from_url(redis_url).keys(f"{PREFIX}*")]
-        assert all(any(key.startswith(f"{PREFIX}{image}:") for key in stored) for image in classified), stored
+        secret = StoreSecret.from_settings(cluster["settings"])  # the ingress replicas get these settings' secret
+        slots = {image: secret.slot("", image) for image in classified}  # no API keys: the shared scope
+        assert all(any(key.startswith(f"{PREFIX}{slots[image]}:") for key in stored) for image in classified), stored
 
         crossed: dict[str, dict[str, Any]] = {}  # image id -> the answer of the replica that never saw it
         for _ in range(40):
@@ -283,6 +286,85 @@ def test_the_local_cluster_gives_the_proxy_time_to_start(cluster):
     print(f"the cluster's workers see {seen}")
     assert seen == {name: os.environ[name] for name in SERVE_ENV_DEFAULTS}  # start_ray set what was unset
     assert float(seen["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) >= 30
+
+
+def test_a_replica_without_a_gpu_sees_none(cluster):
+    """Ray >= 2.48 leaves CUDA_VISIBLE_DEVICES alone for actors that reserve no GPU, so a CPU replica on a GPU node
+    would use a GPU no one reserved: the replicas' options hide them (a task with those options, on the cluster)."""
+    import ray
+
+    from vit_serve.deploy.ray import actor_options
+
+    options = actor_options({"num_cpus": 0})
+
+    @ray.remote
+    def visible() -> str | None:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    assert ray.get(visible.options(num_cpus=0, runtime_env=options["runtime_env"]).remote(), timeout=120) == ""
+    assert "runtime_env" not in actor_options({"num_gpus": 1})  # Ray sets the reserved GPU's id itself
+    assert actor_options(None) == {"num_cpus": 1, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
+    own = actor_options({"runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": "1", "A": "b"}, "pip": ["x"]}})
+    assert own["runtime_env"] == {"env_vars": {"CUDA_VISIBLE_DEVICES": "1", "A": "b"}, "pip": ["x"]}
+
+
+def test_resource_shortfall_names_the_numbers():
+    pytest.importorskip("ray.serve")
+    from vit_serve.deploy.ray import ResourceRequest, resource_shortfall
+
+    two = {"CPU": 2.0}
+    assert resource_shortfall(ResourceRequest(1, 2, 1, 0, 1, 1), two) == (
+        "2 model replicas x 1 CPU + 1 ingress x 1 CPU = 3 CPUs, the cluster has 2: lower --replicas or "
+        "--replica-cpus")
+    assert resource_shortfall(ResourceRequest(1, 1, 1, 0, 1, 1), two) is None  # the quickstart's --replicas 1
+    assert resource_shortfall(ResourceRequest(2, 2, 0.25, 0, 2, 0.5), two) is None  # exactly full
+    assert resource_shortfall(ResourceRequest(1, 4, 0.5, 0, 1, 1, autoscaling=True), two) == (
+        "up to 4 model replicas (--max-replicas) x 0.5 CPU + 1 ingress x 1 CPU = 3 CPUs, the cluster has 2: "
+        "lower --max-replicas or --replica-cpus")
+    assert resource_shortfall(ResourceRequest(3, 1, 0.5, 0, 1, 1), two, {"CPU": 2.0}) == (
+        "3 model deployments x 1 replica x 0.5 CPU + 1 ingress x 1 CPU = 2.5 CPUs, the cluster has 2: lower "
+        "--replicas or --replica-cpus")
+    assert resource_shortfall(ResourceRequest(1, 1, 1, 0, 1, 1), {"CPU": 4.0}, {"CPU": 1.5}) == (
+        "1 model replica x 1 CPU + 1 ingress x 1 CPU = 2 CPUs, the cluster has 4 (1.5 free): lower --replicas or "
+        "--replica-cpus")
+    assert resource_shortfall(ResourceRequest(1, 2, 1, 1, 1, 1), {"CPU": 8.0, "GPU": 1.0}) == (
+        "2 model replicas x 1 GPU = 2 GPUs, the cluster has 1: lower --replicas or --replica-gpus")
+    assert resource_shortfall(ResourceRequest(1, 2, 1, 0.5, 1, 1), {"CPU": 8.0, "GPU": 1.0}) is None
+
+
+def test_serve_refuses_what_the_cluster_cannot_place_in_one_line(cluster, ckpt, capsys):
+    """`vit-serve serve MODEL --engine ray --replicas 2` on a 2-CPU cluster: two model replicas of one CPU and the
+    ingress's CPU are 3. Ray would wait for ever for the ingress ("taken more than 30s to be scheduled"); the CLI
+    refuses before deploying, in one line with the numbers, and exits non-zero."""
+    from vit_serve.cli import main
+
+    code = main(["serve", str(ckpt), "--engine", "ray", "--replicas", "2", "--port", str(_free_port())])
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert code != 0 and len(err.splitlines()) == 1, err
+    assert "2 model replicas x 1 CPU + 1 ingress x 1 CPU = 3 CPUs, the cluster has 2" in err
+    assert "--replicas" in err and "Traceback" not in err
+    code = main(["serve", str(ckpt), "--engine", "ray", "--replicas", "1", "--max-replicas", "3", "--port",
+                 str(_free_port())])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "up to 3 model replicas (--max-replicas) x 1 CPU" in err, err
+    assert httpx.get(f"{cluster['url']}/readyz", timeout=30).status_code == 200  # the running application is intact
+
+
+def test_a_tensorrt_engine_on_ray_needs_no_tensorrt_where_it_is_launched(cluster, tmp_path, capsys):
+    """The replicas load the engine (on a GPU node with TensorRT); the launching machine only checks the file. The
+    launch gets as far as the cluster check (here refused: too many replicas), not a missing TensorRT."""
+    from vit_serve.cli import main
+    from vit_serve.deploy.ray import check_launch
+
+    plan = tmp_path / "model_sm90.plan"
+    plan.write_bytes(b"stand-in engine")
+    check_launch(_settings(plan))  # no TensorRT here, and no error
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        check_launch(_settings(tmp_path / "missing.plan"))
+    code = main(["serve", str(plan), "--engine", "ray", "--replicas", "2", "--port", str(_free_port())])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "= 3 CPUs, the cluster has 2" in err and "TensorRT" not in err, err
 
 
 def test_the_ray_engine_outside_ray_serve_is_one_clear_error(ckpt):

@@ -5,7 +5,9 @@ References: TensorRT's own Python bindings (the member names below were read fro
 they agree with NVIDIA's "Removed Python APIs" list for 11.x); onnxruntime (CPU) on the same ONNX file and inputs;
 onnx's reference evaluator for the bf16 graph (onnxruntime's CPU provider has no bf16 Conv / MatMul).
 Building needs a CUDA GPU and the `tensorrt` package; without them the build test skips with its reason and
-the version-dependent decisions are checked as pure functions on both versions' facts.
+the version-dependent decisions are checked as pure functions on both versions' facts: the builder flags set and
+cleared, the engine I/O types (TensorRT's `DataType` members; `trt.nptype` has no bfloat16), the verdict on a
+reset head, the option check, and the TensorRT version an engine needs.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import enum
 import numpy as np
 import pytest
 import torch
+from vit_export.parity import judge_logits
 from vit_export.tensorrt_build import (
+    FP32_MAX_ABS,
     TensorRTError,
+    _configure,
     _step,
     build_engine,
     compare_runtimes,
@@ -26,6 +31,7 @@ from vit_export.tensorrt_build import (
 from vit_export.tensorrt_compat import check_supported, plan_build, profile_shapes, timing_cache_name
 
 import vit_serve
+from vit_serve.tensorrt_engine import torch_dtype, version_refusal
 
 REASON = unavailable_reason()
 needs_trt = pytest.mark.skipif(REASON is not None, reason=f"TensorRT build skipped: {REASON}")
@@ -47,6 +53,8 @@ CREATION_FLAGS = {
     11: {"STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS", "PREFER_JIT_PYTHON_PLUGINS"},  # STRONGLY_TYPED: ignored
 }
 LAYER_PRECISION_API = {10: True, 11: False}  # ILayer.precision / set_output_type / reset_precision
+# trt.DataType's members (both versions); trt.nptype raises TypeError for BF16 (numpy has no bfloat16).
+DATA_TYPES = ("FLOAT", "HALF", "INT8", "INT32", "BOOL", "UINT8", "FP8", "BF16", "INT64", "INT4", "FP4")
 VERSIONS = {10: "10.16.1.11", 11: "11.4.0.106"}
 COMBOS = [("fp32", "fp32"), ("fp32", "fp16"), ("fp32", "bf16"), ("fp16", "fp16"), ("bf16", "bf16")]
 
@@ -73,6 +81,114 @@ def test_build_plan_uses_only_what_the_version_has(major, graph, engine):
         assert plan.builder_flags == expected and plan.pin_norm_fp32 == (engine != "fp32")
     else:
         assert plan.strongly_typed and plan.creation_flags == ("STRONGLY_TYPED",) and plan.builder_flags == ()
+
+
+@pytest.mark.parametrize("major", [10, 11])
+@pytest.mark.parametrize(("graph", "engine"), COMBOS)
+def test_fp32_engines_clear_tf32(major, graph, engine):
+    """TensorRT sets BuilderFlag.TF32 by default: an fp32 engine clears it (its 1e-3 bound assumes full fp32), and
+    `_configure` clears what the plan says on the builder config."""
+    plan = plan_build(VERSIONS[major], engine, graph)
+    assert plan.cleared_flags == (("TF32",) if engine == "fp32" else ())
+    assert set(plan.cleared_flags) <= BUILDER_FLAGS[major]
+
+    class Config:  # records what _configure does to a builder config
+        def __init__(self) -> None:
+            self.flags = {"TF32"}  # TensorRT's default
+
+        def set_flag(self, flag: enum.Enum) -> None:
+            self.flags.add(flag.name)
+
+        def clear_flag(self, flag: enum.Enum) -> None:
+            self.flags.discard(flag.name)
+
+    class Network:
+        num_layers = 0
+
+    trt = type("trt", (), {"BuilderFlag": enum.Enum("BuilderFlag", sorted(BUILDER_FLAGS[major]))})
+    config = Config()
+    _configure(trt, Network(), config, plan)
+    assert ("TF32" in config.flags) == (engine != "fp32")
+    assert config.flags - {"TF32"} == set(plan.builder_flags)
+
+
+def test_engine_io_types_map_by_hand_including_bf16():
+    types = enum.Enum("DataType", DATA_TYPES)
+    assert torch_dtype(types.BF16) is torch.bfloat16 and torch_dtype("DataType.BF16") is torch.bfloat16
+    assert [torch_dtype(getattr(types, n)) for n in ("FLOAT", "HALF", "INT32", "INT64", "BOOL")] == [
+        torch.float32, torch.float16, torch.int32, torch.int64, torch.bool]
+    for unsupported in ("FP8", "INT4", "FP4"):
+        with pytest.raises(ValueError) as info:
+            torch_dtype(getattr(types, unsupported))
+        assert "\n" not in str(info.value) and unsupported in str(info.value)
+    # what a bf16 output buffer becomes: the float32 numpy the callers get
+    out = torch.tensor([1.5, -2.25], dtype=torch_dtype(types.BF16))
+    assert out.float().cpu().numpy().tolist() == [1.5, -2.25]
+
+
+def test_an_engine_never_loads_in_an_older_tensorrt():
+    msg = version_refusal("model_sm90.plan", "10.16.1.11", "10.8.0.43")
+    assert msg is not None and "\n" not in msg
+    assert "model_sm90.plan" in msg and "TensorRT 10.16.1.11" in msg and "TensorRT 10.8.0.43" in msg
+    assert version_refusal("model_sm90.plan", "11.0.0.114", "10.16.1.11") is not None
+    assert version_refusal("model_sm90.plan", "10.16.1.11", "10.16.1.11") is None
+    assert version_refusal("model_sm90.plan", "10.8.0.43", "10.16.1.11") is None  # 10.16 > 10.8: numbers, not text
+    assert version_refusal("model_sm90.plan", None, "10.16.1.11") is None  # not recorded: TensorRT decides
+
+
+def test_the_engine_reader_takes_the_version_from_the_manifest(tmp_path, export_tiny):
+    """The tensorrt backend checks the version the engine's manifest records (`TensorRTBuild.version`, written by
+    `vit_export.sidecar.engine_sidecar` from the build's result)."""
+    from vit_export.sidecar import engine_sidecar
+
+    from vit_serve.manifest import read_manifest, write_manifest
+    from vit_serve.serve.backends.tensorrt import built_with
+
+    export_tiny(tmp_path, 32, 3, ["a", "b", "c"], out=tmp_path / "out", name="tiny", formats=("onnx",))
+    plan = tmp_path / "out" / "tiny_tensorrt" / "model_sm90.plan"
+    plan.parent.mkdir()
+    plan.write_bytes(b"stand-in engine")
+    assert built_with(plan) is None  # no manifest: TensorRT's own check decides
+    built = {"path": plan, "file": plan.name, "compute_capability": "9.0", "tensorrt": "10.16.1.11",
+             "precision": "fp16", "graph_precision": "fp32", "strongly_typed": False, "batch": [1, 2, 4],
+             "build_s": 1.5, "timing_cache": None, "parity": None}
+    write_manifest(plan, engine_sidecar(read_manifest(tmp_path / "out" / "tiny.onnx"), built))
+    assert built_with(plan) == "10.16.1.11"
+
+
+def test_a_reset_head_is_judged_by_its_difference_alone():
+    """Reference logits all zero (a freshly reset head): the cosine is 0 or 0/0 and top-1 a tie, so |Δ| decides."""
+    zero = np.zeros((4, 10))
+    for kw in ({"max_abs": 1e-3, "cosine_min": 0.99999}, {"cosine_min": 0.9999, "top1_min": 1.0}):
+        assert judge_logits(zero, zero, zero_max_abs=1e-3, **kw)
+        noise = np.random.default_rng(0).uniform(-1e-4, 1e-4, zero.shape)  # argmax differs from the reference's
+        assert judge_logits(zero, noise, zero_max_abs=1e-3, **kw)
+        assert not judge_logits(zero, noise * 100, zero_max_abs=1e-3, **kw)  # 1e-2 away
+        assert not judge_logits(zero, zero + np.nan, zero_max_abs=1e-3, **kw)
+    live = np.random.default_rng(1).standard_normal((2, 10))
+    mixed = np.concatenate([zero[:2], live])
+    assert judge_logits(mixed, mixed, zero_max_abs=1e-3, cosine_min=0.9999, top1_min=1.0)
+    flipped = mixed.copy()
+    flipped[2] = -flipped[2]  # a live row pointing the other way still fails
+    assert not judge_logits(mixed, flipped, zero_max_abs=1e-3, cosine_min=0.9999, top1_min=1.0)
+
+
+def test_fp16_graph_with_another_engine_precision_is_refused(capsys):
+    """`--precision fp16` builds the engine from the fp16 graph: another --trt-precision is refused in one line,
+    not silently replaced by fp16."""
+    from vit_export import cli
+    from vit_export.pipeline import ExportOptions, OptionError
+
+    for trt_precision in ("fp32", "bf16"):
+        with pytest.raises(OptionError, match=f"trt_precision {trt_precision}"):
+            ExportOptions(res=64, formats=("tensorrt",), precision="fp16", trt_precision=trt_precision)
+        code = cli.main(["missing.safetensors", "--format", "tensorrt", "--res", "64", "--precision", "fp16",
+                         "--trt-precision", trt_precision])
+        err = capsys.readouterr().err
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert f"--trt-precision {trt_precision}" in err and "--precision fp16" in err
+    ExportOptions(res=64, formats=("tensorrt",), precision="fp16", trt_precision="fp16")  # agreeing: fine
+    ExportOptions(res=64, formats=("onnx",), precision="fp16", trt_precision="bf16")  # no engine: nothing to refuse
 
 
 def test_the_default_export_on_tensorrt_11_needs_an_fp16_graph():
@@ -174,6 +290,27 @@ def test_bf16_typed_graph_matches_pytorch_with_layernorm_in_fp32(tiny, tmp_path)
     cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
     # bf16 keeps 8 bits of mantissa: measured 0.036-0.06 max |Δ logit| on logits of O(3), cosine > 0.9999.
     assert cos.min() > 0.999 and (got.argmax(1) == ref.argmax(1)).all(), (cos, np.abs(got - ref).max())
+
+
+def test_engine_check_of_a_reset_head_passes_on_equal_zeros(tiny, tmp_path):
+    """A model whose head is reset to zero: onnxruntime's logits are all zero, the candidate's too. main judged the
+    rows' cosine (0 / 0 -> 0) and failed the engine in every precision; |Δ| <= 1e-3 now decides."""
+    import copy
+
+    from vit_export.onnx_export import export_onnx
+    from vit_export.parity import session
+
+    reset = copy.deepcopy(tiny)
+    torch.nn.init.zeros_(reset.head.weight)
+    torch.nn.init.zeros_(reset.head.bias)
+    path = export_onnx(reset, tmp_path / "reset.onnx", res=(64, 64))
+    sess = session(path, threads=1)
+    run = lambda x: sess.run(None, {"pixel_values": x})[0]  # noqa: E731
+    for precision in ("fp32", "fp16", "bf16"):
+        check = compare_runtimes(path, run, precision, (1, 4))
+        assert {r["cosine"] for r in check["rows"]} == {0.0} and check["ok"], check
+    off = compare_runtimes(path, lambda x: run(x) + 2 * FP32_MAX_ABS, "fp16", (1, 4))
+    assert not off["ok"]
 
 
 def test_engine_parity_failure_exits_1_with_its_table(onnx_files, tiny, capsys):

@@ -19,7 +19,7 @@ from gateway_helpers import run, serving, settings_for
 from PIL import Image, ImageOps
 
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, resize_and_crop
-from vit_serve.serve.gpu_decode import GpuDecoder, orient, resize_crop, unavailable_reason
+from vit_serve.serve.gpu_decode import GpuDecoder, decoder_line, orient, resize_crop, unavailable_reason
 
 pytest.importorskip("torchvision.io")
 pytest.importorskip("skimage.data")
@@ -161,8 +161,16 @@ def test_unavailable_reasons():
     assert unavailable_reason("the triton server") == "the model runs on the triton server, not CUDA"
 
 
-def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_model, photos):
+def test_the_decoder_line_names_nvjpeg_and_its_device_or_why_not():
+    assert decoder_line("cuda:1", None, "vit") == "decode: nvJPEG on cuda:1 (model vit)"
+    assert (decoder_line("cuda", "torchvision is not installed (pip install torchvision)", "vit")
+            == "decode: CPU, torchvision is not installed (pip install torchvision) (model vit)")
+
+
+def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_model, photos, caplog):
+    """... and logs it once at start: which decoder the model's uploads get, in one line."""
     data = photos["coffee.jpg"]
+    caplog.set_level("INFO", logger="vit_serve.serve")
 
     async def scenario():
         async with serving(settings_for(tiny_ckpt)) as (client, app):
@@ -172,6 +180,8 @@ def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_mo
     r, gw = run(scenario())
     assert r.status_code == 200
     assert gw.gpu is None and gw.gpu_decode_off == "the model runs on cpu, not CUDA"
+    said = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("decode: ")]
+    assert said == [f"decode: CPU, the model runs on cpu, not CUDA (model {gw.info.name})"], said
     with torch.no_grad():
         ref = torch.softmax(tiny_model(preprocess(data, tiny_model.preprocess_cfg)[None])[0].double(), -1)
     got = {p["index"]: p["score"] for p in r.json()["predictions"]}

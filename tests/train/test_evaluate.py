@@ -1,4 +1,7 @@
-"""vit_serve.train.evaluate: top-k, confusion matrix (against scikit-learn), the eval loop, the PNG."""
+"""vit_serve.train.evaluate: top-k, confusion matrix (against scikit-learn), the eval loop, the PNG.
+
+The XLA-facing parts are checked on the CPU: the confusion counts' output shape under PyTorch's fake-tensor tracer
+(`make_fx`, as a lazy-tensor backend sees it: without the data), and the per-batch step hook (`xla.sync` on XLA)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,15 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vit_serve.train.evaluate import confusion_matrix, evaluate, save_confusion_png, topk_accuracy
+from vit_serve.train import xla
+from vit_serve.train.evaluate import (
+    confusion_counts,
+    confusion_matrix,
+    default_step,
+    evaluate,
+    save_confusion_png,
+    topk_accuracy,
+)
 
 
 def test_topk_accuracy_by_hand():
@@ -42,6 +53,24 @@ def test_confusion_matrix_equals_sklearn():
     assert cm[2, 3] == int(((y == 2) & (pred == 3)).sum())  # rows = true, cols = predicted
     with pytest.raises(ValueError):
         confusion_matrix(torch.tensor([7]), torch.tensor([0]), 7)
+    np.testing.assert_array_equal(confusion_counts(pred, y, 7).numpy(), cm.numpy())  # the loop's counter, unchecked
+
+
+def test_confusion_counts_have_a_shape_known_without_the_data():
+    """Traced with fake tensors (no values), the counts are [K, K]: one evaluation batch is one fixed-shape graph
+    on XLA. `torch.bincount`'s length depends on the largest id, so its trace has a data-dependent size."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def out_shape(fn) -> tuple:
+        y, pred = torch.tensor([0, 2, 1, 2]), torch.tensor([0, 1, 1, 2])
+        graph = make_fx(fn, tracing_mode="fake")(pred, y)
+        (out,) = [n for n in graph.graph.nodes if n.op == "output"]
+        return tuple(out.args[0].meta["val"].shape)
+
+    assert out_shape(lambda p, y: confusion_counts(p, y, 3)) == (3, 3)
+    assert all(isinstance(d, int) for d in out_shape(lambda p, y: confusion_counts(p, y, 3)))
+    bincount_shape = out_shape(lambda p, y: torch.bincount(y * 3 + p, minlength=9))
+    assert not isinstance(bincount_shape[0], int)  # the reference: what the check tells apart
 
 
 class _Linear(torch.nn.Module):
@@ -71,6 +100,29 @@ def test_evaluate_matches_direct_computation():
     assert out["loss"] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-6)
     assert torch.equal(out["confusion"], confusion_matrix(logits.argmax(1), y, 4))
     assert int(out["confusion"].sum()) == 50
+
+
+class _Counting(_Linear):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return super().forward(x)
+
+
+def test_evaluate_calls_the_step_hook_after_every_batch():
+    """On XLA the hook is `xla.sync`: a graph cut after each batch, not one graph over the whole validation set."""
+    model = _Counting()
+    x, y = torch.randn(30, 3, 2, 2), torch.randint(0, 4, (30,))
+    loader = [(x[:10], y[:10]), (None, None, 2), (x[10:20], y[10:20]), (x[:0], y[:0]), (x[20:], y[20:])]
+    seen: list[int] = []
+    out = evaluate(model, loader, step=lambda: seen.append(model.forwards))
+    assert seen == [1, 2, 3]  # once per batch the model ran on, right after it (before the next forward)
+    assert out["n"] == 30 and out["skipped"] == 2
+    assert default_step(torch.device("xla")) is xla.sync
+    assert default_step(torch.device("cpu")) is None
 
 
 def test_evaluate_autocast_bf16():

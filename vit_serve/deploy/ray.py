@@ -17,6 +17,12 @@
 * `GET /explain?id=` works whichever ingress replica classified the image when the store is shared:
   settings.store = "redis://HOST:PORT/DB".
 
+* Replicas that reserve no GPU get `CUDA_VISIBLE_DEVICES=""` (Ray >= 2.48 no longer sets it for them, and a
+  replica would otherwise use a GPU that no one reserved for it): `actor_options`.
+* Before deploying, `run` checks what the application reserves against the cluster (`resource_shortfall`) and
+  refuses in one line with the numbers, rather than waiting forever for a replica Ray cannot place. The models
+  are loaded by the replicas, so the launching machine needs no TensorRT for an engine (`check_launch`).
+
 The deployments are fixed when the application is built: model control is "none" (a new version needs a new
 `serve.run`, which Ray Serve rolls out replica by replica). The Ray Serve proxy serves HTTP (`run` starts it on
 settings.host / settings.port, with settings' TLS files); the gateway's gRPC port is not served here.
@@ -29,7 +35,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ except ImportError:  # one line for the CLI and for an import by hand
     raise ImportError("vit_serve.deploy.ray needs Ray Serve: pip install 'vit-serve[ray]' (ray[serve])") from None
 
 from vit_serve.serve.app import create_app
-from vit_serve.serve.backends import create_backend
+from vit_serve.serve.backends import check_model, create_backend, resolve_backend
 from vit_serve.serve.backends.base import LocalBackend
 from vit_serve.serve.backends.ray import RAY_METRICS, deployment_name
 from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
@@ -225,6 +231,79 @@ def _check(settings: ServeSettings) -> None:
         raise ValueError("--grpc-port is not served on Ray Serve (HTTP goes through Ray Serve's proxy)")
 
 
+def check_launch(settings: ServeSettings) -> None:
+    """The checks the launching machine can make (one-line errors): what Ray Serve cannot serve, and the gateway's
+    `check_model` for the files; not its TensorRT check, since the replicas load the engine on their own machines
+    (a GPU node with TensorRT), and the one launching needs neither."""
+    _check(settings)
+    if resolve_backend(settings) == "tensorrt":
+        if not Path(settings.model).exists():
+            raise FileNotFoundError(f"no such file: {settings.model}")
+        return
+    check_model(settings)
+
+
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def actor_options(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Ray actor options of a replica: `options` with Ray Serve's default of one CPU spelled out, and, when the
+    replica reserves no GPU, `CUDA_VISIBLE_DEVICES=""` in its runtime environment (unless `options` set one)."""
+    out: dict[str, Any] = {**(options or {})}
+    out.setdefault("num_cpus", 1)
+    if not out.get("num_gpus"):
+        env = dict(out.get("runtime_env") or {})
+        env["env_vars"] = {**HIDE_GPUS, **(env.get("env_vars") or {})}
+        out["runtime_env"] = env
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceRequest:
+    """What an application reserves at most: `deployments` model deployments of `replicas` replicas each (an
+    autoscaling one's max_replicas), each replica `replica_cpus` and `replica_gpus`, and `ingress_replicas` of
+    `ingress_cpus` each."""
+
+    deployments: int
+    replicas: int
+    replica_cpus: float
+    replica_gpus: float
+    ingress_replicas: int
+    ingress_cpus: float
+    autoscaling: bool = False
+
+
+def _amount(x: float) -> str:
+    return f"{x:g}"
+
+
+def resource_shortfall(request: ResourceRequest, total: Mapping[str, float],
+                       available: Mapping[str, float] | None = None) -> str | None:
+    """Why the cluster (`ray.cluster_resources()`, and `ray.available_resources()` when given) cannot place every
+    replica of `request`, in one line with the numbers; None when it can. Ray would otherwise wait for ever."""
+    models = request.deployments * request.replicas
+    replicas = f"{request.replicas} replica" + ("s" if request.replicas != 1 else "")
+    head = (f"{request.deployments} model deployments x {replicas}" if request.deployments > 1
+            else f"{request.replicas} model {replicas.split()[1]}")
+    if request.autoscaling:
+        head = f"up to {head} (--max-replicas)"
+    flags = "--max-replicas" if request.autoscaling else "--replicas"
+    for unit, key, need, parts, knob in (
+        ("CPU", "CPU", models * request.replica_cpus + request.ingress_replicas * request.ingress_cpus,
+         f"{head} x {_amount(request.replica_cpus)} CPU + {request.ingress_replicas} ingress x "
+         f"{_amount(request.ingress_cpus)} CPU", "--replica-cpus"),
+        ("GPU", "GPU", models * request.replica_gpus, f"{head} x {_amount(request.replica_gpus)} GPU",
+         "--replica-gpus"),
+    ):
+        have = float(total.get(key, 0.0))
+        free = have if available is None else min(have, float(available.get(key, 0.0)))
+        if need <= free + 1e-9:
+            continue
+        has = f"the cluster has {_amount(have)}" + (f" ({_amount(free)} free)" if free < have - 1e-9 else "")
+        return f"{parts} = {_amount(need)} {unit}s, {has}: lower {flags} or {knob}"
+    return None
+
+
 def _limits(settings: ServeSettings, entry: ModelEntry) -> tuple[int, float]:
     """(max_batch, max_delay_ms) of a model: its config.pbtxt's, else the settings'; (1, 0) when batching is off."""
     own = entry.limits
@@ -253,16 +332,27 @@ def build_app(settings: ServeSettings, num_replicas: int = 1, autoscaling_config
     """The application: the gateway's ingress (`ingress_replicas`, `ingress_actor_options`) and one deployment
     per model version (`num_replicas`, or `autoscaling_config`; `ray_actor_options`, e.g. {"num_gpus": 1};
     `max_ongoing_requests` per model replica, default twice its batch so that one batch fills while one runs).
-    ValueError for what Ray Serve cannot serve; FileNotFoundError for a missing MODEL."""
-    _check(settings)
+    Replicas without a GPU see none (`actor_options`). ValueError for what Ray Serve cannot serve;
+    FileNotFoundError for a missing MODEL."""
+    return _build(settings, num_replicas, autoscaling_config, ray_actor_options, ingress_replicas,
+                  ingress_actor_options, max_ongoing_requests, startup_timeout_s)[0]
+
+
+def _build(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: dict[str, Any] | None = None,
+           ray_actor_options: dict[str, Any] | None = None, ingress_replicas: int = 1,
+           ingress_actor_options: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
+           startup_timeout_s: float = 600.0) -> tuple[serve.Application, ResourceRequest]:
+    """`build_app`, and what the application reserves at most."""
+    check_launch(settings)
     settings = _absolute(settings)
+    replica = actor_options(ray_actor_options)
     models: list[serve.Application] = []
     for entry, source in served_versions(settings):
         max_batch, delay_ms = _limits(settings, entry)
         options: dict[str, Any] = {
             "name": deployment_name(entry.name, source.path),
             "max_ongoing_requests": max_ongoing_requests or 2 * max_batch,
-            "ray_actor_options": ray_actor_options or {"num_cpus": 1},
+            "ray_actor_options": replica,
         }
         if autoscaling_config is not None:
             options["autoscaling_config"] = autoscaling_config
@@ -272,9 +362,13 @@ def build_app(settings: ServeSettings, num_replicas: int = 1, autoscaling_config
             settings, entry.name, source.version, str(source.path), source.backend, max_batch, delay_ms))
     if not models:
         raise ValueError(f"no model to serve in {settings.model}")
+    front = actor_options(ingress_actor_options)
     ingress = INGRESS_DEPLOYMENT.options(num_replicas=ingress_replicas, max_ongoing_requests=settings.max_queue,
-                              ray_actor_options=ingress_actor_options or {"num_cpus": 1})
-    return ingress.bind(settings.model_copy(update={"engine": "ray"}), models, startup_timeout_s)
+                                         ray_actor_options=front)
+    most = num_replicas if autoscaling_config is None else int(autoscaling_config.get("max_replicas", 1))
+    request = ResourceRequest(len(models), most, float(replica["num_cpus"]), float(replica.get("num_gpus") or 0),
+                              ingress_replicas, float(front["num_cpus"]), autoscaling_config is not None)
+    return ingress.bind(settings.model_copy(update={"engine": "ray"}), models, startup_timeout_s), request
 
 
 def _why_not_started(e: Exception, name: str) -> str:
@@ -310,8 +404,10 @@ def run(settings: ServeSettings, address: str | None = None, blocking: bool = Tr
     """Start (or join, `address`: "auto", "ray://HOST:PORT") a Ray cluster, the Ray Serve proxy on settings.host
     and settings.port (a proxy already running keeps its own), and the application `name` at `route_prefix`
     (`build_app(settings, **options)`); with `blocking`, serve until interrupted, then delete it. RuntimeError
-    (one line, the reason) when it does not start."""
-    app = build_app(settings, **options)
+    (one line, the reason) when it does not start, or when the cluster cannot place its replicas
+    (`resource_shortfall`; an application of that name already running is replaced, so only the cluster's total
+    counts then)."""
+    app, request = _build(settings, **options)
     settings = _absolute(settings)  # the proxy reads the TLS files in its own process
     if not ray.is_initialized():
         start_ray(address, logging_level=logging.WARNING)
@@ -319,6 +415,10 @@ def run(settings: ServeSettings, address: str | None = None, blocking: bool = Tr
     if settings.ssl_certfile:
         http |= {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile}
     serve.start(http_options=http)
+    replacing = name in serve.status().applications
+    short = resource_shortfall(request, ray.cluster_resources(), None if replacing else ray.available_resources())
+    if short:
+        raise RuntimeError(f"the Ray Serve application cannot start: {short}")
     try:
         handle = serve.run(app, name=name, route_prefix=route_prefix)
     except Exception as e:

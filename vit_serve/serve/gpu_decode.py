@@ -11,7 +11,8 @@ Every upload the GPU cannot take returns None and the gateway decodes it on the 
 one image at a time and never failing the others: not a JPEG, a JPEG Pillow's header check refuses (size limits,
 corrupt header: the CPU path then gives the proper 4xx before any decode), a colour mode other than RGB or grey
 (CMYK), a resize filter torchvision cannot apply to tensors (lanczos, box, hamming), or an nvJPEG error.
-`GpuDecoder.fallbacks` counts the reasons.
+`GpuDecoder.fallbacks` counts the reasons. Which decoder a model's uploads get is logged in one line when it
+loads (`choose_decoder`: "decode: nvJPEG on cuda:0 (model m)", "decode: CPU, torchvision is not installed ...").
 
 The pixels are close to the CPU path's, not identical: nvJPEG's IDCT and chroma upsampling are not libjpeg's, and
 torchvision's resize is not Pillow's (the bound is measured in tests/serve/test_gpu_decode.py).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,8 @@ import torch
 from PIL import Image
 
 from vit_serve.preprocess import PreprocessConfig, exif_orientation, open_header, resized_size
+
+log = logging.getLogger("vit_serve.serve")
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 # torchvision resizes tensors with these filters (bilinear / bicubic antialiased, as Pillow's).
@@ -51,6 +55,22 @@ def unavailable_reason(device: str, enabled: bool = True) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is available to PyTorch"
     return None
+
+
+def decoder_line(device: str, off: str | None, model: str) -> str:
+    """The one line saying which decoder `model`'s uploads get: nvJPEG on `device`, or the CPU and why (`off`)."""
+    if off is not None:
+        return f"decode: CPU, {off} (model {model})"
+    if device == "cuda" and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"
+    return f"decode: nvJPEG on {device} (model {model})"
+
+
+def choose_decoder(device: str, enabled: bool, model: str) -> str | None:
+    """`unavailable_reason(device, enabled)`, with the decoder chosen logged in one line (`decoder_line`)."""
+    off = unavailable_reason(device, enabled)
+    log.info("%s", decoder_line(device, off, model))
+    return off
 
 
 def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:

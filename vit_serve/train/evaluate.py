@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["confusion_matrix", "evaluate", "save_confusion_png", "topk_accuracy"]
+__all__ = ["confusion_counts", "confusion_matrix", "default_step", "evaluate", "save_confusion_png", "topk_accuracy"]
 
 
 def _topk_correct(logits: torch.Tensor, y: torch.Tensor, ks: Sequence[int]) -> dict[int, int]:
@@ -44,16 +44,38 @@ def topk_accuracy(logits: torch.Tensor, y: torch.Tensor, ks: Sequence[int] = (1,
     return {k: (c / n if n else 0.0) for k, c in counts.items()}
 
 
+def confusion_counts(pred: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Counts [K, K] (int64, on the inputs' device) of (true, predicted) pairs, ids assumed in [0, K).
+
+    Static shapes (an `index_add_` into a fixed K*K vector, not `bincount`, whose output length depends on the
+    data): on XLA one evaluation batch is one graph of fixed shape, compiled once and reused.
+    """
+    k = int(num_classes)
+    flat = y.reshape(-1).long() * k + pred.reshape(-1).long().to(y.device)
+    counts = torch.zeros(k * k, dtype=torch.long, device=y.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat)).reshape(k, k)
+
+
 def confusion_matrix(pred: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Counts [K, K] (int64): rows are the true class, columns the predicted one (= sklearn's convention)."""
+    """Counts [K, K] (int64, on the CPU): rows are the true class, columns the predicted one (= sklearn's
+    convention). ValueError for ids outside [0, K)."""
     pred = pred.reshape(-1).long()
     y = y.reshape(-1).long().to(pred.device)
     if pred.shape != y.shape:
         raise ValueError(f"pred and y differ in length: {pred.numel()} vs {y.numel()}")
     if pred.numel() and (min(int(pred.min()), int(y.min())) < 0 or max(int(pred.max()), int(y.max())) >= num_classes):
         raise ValueError(f"class ids must lie in [0, {num_classes})")
-    flat = torch.bincount(y * num_classes + pred, minlength=num_classes * num_classes)
-    return flat.reshape(num_classes, num_classes).cpu()
+    return confusion_counts(pred, y, num_classes).cpu()
+
+
+def default_step(device: torch.device) -> Callable[[], None] | None:
+    """What `evaluate` calls after each batch on `device`: on XLA the graph cut (`xla.sync`), so that each batch
+    runs as its own graph instead of the whole validation set tracing into one; elsewhere nothing."""
+    if device.type == "xla":
+        from vit_serve.train import xla
+
+        return xla.sync
+    return None
 
 
 def _unpack(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
@@ -71,6 +93,7 @@ def evaluate(
     amp_dtype: torch.dtype | None = None,
     num_classes: int | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    step: Callable[[], None] | None = None,
 ) -> dict:
     """Run `model` over `loader` in eval mode and return classification metrics.
 
@@ -84,10 +107,14 @@ def evaluate(
     sum and the confusion matrix are summed before the ratios are taken, so every process gets the result
     of the whole set.
 
+    `step` is called after each batch the model ran on (default `default_step(device)`: `xla.sync` on XLA, so
+    that one batch is one graph of fixed shapes, compiled once).
+
     Returns {"top1", "top5" (top-k with k = min(5, K)), "loss" (mean cross-entropy), "n" (images scored),
     "skipped" (sum of n_skipped), "confusion" (LongTensor [K, K], rows = true, cols = predicted)}.
     """
     device = torch.device(device)
+    step = step if step is not None else default_step(device)
     was_training = model.training
     model.eval()
     # Accumulated on the device; one synchronisation at the end.
@@ -95,7 +122,7 @@ def evaluate(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     if reduce is not None and num_classes is None:
         raise ValueError("a sharded evaluation (reduce=...) needs num_classes")
-    cm = None if num_classes is None else torch.zeros(num_classes * num_classes, dtype=torch.long, device=device)
+    cm = None if num_classes is None else torch.zeros(num_classes, num_classes, dtype=torch.long, device=device)
     n, skipped, num_classes = 0, 0, num_classes or 0
     try:
         for batch in loader:
@@ -111,7 +138,7 @@ def evaluate(
             logits = logits.float()
             k = logits.shape[1]
             if cm is None:
-                num_classes, cm = k, torch.zeros(k * k, dtype=torch.long, device=device)
+                num_classes, cm = k, torch.zeros(k, k, dtype=torch.long, device=device)
             elif k != num_classes:
                 raise ValueError(f"the model returned {k} classes after {num_classes}")
             loss_sum += F.cross_entropy(logits, y, reduction="sum").double()  # also rejects labels outside [0, K)
@@ -119,12 +146,14 @@ def evaluate(
             hit = top == y[:, None]
             correct[0] += hit[:, 0].sum()
             correct[1] += hit.any(dim=1).sum()
-            cm += torch.bincount(y * k + top[:, 0], minlength=k * k)
+            cm += confusion_counts(top[:, 0], y, k)
             n += y.shape[0]
+            if step is not None:
+                step()
     finally:
         model.train(was_training)
     if reduce is not None:
-        counts = reduce(torch.cat([correct, torch.tensor([n, skipped], device=device), cm]))
+        counts = reduce(torch.cat([correct, torch.tensor([n, skipped], device=device), cm.reshape(-1)]))
         loss_sum = reduce(loss_sum)
         correct, (n, skipped), cm = counts[:2], counts[2:4].tolist(), counts[4:]
     c1, c5 = correct.tolist()

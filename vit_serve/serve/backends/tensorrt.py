@@ -5,7 +5,9 @@ graph the engine's export came with (named by its sidecar's `source_onnx`) runs 
 
 Needs a CUDA GPU, the `tensorrt` package (10.x or 11.x: named I/O tensors, `execute_async_v3`) and PyTorch with CUDA
 (device buffers are torch tensors). Both are imported lazily; without them the server refuses to start with a
-one-line reason. Batches larger than the engine's optimisation profile allows are run in chunks.
+one-line reason. Batches larger than the engine's optimisation profile allows are run in chunks. An engine whose
+manifest records a newer TensorRT than the installed one is refused in one line naming both (a plan never loads in
+an older TensorRT).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from vit_serve.manifest import RolloutSettings
+from vit_serve.manifest import RolloutSettings, manifest_path, read_manifest
 from vit_serve.serve.backends.base import LocalBackend
 from vit_serve.serve.backends.onnxruntime import session_providers
 from vit_serve.serve.backends.sidecar import read_export
@@ -36,6 +38,14 @@ def require_tensorrt() -> Any:
         raise OSError("the tensorrt backend needs a CUDA GPU; PyTorch sees none (serve the .onnx export with "
                       "--backend onnxruntime instead)")
     return trt
+
+
+def built_with(engine: Path) -> str | None:
+    """The TensorRT version the engine's manifest records (`TensorRTBuild.version`), None without one."""
+    if not manifest_path(engine).is_file():
+        return None
+    build = read_manifest(engine).tensorrt
+    return None if build is None else build.version
 
 
 class _OnnxExplain:
@@ -62,11 +72,11 @@ class TensorRTBackend(LocalBackend):
         trt = require_tensorrt()
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
-        self.engine = TensorRTEngine(path, runtime)
+        self.engine = TensorRTEngine(path, runtime, built_with(path))
         self.explain_engine: TensorRTEngine | _OnnxExplain | None = None
         if explain is not None:
             self.explain_engine = (_OnnxExplain(explain) if explain.suffix == ".onnx"
-                                   else TensorRTEngine(explain, runtime))
+                                   else TensorRTEngine(explain, runtime, built_with(explain)))
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         return self.engine.run(x)["logits"]
