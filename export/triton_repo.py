@@ -49,7 +49,14 @@ from vit_export.triton_config import (
 from vit_export.triton_models import template_text
 
 from vit_serve.checkpoints.io import atomic_write
-from vit_serve.manifest import ExportManifest, TritonMeta, manifest_path, read_manifest
+from vit_serve.manifest import (
+    TRITON_MANIFEST,
+    TRITON_ONNX,
+    ExportManifest,
+    TritonMeta,
+    manifest_path,
+    read_manifest,
+)
 
 ENSEMBLE_TARGETS = ("onnx", "trt", "py")
 DEFAULT_MAX_PIXELS = 50_000_000
@@ -220,7 +227,7 @@ def _plans(
                 **meta(kind=kind, runtime="python" if python else "onnxruntime", **links),
             },
         )
-        files: dict[str, Path | bytes] = {"model.onnx": src, "sidecar.json": manifest_path(src)}
+        files: dict[str, Path | bytes] = {TRITON_ONNX: src, TRITON_MANIFEST: manifest_path(src)}
         if python:
             files["model.py"] = template_text("onnx_classifier").encode()
         plans.append(_Plan(names[role], cfg, files, dict(labels_bytes)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ from PIL import Image
 
 import vit_serve
 from vit_serve.cli import main
-from vit_serve.predict import list_images
+from vit_serve.predict import PredictOptions, list_images, predict
+from vit_serve.predict_writers import sidecar
 from vit_serve.preprocess import PreprocessConfig, preprocess
 
 LABELS = ["tabby", "espresso", "astronaut", "teapot", "lighthouse", "sunflower", "locomotive", "seal", "crane", "fox"]
@@ -77,8 +79,8 @@ def run(*args: str) -> int:
 
 def read_rows(out: Path) -> list[dict]:
     """OUT read back with the reference readers, as {path, labels, indices, scores, [...]} dicts."""
-    if out.suffix == ".jsonl":
-        return [json.loads(line) for line in out.read_text().splitlines()]
+    if out.suffix == ".jsonl":  # JSON Lines end at "\n" only (U+2028 and the like are text inside a row)
+        return [json.loads(line) for line in out.read_bytes().split(b"\n") if line]
     if out.suffix == ".csv":
         rows = []
         with open(out, newline="") as f:
@@ -376,3 +378,151 @@ def test_bad_flags_are_one_line(onnx, photos, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["predict", str(onnx)])
     assert e.value.code == 2
+
+
+# ---- names and labels that are not plain text ----------------------------------------------------------------
+
+ODD = ("line\u2028sep", "para\u2029sep", "next\u0085line")  # str.splitlines() breaks at each of these
+
+
+@pytest.fixture(scope="module")
+def odd_ckpt(tmp_path_factory, save_tiny) -> Path:
+    """The tiny model with labels that hold U+2028, U+2029 and U+0085."""
+    labels = [*ODD, *LABELS[len(ODD):]]
+    return save_tiny(tmp_path_factory.mktemp("odd") / "odd.safetensors", RES, 4, labels)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_line_separators_in_paths_and_labels_round_trip_and_resume(fmt, odd_ckpt, tmp_path):
+    """Real files named with U+2028, U+2029, U+0085, a label set holding them, every label in every row (top 10):
+    written, resumed (nothing redone, nothing refused), read back by the reference readers; a text file listing
+    the same paths lists the same images."""
+    _many(tmp_path / "imgs", 4)
+    for i, odd in enumerate(ODD):
+        os.rename(tmp_path / "imgs" / f"{i:04d}.jpg", tmp_path / "imgs" / f"{odd}.jpg")
+    files = sorted(str(p) for p in (tmp_path / "imgs").iterdir())
+    (tmp_path / "list.txt").write_text("".join(f"imgs/{Path(f).name}\n" for f in files), encoding="utf-8")
+    assert sorted(i.path for i in list_images(str(tmp_path / "list.txt"))) == files
+    out = tmp_path / f"p.{fmt}"
+    assert run(odd_ckpt, tmp_path / "imgs", "--out", out, "--top-k", "10", "--threads", "1") == 0
+    first = by_path(read_rows(out))
+    assert sorted(first) == files
+    for row in first.values():
+        assert set(ODD) <= set(row["labels"])
+    result = predict(PredictOptions(str(odd_ckpt), str(tmp_path / "list.txt"), str(out), top_k=10, threads=1,
+                                    quiet=True))
+    assert (result.written, result.skipped, result.rows) == (0, 4, 4)
+    assert by_path(read_rows(out)) == first
+
+
+def _non_utf8_folder(folder: Path) -> tuple[Path, str]:
+    """Two JPEGs, one named with the Latin-1 byte 0xE9 (not UTF-8), made through a bytes path as Linux allows;
+    returns the folder and that file's name as Python lists it (surrogateescape: 'caf\\udce9.jpg')."""
+    _many(folder, 2)
+    data = (folder / "0000.jpg").read_bytes()
+    (folder / "0000.jpg").unlink()
+    fd = os.open(os.fsencode(folder) + b"/caf\xe9.jpg", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return folder, os.path.join(folder, os.fsdecode(b"caf\xe9.jpg"))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_a_file_name_that_is_not_utf8_never_aborts_the_run(fmt, onnx, tmp_path):
+    """JSONL keeps its row, the name escaped as JSON's \\udce9 (valid UTF-8 text; `json.loads` gives back the name
+    that opens the file, so resume skips it); CSV and Parquet, whose text is UTF-8, list it in OUT.errors.jsonl
+    with why, and write the other rows. Reference readers: json, csv, pyarrow + pandas."""
+    folder, odd = _non_utf8_folder(tmp_path / "imgs")
+    out = tmp_path / f"p.{fmt}"
+    opts = PredictOptions(str(onnx), str(folder), str(out), threads=1, quiet=True)
+    result = predict(opts)
+    rows = by_path(read_rows(out))
+    errors = [json.loads(line) for line in sidecar(out, "errors.jsonl").read_bytes().split(b"\n") if line] \
+        if sidecar(out, "errors.jsonl").exists() else []
+    if fmt == "jsonl":
+        assert sorted(rows) == sorted([odd, str(folder / "0001.jpg")]) and not errors
+        assert b"caf\\udce9.jpg" in out.read_bytes()
+        out.read_bytes().decode("utf-8")  # the file is UTF-8 text
+        with open(odd.encode("utf-8", "surrogateescape"), "rb") as f:
+            assert f.read(2) == b"\xff\xd8"  # the name read back opens the file
+    else:
+        assert list(rows) == [str(folder / "0001.jpg")]
+        assert [e["path"] for e in errors] == [odd] and "not UTF-8" in errors[0]["error"]
+        assert result.written == 1 and result.errors
+    again = predict(opts)
+    assert again.written == 0 and again.rows == len(rows)
+
+
+def _timm_folder(folder: Path, seed: int, randomize) -> Path:
+    """timm's hub layout (config.json + model.safetensors) of a random 2-block Ti/16 at 32x32."""
+    import timm
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ref = randomize(timm.create_model("vit_tiny_patch16_224", num_classes=3, depth=2, img_size=32), seed=seed)
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, folder / "model.safetensors")
+    cfg = {"architecture": "vit_tiny_patch16_224", "num_classes": 3, "label_names": ["cat", "dog", "fox"],
+           "pretrained_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 1.0, "interpolation": "bilinear",
+                              "input_size": [3, 32, 32]}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_a_folder_models_key_is_its_weights_not_its_stat(tmp_path, capsys, randomize):
+    """Touching the folder, or copying it elsewhere, resumes; new weights in place, with the file's and the
+    folder's times put back as they were, are refused without --force."""
+    _many(tmp_path / "imgs", 2)
+    model = _timm_folder(tmp_path / "a" / "vit", 1, randomize)
+    out = tmp_path / "p.jsonl"
+    assert run(model, tmp_path / "imgs", "--out", out, "--threads", "1") == 0
+    os.utime(model, ns=(10**18, 10**18))  # touched
+    assert run(model, tmp_path / "imgs", "--out", out, "--threads", "1") == 0, capsys.readouterr().err
+    copy = tmp_path / "b" / "vit"
+    shutil.copytree(model, copy, copy_function=shutil.copyfile)
+    os.utime(copy, ns=(2 * 10**18, 2 * 10**18))
+    assert run(copy, tmp_path / "imgs", "--out", out, "--threads", "1") == 0, capsys.readouterr().err
+    capsys.readouterr()
+    weights = model / "model.safetensors"
+    st, folder_st = weights.stat(), model.stat()
+    other = _timm_folder(tmp_path / "other", 2, randomize) / "model.safetensors"
+    assert other.stat().st_size == st.st_size and other.read_bytes() != weights.read_bytes()
+    with open(weights, "r+b") as f:  # rewritten in place: the folder's entries (and times) do not change
+        f.write(other.read_bytes())
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(model, ns=(folder_st.st_atime_ns, folder_st.st_mtime_ns))
+    assert run(model, tmp_path / "imgs", "--out", out, "--threads", "1") == 1
+    err = capsys.readouterr().err
+    assert "model_sha256" in err and "--force" in err
+    assert run(model, tmp_path / "imgs", "--out", out, "--threads", "1", "--force") == 0
+
+
+def _cache_snapshot(cache: Path, repo: str, commit: str, folder: Path) -> None:
+    """`folder` as the hub cache holds `repo` at `commit` (refs/main names the snapshot), as huggingface_hub lays
+    it out; offline, `snapshot_download` answers with that snapshot."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    shutil.copytree(folder, root / "snapshots" / commit)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_ids_key_is_its_weights(tmp_path, capsys, randomize, monkeypatch):
+    """A hub id (through huggingface_hub's real cache, offline): resumed while its weights stay, refused once the
+    hub's newest revision has other weights."""
+    import huggingface_hub.constants as c
+
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    _many(tmp_path / "imgs", 2)
+    _cache_snapshot(cache, "vit-serve-tests/tiny", "a" * 40, _timm_folder(tmp_path / "r1", 1, randomize))
+    out = tmp_path / "p.jsonl"
+    assert run("vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 0, \
+        capsys.readouterr().err
+    assert run("vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 0
+    _cache_snapshot(cache, "vit-serve-tests/tiny", "b" * 40, _timm_folder(tmp_path / "r2", 2, randomize))
+    capsys.readouterr()
+    assert run("vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 1
+    assert "model_sha256" in capsys.readouterr().err

@@ -42,9 +42,26 @@ Batch = int | Literal["dynamic"]
 _REQUIRED: Any = object()
 
 
+# A Triton model's version folder written by `vit-export --format triton` holds the graph as Triton names it,
+# `model.onnx`, and its manifest as `sidecar.json` beside it.
+TRITON_ONNX = "model.onnx"
+TRITON_MANIFEST = "sidecar.json"
+
+
 def manifest_path(export_path: str | os.PathLike) -> Path:
     """`dir/name.onnx` (or `.plan`, `.engine`) -> `dir/name.json`."""
     return Path(export_path).with_suffix(".json")
+
+
+def find_manifest(export_path: str | os.PathLike) -> Path:
+    """Where the manifest of an exported file is: `dir/name.json`, or, in a Triton model's version folder
+    (`dir/model.onnx` with `dir/sidecar.json`, no `dir/model.json`), `dir/sidecar.json`."""
+    path = Path(export_path)
+    side = manifest_path(path)
+    triton = path.with_name(TRITON_MANIFEST)
+    if not side.is_file() and path.name == TRITON_ONNX and triton.is_file():
+        return triton
+    return side
 
 
 # ---- typed reading of one JSON object --------------------------------------------------------------------------
@@ -515,7 +532,7 @@ def read_manifest(path: str | os.PathLike) -> ExportManifest:
     FileNotFoundError when there is none beside it; ValueError naming the file (and the field) when it is not
     valid JSON, not a vit-export manifest, of an unknown version or has a field of the wrong type."""
     path = Path(path)
-    side = path if path.suffix == ".json" else manifest_path(path)
+    side = path if path.suffix == ".json" else find_manifest(path)
     if not side.is_file():
         raise FileNotFoundError(f"{path} has no sidecar {side.name} beside it (vit-export writes one; it holds the "
                                 f"resolution, preprocessing and labels)")

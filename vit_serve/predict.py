@@ -39,6 +39,7 @@ from vit_serve.predict_writers import (
     check_manifest,
     open_writer,
     output_format,
+    printable,
     sidecar,
     write_manifest,
 )
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from vit_serve.serve.discovery import VersionSource
 
 GLOB_CHARS = frozenset("*?[")
+ASCII_SPACE = " \t\r\f\v"  # what a line of a path list is stripped of (not U+0085, U+2028: they may be in names)
 
 
 @dataclass(frozen=True)
@@ -159,12 +161,13 @@ def list_images(src: str, image_folder: bool = False) -> list[Item]:
         items = [Item(src)]
     elif path.is_file():
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            # one path a line, lines ending at "\n" (and "\r\n") only: U+2028, U+0085 and the like may be in a name
+            lines = path.read_bytes().decode("utf-8").split("\n")
         except UnicodeDecodeError:
             raise ValueError(f"{src}: neither an image nor a text file of image paths") from None
         base = path.parent
         items = [Item(ln if os.path.isabs(ln) else str(base / ln))
-                 for ln in (raw.strip() for raw in lines) if ln and not ln.startswith("#")]
+                 for ln in (raw.strip(ASCII_SPACE) for raw in lines) if ln and not ln.startswith("#")]
     elif GLOB_CHARS & set(src):
         items = [Item(p) for p in sorted(glob.glob(src, recursive=True)) if os.path.isfile(p) and _is_image(p)]
     else:
@@ -184,6 +187,9 @@ def resolve_model(model: str, name: str | None = None) -> VersionSource:
     from vit_serve.serve.discovery import scan
 
     entries = scan(model)
+    if name is not None and entries.get(name) is not None and entries[name].skipped:
+        raise ValueError(f"--model {name}: {entries[name].error}")
+    entries = {n: e for n, e in entries.items() if not e.skipped}  # Triton's own models, listed by `serve`
     if name is not None and name not in entries:
         raise ValueError(f"--model {name}: not in {model} (it has {', '.join(sorted(entries)) or 'no model'})")
     if name is None:
@@ -198,15 +204,40 @@ def resolve_model(model: str, name: str | None = None) -> VersionSource:
     return entry.versions[max(entry.versions)]
 
 
-def model_digest(source: VersionSource) -> str:
-    """sha256 of the model file (a folder or hub id: its discovery fingerprint), what the manifest keys on."""
-    if not source.path.is_file():
-        return f"fingerprint:{source.fingerprint}"
+def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(source.path, "rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def model_digest(source: VersionSource) -> str:
+    """What the manifest keys on: the sha256 of the model file; of a checkpoint folder (or the folder a hub id
+    downloads to), the sha256 of its model files' names and sha256s (`folder_model_files`): touching or copying
+    the folder keeps it, new weights change it, whatever their times."""
+    path = source.path
+    if not path.exists():
+        from vit_serve.checkpoints.hub import download, parse_hub_id
+
+        repo = parse_hub_id(str(path))
+        if repo is None:
+            raise FileNotFoundError(f"no such file or folder: {path}")
+        path = download(repo)  # the loader finds it in the cache
+    if path.is_file():
+        return _file_sha256(path)
+    h = hashlib.sha256()
+    for f in folder_model_files(path):
+        h.update(f"{f.name}\0{_file_sha256(f)}\0".encode())
+    return h.hexdigest()
+
+
+def folder_model_files(folder: Path) -> list[Path]:
+    """The files a checkpoint folder's model is made of: its JSON configs and its weights (not a README)."""
+    from vit_serve.serve.discovery import CHECKPOINT_SUFFIXES
+
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and p.suffix.lower() in (".json", *CHECKPOINT_SUFFIXES))
 
 
 def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
@@ -332,7 +363,7 @@ class Sink:
     def error(self, path: str, why: str) -> None:
         self.errors.add(path, why)
         if not self.opts.quiet:
-            self.bar.write(f"vit-serve predict: skipped {path}: {why}")
+            self.bar.write(f"vit-serve predict: skipped {printable(path)}: {why}")
         self.bar.update(1)
 
 
@@ -410,6 +441,10 @@ def predict(opts: PredictOptions) -> PredictResult:
     sink = Sink(writer, rollout, errors, bar, info, opts)
     t0 = time.perf_counter()
     try:
+        unkeyable = {i.path: why for i in todo if (why := writer.key_problem(i.path))}
+        for path, why in unkeyable.items():  # listed, never decoded: the run goes on without them
+            sink.error(path, why)
+        todo = [i for i in todo if i.path not in unkeyable]
         if todo and opts.engine == "ray":
             from vit_serve.predict_ray import run_ray
 

@@ -8,6 +8,12 @@ OUT is `preds.jsonl`, `preds.csv` or `preds.parquet` (a folder of part files). B
   files are tried again).
 * `OUT.rollout.npy`: with `--explain`, float32 [N, gh, gw]; a row's `rollout_index` names its map.
 
+Text. Every file is UTF-8, and a JSON Lines file ends its lines at "\\n" only (U+2028, U+2029, U+0085 are text inside
+a row, as JSON says). A file name that is not UTF-8 (Linux allows any bytes; Python lists the byte 0xE9 as the
+surrogate U+DCE9, `surrogateescape`) is kept in JSON as its escape `\\udce9`, which `json.loads` reads back to the
+name that opens the file; CSV and Parquet text cannot hold it, so such a file is listed in OUT.errors.jsonl with
+why (`key_problem`), before it is decoded, and the run goes on.
+
 Kill safety. JSONL and CSV rows are appended and flushed once per batch; a torn last line (a kill mid-write) is cut
 off when the file is opened again. Parquet is a folder of parts, each written to a hidden temporary file and
 renamed into place (`os.replace`), so a part is either whole or absent: pyarrow and pandas read the folder as one
@@ -23,6 +29,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -53,6 +60,28 @@ def sidecar(out: Path, what: str) -> Path:
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_line(obj: Any) -> str:
+    """`obj` as one JSON line: non-ASCII text as is, a lone surrogate (a file name's undecodable byte) as its JSON
+    escape, so that the line is always UTF-8 and reads back to the same strings."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
+
+
+def printable(path: str) -> str:
+    """A path for a message: an undecodable byte of its name as `\\xe9` (a terminal cannot print a surrogate)."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _not_utf8(path: str, fmt: str) -> str | None:
+    if not _SURROGATE.search(path):
+        return None
+    return (f"its name is not UTF-8 ({printable(path)}), and {fmt} text is: rename it, or write JSON Lines (which "
+            f"keeps such a name escaped)")
 
 
 # ---- the manifest --------------------------------------------------------------------------------------------
@@ -128,6 +157,10 @@ class _LineWriter:
     def _lines(self, rows: list[Row]) -> str:
         raise NotImplementedError
 
+    def key_problem(self, path: str) -> str | None:
+        """Why a row keyed `path` cannot be written to this file (None: it can)."""
+        return None
+
     def write(self, rows: list[Row]) -> None:
         if rows:
             self.f.write(self._lines(rows))
@@ -144,7 +177,7 @@ class _LineWriter:
 class JsonlWriter(_LineWriter):
     def _read(self, data: bytes) -> set[str]:
         done = set()
-        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        for n, line in enumerate(data.split(b"\n")[:-1], 1):  # lines end at "\n" only: not str.splitlines()
             try:
                 done.add(json.loads(line)["path"])
             except (ValueError, KeyError, TypeError):
@@ -153,11 +186,8 @@ class JsonlWriter(_LineWriter):
         return done
 
     def _lines(self, rows: list[Row]) -> str:
-        out = []
-        for r in rows:
-            r = {**r, "scores": [_finite(s) for s in r["scores"]]}  # strict JSON: NaN -> null, as /classify
-            out.append(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n")
-        return "".join(out)
+        # strict JSON: NaN -> null, as /classify
+        return "".join(json_line({**r, "scores": [_finite(s) for s in r["scores"]]}) for r in rows)
 
 
 class CsvWriter(_LineWriter):
@@ -172,6 +202,9 @@ class CsvWriter(_LineWriter):
     def _start(self) -> None:
         self.f.write(self._csv([self.header()]))
         self.f.flush()
+
+    def key_problem(self, path: str) -> str | None:
+        return _not_utf8(path, "CSV")
 
     @staticmethod
     def _csv(records: list[list[Any]]) -> str:
@@ -237,6 +270,10 @@ class ParquetWriter:
         self.rows = len(self.done)
         self.buffer: list[Row] = []
         self.last = time.monotonic()
+
+    def key_problem(self, path: str) -> str | None:
+        """Why a row keyed `path` cannot be written (Parquet strings are UTF-8); None: it can."""
+        return _not_utf8(path, "Parquet")
 
     def write(self, rows: list[Row]) -> None:
         self.buffer += rows
@@ -334,7 +371,7 @@ class ErrorLog:
         if self.f is None:
             self.f = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - held open for the run, closed by close()
         self.errors.append((path, error))
-        self.f.write(json.dumps({"path": path, "error": error}, ensure_ascii=False) + "\n")
+        self.f.write(json_line({"path": path, "error": error}))
         self.f.flush()
 
     def close(self) -> None:

@@ -111,7 +111,8 @@ def test_unusable_versions_and_names_are_reported_not_served(tmp_path, tiny_ckpt
     _touch(tmp_path / "badcfg" / "1" / "w.safetensors")
     _touch(tmp_path / "badcfg" / "config.pbtxt", b"max_batch_size: {{{")
     entries = scan(tmp_path)
-    assert "ens" not in entries
+    assert entries["ens"].skipped == "python" and not entries["ens"].versions  # listed, never loaded
+    assert "a Triton Python-backend model: serve it with tritonserver" in entries["ens"].error
     assert list(entries["two"].versions) == [2] and "holds 2 models" in entries["two"].broken[1]
     assert "both claim the model name 'dup'" in entries["dup"].error
     assert "not a readable Triton model configuration" in entries["badcfg"].error

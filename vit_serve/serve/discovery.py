@@ -11,6 +11,12 @@
   `NAME/config.pbtxt` (Triton's model configuration, read with Triton's own schema from tritonclient) may set
   the model's `version_policy`, `max_batch_size` and `dynamic_batching` limits.
 
+The Triton repository `vit-export --format triton` writes is one of these: NAME_onnx/VERSION/model.onnx with its
+manifest `sidecar.json` is served (with its explain graph NAME_explain_onnx, named by its config's "vit_serve"
+parameter, `vit_serve.manifest.TritonMeta`); the models only Triton runs (Python backend, ensemble, an engine
+without its manifest) and the explain graphs are listed as skipped (`ModelEntry.skipped`), with why and what to
+serve instead, under the names Triton gives them.
+
 Both kinds may sit side by side in one folder. A model whose files cannot be told apart (two exports in one
 version folder, two files claiming one name) is listed with the reason, and is not served.
 """
@@ -22,7 +28,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from vit_serve.manifest import TRITON_ONNX, TritonMeta, find_manifest
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -30,6 +38,9 @@ ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 CHECKPOINT_SUFFIXES = (".safetensors", ".npz", ".pth", ".pt", ".bin")
 EXPLAIN_SUFFIX = "_explain"
 TRITON_CONFIG = "config.pbtxt"
+
+
+SkipKind = Literal["python", "ensemble", "explain", "engine"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,22 @@ class ModelEntry:
     limits: ModelLimits = ModelLimits()
     error: str | None = None  # the model as a whole is unusable (e.g. an unreadable config.pbtxt)
     broken: dict[int, str] = field(default_factory=dict)  # versions found but unusable, with the reason
+    # A model only Triton serves (Python backend, ensemble, an engine without its manifest) or served with
+    # another (an explain graph): listed, `error` saying why and what to serve instead, never loaded, and no
+    # candidate for the default model.
+    skipped: SkipKind | None = None
+    meta: TritonMeta | None = None  # its config.pbtxt's "vit_serve" parameter, when it has one
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """What the gateway reads of a Triton config.pbtxt."""
+
+    policy: VersionPolicy | None = None
+    limits: ModelLimits = ModelLimits()
+    platform: str = ""
+    backend: str = ""
+    meta: TritonMeta | None = None  # the "vit_serve" parameter of a vit-export model
 
 
 def backend_for(path: Path) -> Literal["torch", "onnxruntime", "tensorrt"] | None:
@@ -142,15 +169,16 @@ def _visible(folder: Path) -> list[Path]:
         return []
 
 
-def _read_config(path: Path) -> tuple[VersionPolicy | None, ModelLimits]:
-    """`version_policy`, `max_batch_size` and `dynamic_batching` of a Triton config.pbtxt (Triton's schema)."""
+def read_triton_config(path: Path) -> TritonConfig:
+    """`version_policy`, `max_batch_size`, `dynamic_batching`, platform, backend and the "vit_serve" parameter
+    of a Triton config.pbtxt (Triton's schema); ValueError naming the file when it is unreadable."""
     try:
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
     except ImportError:
         log.warning("%s: tritonclient is not installed, so its version policy and limits are not read (pip "
                     "install 'vit-serve[triton]'); the gateway's defaults apply", path)
-        return None, ModelLimits()
+        return TritonConfig()
     try:
         config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
     except (OSError, UnicodeDecodeError, text_format.ParseError) as e:
@@ -169,7 +197,63 @@ def _read_config(path: Path) -> tuple[VersionPolicy | None, ModelLimits]:
         db = config.dynamic_batching
         limits = ModelLimits(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
                              max_queue=db.default_queue_policy.max_queue_size or None)
-    return policy, limits
+    meta = None
+    if "vit_serve" in config.parameters:
+        as_json: dict[str, Any] = {"parameters": {"vit_serve": {
+            "string_value": config.parameters["vit_serve"].string_value}}}
+        meta = TritonMeta.from_config(as_json, config.name or path.parent.name)
+    return TritonConfig(policy, limits, config.platform, config.backend, meta)
+
+
+def _skip_kind(folder: Path, config: TritonConfig) -> SkipKind | None:
+    """Why the gateway leaves this Triton model to Triton: "python", "ensemble", "explain", "engine" or None."""
+    if config.platform == "ensemble":
+        return "ensemble"
+    if config.backend == "python" or any((v / "model.py").is_file() for v in _visible(folder) if v.is_dir()):
+        return "python"
+    if config.meta is not None and config.meta.kind == "explain":
+        return "explain"
+    if config.platform == "tensorrt_plan" and not any(
+            find_manifest(f).is_file() for v in _visible(folder) if v.is_dir() for f in _visible(v)
+            if backend_for(f) == "tensorrt"):
+        return "engine"
+    return None
+
+
+def _skip_reason(kind: SkipKind, meta: TritonMeta | None, onnx: str | None) -> str:
+    """The index's reason for a skipped model; `onnx`: its export's ONNX logits model here, if any."""
+    sibling = f", or its ONNX sibling {onnx} here" if onnx else ""
+    if kind == "explain":
+        logits = (meta.logits_model if meta else None) or onnx or "its logits model"
+        return (f"the explain graph of {logits}: served with it here (POST /explain?model={logits}, or "
+                f"/classify?explain=true), not as a model of its own")
+    if kind == "ensemble":
+        steps = f" ({meta.preprocess_model} -> {meta.classifier})" if meta and meta.classifier else ""
+        return f"a Triton ensemble{steps}: serve it with tritonserver{sibling} (the gateway decodes images itself)"
+    if kind == "engine":
+        return (f"a TensorRT engine without its manifest beside it (vit-export keeps it in OUT/NAME_tensorrt/, "
+                f"where `vit-serve serve` takes the engine): serve it with tritonserver{sibling}")
+    if meta is not None and meta.kind == "preprocess":
+        return (f"a Triton Python-backend model (the ensemble's image decoding): serve it with tritonserver"
+                f"{sibling} (the gateway decodes images itself)")
+    return f"a Triton Python-backend model: serve it with tritonserver{sibling}"
+
+
+def triton_explain_of(path: Path) -> Path | None:
+    """The explain graph of `REPO/MODEL/VERSION/FILE` in a `vit-export --format triton` repository:
+    `REPO/EXPLAIN/VERSION/model.onnx`, EXPLAIN being named by MODEL's config.pbtxt; None when there is none."""
+    vdir = path.parent
+    config = vdir.parent / TRITON_CONFIG
+    if not (vdir.name.isdigit() and config.is_file()):
+        return None
+    try:
+        meta = read_triton_config(config).meta
+    except ValueError:
+        return None
+    if meta is None or meta.explain_model is None:
+        return None
+    candidate = vdir.parent.parent / meta.explain_model / vdir.name / TRITON_ONNX
+    return candidate if candidate.is_file() else None
 
 
 def _version_source(name: str, version: int, folder: Path) -> VersionSource:
@@ -193,13 +277,18 @@ def _triton_style(folder: Path) -> ModelEntry | None:
     if not numbered:
         return None
     entry = ModelEntry(folder.name)
-    config = folder / TRITON_CONFIG
-    if config.is_file():
+    config = TritonConfig()
+    if (folder / TRITON_CONFIG).is_file():
         try:
-            entry.policy, entry.limits = _read_config(config)
+            config = read_triton_config(folder / TRITON_CONFIG)
         except ValueError as e:
             entry.error = str(e)
             return entry
+    entry.policy, entry.limits, entry.meta = config.policy, config.limits, config.meta
+    skip = _skip_kind(folder, config)
+    if skip is not None:
+        entry.skipped = skip  # its reason (`error`) is written once every model is known (`scan`)
+        return entry
     for vdir in numbered:
         v = int(vdir.name)
         try:
@@ -207,8 +296,17 @@ def _triton_style(folder: Path) -> ModelEntry | None:
         except ValueError as e:
             entry.broken[v] = str(e)
     if not entry.versions and all("holds no model" in why for why in entry.broken.values()):
-        return None  # e.g. a Triton Python-backend model or an ensemble: Triton's, not ours
+        return None  # not a model (no config said what it is)
     return entry
+
+
+def _write_skip_reasons(entries: dict[str, ModelEntry]) -> None:
+    """The reasons of the skipped models, naming their export's ONNX logits model when it is served here."""
+    onnx = {e.meta.name: n for n, e in sorted(entries.items(), reverse=True) if e.meta is not None
+            and not e.skipped and e.meta.kind == "logits" and e.meta.runtime == "onnxruntime"}
+    for e in entries.values():
+        if e.skipped is not None and e.error is None:
+            e.error = _skip_reason(e.skipped, e.meta, onnx.get(e.meta.name) if e.meta else None)
 
 
 def _one_file(name: str, path: Path, backend: Literal["torch", "onnxruntime", "tensorrt"]) -> ModelEntry:
@@ -253,4 +351,5 @@ def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Mod
                                                                f"model name {entry.name!r}; rename one")
             continue
         entries[entry.name] = entry
+    _write_skip_reasons(entries)
     return entries

@@ -1,7 +1,9 @@
 """Reading what `vit-export` wrote: the manifest beside an exported graph or engine -> `ModelInfo`.
 
 `<name>.onnx` (or `<name>.engine`) has `<name>.json` beside it, and the explain graph `<name>_explain.onnx` has
-`<name>_explain.json`; an engine's explain twin may also be the explain ONNX graph its export came with. Only the
+`<name>_explain.json`; an engine's explain twin may also be the explain ONNX graph its export came with. In a
+Triton repository written by `vit-export --format triton`, `MODEL/VERSION/model.onnx` has `sidecar.json` beside it
+and its explain twin is the explain model its config names (`vit_serve.serve.discovery.triton_explain_of`). Only the
 manifest is read here (`vit_serve.manifest`); the gateway never imports the exporter.
 """
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from vit_serve.manifest import ExportManifest, manifest_path, read_manifest
 from vit_serve.serve.backends.base import ModelInfo
+from vit_serve.serve.discovery import triton_explain_of
 
 EXPLAIN_SUFFIX = "_explain"
 
@@ -30,11 +33,24 @@ def read_export(path: Path, name: str | None, backend: str, kind: str) -> tuple[
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     side = read_manifest(path)
+    if side.explain:
+        raise ValueError(f"{path} is an explain graph (its manifest says so); serve its logits {kind}, which finds "
+                         f"it")
     explain = explain_path_of(path)
     if kind == "engine" and not explain.is_file():
         explain = explain_onnx_of_engine(path, side) or explain
+    triton = None if explain.is_file() else triton_explain_of(path)
+    explain = triton or explain
     explain_side = read_manifest(explain) if explain.is_file() else None
+    if triton is not None and explain_side is not None and not _same_export(side, explain_side):
+        explain_side = None  # the explain model's version of the same number is another export's
     return model_info(path, side, name, explain_side, backend), explain if explain_side is not None else None
+
+
+def _same_export(side: ExportManifest, explain: ExportManifest) -> bool:
+    """Whether an explain graph's manifest is that of the logits file's export (checkpoint, resolution, labels)."""
+    return (explain.explain and explain.source_checkpoint == side.source_checkpoint
+            and explain.resolution == side.resolution and explain.labels == side.labels)
 
 
 def explain_onnx_of_engine(path: Path, side: ExportManifest) -> Path | None:
