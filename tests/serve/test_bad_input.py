@@ -4,7 +4,9 @@ uploads leaves a real server healthy."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
+import json
 
 import httpx
 import pytest
@@ -220,3 +222,54 @@ def test_flood_of_corrupt_uploads_leaves_a_real_server_healthy(tiny_ckpt, photos
     assert good.status_code == 200 and len(good.json()["predictions"]) == 5
     assert metric(text, "vit_serve_requests_total", endpoint="/classify", method="POST", status="422") \
         + metric(text, "vit_serve_requests_total", endpoint="/classify", method="POST", status="415") == 200
+
+
+def test_nested_json_odd_header_lengths_and_overflowing_shapes_are_400(tiny_onnx):
+    """Inputs that raised inside the parsers (500): JSON nested past Python's recursion limit (RecursionError in
+    json.loads) on every JSON body the gateway parses, an integer of 5,000 digits (int() refuses it), an
+    Inference-Header-Content-Length of digits str.isdigit takes and int() does not, and shapes whose element
+    count overflows int64 ([2**32, 2**32] wraps to 0 in numpy; [2**70] does not fit at all) or has more
+    dimensions than numpy allows. Each answers 400 with a message."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+    deep_input = b'{"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [1], "data": ' \
+        + b"[" * 50_000 + b"1" + b"]" * 50_000 + b"}]}"
+    huge_int = b'{"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [' + b"9" * 5000 + b"]}]}"
+
+    def spec(datatype: str, shape: list[int], **kw) -> bytes:
+        return json.dumps({"inputs": [{"name": "pixel_values" if datatype != "BYTES" else "image",
+                                       "datatype": datatype, "shape": shape, **kw}]}).encode()
+
+    shapes = [spec("FP32", [2**32, 2**32], data=[]), spec("FP32", [2**70], data=[1.0]),
+              spec("BYTES", [2**32, 2**32], data=[]), spec("FP32", [2**62, 4], data=[]),
+              spec("FP32", [1] * 100, data=[1.0])]
+    binary_shape = json.dumps({"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [2**32, 2**32],
+                                           "parameters": {"binary_data_size": 0}}]}).encode()
+
+    async def scenario():
+        # with an admin key, so that load and unload read their bodies
+        async with serving(settings_for(tiny_onnx, api_keys=["user"], admin_api_keys=["admin"])) as (client, _):
+            client.headers["Authorization"] = "Bearer admin"
+            out = []
+            for body in (nested, deep_input, huge_int, *shapes):
+                out.append(("infer", body[:40], await client.post("/v2/models/tiny/infer", content=body)))
+                out.append(("infer gzip", body[:40], await client.post(
+                    "/v2/models/tiny/infer", content=gzip.compress(body), headers={"Content-Encoding": "gzip"})))
+            out.append(("binary shape", binary_shape[:40], await client.post(
+                "/v2/models/tiny/infer", content=binary_shape,
+                headers={"Inference-Header-Content-Length": str(len(binary_shape))})))
+            for length in ("\u00b2", "\u00b9", "1\u00b3", "9" * 5000, "-1", " 7 "):  # as latin-1 bytes, as sent
+                out.append((f"header {length[:8]!r}", b"", await client.post(
+                    "/v2/models/tiny/infer", content=b'{"inputs": []}' + b"\x00" * 8,
+                    headers=[(b"Inference-Header-Content-Length", length.encode("latin-1"))])))
+            for path in ("/v2/repository/index", "/v2/repository/models/tiny/load",
+                         "/v2/repository/models/tiny/unload"):
+                for body in (nested, b"9" * 5000):
+                    out.append((path, body[:40], await client.post(path, content=body)))
+            return out
+
+    answers = run(scenario())
+    for what, body, r in answers:
+        print(what, body, r.status_code, r.text[:160])
+    wrong = [(what, body, r.status_code, r.text[:200]) for what, body, r in answers
+             if r.status_code != 400 or not r.json().get("error")]
+    assert not wrong, wrong

@@ -1,6 +1,9 @@
 """How a model version is driven: a batching runner (local backends) or a direct one (a server that batches).
 
-`BatchingRunner`: requests wait in a bounded queue (full: `QueueFullError`, answered 503 + Retry-After). One
+`BatchingRunner`: requests wait in a bounded queue (full: `QueueFullError`, answered 503 + Retry-After). A request
+of more than `max_batch` images (`max_images_per_request` allows it) is queued as consecutive parts of at most
+`max_batch` rows, each a queue entry, so that no batch the model runs is larger than `max_batch`; its answer is
+the parts' outputs joined, and a part that fails or times out drops the parts not yet started. One
 collector task takes the oldest request and every waiting request with the same `Task`, up to `max_batch`
 images. It waits for more at most `max_delay_ms` after the oldest one arrived, and only while more are known to
 be coming (`Arrival`: requests whose body is being read or decoded): a lone request never waits for nothing, and
@@ -9,8 +12,8 @@ Batches run in the version's own model thread, so the model runs one batch at a 
 free. A request not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its
 rows are dropped if they have not started.
 
-`DirectRunner` (Triton, whose server batches): each request is sent as it comes, with the same limits (at most
-`max_queue` requests outstanding, the same timeout).
+`DirectRunner` (Triton, whose server batches): each request is sent as it comes, in the same parts of at most
+`max_batch` rows, with the same limits (at most `max_queue` parts outstanding, the same timeout).
 
 Both take the same `RunnerLimits` and report to the version's `ModelMetrics`.
 """
@@ -61,6 +64,16 @@ class Result:
     queue_ms: float
     infer_ms: float
     batch_size: int
+
+    @staticmethod
+    def joined(parts: list[Result]) -> Result:
+        """The answer of a request run as several parts: their outputs concatenated in order, the longest queue
+        wait, the model time of all of them, the largest batch."""
+        if len(parts) == 1:
+            return parts[0]
+        outputs = {k: np.concatenate([p.outputs[k] for p in parts]) for k in parts[0].outputs}
+        return Result(outputs, max(p.queue_ms for p in parts), sum(p.infer_ms for p in parts),
+                      max(p.batch_size for p in parts))
 
     def timing_ms(self, decode_ms: float, total_ms: float) -> dict[str, float]:
         """The answer's `timing_ms` (schemas.Timing): decode, queue, infer, total and the batch size."""
@@ -121,6 +134,11 @@ class _Runner:
         """Announce a request that will be submitted once its image is decoded."""
         return Arrival(self)
 
+    def parts(self, x: np.ndarray) -> list[np.ndarray]:
+        """x split into consecutive views of at most max_batch rows (x itself when it fits)."""
+        n = self.limits.max_batch
+        return [x] if x.shape[0] <= n else [x[i:i + n] for i in range(0, x.shape[0], n)]
+
     @property
     def incoming(self) -> int:
         """Requests announced and not yet queued."""
@@ -166,15 +184,21 @@ class DirectRunner(_Runner):
     async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
         if arrival is not None:
             arrival.done()
-        if self._outstanding >= self.limits.max_queue:
+        parts = self.parts(x)
+        if self._outstanding + len(parts) > self.limits.max_queue:
             raise self._full(f"{self.limits.max_queue} requests outstanding")
-        self._outstanding += 1
+        self._outstanding += len(parts)
         self.metrics.queue_depth.set(self._outstanding)
-        t0 = time.perf_counter()
         try:
-            outputs = await asyncio.wait_for(self.remote.run(task, x), self.timeout_s)
+            results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p) for p in parts)), self.timeout_s)
         except TimeoutError:
             raise self._timed_out() from None
+        return Result.joined(list(results))
+
+    async def _send(self, task: Task, x: np.ndarray) -> Result:
+        t0 = time.perf_counter()
+        try:
+            outputs = await self.remote.run(task, x)
         finally:
             self._outstanding -= 1
             self.metrics.queue_depth.set(self._outstanding)
@@ -232,32 +256,39 @@ class BatchingRunner(_Runner):
     # ---- requests --------------------------------------------------------------------------------------
 
     async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
-        """x [n, 3, H, W] float32 -> this request's outputs; QueueFullError (503) / GatewayTimeoutError (504)."""
-        if len(self._pending) >= self.max_queue:
+        """x [n, 3, H, W] float32 -> this request's outputs (in parts of at most max_batch rows); QueueFullError
+        (503) / GatewayTimeoutError (504)."""
+        parts = self.parts(x)
+        if len(self._pending) + len(parts) > self.max_queue:
             if arrival is not None:
                 arrival.done()
             raise self._full(f"queue full ({self.max_queue} requests waiting)")
-        item = _Item(task, x, asyncio.get_running_loop().create_future())
-        self._pending.append(item)
-        self._rows[task] = self._rows.get(task, 0) + item.rows
+        loop = asyncio.get_running_loop()
+        items = [_Item(task, part, loop.create_future()) for part in parts]
+        self._pending.extend(items)
+        self._rows[task] = self._rows.get(task, 0) + x.shape[0]
         self.metrics.queue_depth.set(len(self._pending))
         if arrival is not None:
             arrival.done()
         self._arrival.set()
         try:
-            return await asyncio.wait_for(item.future, self.timeout_s)
+            if len(items) == 1:
+                return await asyncio.wait_for(items[0].future, self.timeout_s)
+            results = await asyncio.wait_for(asyncio.gather(*(item.future for item in items)), self.timeout_s)
         except TimeoutError:
-            self._drop(item)
+            self._drop(*items)
             raise self._timed_out() from None
-        except asyncio.CancelledError:  # the client went away
-            self._drop(item)
+        except BaseException:  # a part failed (the others not started are dropped), or the client went away
+            self._drop(*items)
             raise
+        return Result.joined(list(results))
 
-    def _drop(self, item: _Item) -> None:
-        with contextlib.suppress(ValueError):
-            self._pending.remove(item)
-            self._rows[item.task] -= item.rows
-            self.metrics.queue_depth.set(len(self._pending))
+    def _drop(self, *items: _Item) -> None:
+        for item in items:
+            with contextlib.suppress(ValueError):
+                self._pending.remove(item)
+                self._rows[item.task] -= item.rows
+        self.metrics.queue_depth.set(len(self._pending))
 
     # ---- the collector ---------------------------------------------------------------------------------
 

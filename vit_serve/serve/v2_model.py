@@ -5,6 +5,13 @@ FP32 [-1, K], when the backend can explain `rollout` FP32 [-1, gh, gw], and when
 FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`). `infer` runs a parsed request
 (`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and answers its
 outputs (`classification = k` on an output: Triton's classification extension).
+
+A request carries at most `request_bounds` images (`max_images_per_request`, by default the version's max_batch),
+checked by the parsers from each input's header. Its encoded images are decoded a few at a time (`decode_window`
+at once, so that one request does not fill the shared decode pool's queue) into one [n, 3, H, W] array allocated
+once the count is known: the decoded bytes of a request are at most max_images x 3 x H x W float32, plus
+`decode_window` decodes in progress (each at most max_pixels). The first image that fails stops the others: the
+ones not started never are.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.inference import CLASSIFY, Task
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Arrival
-from vit_serve.serve.v2_protocol import InferRequest, OutputTensor, Tensor, classify
+from vit_serve.serve.settings import ServeSettings
+from vit_serve.serve.v2_protocol import InferRequest, OutputTensor, RequestBounds, Tensor, classify
 
 SERVER_NAME = "vit-serve"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
@@ -65,7 +73,37 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
     }
 
 
-async def pixels(mv: ModelVersion, inputs: dict[str, Tensor]) -> np.ndarray:
+def request_bounds(mv: ModelVersion, settings: ServeSettings) -> RequestBounds:
+    """What one request to `mv` may carry: `max_images_per_request` images (0: the version's max_batch, its own
+    config's or the settings'), and for pixel_values that many rows of [3, H, W]."""
+    images = settings.max_images_per_request or mv.runner.limits.max_batch
+    h, w = mv.info.resolution
+    return RequestBounds(images, images * 3 * h * w)
+
+
+async def decode_images(mv: ModelVersion, items: list[bytes], window: int) -> np.ndarray:
+    """Encoded images -> x [n, 3, H, W] float32, at most `window` decoding at once; the first failure cancels
+    the rest (those waiting never start) and is raised."""
+    h, w = mv.info.resolution
+    x = np.empty((len(items), 3, h, w), np.float32)  # the request's whole decoded size, bounded by its count
+    todo = iter(enumerate(items))
+
+    async def worker() -> None:
+        for i, data in todo:  # one shared iterator: each worker takes the next image when it is free
+            x[i] = (await mv.decode(bytes(data), keep=False)).x[0]
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(max(1, min(window, len(items))))]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    return x
+
+
+async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int) -> np.ndarray:
     """The request's one input -> x [B, 3, H, W] float32 (images decoded with the model's contract)."""
     info = mv.info
     unknown = set(inputs) - {"pixel_values", "image"}
@@ -82,8 +120,9 @@ async def pixels(mv: ModelVersion, inputs: dict[str, Tensor]) -> np.ndarray:
     t = inputs["image"]
     if t.datatype != "BYTES" or not t.data:
         raise BadRequestError("image must be BYTES holding at least one encoded image")
-    decoded = await asyncio.gather(*(mv.decode(bytes(b), keep=False) for b in t.data))
-    return np.concatenate([d.x for d in decoded])
+    # On the GPU the decoder batches the crops waiting together: let a request's images wait together.
+    window = decode_window if mv.gpu is None else max(decode_window, mv.runner.limits.max_batch)
+    return await decode_images(mv, list(t.data), window)
 
 
 def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any]) -> list[Task]:
@@ -114,8 +153,9 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo)
     return OutputTensor(out["name"], "BYTES", shape, items, binary)
 
 
-async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival) -> list[OutputTensor]:
-    """Run `req` on the version (held by the caller, announced as `arrival`): its outputs, in the order asked
+async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int) -> list[OutputTensor]:
+    """Run `req` (parsed within `request_bounds`) on the version (held by the caller, announced as `arrival`),
+    its images decoded `decode_window` at a time (the settings' decode_workers): its outputs, in the order asked
     (all of them when it names none); 400 for an output the model does not have."""
     available = [o["name"] for o in output_specs(mv.info)]
     wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
@@ -123,7 +163,7 @@ async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival) -> list[O
         if out["name"] not in available:
             raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
     tasks = _tasks(mv, wanted, req.parameters)
-    x = await pixels(mv, req.inputs)
+    x = await pixels(mv, req.inputs, decode_window)
     outputs: dict[str, np.ndarray] = {}
     for i, task in enumerate(tasks):  # the arrival announced one request: the first pass takes it
         outputs.update((await mv.infer(task, x, arrival if i == 0 else None)).outputs)

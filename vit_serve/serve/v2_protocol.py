@@ -13,6 +13,12 @@ first; value as C's `%f` (six decimals), the label omitted when the output has n
 the raw tensor, as in Triton. Output parameters other than `binary_data` and `classification` answer 400.
 
 JSON bodies are strict RFC 8259: NaN and +-inf outputs are written as null (`schemas.json_bytes`).
+
+Every input is checked against the request's `RequestBounds` from its header (name, datatype, shape) before its
+data is converted or decoded: at most `max_images` encoded images (BYTES elements) or rows, and for a numeric input
+at most `max_values` elements. Shapes are counted with Python integers (numpy's int64 product wraps), so no shape
+overflows; a request body that is not JSON, nested past the parser's recursion limit included, is a 400
+(`load_json`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +43,41 @@ DTYPES: dict[str, np.dtype] = {
 }
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OUTPUT_PARAMETERS = ("binary_data", "classification")
+MAX_DIMS = 32  # numpy 1.x's most dimensions of an array (2.x allows 64)
+IMAGES_SETTING = "VIT_SERVE_MAX_IMAGES_PER_REQUEST"
+
+
+def load_json(data: bytes, what: str) -> Any:
+    """`data` parsed as JSON; 400 naming `what` when it is not JSON, is not UTF-8, is nested deeper than the
+    parser's recursion limit, or holds an integer longer than int() converts."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise BadRequestError(f"{what} is nested too deeply to parse") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and int()'s digit limit are ValueErrors
+        raise BadRequestError(f"{what} is not JSON ({e})") from None
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one inference request may carry: `max_images` encoded images (a BYTES input's elements) or rows (a
+    numeric input's first dimension), and `max_values` elements of a numeric input (that many images' values)."""
+
+    max_images: int
+    max_values: int
+
+    def check(self, name: str, datatype: str, shape: list[int]) -> int:
+        """The element count of a checked spec (`check_spec`); 400 naming the limit beyond the bounds."""
+        count = math.prod(shape)  # Python integers: exact, whatever the shape
+        images = count if datatype == "BYTES" else (shape[0] if shape else 1)
+        if images > self.max_images:
+            raise BadRequestError(f"input {name!r}: {images} images in one request, over the limit of "
+                                  f"{self.max_images} ({IMAGES_SETTING}, --max-images-per-request; by default "
+                                  f"the model's max_batch)")
+        if datatype != "BYTES" and count > self.max_values:
+            raise BadRequestError(f"input {name!r}: shape {shape} holds {count} values, more than "
+                                  f"{self.max_images} images of this model hold ({self.max_values})")
+        return count
 
 
 @dataclass
@@ -79,9 +121,13 @@ class OutputTensor:
     binary: bool
 
 
-def _bytes_elements(raw: memoryview, name: str) -> list[bytes]:
-    out, i = [], 0
+def _bytes_elements(raw: memoryview, name: str, count: int) -> list[bytes]:
+    """The BYTES elements of raw tensor data, refused as soon as there are more than `count` (the shape's)."""
+    out: list[bytes] = []
+    i = 0
     while i < len(raw):
+        if len(out) == count:
+            raise BadRequestError(f"input {name!r}: more BYTES elements than its shape holds ({count})")
         if i + 4 > len(raw):
             raise BadRequestError(f"input {name!r}: truncated BYTES element length")
         (n,) = struct.unpack_from("<I", raw, i)
@@ -93,14 +139,16 @@ def _bytes_elements(raw: memoryview, name: str) -> list[bytes]:
 
 
 def _count(shape: list[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return math.prod(shape)  # exact: numpy's int64 product wraps ([2**32, 2**32] -> 0)
 
 
 def check_spec(name: object, datatype: object, shape: object) -> None:
-    """400 unless an input names itself, a datatype and a shape of non-negative integers."""
+    """400 unless an input names itself, a datatype and a shape of at most MAX_DIMS non-negative integers."""
     if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list) \
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise BadRequestError("each input needs a name, a datatype and a shape of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise BadRequestError(f"input {name!r}: {len(shape)} dimensions; at most {MAX_DIMS}")
 
 
 def _finite(t: Tensor) -> Tensor:
@@ -128,7 +176,7 @@ def tensor_from_raw(name: str, datatype: str, shape: list[int], raw: memoryview 
     """An input from its raw bytes (row-major little-endian; BYTES: 4-byte length + bytes per element)."""
     raw = memoryview(raw)
     if datatype == "BYTES":
-        return _bytes_tensor(name, shape, _bytes_elements(raw, name))
+        return _bytes_tensor(name, shape, _bytes_elements(raw, name, _count(shape)))
     dtype, count = _dtype(name, datatype), _count(shape)
     if len(raw) != count * dtype.itemsize:
         raise BadRequestError(f"input {name!r}: {len(raw)} bytes of binary data, but {datatype} {shape} needs "
@@ -151,14 +199,17 @@ def tensor_from_values(name: str, datatype: str, shape: list[int], values: Any) 
     return _finite(Tensor(name, datatype, shape, arr.reshape(shape)))
 
 
-def _tensor(spec: dict[str, Any], raw: memoryview | None) -> Tensor:
+def _tensor(spec: dict[str, Any], raw: memoryview | None, bounds: RequestBounds) -> Tensor:
     name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
     check_spec(name, datatype, shape)
+    count = bounds.check(name, datatype, shape)  # before any data is converted or decoded
     if raw is not None:
         return tensor_from_raw(name, datatype, shape, raw)
     if datatype == "BYTES":
         data = spec.get("data")
         flat = data if isinstance(data, list) else [data]
+        if len(flat) != count:
+            raise BadRequestError(f"input {name!r}: {len(flat)} BYTES elements for shape {shape}")
         try:
             items = [base64.b64decode(s, validate=True) for s in flat]
         except (binascii.Error, TypeError, ValueError) as e:
@@ -169,19 +220,23 @@ def _tensor(spec: dict[str, Any], raw: memoryview | None) -> Tensor:
     return tensor_from_values(name, datatype, shape, spec.get("data"))
 
 
-def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
-    """The request body (JSON, or JSON + binary tensors) -> InferRequest; 400 on anything malformed."""
+def _header_length(value: str, body_length: int) -> int:
+    text = value.strip()
+    # ASCII digits only: str.isdigit also takes superscripts ("\u00b2"), which int() refuses
+    if not (text.isascii() and text.isdigit()) or len(text) > 20 or int(text) > body_length:
+        raise BadRequestError(f"{HEADER_LENGTH} {value[:24]!r} is not a length within the body")
+    return int(text)
+
+
+def parse_infer_request(body: bytes, header_length: str | None, bounds: RequestBounds) -> InferRequest:
+    """The request body (JSON, or JSON + binary tensors) -> InferRequest; 400 on anything malformed or beyond
+    `bounds`."""
     if header_length is not None:
-        if not header_length.strip().isdigit() or int(header_length) > len(body):
-            raise BadRequestError(f"{HEADER_LENGTH} {header_length!r} is not a length within the body")
-        n = int(header_length)
+        n = _header_length(header_length, len(body))
         head, rest = body[:n], memoryview(body)[n:]
     else:
         head, rest = body, memoryview(b"")
-    try:
-        doc = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequestError(f"the inference request header is not JSON ({e})") from e
+    doc = load_json(head, "the inference request header")
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise BadRequestError("an inference request is a JSON object with a non-empty list of inputs")
     inputs: dict[str, Tensor] = {}
@@ -196,7 +251,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
                 raise BadRequestError(f"input {spec.get('name')!r}: binary_data_size {size!r} runs past the body")
             raw = rest[offset:offset + size]  # a view: no copy of the tensor bytes
             offset += size
-        tensor = _tensor(spec, raw)
+        tensor = _tensor(spec, raw, bounds)
         inputs[tensor.name] = tensor
     if offset != len(rest):
         raise BadRequestError(f"{len(rest) - offset} bytes of binary data belong to no input")
