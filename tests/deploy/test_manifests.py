@@ -562,6 +562,7 @@ def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> I
         (mounts["keys"] / name).write_text("sha256:" + hashlib.sha256(key.encode()).hexdigest() + "\n")
     mounts["redis-password"].mkdir(parents=True)
     (mounts["redis-password"] / "password").write_text(REDIS_TEST_PASSWORD)
+    (mounts["redis-password"] / "store_secret").write_text(secrets.token_hex(32))  # as secret.yaml says
     env = {}
     for var, value in _env(container).items():  # a path in a mount becomes that path in the mount's folder
         owner = [(m["mountPath"], m["name"]) for m in container["volumeMounts"]
@@ -572,6 +573,7 @@ def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> I
     env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0"}
     model = str(mounts["models"])
     settings = ServeSettings(**_settings_kwargs(env), model=model, host="127.0.0.1", device="cpu")
+    assert not settings.store_secret_generated  # the pods share the Secret's store secret, not a process's own
     with ready_client(settings) as a, ready_client(settings) as b:
         yield [a, b], key
 
@@ -749,3 +751,16 @@ def test_keys_come_from_the_secret_and_any_replica_explains_by_id(replicas):
     assert classified.status_code == 200, classified.text
     explained = b.get(f"/explain?id={classified.json()['id']}&format=json", headers=auth)
     assert explained.status_code == 200, explained.text
+
+
+def test_the_store_secrets_placeholder_stops_a_gateway_in_one_line(tmp_path):
+    """Until the vit-serve-redis Secret is replaced, a gateway refuses its placeholder store secret (shorter than
+    the 16 bytes it accepts) instead of making ids with a secret everybody knows."""
+    from vit_serve.serve.settings import ServeSettings
+    from vit_serve.serve.stores.secret import StoreSecret
+
+    secret = _doc("Secret", "vit-serve-redis")["stringData"]["store_secret"]
+    (tmp_path / "store_secret").write_text(secret)
+    with pytest.raises(ValueError, match="it needs at least 16") as e:
+        StoreSecret.from_settings(ServeSettings(store_secret_file=str(tmp_path / "store_secret")))
+    assert "\n" not in str(e.value) and secret not in str(e.value)

@@ -98,3 +98,28 @@ def test_a_transparent_12mp_upload_makes_no_full_size_copy_in_numpy():
     ref = np.rint((rgba[..., :3] * rgba[..., 3:] + 255 * (255 - rgba[..., 3:])) / 255)
     assert np.array_equal(np.asarray(load_image(data)), ref.astype(np.uint8))
     assert out.crop.size == (224, 224)
+
+
+def test_a_store_hit_is_only_the_callers_own(tiny_ckpt, photos, decodes):
+    """Caller A's upload is kept; caller B's identical upload is decoded again (so its `timing_ms.decode` and
+    `Server-Timing` decode are a decode's, never the store hit that would tell B that someone sent this file),
+    while A's own repeat decodes nothing. Counted with the Pillow spies above."""
+    data = photos["coffee.jpg"]
+    a = {"X-API-Key": "caller-a-key-0123456789", "Content-Type": "image/jpeg"}
+    b = {"X-API-Key": "caller-b-key-0123456789", "Content-Type": "image/jpeg"}
+    steps: dict[str, dict[str, int]] = {}
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, api_keys=[a["X-API-Key"], b["X-API-Key"]])) as (client, _):
+            for name, headers, path in (("a", a, "/classify"), ("b", b, "/classify"), ("a again", a, "/classify"),
+                                        ("b embed", b, "/embed"), ("b explain", b, "/explain?format=json")):
+                before = dict(decodes)
+                r = await client.post(path, content=data, headers=headers)
+                assert r.status_code == 200, (name, r.text)
+                assert "decode" in r.json()["timing_ms"]
+                steps[name] = {k: decodes[k] - before[k] for k in decodes}
+
+    run(scenario())
+    assert steps == {"a": {"open": 1, "pixels": 1}, "b": {"open": 1, "pixels": 1},
+                     "a again": {"open": 0, "pixels": 0}, "b embed": {"open": 0, "pixels": 0},
+                     "b explain": {"open": 0, "pixels": 0}}

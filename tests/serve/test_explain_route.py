@@ -211,3 +211,92 @@ def test_export_without_explain_graph(tiny_onnx, tmp_path, photos):
     assert classify.status_code == 200
     assert explain.status_code == 400 and "no explain graph" in explain.json()["detail"]
     assert [o["name"] for o in meta.json()["outputs"]] == ["logits"]
+
+
+# ---- ids are the caller's own --------------------------------------------------------------------------------
+
+KEY_A, KEY_B = "key-of-caller-a-0123456789", "key-of-caller-b-0123456789"
+
+
+def test_another_keys_id_is_a_404_and_ids_differ_by_key(tiny_ckpt, photos):
+    """Two API keys send the same upload: their ids differ, each explains its own (200) and not the other's (404,
+    the same answer as an id nobody made, so a 200/404 says nothing of what another caller uploaded)."""
+    data = photos["chelsea.jpg"]
+    a, b = {"X-API-Key": KEY_A, **JPEG}, {"Authorization": f"Bearer {KEY_B}", **JPEG}
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, api_keys=[KEY_A, KEY_B])) as (client, _):
+            ida = (await client.post("/classify", content=data, headers=a)).json()["id"]
+            idb = (await client.post("/classify", content=data, headers=b)).json()["id"]
+            embedded = (await client.post("/embed", content=data, headers=b)).json()["id"]
+            uploaded = (await client.post("/explain?format=json", content=data, headers=b)).json()["id"]
+            return ida, idb, embedded, uploaded, {
+                "a own": await client.get(f"/explain?id={ida}&format=json", headers=a),
+                "b own": await client.get(f"/explain?id={idb}&format=json", headers=b),
+                "b of a": await client.get(f"/explain?id={ida}&format=json", headers=b),
+                "a of b": await client.get(f"/explain?id={idb}", headers=a),
+                "b unknown": await client.get(f"/explain?id={'0' * 64}&format=json", headers=b),
+            }
+
+    ida, idb, embedded, uploaded, answers = run(scenario())
+    assert ida != idb and embedded == uploaded == idb
+    assert answers["a own"].status_code == 200 and answers["b own"].status_code == 200
+    assert answers["a own"].json()["map"] == answers["b own"].json()["map"]
+    for name in ("b of a", "a of b", "b unknown"):
+        assert answers[name].status_code == 404, (name, answers[name].text[:200])
+    assert answers["b of a"].json()["detail"].replace(ida, "ID") == answers["b unknown"].json()["detail"].replace(
+        "0" * 64, "ID")
+
+
+def test_an_id_is_not_the_sha256_of_the_upload(tiny_ckpt, photos):
+    """Reference: hashlib.sha256 of the bytes sent (which anyone holding the same file can compute)."""
+    import hashlib
+
+    data = photos["coffee.jpg"]
+
+    async def scenario(**kw):
+        async with serving(settings_for(tiny_ckpt, **kw)) as (client, _):
+            headers = {"X-API-Key": KEY_A, **JPEG} if kw else JPEG
+            return [(await client.post(path, content=data, headers=headers)).json()["id"]
+                    for path in ("/classify", "/embed", "/explain?format=json")]
+
+    for ids in (run(scenario()), run(scenario(api_keys=[KEY_A]))):
+        assert len(set(ids)) == 1 and len(ids[0]) == 64
+        assert ids[0] != hashlib.sha256(data).hexdigest()
+
+
+def test_the_explain_id_never_lands_in_the_access_log(tiny_ckpt, photos, tmp_path):
+    """A real `vit-serve serve` (uvicorn's access log on stdout, the gateway's own line on stderr): GET
+    /explain?id= is logged, its query string is not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+    from gateway_helpers import wait_ready
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "VIT_SERVE_DECODE": "contract", "VIT_SERVE_DEVICE": "cpu", "VIT_SERVE_THREADS": "1",
+           "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "output").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "vit_serve.cli", "serve", str(tiny_ckpt), "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_ready(url, lambda: proc.poll() is None, timeout=120, poll=0.1), (tmp_path / "output").read_text()
+        image_id = httpx.post(f"{url}/classify", content=photos["coffee.jpg"], headers=JPEG, timeout=60).json()["id"]
+        explained = httpx.get(f"{url}/explain?id={image_id}&format=json&alpha=0.5", timeout=60)
+        missing = httpx.get(f"{url}/explain?id={'1' * 64}", timeout=60)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    output = (tmp_path / "output").read_text()
+    assert explained.status_code == 200 and missing.status_code == 404
+    lines = [ln for ln in output.splitlines() if "/explain" in ln]
+    assert len(lines) >= 4, output[-3000:]  # both requests, each by uvicorn's access log and the gateway's line
+    assert image_id not in output and "1" * 64 not in output
+    assert not [ln for ln in lines if "id=" in ln], lines

@@ -45,9 +45,12 @@ def test_redis_store_round_trips_crops_exactly_and_expires(redis_url, tiny_model
 
     from vit_serve.serve.stores import Namespaced
     from vit_serve.serve.stores.redis import PREFIX, RedisStore
+    from vit_serve.serve.stores.secret import StoreSecret
 
     cfg = tiny_model.preprocess_cfg
-    store = RedisStore(redis_url, size=8, ttl_s=0.5)
+    secret = StoreSecret.of(b"a store secret for this test only")
+    rejected = []
+    store = RedisStore(redis_url, size=8, ttl_s=0.5, secret=secret, rejected=lambda: rejected.append(1))
     photo = _crop(photos["chelsea.jpg"], cfg)
     noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
     store.put("photo", photo)
@@ -61,9 +64,12 @@ def test_redis_store_round_trips_crops_exactly_and_expires(redis_url, tiny_model
 
     raw = redis.Redis.from_url(redis_url)  # the server's own view: one key under our prefix, with its TTL
     assert 0 < raw.pttl(PREFIX + "photo") <= 500
-    assert len(raw.get(PREFIX + "noise")) == 8 + 224 * 224 * 3  # header + raw RGB
+    assert len(raw.get(PREFIX + "noise")) == 8 + 224 * 224 * 3 + 32  # header + raw RGB + seal
     raw.set(PREFIX + "foreign", b"not a crop")
     assert store.find("foreign") is None  # another program's key under our prefix is a miss, not a 500
+    assert rejected == [1]  # and counted
+    other = RedisStore(redis_url, size=8, ttl_s=60, secret=StoreSecret.of(b"another secret, another gateway"))
+    assert other.find("noise") is None  # sealed with another secret: not a crop there
 
     view = Namespaced(store, "contract")
     view.put("photo", photo)
@@ -77,8 +83,8 @@ def test_redis_store_round_trips_crops_exactly_and_expires(redis_url, tiny_model
         time.sleep(0.05)
     assert store.find("photo") is None
 
-    RedisStore(redis_url, size=0, ttl_s=60).put("none", photo)  # size 0 keeps none, as in memory
-    RedisStore(redis_url, size=8, ttl_s=60, max_entry_bytes=224 * 224 * 3).put("big", noise)  # over the cap
+    RedisStore(redis_url, size=0, ttl_s=60, secret=secret).put("none", photo)  # size 0 keeps none, as in memory
+    RedisStore(redis_url, size=8, ttl_s=60, secret=secret, max_entry_bytes=224 * 224 * 3).put("big", noise)
     assert not raw.exists(PREFIX + "none") and not raw.exists(PREFIX + "big")
     raw.close()
 
@@ -95,10 +101,10 @@ def test_open_store_names_what_it_accepts():
 # ---- across gateway processes --------------------------------------------------------------------------------
 
 
-def _serve_process(model: Path, store: str, port: int) -> subprocess.Popen:
+def _serve_process(model: Path, store: str, port: int, **env: str) -> subprocess.Popen:
     """`vit-serve serve MODEL --port PORT` in its own process, store and test settings from VIT_SERVE_*."""
     env = {**os.environ, "VIT_SERVE_STORE": store, "VIT_SERVE_DECODE": "contract", "VIT_SERVE_DEVICE": "cpu",
-           "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+           "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1", **env}
     return subprocess.Popen([sys.executable, "-m", "vit_serve.cli", "serve", str(model), "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -109,22 +115,33 @@ def _wait_ready(proc: subprocess.Popen, url: str) -> None:
         raise RuntimeError(f"the gateway process did not become ready: {proc.communicate()[1].decode()[-2000:]}")
 
 
-def test_explain_by_id_on_another_gateway_process_with_redis(redis_url, tiny_ckpt, photos):
-    """Classify in this process, explain by id in a second gateway process: 200 and the same map as here."""
+def test_explain_by_id_on_another_gateway_process_with_redis(redis_with_password, tiny_ckpt, photos, tmp_path,
+                                                             caplog):
+    """Classify in this process, explain by id in a second gateway process (a real `vit-serve serve`), both with
+    the Redis password and the store secret from files, as two pods mount them: 200 and the same map as here. A
+    third gateway without the secret does not know the id (404), and said so at start, in one warning line."""
+    url, password, _ = redis_with_password
+    (tmp_path / "password").write_text(password + "\n")
+    (tmp_path / "secret").write_text("a store secret shared by the replicas, 32+ bytes\n")
+    files = {"store_password_file": str(tmp_path / "password"), "store_secret_file": str(tmp_path / "secret")}
     port = _free_port()
-    proc = _serve_process(tiny_ckpt, redis_url, port)
+    proc = _serve_process(tiny_ckpt, url, port, **{f"VIT_SERVE_{k.upper()}": v for k, v in files.items()})
     other = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(proc, other)
 
         async def scenario():
-            async with serving(settings_for(tiny_ckpt, store=redis_url)) as (client, _):
+            async with serving(settings_for(tiny_ckpt, store=url, **files)) as (client, _):
                 classified = await client.post("/classify", content=photos["coffee.jpg"], headers=JPEG)
                 image_id = classified.json()["id"]
                 here = await client.get(f"/explain?id={image_id}&format=json")
-                return image_id, here
+            async with serving(settings_for(tiny_ckpt, store=url, store_password_file=files["store_password_file"])
+                               ) as (client, _):
+                unkeyed = await client.get(f"/explain?id={image_id}&format=json")
+            return image_id, here, unkeyed
 
-        image_id, here = run(scenario())
+        with caplog.at_level("WARNING", logger="vit_serve.serve"):
+            image_id, here, unkeyed = run(scenario())
         there = httpx.get(f"{other}/explain?id={image_id}&format=json", timeout=60)
         png = httpx.get(f"{other}/explain?id={image_id}", timeout=60)
     finally:
@@ -134,6 +151,9 @@ def test_explain_by_id_on_another_gateway_process_with_redis(redis_url, tiny_ckp
     assert there.status_code == 200, there.text
     assert there.json()["map"] == here.json()["map"] and there.json()["id"] == image_id
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+    assert unkeyed.status_code == 404
+    (warning,) = [r.getMessage() for r in caplog.records if "VIT_SERVE_STORE_SECRET" in r.getMessage()]
+    assert "\n" not in warning and "other replicas" in warning
 
 
 def test_memory_store_does_not_reach_another_gateway(tiny_ckpt, photos):
@@ -223,3 +243,142 @@ def test_classify_with_explain_without_explain_graph_answers_400(tiny_onnx, tmp_
     explained, plain = run(scenario())
     assert explained.status_code == 400 and "no explain graph" in explained.json()["detail"]
     assert plain.status_code == 200
+
+
+# ---- entries cannot be forged or moved; the store's secrets stay out of messages -----------------------------
+
+
+def _crop_keys(client) -> list[bytes]:
+    from vit_serve.serve.stores.redis import PREFIX
+
+    return sorted(client.keys(f"{PREFIX}*"))
+
+
+def test_a_forged_or_moved_entry_is_ignored_and_counted(redis_with_password, tiny_ckpt, photos):
+    """Another program with write access to Redis writes a crop of its own under the gateway's key (redis-py,
+    the entry layout the gateway wrote before entries were sealed), and copies one image's entry under another
+    image's key: GET /explain?id= answers 404 for both (the entry is ignored, not explained), each read counts in
+    vit_serve_store_rejected_total, and a repeated upload decodes again and replaces the entry. Reference: the
+    gateway's own answer before the entries were touched."""
+    from vit_serve.serve.stores.redis import HEADER
+
+    url, password, raw = redis_with_password
+    raw.flushdb()
+    store = url.replace("redis://", f"redis://:{password}@")
+    coffee, chelsea = photos["coffee.jpg"], photos["chelsea.jpg"]
+    forged = Image.fromarray(np.full((32, 48, 3), 7, np.uint8))
+    forged_bytes = HEADER.pack(b"VSC1", 48, 32) + forged.tobytes()
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, store=store)) as (client, _):
+            ida = (await client.post("/classify", content=coffee, headers=JPEG)).json()["id"]
+            before = await client.get(f"/explain?id={ida}&format=json")
+            (key_a,) = _crop_keys(raw)
+            idb = (await client.post("/classify", content=chelsea, headers=JPEG)).json()["id"]
+            (key_b,) = [k for k in _crop_keys(raw) if k != key_a]
+            m0 = metric((await client.get("/metrics")).text, "vit_serve_store_rejected_total")
+            raw.set(key_a, forged_bytes, px=60_000)  # a crop of the attacker's, in the old layout
+            forged_answer = await client.get(f"/explain?id={ida}&format=json")
+            m1 = metric((await client.get("/metrics")).text, "vit_serve_store_rejected_total")
+            raw.set(key_a, raw.get(key_b), px=60_000)  # chelsea's sealed entry moved under coffee's key
+            moved_answer = await client.get(f"/explain?id={ida}&format=json")
+            m2 = metric((await client.get("/metrics")).text, "vit_serve_store_rejected_total")
+            again = await client.post("/classify", content=coffee, headers=JPEG)  # decodes, stores a sealed crop
+            after = await client.get(f"/explain?id={ida}&format=json")
+            m3 = metric((await client.get("/metrics")).text, "vit_serve_store_rejected_total")
+            by_b = await client.get(f"/explain?id={idb}&format=json")
+            return before, forged_answer, moved_answer, again, after, by_b, (m0, m1, m2, m3)
+
+    before, forged_answer, moved_answer, again, after, by_b, (m0, m1, m2, m3) = run(scenario())
+    assert before.status_code == 200, before.text
+    assert forged_answer.status_code == 404, forged_answer.text[:200]
+    assert moved_answer.status_code == 404, moved_answer.text[:200]
+    assert (m0, m1, m2) == (0, 1, 2)
+    assert again.status_code == 200 and m3 == 3  # the repeated upload met the moved entry once more, then decoded
+    assert after.status_code == 200 and after.json()["map"] == before.json()["map"]
+    assert by_b.status_code == 200  # chelsea's own entry is untouched
+
+
+def test_the_redis_password_is_read_from_a_file(redis_with_password, tiny_ckpt, photos, tmp_path):
+    """A redis-server with --requirepass, the gateway's URL without a password and VIT_SERVE_STORE_PASSWORD_FILE
+    (a Kubernetes Secret mount, trailing newline included): classify stores the crop (seen with an authenticated
+    redis-py client) and GET /explain?id= answers 200; without the file Redis refuses the gateway (503)."""
+    url, password, raw = redis_with_password
+    raw.flushdb()
+    secret = tmp_path / "password"
+    secret.write_text(password + "\n")
+
+    async def scenario(**kw):
+        async with serving(settings_for(tiny_ckpt, store=url, **kw)) as (client, _):
+            image_id = (await client.post("/classify", content=photos["coffee.jpg"], headers=JPEG)).json()["id"]
+            return await client.get(f"/explain?id={image_id}&format=json")
+
+    with_file = run(scenario(store_password_file=str(secret)))
+    assert with_file.status_code == 200, with_file.text
+    assert len(_crop_keys(raw)) == 1
+    without = run(scenario())
+    assert without.status_code == 503 and password not in without.text
+
+
+def test_a_password_in_the_file_and_in_the_url_is_refused(tmp_path):
+    from vit_serve.serve.stores import open_store
+
+    secret = tmp_path / "password"
+    secret.write_text("from-the-file")
+    with pytest.raises(ValueError, match="store_password_file") as e:
+        open_store(settings_for("m.safetensors", store="redis://:in-the-url@127.0.0.1:1/0",
+                                store_password_file=str(secret)))
+    assert "in-the-url" not in str(e.value) and "from-the-file" not in str(e.value)
+    with pytest.raises(ValueError, match="cannot read") as e:
+        open_store(settings_for("m.safetensors", store="redis://127.0.0.1:1/0",
+                                store_password_file=str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:{port}/0?password=s3cret-in-query",
+                                 "redis://gateway:s3cret-in-netloc@127.0.0.1:{port}/0",
+                                 "redis://127.0.0.1:{port}/0?db=0&password=s3cret-in-query&socket_keepalive=1",
+                                 "redis://:s3cret-in-netloc@127.0.0.1:{port}/0?password=s3cret-in-query"])
+def test_redis_passwords_are_redacted_in_every_message(url, tiny_ckpt, photos, caplog):
+    """`?password=` (which redis-py reads too) and user:password@ are redacted: in `redacted`, in the settings'
+    repr, in the warnings a Redis that is down makes and in the 503 GET /explain?id= answers."""
+    from vit_serve.serve.settings import ServeSettings
+    from vit_serve.serve.stores.redis import redacted
+
+    url = url.format(port=_free_port())  # nothing listens there
+    assert "s3cret" not in redacted(url) and "127.0.0.1" in redacted(url)
+    assert "s3cret" not in repr(ServeSettings(model="m.onnx", store=url))
+    assert "s3cret" not in str(ServeSettings(model="m.onnx", store=url))
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, store=url)) as (client, _):
+            first = await client.post("/classify", content=photos["coffee.jpg"], headers=JPEG)
+            return await client.get(f"/explain?id={first.json()['id']}&format=json")
+
+    with caplog.at_level("DEBUG", logger="vit_serve"):
+        by_id = run(scenario())
+    assert by_id.status_code == 503 and "cannot be reached" in by_id.text
+    assert "s3cret" not in by_id.text
+    assert any("cannot be reached" in r.getMessage() for r in caplog.records)
+    assert not [r.getMessage() for r in caplog.records if "s3cret" in r.getMessage()]
+
+
+def test_the_store_secret_is_checked_and_named_never_shown(tmp_path):
+    """A short secret, an unreadable file, or both a file and the variable are refused in one line that names
+    where the secret came from and never holds it; the same file gives the same ids (two replicas)."""
+    from vit_serve.serve.stores import open_store
+
+    (tmp_path / "short").write_text("s3cret-short\n")
+    (tmp_path / "good").write_text("s3cret-long-enough-for-a-store\n")
+    refused = {"short file": {"store_secret_file": str(tmp_path / "short")},
+               "short variable": {"store_secret": "s3cret-short"},
+               "missing file": {"store_secret_file": str(tmp_path / "missing")},
+               "both": {"store_secret_file": str(tmp_path / "good"), "store_secret": "s3cret-long-enough-too"}}
+    for name, kw in refused.items():
+        with pytest.raises(ValueError) as e:
+            open_store(settings_for("m.safetensors", **kw))
+        message = str(e.value)
+        assert "\n" not in message and "s3cret" not in message.replace(str(tmp_path), ""), (name, message)
+        assert "VIT_SERVE_STORE_SECRET" in message or str(tmp_path) in message, (name, message)
+    one, two = (open_store(settings_for("m.safetensors", store_secret_file=str(tmp_path / "good"))).secret
+                for _ in range(2))
+    assert one.image_id("scope", "0" * 64) == two.image_id("scope", "0" * 64) != one.image_id("other", "0" * 64)

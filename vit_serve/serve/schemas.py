@@ -70,7 +70,7 @@ class Explanation(BaseModel):
 
 
 class ClassifyResponse(BaseModel):
-    id: str = Field(description="sha256 hex of the image bytes; pass it to GET /explain")
+    id: str = Field(description="the image's id for this API key (not its sha256); pass it to GET /explain")
     model: str
     version: str = Field(description="the model version that answered")
     resolution: tuple[int, int] = Field(description="model input (H, W)")
@@ -81,7 +81,7 @@ class ClassifyResponse(BaseModel):
 
 
 class EmbedResponse(BaseModel):
-    id: str = Field(description="sha256 hex of the image bytes; pass it to GET /explain")
+    id: str = Field(description="the image's id for this API key (not its sha256); pass it to GET /explain")
     model: str
     version: str = Field(description="the model version that answered")
     resolution: tuple[int, int] = Field(description="model input (H, W)")
@@ -93,7 +93,7 @@ class EmbedResponse(BaseModel):
 
 
 class ExplainResponse(BaseModel):
-    id: str = Field(description="sha256 hex of the image bytes")
+    id: str = Field(description="the image's id for this API key (not its sha256)")
     model: str
     version: str = Field(description="the model version that answered")
     method: Literal["rollout", "grad_rollout"]

@@ -1,4 +1,4 @@
-"""Where recently classified images live, by id (sha256 of the uploaded bytes), for `GET /explain?id=...`.
+"""Where recently classified images live, by id, for `GET /explain?id=...`.
 
 What is kept is the model-input crop (`vit_serve.preprocess.resize_and_crop` output, uint8 RGB, H x W x 3 bytes):
 the input tensor is recomputed from it exactly with `vit_serve.preprocess.to_tensor`, and the PNG overlay is
@@ -8,6 +8,12 @@ drawn on it. `--store` (`ServeSettings.store`) chooses the store:
 - `redis://HOST:PORT/DB` (or `rediss://`, `unix://`): a Redis server shared by every replica
   (`redis.RedisStore`, the `redis` package), so that an image classified by one replica is explained by another.
 
+Ids and keys come from the store secret (`secret.StoreSecret`): an id is the caller's own (an HMAC of the
+caller's scope, `vit_serve.serve.caller`, and the upload's sha256), and an image is kept under a slot made from
+the scope and the id, so that another API key's id is a 404, a repeated upload is a store hit only for the caller
+who sent it first, and the store's keys name neither images nor callers. What Redis keeps is sealed (an HMAC over
+the key and the bytes); an entry whose seal fails is ignored and counted (`vit_serve_store_rejected_total`).
+
 A store is used from the decode threads (`get` / `put`) and for `GET /explain?id=` (`find`). A store that cannot
 be reached never fails a classification: `put` logs a warning, `get` is a miss (the upload is decoded again);
 `find` raises `StoreUnavailableError`, a 503 naming the store, since the image may well be there.
@@ -15,16 +21,46 @@ be reached never fails a classification: `put` logs a warning, `get` is a miss (
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import parse_qs, urlsplit
 
 from PIL import Image
 
 from vit_serve.serve.errors import GatewayError
+from vit_serve.serve.stores.secret import StoreSecret
 
 if TYPE_CHECKING:
     from vit_serve.serve.settings import ServeSettings
 
+log = logging.getLogger("vit_serve.serve")
+
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# A URL's user:password@ (up to the authority's last @, as urlsplit reads it) and password-like query values.
+_USERINFO = re.compile(r"(?P<scheme>\b[a-z][a-z0-9+.-]*://)(?P<info>[^\s/?#]*)@", re.IGNORECASE)
+_QUERY_SECRET = re.compile(r"(?P<name>[?&;](?:password|passwd|pass|pwd)=)[^&#;\s'\"]*", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """`text` (a URL, or a message with URLs in it) without passwords: `user:password@` becomes `user:***@` and
+    `?password=...` becomes `?password=***` (redis-py reads both); for logs, errors and the settings' repr."""
+    def userinfo(m: re.Match[str]) -> str:
+        user, colon, _ = m["info"].partition(":")
+        return f"{m['scheme']}{user}:***@" if colon else m[0]
+
+    return _QUERY_SECRET.sub(lambda m: m["name"] + "***", _USERINFO.sub(userinfo, text))
+
+
+def url_has_password(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.password is not None or "password" in parse_qs(parts.query)
+
+
+def _rejected_default() -> None:
+    """No counter (a store used on its own, e.g. in tests of the store)."""
 
 
 class StoreUnavailableError(GatewayError):
@@ -34,7 +70,9 @@ class StoreUnavailableError(GatewayError):
 
 
 class CropStore(Protocol):
-    """Crops by key."""
+    """Crops by key; `secret` makes the ids and keys (`secret.StoreSecret`)."""
+
+    secret: StoreSecret
 
     def get(self, key: str) -> Image.Image | None:
         """The crop, or None if unknown, expired, or the store cannot answer (the caller decodes again)."""
@@ -54,7 +92,7 @@ class CropStore(Protocol):
 
 
 class Namespaced:
-    """A store seen through a namespace (keys "key:namespace"): one preprocessing contract's crops."""
+    """A store seen through a namespace (keys "slot:namespace"): one preprocessing contract's crops."""
 
     def __init__(self, store: CropStore, namespace: str) -> None:
         self._store, self.namespace = store, namespace
@@ -69,21 +107,49 @@ class Namespaced:
         self._store.put(f"{key}:{self.namespace}", crop)
 
 
-def open_store(settings: ServeSettings) -> CropStore:
-    """The store `settings.store` names, bounded by `store_size` and `store_ttl_s`; ValueError (one line) for a
-    name that is neither `memory` nor a Redis URL, or a Redis URL without the `redis` package. Nothing is
-    connected here: a Redis that is down at start-up is reported by the first request that needs it."""
+def open_store(settings: ServeSettings, rejected: Callable[[], None] = _rejected_default) -> CropStore:
+    """The store `settings.store` names, bounded by `store_size` and `store_ttl_s`, with the settings' store
+    secret; `rejected` is called for each entry whose seal fails. ValueError (one line) for a name that is
+    neither `memory` nor a Redis URL, a Redis URL without the `redis` package, a secret or password file that
+    cannot be read. Nothing is connected here: a Redis that is down at start-up is reported by the first request
+    that needs it."""
     name = settings.store.strip()
+    secret = StoreSecret.from_settings(settings)
     if name == "memory":
         from vit_serve.serve.stores.memory import MemoryStore
 
-        return MemoryStore(settings.store_size, settings.store_ttl_s)
+        return MemoryStore(settings.store_size, settings.store_ttl_s, secret)
     if name.startswith(REDIS_SCHEMES):
         try:
             from vit_serve.serve.stores.redis import RedisStore
         except ImportError as e:
             raise ValueError(f"--store {name.split('://')[0]}://...: the redis package is not installed "
                              f"(pip install 'vit-serve[serve]'): {e}") from None
-        return RedisStore(name, settings.store_size, settings.store_ttl_s)
+        password = _password(settings, name)
+        if settings.store_secret_generated and settings.engine != "ray":  # Ray replicas share the settings' one
+            log.warning("image store %s: no VIT_SERVE_STORE_SECRET_FILE or VIT_SERVE_STORE_SECRET, so explain ids "
+                        "are made with a secret of this process: other replicas cannot explain the images this "
+                        "one classified (GET /explain?id= is 404 there); give every replica the same secret file",
+                        redacted(name))
+        return RedisStore(name, settings.store_size, settings.store_ttl_s, secret, password=password,
+                          rejected=rejected)
     raise ValueError(f"--store / VIT_SERVE_STORE must be 'memory' or a Redis URL (redis://HOST:PORT/DB, "
-                     f"rediss://..., unix://...), not {name!r}")
+                     f"rediss://..., unix://...), not {redacted(name)!r}")
+
+
+def _password(settings: ServeSettings, url: str) -> str | None:
+    """The Redis password of `store_password_file` (a Secret mount: one trailing newline dropped), or None."""
+    path = settings.store_password_file
+    if not path:
+        return None
+    if url_has_password(url):
+        raise ValueError(f"--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE is given and --store "
+                         f"{redacted(url)} has a password too: give it one way (store_password_file)")
+    try:
+        password = Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE: cannot read {path}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
+    if not password:
+        raise ValueError(f"--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE: {path} is empty")
+    return password

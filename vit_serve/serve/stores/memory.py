@@ -1,7 +1,8 @@
 """The in-process store (the default): this process's memory, so each replica knows only its own images.
 
 Bounded by count (least recently used first out) and by age; safe to use from several threads. Nothing can fail,
-so `find` is `get`.
+so `find` is `get`. The crops never leave the process, so they are not sealed (nothing else can write them); the
+ids and slots are the secret's, as with Redis.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from collections import OrderedDict
 
 from PIL import Image
 
+from vit_serve.serve.stores.secret import StoreSecret
+
 
 class MemoryStore:
     """id -> crop, at most `size` entries, each for `ttl_s` seconds after it was last stored or read."""
 
-    def __init__(self, size: int, ttl_s: float) -> None:
+    def __init__(self, size: int, ttl_s: float, secret: StoreSecret) -> None:
         self.size = size
         self.ttl_s = ttl_s
+        self.secret = secret
         self._items: OrderedDict[str, tuple[float, Image.Image]] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -1,9 +1,13 @@
 """The Redis store (`--store redis://HOST:PORT/DB`): crops shared by every replica of the gateway.
 
-Each crop is one Redis string under `prefix + key` (key: "IMAGE_SHA256:CONTRACT"): an 8-byte header (magic,
-width, height) and the raw RGB bytes (lossless, so the input tensor recomputed from it is exact), set with
-`SET ... PX ttl` and read with `GETEX ... PX ttl`, which renews it as a hit renews the memory store's entries
-(Redis >= 6.2). Raw rather than PNG: measured on a 224 x 224 photo crop, PNG level 1 is 89 KiB against 147 KiB
+Each crop is one Redis string under `prefix + key` (key: "SLOT:CONTRACT", the slot an HMAC of the caller's
+scope and the image id, `secret.StoreSecret.slot`): an 8-byte header (magic, width, height), the raw RGB bytes
+(lossless, so the input tensor recomputed from it is exact) and a 32-byte seal, HMAC-SHA256 with the store secret
+over the whole Redis key and the bytes before it. It is set with `SET ... PX ttl` and read with `GETEX ... PX
+ttl`, which renews it as a hit renews the memory store's entries (Redis >= 6.2). An entry whose seal fails
+(written by anything without the secret, or moved from another key) is a miss, counted by `rejected`
+(`vit_serve_store_rejected_total`) and logged once; the upload is then decoded again and its sealed crop replaces
+it. Raw rather than PNG: measured on a 224 x 224 photo crop, PNG level 1 is 89 KiB against 147 KiB
 but costs 6.8 ms to encode and 5.0 ms to decode against 0.04 and 0.2 ms, and the read runs on the request's
 critical path.
 
@@ -14,21 +18,23 @@ with an evicting policy (e.g. `--maxmemory 256mb --maxmemory-policy volatile-lru
 A Redis that cannot be reached (down, refused, slower than `timeout_s`) never fails a classification: `put`
 logs a warning (once per outage; again when it is back) and `get` is a miss; `find` (GET /explain?id=) raises
 StoreUnavailableError, a 503. Calls run in the caller's thread; redis-py's client is thread-safe (a pool of
-connections).
+connections). The password comes from the URL or, so that it is in neither the URL nor the environment, from
+`store_password_file` (`password`); messages name the URL without it (`stores.redacted`).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
-from urllib.parse import urlsplit, urlunsplit
+from collections.abc import Callable
 
 import redis
 from PIL import Image
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from vit_serve.serve.stores import StoreUnavailableError
+from vit_serve.serve.stores import StoreUnavailableError, redacted
+from vit_serve.serve.stores.secret import StoreSecret
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -37,17 +43,9 @@ PREFIX = "vit-serve:crop:"
 MAX_ENTRY_BYTES = 4 * 2**20
 
 
-def redacted(url: str) -> str:
-    """The URL without its password (it goes into logs and error messages)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
+__all__ = ["HEADER", "MAGIC", "PREFIX", "RedisStore", "from_bytes", "redacted", "to_bytes"]
 
-
-MAGIC = b"VSC1"  # vit-serve crop, layout 1
+MAGIC = b"VSC2"  # vit-serve crop, layout 2 (sealed; layout 1 entries fail the seal and are ignored)
 HEADER = struct.Struct(">4sHH")  # magic, width, height
 
 
@@ -68,25 +66,30 @@ def from_bytes(data: bytes) -> Image.Image:
 
 
 class RedisStore:
-    """id -> crop in Redis at `url`, each for `ttl_s` seconds after it was last stored or read."""
+    """key -> crop in Redis at `url`, each for `ttl_s` seconds after it was last stored or read, sealed with
+    `secret`; `rejected` is called for each entry whose seal fails."""
 
-    def __init__(self, url: str, size: int, ttl_s: float, max_entry_bytes: int = MAX_ENTRY_BYTES,
-                 prefix: str = PREFIX, timeout_s: float = 0.5) -> None:
+    def __init__(self, url: str, size: int, ttl_s: float, secret: StoreSecret, max_entry_bytes: int = MAX_ENTRY_BYTES,
+                 prefix: str = PREFIX, timeout_s: float = 0.5, password: str | None = None,
+                 rejected: Callable[[], None] | None = None) -> None:
         self.url, self.size, self.max_entry_bytes, self.prefix = redacted(url), size, max_entry_bytes, prefix
+        self.secret, self._rejected = secret, rejected
         self.ttl_ms = max(1, round(ttl_s * 1000))
+        auth = {"password": password} if password is not None else {}
         # One retry without waiting: a pooled connection that a Redis restart closed is reopened once; a Redis
         # that is down answers at once rather than after redis-py's default backoff.
         try:
             self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                               retry=Retry(NoBackoff(), 1))
+                                               retry=Retry(NoBackoff(), 1), **auth)
         except ValueError as e:
-            raise ValueError(f"--store {self.url}: {e}") from None
+            raise ValueError(f"--store {self.url}: {redacted(str(e))}") from None
         self._reachable = True
+        self._warned_seal = False
 
     def put(self, key: str, crop: Image.Image) -> None:
         if self.size == 0:
             return
-        data = to_bytes(crop)
+        data = self.secret.seal(self.prefix + key, to_bytes(crop))
         if len(data) > self.max_entry_bytes:
             log.warning("image store %s: a %d x %d crop is %d bytes, over the %d-byte cap; not stored",
                         self.url, crop.width, crop.height, len(data), self.max_entry_bytes)
@@ -115,14 +118,26 @@ class RedisStore:
         self._back()
         if data is None:
             return None
+        payload = self.secret.unseal(self.prefix + key, data)
         try:
-            return from_bytes(data)
-        except ValueError as e:  # not one of ours (another program's key under our prefix)
-            log.warning("image store %s: entry %s is not a crop (%s); treated as missing", self.url, key, e)
+            if payload is None:
+                raise ValueError("its seal fails")
+            return from_bytes(payload)
+        except ValueError as e:  # not ours: written without the secret, or moved from another key
+            self._reject(str(e))
             return None
 
     def close(self) -> None:
         self.client.close()
+
+    def _reject(self, why: str) -> None:
+        if self._rejected is not None:
+            self._rejected()
+        if not self._warned_seal:  # the key is not logged: it is made from an explain id
+            self._warned_seal = True
+            log.warning("image store %s: an entry is not a crop this gateway sealed (%s: written without the store "
+                        "secret, or moved from another key); ignored, as are the next ones, counted in "
+                        "vit_serve_store_rejected_total", self.url, why)
 
     def _unreachable(self, e: Exception) -> None:
         # One warning per outage: every request would log the same line.
@@ -138,4 +153,4 @@ class RedisStore:
 
 
 def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+    return redacted(" ".join(str(e).split())) or type(e).__name__
