@@ -140,18 +140,22 @@ def _free_port() -> int:
 
 
 @contextmanager
-def redis_server(folder: Path, *args: str) -> Iterator[tuple[str, Any]]:
+def redis_server(folder: Path, *args: str, password: str | None = None,
+                 requirepass: bool = True) -> Iterator[tuple[str, Any]]:
     """Debian's redis-server with `args` on a free local port, and a client, stopped on exit; skips the test when
-    there is none."""
+    there is none. `password`: started with `--requirepass PASSWORD` (the client authenticates; the URL yielded
+    carries no password); with `requirepass=False` the server's own `args` (a config file) set it, and only the
+    client is given it."""
     exe = shutil.which("redis-server")
     if exe is None:
         print("skipped: redis-server is not on PATH (Debian: apt-get install redis-server)")
         pytest.skip("redis-server is not on PATH (Debian: apt-get install redis-server)")
     redis = pytest.importorskip("redis")
     port = _free_port()
-    proc = subprocess.Popen([exe, *args, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
+    auth = ("--requirepass", password) if password is not None and requirepass else ()
+    proc = subprocess.Popen([exe, *args, *auth, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    client = redis.Redis(port=port)
+    client = redis.Redis(port=port, password=password)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -180,9 +184,21 @@ def redis_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def start_redis() -> Callable[..., Any]:
-    """`redis_server` for tests that start one with their own arguments: `with start_redis(folder, *args) as
-    (url, client):`."""
+    """`redis_server` for tests that start one with their own arguments: `with start_redis(folder, *args,
+    password=None) as (url, client):`."""
     return redis_server
+
+
+REDIS_PASSWORD = "redis-test-password-0123456789"  # a test server's, on 127.0.0.1
+
+
+@pytest.fixture(scope="module")
+def redis_with_password(tmp_path_factory) -> Iterator[tuple[str, str, Any]]:
+    """A real redis-server started with `--requirepass` (no persistence), stopped after the module: (URL without
+    the password, the password, an authenticated redis-py client)."""
+    with redis_server(tmp_path_factory.mktemp("redis"), "--save", "", "--appendonly", "no",
+                      password=REDIS_PASSWORD) as (url, client):
+        yield url, REDIS_PASSWORD, client
 
 
 @contextmanager

@@ -135,11 +135,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "triton_timeout_s",
                                            "triton_startup_timeout_s", "model_name", "host", "port",
-                                           "max_batch", "max_delay_ms", "max_queue", "threads", "device", "decode",
+                                           "max_batch", "max_delay_ms", "max_queue", "max_images_per_request",
+                                           "threads", "device", "decode",
                                            "default_model", "model_control", "repository_poll_s", "load_models",
-                                           "version_policy", "repository_api", "grpc_port",
-                                           "grpc_max_message_bytes", "store", "api_keys", "api_keys_file",
-                                           "admin_api_keys", "admin_api_keys_file", "open_probes", "cors_origins",
+                                           "version_policy", "repository_api", "grpc_port", "unload_grace_s",
+                                           "grpc_max_message_bytes", "store", "store_password_file",
+                                           "store_secret_file", "api_keys", "api_keys_file",
+                                           "admin_api_keys", "admin_api_keys_file", "allow_any_key_admin",
+                                           "open_probes", "cors_origins", "root_path", "grpc_max_concurrent_calls",
                                            "ssl_certfile", "ssl_keyfile", "request_ids", "otel")}
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})  # flags over VIT_SERVE_*
@@ -147,9 +150,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         names = ["_".join(str(p) for p in err["loc"]) for err in e.errors()]
         raise ValueError("; ".join(f"--{n.replace('_', '-')} / VIT_SERVE_{n.upper()}: {err['msg']}"
                                    for n, err in zip(names, e.errors(), strict=True))) from None
-    check_model(settings)  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
-    if (args.engine or settings.engine) == "ray":
+    if (args.engine or settings.engine) == "ray":  # its replicas load the model: no TensorRT needed here
         return _serve_on_ray(args, settings)
+    check_model(settings)  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
     run(settings)
     return 0
 
@@ -159,6 +162,7 @@ def _serve_on_ray(args: argparse.Namespace, settings) -> int:
         from vit_serve.deploy import ray as on_ray
     except ImportError as e:  # the ray extra is missing: its message names it
         raise OSError(str(e)) from None
+    # without --replica-gpus the replicas see no GPU (on_ray.actor_options: CUDA_VISIBLE_DEVICES="")
     actor: dict = {"num_cpus": 1 if args.replica_cpus is None else args.replica_cpus}
     if args.replica_gpus:
         actor["num_gpus"] = args.replica_gpus
@@ -167,7 +171,7 @@ def _serve_on_ray(args: argparse.Namespace, settings) -> int:
     try:
         on_ray.run(settings, address=args.address, num_replicas=replicas, autoscaling_config=autoscaling,
                    ray_actor_options=actor, ingress_replicas=args.ingress_replicas or 1)
-    except RuntimeError as e:  # the application did not start: its reason, in one line
+    except RuntimeError as e:  # the application did not start (or cannot fit the cluster): its reason, in one line
         raise OSError(str(e)) from None
     return 0
 
@@ -271,9 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, help="serve the Open Inference Protocol over gRPC on this port "
                    "(off by default; 0 picks a free port)")
     s.add_argument("--grpc-max-message-bytes", type=int, help="largest gRPC message either way (default 64 MiB)")
+    s.add_argument("--grpc-max-concurrent-calls", type=int, help="gRPC calls in flight at once; beyond: "
+                   "RESOURCE_EXHAUSTED (default 32)")
+    s.add_argument("--root-path", help="the URL prefix a proxy serves the gateway under (e.g. /vit; uvicorn's "
+                   "root_path)")
     s.add_argument("--max-batch", type=int, help="largest batch (default 16; 1 turns batching off)")
     s.add_argument("--max-delay-ms", type=float, help="longest wait for a batch to fill (default 5; 0: off)")
     s.add_argument("--max-queue", type=int, help="requests waiting before 503 (default 256)")
+    s.add_argument("--max-images-per-request", type=int, help="images one /v2 or gRPC inference request may carry "
+                   "(default 0: the model's max_batch; more run as several batches)")
     s.add_argument("--threads", type=int, help="intra-op threads of the model runtime (default: its own)")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), help="torch / onnxruntime device (default auto)")
     s.add_argument("--default-model", help="the model of requests that name none (default: the only one)")
@@ -282,12 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the repository API)")
     s.add_argument("--repository-poll-s", type=float, help="seconds between scans with --model-control poll "
                    "(default 15)")
+    s.add_argument("--unload-grace-s", type=float, help="longest wait of an unloaded or replaced version for its "
+                   "requests in flight, which then get 503 (default 30)")
     s.add_argument("--load-model", dest="load_models", action="append", metavar="NAME",
                    help="--model-control explicit: load NAME at start (repeatable; * loads all)")
     s.add_argument("--version-policy", help="versions of each model to serve: latest (default), latest:N, all, "
                    "specific:V1,V2 (a model's config.pbtxt version_policy wins)")
     s.add_argument("--store", metavar="URL", help="where crops for GET /explain?id= live: memory (default, this "
                    "process) or redis://HOST:PORT/DB (shared by every replica)")
+    s.add_argument("--store-password-file", metavar="FILE", help="the Redis password, read from FILE (a Secret "
+                   "mount) rather than the URL")
+    s.add_argument("--store-secret-file", metavar="FILE", help="the store secret (16+ bytes, the same on every "
+                   "replica) that explain ids and Redis entries are HMACs with; default: one made per process "
+                   "(or VIT_SERVE_STORE_SECRET)")
     s.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help="a key requests must send (Authorization: Bearer KEY or X-API-Key; repeatable; "
                         "sha256:HEX for a hash); default: no key needed")
@@ -295,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-api-key", dest="admin_api_keys", action="append", metavar="KEY",
                    help="a key that may also load and unload models (repeatable)")
     s.add_argument("--admin-api-keys-file", metavar="FILE", help="admin keys, one a line")
+    s.add_argument("--allow-any-key-admin", dest="allow_any_key_admin", action="store_const", const=True,
+                   help="without admin keys, any valid key (anyone, with no API key set) may load and unload models "
+                        "(default: nobody may)")
     s.add_argument("--no-open-probes", dest="open_probes", action="store_const", const=False,
                    help="health, readiness and metrics need a key too")
     s.add_argument("--cors-origin", dest="cors_origins", action="append", metavar="ORIGIN",

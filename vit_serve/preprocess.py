@@ -40,6 +40,7 @@ __all__ = [
     "IMAGENET_DEFAULT_STD",
     "IMAGENET_INCEPTION_MEAN",
     "IMAGENET_INCEPTION_STD",
+    "IMAGE_FORMATS",
     "INTERPOLATIONS",
     "ImageDecodeError",
     "ImageSource",
@@ -213,6 +214,11 @@ def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
         raise ImageTooLargeError(f"image has {w * h} pixels ({w}x{h}), more than max_pixels={max_pixels}")
 
 
+# The formats an encoded image is opened as (Pillow's `formats=`): photo and web formats. Others (EPS, which runs
+# Ghostscript, and ICO, TGA, PCX, PSD, ...) are refused as unrecognized; PPM is Pillow's plugin for PPM, PGM, PBM.
+IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
+
+
 def _open(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None = None) -> Image.Image:
     """Open ``fp`` with PIL (header only) and check its size; with a "fast" ``cfg``, set a JPEG's DCT scale.
 
@@ -220,7 +226,7 @@ def _open(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None = None) 
     header's full size: the draft, which shrinks ``img.size``, comes after them.
     """
     try:
-        img = Image.open(fp)
+        img = Image.open(fp, formats=IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(_one_line(e)) from e
     except UnidentifiedImageError as e:
@@ -407,7 +413,8 @@ def load_image(
         * Multi-frame images (GIF, APNG, TIFF) use their first frame; ICC profiles are ignored.
 
     Raises:
-        ImageDecodeError: corrupt, truncated, empty or non-image input (one-line message).
+        ImageDecodeError: corrupt, truncated, empty or non-image input, or a format outside
+            :data:`IMAGE_FORMATS` (one-line message).
         ImageTooLargeError: more than ``max_pixels`` pixels, or PIL's decompression-bomb limit hit.
         TypeError: ``src`` is of an unsupported type.
     """

@@ -59,8 +59,9 @@ def live_gateway(settings) -> Iterator[Live]:
 
 @pytest.fixture(scope="module")
 def server(tiny_onnx) -> Iterator[Live]:
-    """The tiny ONNX model (with its explain graph), gRPC on with the default message limit."""
-    with live_gateway(settings_for(tiny_onnx, grpc_port=0)) as live:
+    """The tiny ONNX model (with its explain graph), gRPC on with the default message limit; no keys, and any
+    caller may try the repository API (its own rules answer)."""
+    with live_gateway(settings_for(tiny_onnx, grpc_port=0, allow_any_key_admin=True)) as live:
         yield live
 
 
@@ -375,7 +376,7 @@ def test_repository_rpcs_with_explicit_model_control(tmp_path, tiny_onnx, tiny_c
         shutil.copy(f, tmp_path / f.name)
     shutil.copy(tiny_ckpt, tmp_path / "other.safetensors")
     settings = settings_for(tmp_path, grpc_port=0, model_control="explicit", load_models=["tiny"],
-                            default_model="tiny")
+                            default_model="tiny", allow_any_key_admin=True)
     with live_gateway(settings) as live:
         url, address = live.url, live.grpc
         c = grpcclient.InferenceServerClient(address)
@@ -542,3 +543,32 @@ def test_api_keys_as_metadata_over_tls(tiny_onnx, tmp_path, pixels, backend):
     assert _code(user_load.value) == "PERMISSION_DENIED" and "admin key" in user_load.value.message()
     # The admin key gets past the key check: the repository's own rule answers (model control is not explicit).
     assert _code(admin_load.value) == "INVALID_ARGUMENT" and "--model-control explicit" in admin_load.value.message()
+
+
+def test_overflowing_shapes_and_lying_counts_are_invalid_argument(server):
+    """Shapes whose element count overflows int64 ([2**32, 2**32] wraps to 0 in numpy), more dimensions than
+    numpy allows, and typed contents whose count disagrees with the shape: INVALID_ARGUMENT with a message, the
+    same as the HTTP route's, never INTERNAL."""
+    cases = []
+    for datatype, name in (("FP32", "pixel_values"), ("BYTES", "image")):
+        request = pb.ModelInferRequest(model_name="tiny")
+        request.inputs.add(name=name, datatype=datatype, shape=[2**32, 2**32])
+        request.raw_input_contents.append(b"")
+        cases.append((f"{datatype} [2**32, 2**32] raw", request))
+        typed = pb.ModelInferRequest(model_name="tiny")
+        typed.inputs.add(name=name, datatype=datatype, shape=[2**32, 2**32])
+        cases.append((f"{datatype} [2**32, 2**32] typed", typed))
+    deep = pb.ModelInferRequest(model_name="tiny")
+    deep.inputs.add(name="pixel_values", datatype="FP32", shape=[1] * 100).contents.fp32_contents.append(1.0)
+    cases.append(("100 dimensions", deep))
+    lying = pb.ModelInferRequest(model_name="tiny")
+    lying.inputs.add(name="image", datatype="BYTES", shape=[1]).contents.bytes_contents.extend([b"x"] * 3000)
+    cases.append(("3000 contents for shape [1]", lying))
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for case, request in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfer(request, timeout=30)
+            print(f"{case}: {e.value.code()} {e.value.details()!r}")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, e.value.details())
+            assert "Traceback" not in e.value.details() and "internal error" not in e.value.details()

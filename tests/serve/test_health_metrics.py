@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+
 import httpx
 from gateway_helpers import metric, run, serving, settings_for
 
@@ -99,4 +102,45 @@ def test_page_route(tiny_ckpt):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         assert r.content == INDEX.read_bytes()
     else:
-        assert r.status_code == 404 and "index.html" in r.json()["detail"]
+        assert r.status_code == 404 and "/docs" in r.json()["detail"] and str(INDEX) not in r.text
+
+
+def test_a_missing_page_is_a_404_that_names_no_file(tiny_ckpt, tmp_path, monkeypatch, caplog):
+    """The web page's file missing (as in an install without it): 404 saying where the API is, and the path only
+    in the log (the answer is open to anyone)."""
+    from vit_serve.serve.routes import page
+
+    missing = tmp_path / "static" / "index.html"
+    monkeypatch.setattr(page, "INDEX", missing)
+    caplog.set_level(logging.WARNING, logger="vit_serve.serve")
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, api_keys=["k"])) as (client, _):
+            return await client.get("/")
+
+    r = run(scenario())
+    assert r.status_code == 404 and "/classify" in r.json()["detail"], r.text
+    assert str(tmp_path) not in r.text and "index.html" not in r.text
+    assert str(missing) in caplog.text
+
+
+def test_readyz_names_no_file_path_and_models_says_why(tmp_path, tiny_onnx, caplog):
+    """The default model fails to load (a broken ONNX file): the open /readyz says so by name, without the
+    loader's message (it holds the file's path); GET /models, behind the key, and the log have the reason."""
+    (tmp_path / "broken.onnx").write_bytes(b"not an onnx graph")
+    shutil.copy(tiny_onnx.with_suffix(".json"), tmp_path / "broken.json")
+    caplog.set_level(logging.INFO, logger="vit_serve.serve")
+    app = create_app(settings_for(tmp_path, default_model="broken", api_keys=["k"]))
+
+    async def scenario():
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gateway") as c:
+            return await c.get("/readyz"), await c.get("/models", headers={"X-API-Key": "k"})
+
+    ready, models = run(scenario())
+    print(f"\n/readyz: {ready.text}")
+    assert ready.status_code == 503 and ready.json()["ready"] is False
+    assert "'broken' is not loaded" in ready.json()["reason"]
+    assert str(tmp_path) not in ready.text and "broken.onnx" not in ready.text
+    reason = next(m for m in models.json()["models"] if m["name"] == "broken")["versions"][0]["reason"]
+    assert "broken.onnx" in reason and "broken.onnx" in caplog.text

@@ -5,10 +5,12 @@ that leaves the others serving; labelled metrics; and hot reload under load."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 from pathlib import Path
 
+import httpcore
 import httpx
 import numpy as np
 import pytest
@@ -171,7 +173,7 @@ def test_tritonclient_lists_loads_and_unloads(repo, photos):
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
-    settings = settings_for(repo, model_control="explicit", load_models=["gap"])
+    settings = settings_for(repo, model_control="explicit", load_models=["gap"], allow_any_key_admin=True)
     with live_server(settings) as url:
         client = httpclient.InferenceServerClient(url.removeprefix("http://"))
         first = client.get_model_repository_index()
@@ -206,7 +208,7 @@ def test_tritonclient_lists_loads_and_unloads(repo, photos):
 
 def test_load_and_unload_need_explicit_model_control(repo):
     async def scenario(**kw):
-        async with serving(settings_for(repo, **kw)) as (client, _):
+        async with serving(settings_for(repo, allow_any_key_admin=True, **kw)) as (client, _):
             return [await client.post("/v2/repository/models/gap/load"),
                     await client.post("/v2/repository/models/gap/unload"),
                     await client.post("/v2/repository/index")]
@@ -254,10 +256,71 @@ def test_metrics_are_labelled_by_model_and_version(repo, photos):
     assert metric(text, "vit_serve_model_memory_bytes", model="gap", version="1") > 0
 
 
+class _Connection(httpcore.AsyncNetworkStream):
+    """One client TCP connection (httpcore's own stream underneath) that keeps its history, so that a transport
+    error names the connection it came on: its local port, when it opened, the requests it carried, and how long
+    before the error it last sent and received bytes (a connection idle for the server's keep-alive, 5 s, is one
+    the server may close as the next request arrives)."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream, t0: float) -> None:
+        self.stream, self.t0 = stream, t0
+        self.port = stream.get_extra_info("client_addr")[1]
+        self.opened, self.requests = time.monotonic(), 0
+        self.last_read: float | None = None
+        self.last_write: float | None = None
+
+    def describe(self, op: str) -> str:
+        now = time.monotonic()
+        ago = {k: "never" if t is None else f"{now - t:.3f} s before" for k, t in (("read", self.last_read),
+                                                                                   ("write", self.last_write))}
+        return (f"{op} failed on the connection from local port {self.port}, opened {self.opened - self.t0:.2f} s "
+                f"in, request {self.requests} on it; bytes last received {ago['read']}, last sent {ago['write']}")
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        try:
+            data = await self.stream.read(max_bytes, timeout)
+        except Exception as e:
+            e.add_note(self.describe("read"))
+            raise
+        self.last_read = time.monotonic()
+        return data
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self.last_write is None or (self.last_read is not None and self.last_read > self.last_write):
+            self.requests += 1  # the first bytes after an answer: a new request
+        try:
+            await self.stream.write(buffer, timeout)
+        except Exception as e:
+            e.add_note(self.describe("write"))
+            raise
+        self.last_write = time.monotonic()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    def get_extra_info(self, info: str):
+        return self.stream.get_extra_info(info)
+
+
+class _Connections(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, handing out `_Connection`s."""
+
+    def __init__(self, t0: float) -> None:
+        self.inner, self.t0 = httpcore.AnyIOBackend(), t0
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _Connection(await self.inner.connect_tcp(host, port, timeout, local_address, socket_options), self.t0)
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
 def test_hot_reload_under_load(tmp_path, tiny_ckpt, second_ckpt, photos):
     """50 concurrent clients for 20 s with --model-control poll: version 2 dropped in (switched to within the
     poll interval plus its warm-up), a corrupt version 3 dropped in (refused with its reason, version 2 keeps
-    serving), then versions 3 and 1 removed. No request fails and the answers never switch back."""
+    serving), then versions 3 and 1 removed. No request fails and the answers never switch back. The clients share
+    one httpcore pool (httpx's) whose connections record their history: a transport error is logged with the
+    connection it came on."""
     model = tmp_path / "vit"
     (model / "1").mkdir(parents=True)
     shutil.copy(tiny_ckpt, model / "1" / "w.safetensors")
@@ -282,17 +345,25 @@ def test_hot_reload_under_load(tmp_path, tiny_ckpt, second_ckpt, photos):
             log: list[tuple[float, float, int, str]] = []  # (sent, answered, status, version)
             events: dict[str, float] = {}
             stop = time.monotonic() + duration
-            async with httpx.AsyncClient(base_url=url, timeout=60,
-                                         limits=httpx.Limits(max_connections=clients)) as client:
+            timeouts = {"timeout": {"connect": 60, "read": 60, "write": 60, "pool": 60}}
+            async with httpcore.AsyncConnectionPool(max_connections=clients,
+                                                    network_backend=_Connections(stop - duration)) as pool:
+                async def post(path: str, content: bytes = b"", headers: dict | None = None) -> httpcore.Response:
+                    return await pool.request("POST", f"{url}{path}", content=content, headers=headers,
+                                              extensions=timeouts)
+
                 async def worker() -> None:
                     while (sent := time.monotonic()) < stop:
                         try:
-                            r = await client.post("/classify?top_k=1", content=photo, headers=JPEG)
-                        except httpx.TransportError as e:  # logged (status 0) with when it happened, and failed
+                            r = await post("/classify?top_k=1", photo, JPEG)
+                        except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException) as e:
+                            # logged (status 0) with when it happened and on which connection, and failed
+                            where = "; ".join(getattr(e, "__notes__", []))
                             log.append((sent, time.monotonic(), 0, f"{type(e).__name__}: {e} "
-                                        f"({sent - (stop - duration):.2f} s in; events {events})"))
+                                        f"({sent - (stop - duration):.2f} s in; {where}; events {events})"))
                             continue
-                        log.append((sent, time.monotonic(), r.status_code, r.json().get("version", r.text)))
+                        body = r.content.decode()
+                        log.append((sent, time.monotonic(), r.status, json.loads(body).get("version", body)))
 
                 async def operator() -> None:
                     loop = asyncio.get_running_loop()
@@ -301,11 +372,11 @@ def test_hot_reload_under_load(tmp_path, tiny_ckpt, second_ckpt, photos):
                     await asyncio.sleep(6)
                     events["v3"] = await loop.run_in_executor(None, drop, 3, None)
                     await asyncio.sleep(4)
-                    events["index"] = (await client.post("/v2/repository/index")).json()
+                    events["index"] = json.loads((await post("/v2/repository/index")).content)
                     shutil.rmtree(model / "3")
                     shutil.rmtree(model / "1")
                     await asyncio.sleep(3)
-                    events["end"] = (await client.post("/v2/repository/index")).json()
+                    events["end"] = json.loads((await post("/v2/repository/index")).content)
 
                 await asyncio.gather(operator(), *(worker() for _ in range(clients)))
             return log, events

@@ -1,10 +1,15 @@
 """Reading an upload (`vit_serve.serve.uploads.read_image`): the sha256 is updated chunk by chunk as the body
-arrives, and equals hashlib's over the whole body; the routes use that digest instead of hashing again."""
+arrives, and equals hashlib's over the whole body; the routes use that digest instead of hashing again. And the
+formats an upload may be: Pillow opens uploads with an explicit allowlist (`vit_serve.preprocess.IMAGE_FORMATS`),
+so that real files Pillow itself writes in the other formats (EPS, ICO, TGA, PCX) answer 415 naming the accepted
+ones, while each accepted format is classified (reference: Pillow's own encoders)."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 
+import numpy as np
 import pytest
 from gateway_helpers import run, serving, settings_for
 from starlette.requests import Request
@@ -144,5 +149,54 @@ def test_routes_do_not_hash_the_body_again(monkeypatch, tiny_ckpt, photos, multi
 
     a, b = run(scenario())
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
-    assert a.json()["id"] == b.json()["id"] == hashlib.sha256(data).hexdigest()
+    # One id for the same bytes and caller on both routes, and not the bytes' sha256 (ids are scoped to callers).
+    assert a.json()["id"] == b.json()["id"] != hashlib.sha256(data).hexdigest()
     assert calls == []
+
+
+def _encoded(fmt: str, mode: str = "RGB") -> bytes:
+    """A 40x30 gradient written by Pillow's own `fmt` encoder."""
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, 40 * 30 * 3).reshape(30, 40, 3).astype(np.uint8)
+    img = Image.fromarray(ramp, "RGB").convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+ACCEPTED = [("JPEG", "RGB"), ("PNG", "RGB"), ("WEBP", "RGB"), ("BMP", "RGB"), ("GIF", "P"), ("TIFF", "RGB"),
+            ("PPM", "RGB"), ("PPM", "L"), ("PPM", "1")]  # PPM's plugin writes P6, P5 (PGM) and P4 (PBM)
+REFUSED = ["EPS", "ICO", "TGA", "PCX"]
+
+
+def test_uploads_outside_the_allowlist_are_415_naming_the_accepted_formats(tiny_ckpt):
+    from PIL import Image
+
+    from vit_serve.preprocess import ImageDecodeError, load_image
+
+    accepted = {f"{fmt}/{mode}": _encoded(fmt, mode) for fmt, mode in ACCEPTED}
+    refused = {fmt: _encoded(fmt) for fmt in REFUSED}
+    assert {f: Image.open(io.BytesIO(d)).format for f, d in refused.items()} == {f: f for f in REFUSED}  # real files
+    assert accepted["PPM/L"][:2] == b"P5" and accepted["PPM/1"][:2] == b"P4"
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (client, _):
+            ok = {k: await client.post("/classify", content=d, headers={"Content-Type": "image/x-anything"})
+                  for k, d in accepted.items()}
+            bad = {k: await client.post("/classify", content=d, headers={"Content-Type": "image/x-anything"})
+                   for k, d in refused.items()}
+            form = await client.post("/explain?format=json", files={"file": ("x.eps", refused["EPS"], "image/eps")})
+            return ok, bad, form
+
+    ok, bad, form = run(scenario())
+    assert {k: r.status_code for k, r in ok.items()} == dict.fromkeys(accepted, 200), [r.text for r in ok.values()]
+    assert {k: r.status_code for k, r in bad.items()} == dict.fromkeys(refused, 415), [r.text for r in bad.values()]
+    assert form.status_code == 415
+    message = bad["EPS"].json()["detail"]
+    print(f"\nEPS upload: {message}")
+    for name in ("JPEG", "PNG", "WebP", "BMP", "GIF", "TIFF", "PPM/PGM/PBM"):
+        assert name in message
+    # The library's decoder is the same allowlist (predict and training read files through it).
+    with pytest.raises(ImageDecodeError, match="unsupported image format"):
+        load_image(refused["EPS"])

@@ -18,7 +18,14 @@ from vit_serve import __version__
 from vit_serve.serve.errors import install_error_handlers
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.grpc import GrpcServer
-from vit_serve.serve.middleware import BodyLimit, ErrorBoundary, RequestId, RequestIdFilter, RequestMetrics
+from vit_serve.serve.middleware import (
+    BodyLimit,
+    ErrorBoundary,
+    QueryRedaction,
+    RequestId,
+    RequestIdFilter,
+    RequestMetrics,
+)
 from vit_serve.serve.routes import classify, embed, explain, health, metrics, models, page, repository, v2
 from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
@@ -42,6 +49,11 @@ under `/v2`. Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
     app.state.grpc = None  # the GrpcServer (its `port`) when grpc_port is set
+    s, ring = gateway.settings, KeyRing.from_settings(gateway.settings)
+    if s.allow_any_key_admin and s.repository_api and not ring.admin:
+        log.warning("--allow-any-key-admin: %s may load and unload models (POST /v2/repository/models/NAME/load, "
+                    "unload; gRPC RepositoryModelLoad, RepositoryModelUnload)",
+                    "any valid API key" if ring.on else "anyone (no API key is set)")
     try:
         await gateway.start()
         if gateway.settings.grpc_port is not None:
@@ -120,6 +132,7 @@ def run(settings: ServeSettings) -> None:
                         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
+    logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # its lines would carry explain ids
     uvicorn.run(OneLineStartupFailure(create_app(settings)), host=settings.host, port=settings.port,
                 log_level="info", timeout_graceful_shutdown=10, ssl_certfile=settings.ssl_certfile,
-                ssl_keyfile=settings.ssl_keyfile)
+                ssl_keyfile=settings.ssl_keyfile, root_path=settings.root_path)

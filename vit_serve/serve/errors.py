@@ -10,12 +10,16 @@ import logging
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vit_serve.serve.backends.base import BackendUnavailableError
 from vit_serve.serve.schemas import StrictJSONResponse
 
 log = logging.getLogger("vit_serve.serve")
+# A backend that does not answer: its error names internal hosts (a Triton URL, a Ray deployment), so it is
+# logged and the client gets this line (HTTP 503, gRPC UNAVAILABLE).
+BACKEND_UNAVAILABLE = "the model's backend is unavailable; retry later"
 
 
 class GatewayError(Exception):
@@ -83,7 +87,7 @@ def body_limit_message(limit: int) -> str:
 
 
 def _body(request: Request, message: str) -> dict[str, str]:
-    return {"error": message} if request.url.path.startswith("/v2") else {"detail": message}
+    return {"error": message} if get_route_path(request.scope).startswith("/v2") else {"detail": message}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -96,18 +100,18 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BackendUnavailableError)
     async def _unavailable(request: Request, exc: BackendUnavailableError) -> StrictJSONResponse:
         log.warning("backend unavailable: %s", exc)
-        return StrictJSONResponse(_body(request, f"backend unavailable: {exc}"), 503, headers={"Retry-After": "1"})
+        return StrictJSONResponse(_body(request, BACKEND_UNAVAILABLE), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> StrictJSONResponse:
-        if request.url.path.startswith("/v2"):
+        if get_route_path(request.scope).startswith("/v2"):
             return StrictJSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
         return StrictJSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
         errors = exc.errors()
-        if request.url.path.startswith("/v2"):
+        if get_route_path(request.scope).startswith("/v2"):
             text = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
             return StrictJSONResponse({"error": text}, 422)
         # FastAPI's own shape, minus the echoed input (it may be a large or binary body).

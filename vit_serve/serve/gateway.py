@@ -45,7 +45,8 @@ class Gateway:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.store = open_store(settings)  # memory, or Redis shared by every replica (stores/)
+        # memory, or Redis shared by every replica (stores/); entries failing their seal are counted
+        self.store = open_store(settings, self.metrics.store_rejected.inc)
         self.decode_pool: ThreadPoolExecutor | None = None
         self.repository: ModelRepository | None = None
         self._pil_limit: int | None = None

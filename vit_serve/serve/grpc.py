@@ -14,8 +14,10 @@ Triton sends them. `model_version` "" is the newest version in service.
 Errors carry the HTTP routes' messages, with the status mapped as Triton and KServe do (`STATUS_CODES`); anything
 unexpected is logged and answers INTERNAL with one line, never a traceback. Messages either way are limited to
 `grpc_max_message_bytes` (gRPC's own 4 MiB default is smaller than a 12 MP JPEG: kserve#3717); a larger one
-answers RESOURCE_EXHAUSTED. With API keys on, a call sends one as metadata (`authorization: Bearer KEY` or
-`x-api-key: KEY`; UNAUTHENTICATED without); load / unload need an admin key when there are admin keys. TLS uses
+answers RESOURCE_EXHAUSTED; so do calls beyond `grpc_max_concurrent_calls` in flight. With API keys on, a call
+sends one as metadata (`authorization: Bearer KEY` or `x-api-key: KEY`), checked by a server interceptor
+(`KeyCheck`) from the call's metadata before its message is read: UNAUTHENTICATED without, whatever the message;
+load / unload need an admin key (PERMISSION_DENIED), or, with no admin keys, `--allow-any-key-admin`. TLS uses
 the HTTP server's certificate and key.
 """
 
@@ -34,15 +36,16 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add
 
 from vit_serve.serve import v2_model
 from vit_serve.serve.backends.base import BackendUnavailableError
-from vit_serve.serve.errors import BadRequestError, GatewayError, NotReadyError
+from vit_serve.serve.errors import BACKEND_UNAVAILABLE, BadRequestError, GatewayError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.routes.repository import repository as repository_of  # its 403 / 503 rules
-from vit_serve.serve.security import KeyRing, presented_key
+from vit_serve.serve.security import GRPC_ADMIN_METHODS, GRPC_PROBE_METHODS, KeyRing, presented_key
 from vit_serve.serve.tracing import grpc_server_span
 from vit_serve.serve.v2_protocol import (
     DTYPES,
     InferRequest,
     OutputTensor,
+    RequestBounds,
     Tensor,
     bytes_blob,
     check_output_parameters,
@@ -71,8 +74,8 @@ CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_conte
             "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 # API keys (vit_serve.serve.security) come as metadata; the probes stay open with open_probes, as over HTTP.
-PROBES = frozenset({"ServerLive", "ServerReady", "ModelReady"})
-ADMIN_RPCS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+PROBES = frozenset(GRPC_PROBE_METHODS)
+ADMIN_RPCS = frozenset(GRPC_ADMIN_METHODS)
 
 R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
@@ -85,24 +88,13 @@ def status_code(status: int) -> grpc.StatusCode:
 
 def _answers_errors(rpc: Handler) -> Handler:
     """A servicer method whose GatewayErrors (and a backend that does not answer) end the call with their
-    status code and message; anything else is logged and answers INTERNAL in one line."""
+    status code and message; anything else is logged and answers INTERNAL in one line. (Keys are checked before,
+    by `KeyCheck`.)"""
 
     name = rpc.__name__
 
     @functools.wraps(rpc)
     async def wrapped(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        ring = self.keys
-        if ring.on and not (ring.open_probes and name in PROBES):
-            md = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-            key = presented_key(md.get("authorization"), md.get("x-api-key"))
-            verdict = ring.allows(key, admin=name in ADMIN_RPCS)
-            if verdict is None:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "an API key is needed: send metadata "
-                                    "authorization: Bearer KEY or x-api-key: KEY" if key is None
-                                    else "the API key is not valid")
-            if verdict is False:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    "loading and unloading models needs an admin key")
         tracer = None if name in PROBES else self.tracer  # probes are not traced (as over HTTP)
         with grpc_server_span(tracer, name, context.invocation_metadata()) as span:
             try:
@@ -112,9 +104,9 @@ def _answers_errors(rpc: Handler) -> Handler:
                 return answer
             except GatewayError as e:
                 code, message, retry = status_code(e.status), e.message, (e.headers or {}).get("Retry-After")
-            except BackendUnavailableError as e:
+            except BackendUnavailableError as e:  # its message names internal hosts: logged, not answered
                 log.warning("backend unavailable: %s", e)
-                code, message, retry = grpc.StatusCode.UNAVAILABLE, f"backend unavailable: {e}", "1"
+                code, message, retry = grpc.StatusCode.UNAVAILABLE, BACKEND_UNAVAILABLE, "1"
             except Exception as e:
                 log.exception("gRPC %s failed", rpc.__name__)
                 code, message, retry = grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})", None
@@ -133,9 +125,10 @@ def parameter(p: pb.InferParameter | pb.ModelRepositoryParameter) -> Any:
     return None if which is None else getattr(p, which)
 
 
-def _tensor(spec: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> Tensor:
+def _tensor(spec: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, bounds: RequestBounds) -> Tensor:
     name, datatype, shape = spec.name, spec.datatype, list(spec.shape)
     check_spec(name, datatype, shape)
+    count = bounds.check(name, datatype, shape)  # before any data is converted or decoded
     if raw is not None:
         if spec.HasField("contents"):
             raise BadRequestError(f"input {name!r}: send raw_input_contents or contents, not both")
@@ -144,11 +137,16 @@ def _tensor(spec: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> T
     if field is None:
         raise BadRequestError(f"input {name!r}: {datatype} needs raw_input_contents"
                               if datatype in DTYPES else f"input {name!r}: unknown datatype {datatype!r}")
-    return tensor_from_values(name, datatype, shape, list(getattr(spec.contents, field)))
+    contents = getattr(spec.contents, field)
+    if len(contents) != count:
+        what = "BYTES elements" if datatype == "BYTES" else "values"
+        raise BadRequestError(f"input {name!r}: {len(contents)} {what} for shape {shape}")
+    return tensor_from_values(name, datatype, shape, list(contents))
 
 
-def infer_request(request: pb.ModelInferRequest) -> InferRequest:
-    """A ModelInferRequest -> the InferRequest the HTTP routes parse too; 400 on anything malformed."""
+def infer_request(request: pb.ModelInferRequest, bounds: RequestBounds) -> InferRequest:
+    """A ModelInferRequest -> the InferRequest the HTTP routes parse too; 400 on anything malformed or beyond
+    `bounds`."""
     if not request.inputs:
         raise BadRequestError("an inference request needs at least one input")
     raw = list(request.raw_input_contents)
@@ -157,7 +155,7 @@ def infer_request(request: pb.ModelInferRequest) -> InferRequest:
                               f"in order, or none)")
     inputs: dict[str, Tensor] = {}
     for i, spec in enumerate(request.inputs):
-        tensor = _tensor(spec, raw[i] if raw else None)
+        tensor = _tensor(spec, raw[i] if raw else None, bounds)
         inputs[tensor.name] = tensor
     outputs = None
     if request.outputs:
@@ -186,8 +184,8 @@ def infer_response(model: str, version: str, request_id: str | None,
 class Servicer(GRPCInferenceServiceServicer):
     """The RPCs, on one gateway (method names are the proto's)."""
 
-    def __init__(self, gateway: Gateway, keys: KeyRing, tracer: Any | None = None) -> None:
-        self.gateway, self.keys, self.tracer = gateway, keys, tracer
+    def __init__(self, gateway: Gateway, tracer: Any | None = None) -> None:
+        self.gateway, self.tracer = gateway, tracer
 
     @_answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
@@ -223,8 +221,8 @@ class Servicer(GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:  # noqa: N802
         mv = self.gateway.model(request.model_name or None, request.model_version or None)
         with mv.using(), mv.arriving() as arrival:
-            req = infer_request(request)
-            outputs = await v2_model.infer(mv, req, arrival)
+            req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings))
+            outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers)
         return infer_response(mv.name, str(mv.version), req.id, outputs)
 
     @_answers_errors
@@ -252,6 +250,44 @@ class Servicer(GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """API keys from the call's metadata, before its message is read: a call without the right key is answered
+    by a handler that never reads the request (UNAUTHENTICATED, or PERMISSION_DENIED on load / unload), so that
+    an anonymous caller's message is neither received whole nor parsed."""
+
+    def __init__(self, ring: KeyRing) -> None:
+        self.ring = ring
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        name = details.method.rpartition("/")[2]
+        admin, ring = name in ADMIN_RPCS, self.ring
+        if not admin and (not ring.on or (ring.open_probes and name in PROBES)):
+            return await continuation(details)
+        md = {k.lower(): v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        key = presented_key(md.get("authorization"), md.get("x-api-key"))
+        verdict = ring.allows(key, admin=admin)
+        if verdict:
+            return await continuation(details)
+        if verdict is None:
+            code, message = grpc.StatusCode.UNAUTHENTICATED, (
+                "an API key is needed: send metadata authorization: Bearer KEY or x-api-key: KEY" if key is None
+                else "the API key is not valid")
+        else:
+            code, message = grpc.StatusCode.PERMISSION_DENIED, ring.refusal()
+        return _refusal(code, message)
+
+
+def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with `code` without reading its message (a request stream left unread:
+    no deserializer, nothing received beyond gRPC's flow-control window)."""
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -277,11 +313,12 @@ class GrpcServer:
         if s.grpc_port is None:
             raise ValueError("grpc_port is not set")
         limit = s.grpc_max_message_bytes
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
+        server = grpc.aio.server(interceptors=[KeyCheck(KeyRing.from_settings(s))],
+                                 maximum_concurrent_rpcs=s.grpc_max_concurrent_calls,
+                                 options=[("grpc.max_send_message_length", limit),
                                           ("grpc.max_receive_message_length", limit),
                                           ("grpc.so_reuseport", 0)])
-        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, KeyRing.from_settings(s), self.tracer),
-                                                   server)
+        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, self.tracer), server)
         address = _address(s.host, s.grpc_port)
         try:
             if s.ssl_certfile and s.ssl_keyfile:
@@ -293,7 +330,8 @@ class GrpcServer:
             raise OSError(f"cannot serve gRPC on {address}: {e}") from None
         await server.start()
         self._server, self.port = server, port
-        log.info("gRPC (Open Inference Protocol) on %s, messages up to %d bytes", self.address, limit)
+        log.info("gRPC (Open Inference Protocol) on %s, messages up to %d bytes, %d calls at once", self.address,
+                 limit, s.grpc_max_concurrent_calls)
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._server is not None:

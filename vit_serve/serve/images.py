@@ -20,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 
 from vit_serve.overlay import overlay
 from vit_serve.preprocess import (
+    IMAGE_FORMATS,
     ImageDecodeError,
     ImageTooLargeError,
     PreprocessConfig,
@@ -29,6 +30,9 @@ from vit_serve.preprocess import (
 )
 from vit_serve.serve.errors import BadImageError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.stores import CropStore
+
+# The 415's list of what uploads may be (`IMAGE_FORMATS`, the formats Pillow is allowed to open them as).
+ACCEPTED = ", ".join("PPM/PGM/PBM" if f == "PPM" else "WebP" if f == "WEBP" else f for f in IMAGE_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Im
                             f"(VIT_SERVE_MAX_PIXELS); {e}") from e
     except ImageDecodeError as e:
         if isinstance(e.__cause__, UnidentifiedImageError):
-            raise UnsupportedMediaError(f"not an image PIL can read: {e}") from e
+            raise UnsupportedMediaError(f"not an image in a format vit-serve reads ({ACCEPTED})") from e
         raise BadImageError(f"corrupt or truncated image: {e}") from e
 
 

@@ -2,6 +2,10 @@
 
 HTTP metrics are by endpoint; what happens inside a model (queue, batches, inference, refusals, readiness,
 memory) is labelled by model and version, through the `ModelMetrics` view each loaded version gets.
+
+A version reloaded in place (same name and version, new files) has two `ModelMetrics` for one label set for a
+while: the gauges of that label set belong to one of them at a time (`publish`, when the new one is switched in),
+so that the old one's last writes and its unload (`remove`) never touch the series the new one sets.
 """
 
 from __future__ import annotations
@@ -39,41 +43,91 @@ class GatewayMetrics:
         self.gpu_decode_fallbacks = Counter("vit_serve_gpu_decode_fallbacks",
                                             "uploads decoded on the CPU although GPU decoding is on, by reason",
                                             ["reason"], registry=r)
+        self.store_rejected = Counter("vit_serve_store_rejected", "explain-store entries ignored because their "
+                                      "seal (an HMAC with the store secret) failed: written without the secret, or "
+                                      "moved from another key", registry=r)
         self.ready = Gauge("vit_serve_ready", "1 when the model version is loaded, warmed and answering", MODEL,
                            registry=r)
         self.memory = Gauge("vit_serve_model_memory_bytes", "resident memory the model version took to load and "
                             "warm up (the process's RSS before and after)", MODEL, registry=r)
+        self._owners: dict[tuple[str, str], ModelMetrics] = {}  # whose values the gauges of a label set show
 
     def for_model(self, name: str, version: str) -> ModelMetrics:
-        return ModelMetrics(self, name, version)
+        """A loaded version's view. Its gauges are exposed at once when no other version has these labels, else
+        once it is `publish`ed (switched in)."""
+        view = ModelMetrics(self, name, version)
+        if view.labels not in self._owners:
+            view.publish()
+        return view
 
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
 
 
-class ModelMetrics:
-    """The metrics of one model version (its label values filled in)."""
+class VersionGauge:
+    """One gauge of one version: its value kept here, and written to the exposed series while the version owns
+    its label set."""
 
-    def __init__(self, m: GatewayMetrics, name: str, version: str) -> None:
-        self._m, self._labels = m, (name, version)
-        self.queue_depth = m.queue_depth.labels(*self._labels)
-        self.in_flight = m.in_flight.labels(*self._labels)
-        self.queue_wait = m.queue_wait.labels(*self._labels)
-        self.ready = m.ready.labels(*self._labels)
-        self.memory = m.memory.labels(*self._labels)
+    def __init__(self, family: Gauge, view: ModelMetrics) -> None:
+        self._family, self._view = family, view
+        self.value = 0.0
 
-    def batch_size(self, task: str) -> Histogram:
-        return self._m.batch_size.labels(task, *self._labels)
+    def set(self, value: float) -> None:
+        self.value = float(value)
+        if self._view.published:
+            self._family.labels(*self._view.labels).set(self.value)
 
-    def inference(self, task: str) -> Histogram:
-        return self._m.inference.labels(task, *self._labels)
-
-    def rejected(self, reason: str) -> Counter:
-        return self._m.rejected.labels(reason, *self._labels)
+    def expose(self) -> None:
+        self._family.labels(*self._view.labels).set(self.value)
 
     def remove(self) -> None:
-        """Drop this version's gauges (unloaded: it no longer has a queue or memory); counters stay."""
-        for gauge in (self._m.queue_depth, self._m.in_flight, self._m.ready, self._m.memory):
-            with contextlib.suppress(KeyError):
-                gauge.remove(*self._labels)
+        with contextlib.suppress(KeyError):
+            self._family.remove(*self._view.labels)
+
+
+class ModelMetrics:
+    """The metrics of one model version (its label values filled in). Counters and histograms are shared by every
+    version with the same labels; the gauges are this version's own (`VersionGauge`)."""
+
+    def __init__(self, m: GatewayMetrics, name: str, version: str) -> None:
+        self._m, self.labels = m, (name, version)
+        self.queue_depth = VersionGauge(m.queue_depth, self)
+        self.in_flight = VersionGauge(m.in_flight, self)
+        self.ready = VersionGauge(m.ready, self)
+        self.memory = VersionGauge(m.memory, self)
+        self.queue_wait = m.queue_wait.labels(*self.labels)
+
+    @property
+    def _gauges(self) -> tuple[VersionGauge, ...]:
+        return self.queue_depth, self.in_flight, self.ready, self.memory
+
+    @property
+    def published(self) -> bool:
+        """Whether the exposed gauges of (model, version) are this version's."""
+        return self._m._owners.get(self.labels) is self
+
+    def publish(self) -> None:
+        """This version is switched in: the gauges of its labels show its values from now on (a version it
+        replaces in place keeps writing to its own copies only)."""
+        self._m._owners[self.labels] = self
+        for gauge in self._gauges:
+            gauge.expose()
+
+    def batch_size(self, task: str) -> Histogram:
+        return self._m.batch_size.labels(task, *self.labels)
+
+    def inference(self, task: str) -> Histogram:
+        return self._m.inference.labels(task, *self.labels)
+
+    def rejected(self, reason: str) -> Counter:
+        return self._m.rejected.labels(reason, *self.labels)
+
+    def remove(self) -> None:
+        """Drop this version's gauges (unloaded: it no longer has a queue or memory) unless another version of the
+        same labels owns them now; counters stay."""
+        if not self.published:
+            return
+        del self._m._owners[self.labels]
+        for gauge in self._gauges:
+            gauge.remove()

@@ -46,8 +46,8 @@ class _Answer:
 
 class RequestId:
     """Echoes the client's `X-Request-ID` (visible ASCII, at most 128 characters; another is replaced), or makes
-    one (uuid4 hex); every answer carries it, and one access line per request logs it with method, path,
-    status and time."""
+    one (uuid4 hex); every answer carries it, and one access line per request logs it with method, path (never
+    the query string: it may carry an explain id), status and time."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -67,6 +67,19 @@ class RequestId:
             access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], answer.status,
                         (time.perf_counter() - t0) * 1e3)
             request_id.reset(token)
+
+
+class QueryRedaction(logging.Filter):
+    """Drops the query string from uvicorn's access lines ("GET /explain?... HTTP/1.1" 200 becomes "GET
+    /explain?<redacted> ..."): it carries explain ids, which a log reader could use. The gateway's own access
+    line (`RequestId`) logs the path alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn.access records: (client address, method, path with its query, HTTP version, status)
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<redacted>", *args[3:])
+        return True
 
 
 class RequestIdFilter(logging.Filter):

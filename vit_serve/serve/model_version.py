@@ -1,10 +1,14 @@
 """One loaded model version: its backend, its own model thread and runner, and what a request asks of it.
 
-Routes get a `ModelVersion` from the repository and hold it (`using()`) for the whole request, so that a version
-being unloaded (a newer one switched in, or an unload call) finishes the requests that were routed to it before
-it is closed. Uploads are decoded in the gateway's shared decode pool with this version's own preprocessing
-contract; the crop kept for `GET /explain` is stored under the image id and the contract (two models with
-different resolutions keep different crops of the same upload).
+Routes choose a `ModelVersion` once the request's body is read (deps.ModelChoice), and hold it (`using()`) from
+then to the end of the request, so that a version being unloaded (a newer one switched in, or an unload call)
+finishes the requests that were routed to it before it is closed, waiting at most `unload_grace_s` for them
+(those still unanswered then get 503). While a body is being read the request is only announced to the version
+that would answer (`Announcement`), which does not keep that version alive.
+
+Uploads are decoded in the gateway's shared decode pool with this version's own preprocessing contract; the crop
+kept for `GET /explain` is stored under the caller's slot for the image (`stores.secret`) and the contract (two
+models with different resolutions keep different crops of the same upload).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -24,7 +30,7 @@ from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
 from vit_serve.serve.backends.base import Backend, ModelInfo, RemoteBackend
-from vit_serve.serve.errors import BadRequestError, InvalidValueError
+from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
 from vit_serve.serve.gpu_decode import GpuDecoder
 from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
 from vit_serve.serve.inference import EMBED, Task
@@ -34,7 +40,7 @@ from vit_serve.serve.stores import CropStore, Namespaced
 
 log = logging.getLogger("vit_serve.serve")
 
-State = Literal["LOADING", "READY", "UNLOADING"]
+State = Literal["LOADING", "READY", "UNLOADING", "UNLOADED"]
 
 
 def contract_key(info: ModelInfo) -> str:
@@ -63,6 +69,11 @@ class ModelVersion:
         self._idle = asyncio.Event()
         self._idle.set()
         self._warmup: asyncio.Task[None] | None = None
+        self._announced: set[Arrival] = set()  # requests reading their bodies (`Announcement`)
+        self._answering: set[asyncio.Future[Result]] = set()  # requests queued or in a batch (`infer`)
+        self._stopped = False  # the runner is stopped: nothing more is answered
+        self._grace_s = math.inf  # the unload grace it was closed with
+        self._closed = asyncio.Event()
 
     @property
     def info(self) -> ModelInfo:
@@ -89,6 +100,11 @@ class ModelVersion:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def announce(self) -> Announcement:
+        """Count a request whose body is being read as coming (the batcher may wait for it), without holding this
+        version: it may be replaced and closed meanwhile, and the request then uses the version chosen after."""
+        return Announcement(self)
 
     async def warm_up(self) -> bool:
         """One batch through the model (in its thread); READY after it. False (and `error`) when it fails."""
@@ -128,13 +144,24 @@ class ModelVersion:
         self.metrics.ready.set(int(ok))
         return ok, None if ok else (self.error or f"the {self.backend.name} backend is not ready")
 
-    async def close(self, wait: bool = True) -> None:
-        """Finish the requests holding this version (`wait`), then stop its runner, backend and thread."""
-        self.state = "UNLOADING"
-        if wait:
-            await self._idle.wait()
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Let the requests holding this version finish, waiting at most `grace_s` seconds (0: not at all), then
+        stop its runner, backend and thread: the requests still queued or running then are answered 503."""
+        self.state, self._grace_s = "UNLOADING", grace_s
+        if grace_s > 0 and self._in_flight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), None if math.isinf(grace_s) else grace_s)
+            except TimeoutError:
+                log.warning("%s: %d requests still in flight after the unload grace (%g s, "
+                            "VIT_SERVE_UNLOAD_GRACE_S); answering them 503", self.label, self._in_flight, grace_s)
         if self._warmup is not None:
             self._warmup.cancel()
+        for arrival in list(self._announced):  # requests still reading their bodies choose again afterwards
+            arrival.done()
+        self._announced.clear()
+        self._stopped = True
+        for waiting in list(self._answering):  # queued or in the running batch: answered 503 (`infer`)
+            waiting.cancel()
         await self.runner.stop()
         try:
             if isinstance(self.backend, RemoteBackend):
@@ -148,17 +175,31 @@ class ModelVersion:
             self.gpu.close()
             self.gpu = None
         self.metrics.remove()
+        self.state = "UNLOADED"
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        """Until `close` has finished (the runner, backend and thread stopped, the gauges handed over)."""
+        await self._closed.wait()
+
+    def _unloaded(self) -> NotReadyError:
+        waited = "" if math.isinf(self._grace_s) else f" (it waited the unload grace, {self._grace_s:g} s, " \
+                                                      f"VIT_SERVE_UNLOAD_GRACE_S)"
+        return NotReadyError(f"{self.label} was unloaded before this request was answered{waited}; retry",
+                             headers={"Retry-After": "1"})
 
     # ---- work ------------------------------------------------------------------------------------------
 
-    def crop_of(self, image: str) -> Image.Image | None:
-        """The model-input crop of an image classified earlier with this contract, or None (503 when the store
-        cannot be reached: stores.StoreUnavailableError)."""
-        return self.crops.find(image)
+    def crop_of(self, slot: str) -> Image.Image | None:
+        """The model-input crop of an image classified earlier with this contract, by its slot (`stores.secret`:
+        the caller's scope and the id), or None (503 when the store cannot be reached:
+        stores.StoreUnavailableError)."""
+        return self.crops.find(slot)
 
     async def decode(self, data: bytes, key: str | None = None, keep: bool = True) -> Decoded:
         """Upload bytes -> id, crop, x [1, 3, H, W], decoded once (none if the crop is in the store); keeps the
-        crop for GET /explain. `key`: the bytes' sha256 hex when the upload reader has it already."""
+        crop for GET /explain under `key`, the caller's slot for the upload (routes.classify.decode_kept; the id
+        is the key then)."""
         loop = asyncio.get_running_loop()
         cfg = self.info.preprocess
         if self.gpu is None:
@@ -217,8 +258,45 @@ class ModelVersion:
         return self.runner.arriving()
 
     async def infer(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
-        """Run `task` on x [n, 3, H, W] through the runner."""
+        """Run `task` on x [n, 3, H, W] through the runner; 503 once this version is unloaded."""
+        if self._stopped:
+            if arrival is not None:
+                arrival.done()
+            raise self._unloaded()
+        waiting = asyncio.ensure_future(self.runner.submit(task, x, arrival))
+        self._answering.add(waiting)
         try:
-            return await self.runner.submit(task, x, arrival)
+            return await waiting
         except NotImplementedError as e:  # the backend cannot do this task
             raise BadRequestError(str(e)) from e
+        except (NotReadyError, asyncio.CancelledError):
+            current = asyncio.current_task()
+            if self._stopped and not (current is not None and current.cancelling()):  # cut by the unload, not
+                raise self._unloaded() from None  # by the client going away
+            raise
+        finally:
+            self._answering.discard(waiting)
+
+
+class Announcement:
+    """A request announced to a version's batcher (a `runner.Arrival`) while its body is read, holding neither the
+    version nor its runner: the version keeps the arrival and ends it when closed. Use as `with ...:` around the
+    read; the version that answers is chosen after it."""
+
+    def __init__(self, version: ModelVersion) -> None:
+        arrival = version.arriving()
+        version._announced.add(arrival)
+        self._version, self._arrival = weakref.ref(version), weakref.ref(arrival)
+
+    def done(self) -> None:
+        version, arrival = self._version(), self._arrival()
+        if arrival is not None:
+            arrival.done()
+            if version is not None:
+                version._announced.discard(arrival)
+
+    def __enter__(self) -> Announcement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()

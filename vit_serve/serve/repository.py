@@ -6,8 +6,10 @@ Model control, with Triton's names (`--model-control`):
   afterwards, and the repository API's load / unload are refused.
 * `poll`: the same, and REPO is scanned again every `repository_poll_s`: a new version is loaded and warmed up
   while the old one keeps serving, then switched in at once (no request sees neither); a removed version stops
-  taking requests, finishes those it has, and is closed; a broken new version is refused, with its reason in the
-  index, and the old one keeps serving. Load / unload are refused (the folder is the truth).
+  taking requests, finishes those it has (waiting at most `unload_grace_s`; the rest are answered 503), and is
+  closed; a version rewritten in place is loaded again and switched in the same way (its metrics series carry
+  on, set by the new one); a broken new version is refused, with its reason in the index, and the old one keeps
+  serving. Load / unload are refused (the folder is the truth).
 * `explicit`: only the models named by `--load-model` (`*`: all) are loaded at start-up; the repository API's
   load (which re-reads the model's folder) and unload change the rest.
 
@@ -34,7 +36,7 @@ from typing import Literal
 from vit_serve.serve.backends import Backend, BackendUnavailableError, create_backend
 from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
-from vit_serve.serve.gpu_decode import GpuDecoder, unavailable_reason
+from vit_serve.serve.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import RunnerLimits, runner_for
@@ -142,7 +144,7 @@ class ModelRepository:
                 await self._poller
         for versions in self.served.values():
             for v in versions.values():
-                await v.close(wait=False)
+                await v.close()
         self.served.clear()
         for task in list(self._closing):
             task.cancel()
@@ -241,6 +243,7 @@ class ModelRepository:
                         (kept if v in served else excluded).add(v)
                         continue
                     current, served[v] = served.get(v), new  # switched in: requests are routed to it from here
+                    new.metrics.publish()  # the gauges of (name, v) are the new one's, even if `current` had them
                     if current is not None:
                         self._retire(current)
         for v in [v for v in served if v not in wanted]:
@@ -249,14 +252,15 @@ class ModelRepository:
             self.served.pop(name, None)
 
     def _retire(self, version: ModelVersion) -> None:
-        """Stop routing to `version`; it closes in the background once its requests are done."""
+        """Stop routing to `version`; it closes in the background once its requests are done (or the unload
+        grace is over)."""
         key = (version.name, version.version)
         self._unloading[key] = version
         log.info("unloading %s (%d requests in flight)", version.label, version.in_flight)
 
         async def close() -> None:
             try:
-                await version.close()
+                await version.close(self.settings.unload_grace_s)
             finally:
                 if self._unloading.get(key) is version:
                     del self._unloading[key]
@@ -305,7 +309,7 @@ class ModelRepository:
             runner = runner_for(backend, self._limits(self.entries.get(source.name)), metrics, thread)
             runner.start()
             device = model_device(backend)
-            off = unavailable_reason(device, self.settings.gpu_decode)
+            off = choose_decoder(device, self.settings.gpu_decode, source.name)
             gpu = None
             if off is None:
                 gpu = GpuDecoder(info.preprocess, self.settings.max_pixels, device, runner.limits.max_batch,
@@ -315,7 +319,7 @@ class ModelRepository:
             if not warm_first:
                 version.warm_up_soon()
             elif not await version.warm_up():
-                await version.close(wait=False)
+                await version.close()
                 return self._refuse(source, None, version.error or "warm-up failed")
             rss1 = rss_bytes()
             if rss0 is not None and rss1 is not None:
@@ -338,10 +342,11 @@ class ModelRepository:
 
     @property
     def default_name(self) -> str | None:
-        """The model a request naming none gets: --default-model, else the only model of REPO."""
+        """The model a request naming none gets: --default-model, else the only model of REPO (those it lists as
+        skipped, Triton's own, aside)."""
         if self.settings.default_model is not None:
             return self.settings.default_model
-        names = set(self.entries) | set(self.served)
+        names = {n for n, e in self.entries.items() if not e.skipped} | set(self.served)
         return next(iter(names)) if len(names) == 1 else None
 
     def names(self) -> list[str]:

@@ -5,7 +5,11 @@ A key is sent as `Authorization: Bearer KEY` or `X-API-Key: KEY` (over gRPC, the
 accept `sha256:HEX` entries as hashes, so that a deployment need not hold the keys at all); a presented key is
 hashed and compared with every stored hash in constant time (`hmac.compare_digest`), and keys are never logged.
 A request without a valid key gets 401 with `WWW-Authenticate: Bearer realm="vit-serve"`; a valid key that is not
-an admin key gets 403 on load / unload when admin keys are configured.
+an admin key gets 403 on load / unload. Without admin keys, load / unload answer 403 naming the flag, unless
+`allow_any_key_admin` (`--allow-any-key-admin`) lets any valid key (anyone, with no API key set) load and unload.
+
+Paths are matched as Starlette routes them (`get_route_path`: the path without `root_path`), so that a gateway
+under a proxy prefix (`--root-path /vit`) or mounted in another app guards the same routes as at `/`.
 
 Open without a key: the web page and its files, the OpenAPI document and /docs (the page asks for a key when
 the API needs one), and, unless `open_probes` is off, health, readiness and metrics, so that probes and
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from starlette._utils import get_route_path  # the path Starlette's router matches routes on
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vit_serve.serve.schemas import json_bytes
@@ -64,6 +69,7 @@ class KeyRing:
     keys: tuple[str, ...] = ()
     admin: tuple[str, ...] = ()
     open_probes: bool = True
+    any_key_admin: bool = False  # without admin keys: may any caller load / unload (allow_any_key_admin)?
 
     @classmethod
     def from_settings(cls, s: ServeSettings) -> KeyRing:
@@ -72,7 +78,9 @@ class KeyRing:
             keys += [key_hash(k) for k in read_key_file(s.api_keys_file)]
         if s.admin_api_keys_file:
             admin += [key_hash(k) for k in read_key_file(s.admin_api_keys_file)]
-        return cls(tuple(keys) + tuple(admin), tuple(admin), s.open_probes)
+        # With the repository API off, its routes refuse every call themselves, saying so: no refusal here first.
+        any_key_admin = s.allow_any_key_admin or not s.repository_api
+        return cls(tuple(keys) + tuple(admin), tuple(admin), s.open_probes, any_key_admin)
 
     @property
     def on(self) -> bool:
@@ -89,12 +97,20 @@ class KeyRing:
         return found
 
     def allows(self, key: str | None, admin: bool = False) -> bool | None:
-        """True: allowed; None: no valid key (401); False: a valid key that may not do this (403)."""
-        if not self.on:
-            return True
-        if not self._matches(key, self.keys):
+        """True: allowed; None: no valid key (401); False: a valid key (or, with keys off, anyone) that may not do
+        this (403: `refusal`)."""
+        if self.on and not self._matches(key, self.keys):
             return None
-        return not (admin and self.admin and not self._matches(key, self.admin))
+        if not admin:
+            return True
+        return self._matches(key, self.admin) if self.admin else self.any_key_admin
+
+    def refusal(self) -> str:
+        """The message of a 403 on load / unload."""
+        if self.admin:
+            return "loading and unloading models needs an admin key"
+        return ("loading and unloading models is off: this gateway has no admin key (--admin-api-key); start it "
+                "with --allow-any-key-admin to let any caller load and unload")
 
     def is_open(self, path: str) -> bool:
         if path in PAGE_PATHS or path.startswith("/static/"):
@@ -120,13 +136,17 @@ class ApiKeys:
         self.app, self.ring = app, ring
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.ring.on or scope["method"] == "OPTIONS" \
-                or self.ring.is_open(scope["path"]):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = get_route_path(scope)
+        admin = bool(ADMIN_PATH.match(path))
+        if not admin and (not self.ring.on or self.ring.is_open(path)):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         key = presented_key(headers.get("authorization"), headers.get("x-api-key"))
-        verdict = self.ring.allows(key, admin=bool(ADMIN_PATH.match(scope["path"])))
+        verdict = self.ring.allows(key, admin=admin)
         if verdict:
             await self.app(scope, receive, send)
             return
@@ -134,8 +154,8 @@ class ApiKeys:
             status, message = 401, ("an API key is needed: send Authorization: Bearer KEY or X-API-Key: KEY"
                                     if key is None else "the API key is not valid")
         else:
-            status, message = 403, "loading and unloading models needs an admin key"
-        body = json_bytes({"error": message} if scope["path"].startswith("/v2") else {"detail": message})
+            status, message = 403, self.ring.refusal()
+        body = json_bytes({"error": message} if path.startswith("/v2") else {"detail": message})
         extra = [(b"www-authenticate", REALM.encode())] if status == 401 else []
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})

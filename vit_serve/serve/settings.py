@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
@@ -47,6 +47,7 @@ class ServeSettings(BaseSettings):
     """Everything `vit-serve serve` can be told. Each field is also `VIT_SERVE_<FIELD>` (e.g. VIT_SERVE_MAX_BATCH)."""
 
     model_config = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
+    _store_secret_made: bool = PrivateAttr(False)
 
     model: str = Field("", description="REPO: a folder of models (exports, checkpoints, or NAME/VERSION/ folders), "
                                        "or one model: a checkpoint, NAME.onnx, a TensorRT engine, or a Triton "
@@ -58,6 +59,8 @@ class ServeSettings(BaseSettings):
                             "changes), explicit (load what --load-model and the repository API say)")
     repository_poll_s: float = Field(15.0, gt=0, description="seconds between scans of REPO with "
                                      "--model-control poll")
+    unload_grace_s: float = Field(30.0, ge=0, description="how long an unloaded or replaced version waits for the "
+                                  "requests it is answering; those still in flight then get 503")
     load_models: list[str] = Field(default_factory=list, description="--model-control explicit: models to load "
                                    "at start (* for all)")
     version_policy: str = Field("latest:1", description="versions served of each model without its own "
@@ -88,11 +91,18 @@ class ServeSettings(BaseSettings):
     # Untrusted input.
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="largest request body (413 beyond)")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+    max_images_per_request: int = Field(
+        0, ge=0, description="images one /v2 or gRPC inference request may carry (BYTES elements, or pixel_values "
+        "rows), checked from the tensor's shape before anything is decoded (400 beyond); 0: the model's "
+        "max_batch. Above max_batch, a request runs as several batches")
 
     # The Open Inference Protocol over gRPC (KServe v2 GRPCInferenceService), beside HTTP.
     grpc_port: int | None = Field(None, ge=0, le=65535, description="serve gRPC on this port (off when unset)")
     grpc_max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC message either "
                                         "way (gRPC's own default, 4 MiB, is smaller than a 12 MP JPEG)")
+    grpc_max_concurrent_calls: int = Field(32, ge=1, description="gRPC calls in flight at once (grpcio's "
+                                           "maximum_concurrent_rpcs; RESOURCE_EXHAUSTED beyond): the messages held "
+                                           "are at most this x grpc_max_message_bytes")
 
     # Who may call: API keys (kept as sha256 hashes only), TLS, browsers of other origins.
     api_keys: Annotated[list[str], NoDecode] = Field(
@@ -102,10 +112,16 @@ class ServeSettings(BaseSettings):
     api_keys_file: str | None = Field(None, description="a file of keys (or sha256:HEX hashes), one a line")
     admin_api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="keys that may also load and unload models (the repository API); "
-        "none: any key may")
+        "none: nobody may, unless allow_any_key_admin")
     admin_api_keys_file: str | None = Field(None, description="a file of admin keys, one a line")
+    allow_any_key_admin: bool = Field(False, description="without admin keys, let any caller with a valid key "
+                                      "(anyone, when no API key is set) load and unload models; off: load / unload "
+                                      "answer 403")
     open_probes: bool = Field(True, description="health, readiness and metrics answer without a key (probes and "
                               "scrapers keep working)")
+    root_path: str = Field("", pattern=r"^(/[^/?#\s]+)*$", description="the URL prefix a proxy serves the "
+                           "gateway under (uvicorn's root_path, e.g. /vit): routes and key checks see the path "
+                           "without it")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins browsers may call from (Starlette's CORSMiddleware; * for "
         "any); none: CORS off")
@@ -122,6 +138,15 @@ class ServeSettings(BaseSettings):
                        "or redis://HOST:PORT/DB (shared by every replica)")
     store_size: int = Field(256, ge=0, description="recent images kept (model-input crops); 0 keeps none")
     store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
+    store_password_file: str | None = Field(None, description="a file holding the Redis password (a Secret "
+                                            "mount), so that it is in neither the --store URL nor the environment")
+    store_secret_file: str | None = Field(None, description="a file holding the store secret (16 bytes or more, "
+                                          "the same on every replica): explain ids and Redis entries are HMACs "
+                                          "with it (vit_serve.serve.stores.secret); unset, and without "
+                                          "store_secret, the process makes one, so replicas in other processes "
+                                          "cannot explain each other's images")
+    store_secret: SecretStr | None = Field(None, description="the store secret itself (VIT_SERVE_STORE_SECRET; no "
+                                           "flag, a command line is visible to every user): as store_secret_file")
 
     # Compute.
     decode_workers: int = Field(0, ge=0, description="threads decoding and preprocessing uploads (0: sized "
@@ -158,6 +183,26 @@ class ServeSettings(BaseSettings):
         from vit_serve.serve.security import key_hash
 
         return [key_hash(k) for k in v]  # the keys themselves are never kept (nor shown by model_dump)
+
+    @model_validator(mode="after")
+    def _store_secret(self) -> ServeSettings:
+        if self.store_secret is None and self.store_secret_file is None:
+            from vit_serve.serve.stores.secret import process_secret
+
+            self.store_secret, self._store_secret_made = SecretStr(process_secret()), True
+        return self
+
+    @property
+    def store_secret_generated(self) -> bool:
+        """Whether the store secret is this process's own (none given): other processes' gateways do not share
+        it, unless these settings are sent to them (Ray Serve)."""
+        return self._store_secret_made
+
+    def __repr_args__(self) -> Any:
+        from vit_serve.serve.stores import redacted
+
+        for name, value in super().__repr_args__():
+            yield name, redacted(value) if name == "store" and isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServeSettings:

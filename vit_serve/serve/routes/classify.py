@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from vit_serve.serve.deps import ModelDep
+from vit_serve.serve.caller import ScopeDep
+from vit_serve.serve.deps import ModelChoiceDep
 from vit_serve.serve.gateway import top_k
+from vit_serve.serve.images import Decoded
 from vit_serve.serve.inference import CLASSIFY, Task
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ClassifyResponse, ErrorBody
-from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
+from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, Upload, read_image
 
 router = APIRouter(tags=["classify"])
 # The OpenAPI link to GET /explain of the image just answered: its id, and the model and version that answered.
@@ -40,7 +43,8 @@ ERRORS = {
 async def classify(
     request: Request,
     response: Response,
-    mv: ModelDep,
+    choice: ModelChoiceDep,
+    scope: ScopeDep,
     top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
     explain: Annotated[bool, Query(description="also return the attention rollout of the same forward pass "
                                                "(models with an explain graph)")] = False,
@@ -50,7 +54,8 @@ async def classify(
     Body: multipart/form-data with the image in field `file`, or the raw image with `Content-Type: image/*`
     (any format PIL reads; EXIF orientation applied; preprocessed with the model's own contract).
 
-    Answer: `{"id": sha256 hex of the image bytes, "model": name, "resolution": [H, W],
+    Answer: `{"id": the image's id for this API key (an HMAC of the key and the image bytes, not their sha256),
+    "model": name, "resolution": [H, W],
     "predictions": [{"label", "index", "score"}] (softmax probabilities, best first, top_k of them),
     "timing_ms": {"decode", "queue", "infer", "total", "batch_size"}}`. The image is kept for a while, so that
     `GET /explain?id=...` can explain it without a new upload. `?model=&version=` choose the model (default:
@@ -65,11 +70,16 @@ async def classify(
     decode_wait (waiting for a decode thread), decode, queue, infer and total.
     """
     t0 = time.perf_counter()
-    task = mv.explain_task("rollout", None, None) if explain else CLASSIFY  # 400 before the body is read
-    with mv.arriving() as arrival:
+
+    def task_of(mv: ModelVersion) -> Task:
+        return mv.explain_task("rollout", None, None) if explain else CLASSIFY
+
+    with choice.announce(task_of):  # 404 / 400 before the body is read; the version is chosen once it is
         upload = await read_image(request)
-        t_read = time.perf_counter()
-        decoded = await mv.decode(upload.data, upload.sha256)
+    t_read = time.perf_counter()
+    with choice.use() as mv, mv.arriving() as arrival:
+        task = task_of(mv)
+        decoded = await decode_kept(mv, upload, scope)
         t_decoded = time.perf_counter()
         result = await mv.infer(task, decoded.x, arrival)
     info = mv.info
@@ -90,6 +100,16 @@ async def classify(
     if explain:
         answer["explanation"] = _explanation(mv, task, result)
     return answer
+
+
+async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
+    """The upload decoded (none if the caller sent it before: its crop is in the store) and kept for GET
+    /explain, with the caller's id for it (`stores.secret`): another caller's identical upload neither finds
+    this crop nor gets this id."""
+    secret = mv.store.secret
+    image = secret.image_id(scope, upload.sha256)
+    decoded = await mv.decode(upload.data, secret.slot(scope, image))
+    return dataclasses.replace(decoded, id=image)
 
 
 def _explanation(mv: ModelVersion, task: Task, result: Result) -> dict:

@@ -8,8 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from vit_serve.embedding import l2_normalize
-from vit_serve.serve.deps import ModelDep
-from vit_serve.serve.routes.classify import BY_ID, ERRORS
+from vit_serve.serve.caller import ScopeDep
+from vit_serve.serve.deps import ModelChoiceDep
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.routes.classify import BY_ID, ERRORS, decode_kept
 from vit_serve.serve.schemas import EmbedResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
 
@@ -23,7 +25,8 @@ router = APIRouter(tags=["embed"])
                                     "description": "the attention map of the image just embedded: GET /explain?id="}}}})
 async def embed(
     request: Request,
-    mv: ModelDep,
+    choice: ModelChoiceDep,
+    scope: ScopeDep,
     normalize: Annotated[bool, Query(description="L2-normalise the embedding (cosine similarity is then the "
                                                  "dot product)")] = False,
 ) -> dict:
@@ -35,11 +38,11 @@ async def embed(
     answer 400). The image is kept like /classify's, so `GET /explain?id=` works on it too.
     """
     t0 = time.perf_counter()
-    task = mv.embed_task()  # 400 before the body is read
-    with mv.arriving() as arrival:
-        upload = await read_image(request)
-        decoded = await mv.decode(upload.data, upload.sha256)
-        result = await mv.infer(task, decoded.x, arrival)
+    with choice.announce(ModelVersion.embed_task):  # 404 / 400 before the body is read; the version is chosen
+        upload = await read_image(request)  # once it is
+    with choice.use() as mv, mv.arriving() as arrival:
+        decoded = await decode_kept(mv, upload, scope)
+        result = await mv.infer(mv.embed_task(), decoded.x, arrival)
     vector = result.outputs["embedding"][0]
     if normalize:
         vector = l2_normalize(vector)

@@ -19,12 +19,13 @@ from PIL import Image
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.overlay import COLORMAPS
-from vit_serve.serve.deps import ModelDep
+from vit_serve.serve.caller import ScopeDep
+from vit_serve.serve.deps import ModelChoiceDep, ModelDep
 from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.gateway import top_k
 from vit_serve.serve.inference import Task
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.classify import BY_ID, ERRORS
+from vit_serve.serve.routes.classify import BY_ID, ERRORS, decode_kept
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
@@ -105,8 +106,9 @@ async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image
 async def explain_by_id(
     mv: ModelDep,
     params: ParamsDep,
+    scope: ScopeDep,
     id: Annotated[str, Query(pattern="^[0-9a-f]{64}$",
-                             description="the `id` POST /classify returned (sha256 hex of the image)")],
+                             description="the `id` POST /classify returned to the same API key")],
 ) -> Response | dict:
     """Explain an image classified recently (kept for `VIT_SERVE_STORE_TTL_S` seconds, at most
     `VIT_SERVE_STORE_SIZE` images).
@@ -114,11 +116,13 @@ async def explain_by_id(
     format=json answers `{"id", "model", "method", "head_fusion", "discard_ratio", "query", "grid": [gh, gw],
     "map": gh x gw floats, "predictions", "timing_ms"}`; format=png the map blended over the model-input crop.
     An unknown or expired id answers 404: send the image again with POST /explain. The image is found for the
-    model it was classified with (or any model with the same preprocessing contract).
+    model it was classified with (or any model with the same preprocessing contract), by the API key that sent
+    it: another key's id is a 404, as an id nobody made.
     """
     t0 = time.perf_counter()
     task = _task(mv, params)
-    crop = await asyncio.get_running_loop().run_in_executor(mv.pool, mv.crop_of, id)  # Redis: a round trip
+    slot = mv.store.secret.slot(scope, id)  # the caller's own: another key's id names another slot
+    crop = await asyncio.get_running_loop().run_in_executor(mv.pool, mv.crop_of, slot)  # Redis: a round trip
     if crop is None:
         raise NotFoundError(f"no image with id {id} here for model {mv.name!r} (never sent to it, expired or "
                             f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
@@ -130,12 +134,14 @@ async def explain_by_id(
 
 @router.post("/explain", response_model=ExplainResponse, responses={200: {**PNG, **BY_ID_LINK}, **ERRORS},
              openapi_extra=IMAGE_REQUEST_BODY)
-async def explain_upload(request: Request, mv: ModelDep, params: ParamsDep) -> Response | dict:
+async def explain_upload(request: Request, choice: ModelChoiceDep, params: ParamsDep, scope: ScopeDep
+                         ) -> Response | dict:
     """Explain an uploaded image (same body as POST /classify, same parameters and answers as GET /explain)."""
     t0 = time.perf_counter()
-    task = _task(mv, params)
-    with mv.arriving() as arrival:
-        upload = await read_image(request)
-        decoded = await mv.decode(upload.data, upload.sha256)
+    with choice.announce(lambda mv: _task(mv, params)):  # 404 / 400 before the body is read; the version is
+        upload = await read_image(request)  # chosen once it is
+    with choice.use() as mv, mv.arriving() as arrival:
+        task = _task(mv, params)
+        decoded = await decode_kept(mv, upload, scope)
         return await _answer(mv, task, decoded.id, decoded.crop, decoded.x, params, t0, decoded.decode_ms,
                              arrival)

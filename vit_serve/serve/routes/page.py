@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -11,11 +12,14 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 INDEX = STATIC / "index.html"
 
 router = APIRouter()
+log = logging.getLogger("vit_serve.serve")
 
 
 @router.get("/", include_in_schema=False)
 async def page() -> Response:
     if not INDEX.is_file():
-        return JSONResponse({"detail": f"the web page is not installed here ({INDEX} is missing); the API is at "
-                                       f"/classify, /explain and /v2, documented at /docs"}, status_code=404)
+        # No file path in the answer (it is open to anyone): the log says which file is missing.
+        log.warning("GET /: the web page is not installed (%s is missing)", INDEX)
+        return JSONResponse({"detail": "the web page is not installed with this gateway; the API is at /classify, "
+                                       "/explain and /v2, documented at /docs"}, status_code=404)
     return FileResponse(INDEX, media_type="text/html")

@@ -10,7 +10,6 @@ its folder: new versions in, removed ones out) and `.../unload` unloads it. Load
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
@@ -19,6 +18,7 @@ from vit_serve.serve.deps import GatewayDep
 from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.v2_protocol import load_json
 
 router = APIRouter(prefix="/v2/repository", tags=["v2 repository extension"])
 V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
@@ -43,10 +43,7 @@ async def _body(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequestError(f"the body is not JSON ({e})") from e
+    body = load_json(raw, "the body")  # 400 for nesting too deep to parse, too
     if not isinstance(body, dict):
         raise BadRequestError("the body must be a JSON object")
     return body

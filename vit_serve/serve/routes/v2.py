@@ -9,6 +9,9 @@ naming no outputs gets all of them (raw with `parameters.binary_data_output`, as
 output with `parameters.classification = k` comes back as Triton's classification extension: BYTES [B, k] of
 "logit:index:label" (v2_protocol). Health answers the KServe bodies (`{"live": true}`, `{"ready": true}`, `{"name",
 "ready"}`) with Triton's status codes (200, or 503 when not ready). Errors answer `{"error": message}`.
+
+A request carries at most `max_images_per_request` images (by default the model's max_batch), checked from its
+tensors' shapes before anything is decoded (`v2_model.request_bounds`): beyond it, 400 naming the limit.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from vit_serve.serve import v2_model
-from vit_serve.serve.deps import GatewayDep
+from vit_serve.serve.deps import GatewayDep, ModelChoice
 from vit_serve.serve.errors import BadRequestError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
@@ -152,24 +155,26 @@ async def infer(name: NameDep, request: Request, gateway: GatewayDep) -> Respons
     JSON, with the `Inference-Header-Content-Length` header, when any output is binary). `classification: k`
     answers BYTES [B, k] of "logit:index:label" (Triton's classification extension); NaN / inf in JSON data
     are null. The model's newest version in service answers (`model_version` says which)."""
-    return await _infer(request, gateway, gateway.model(name))
+    return await _infer(request, gateway, ModelChoice(gateway, name))
 
 
 @router.post("/models/{name}/versions/{version}/infer", **INFER_DOC, include_in_schema=False)  # Triton's alias
 async def version_infer(name: NameDep, version: VersionDep, request: Request, gateway: GatewayDep) -> Response:
     """The same, for one version."""
-    return await _infer(request, gateway, gateway.model(name, version))
+    return await _infer(request, gateway, ModelChoice(gateway, name, version))
 
 
-async def _infer(request: Request, gateway: Gateway, mv: ModelVersion) -> Response:
-    with mv.using(), mv.arriving() as arrival:
-        return await _infer_on(request, gateway, mv, arrival)
+async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Response:
+    with choice.announce():  # 404 / 503 before the body is read; the version is chosen once it is
+        raw = await request.body()
+    with choice.use() as mv, mv.arriving() as arrival:
+        return await _infer_on(raw, request, gateway, mv, arrival)
 
 
-async def _infer_on(request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival) -> Response:
-    body = _decompress(await request.body(), request.headers.get("content-encoding", "").strip().lower(),
+async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival) -> Response:
+    body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
                        gateway.settings.max_body_bytes)
-    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
-    outputs = await v2_model.infer(mv, req, arrival)
+    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), v2_model.request_bounds(mv, gateway.settings))
+    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
