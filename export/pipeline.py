@@ -538,7 +538,7 @@ def _quantize(
     note = None
     for scheme, path in paths.items():
         if scheme == "dynamic":
-            say("  quantizing to int8, dynamic (QInt8 MatMul/Gemm weights per channel) ...")
+            say("  quantizing to int8, dynamic (QUInt8 MatMul/Gemm weights per channel) ...")
             quantize_int8(fp32_path, path, overwrite=True)
         else:
             assert calibration is not None

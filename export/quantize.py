@@ -2,10 +2,15 @@
 
 Two schemes, because which one wins depends on the CPU (int8 dot-product instructions such as AVX-512 VNNI make
 the integer kernels fast; without them dynamic int8 can be no faster than fp32):
-- dynamic: MatMul / Gemm weights QInt8 per output channel, activations quantized on the fly (`quantize_int8`);
-- static: QDQ (QuantizeLinear / DequantizeLinear pairs, S8S8), weights QInt8 per channel, activation ranges
+- dynamic: MatMul / Gemm weights QUInt8 per output channel, activations quantized on the fly (`quantize_int8`);
+- static: QDQ (QuantizeLinear / DequantizeLinear pairs, U8U8), weights QUInt8 per channel, activation ranges
   calibrated once on real images (`quantize_static_int8`); only the MatMul / Gemm nodes with constant weights
   are quantized (attention's activation-by-activation products stay fp32).
+Both are U8U8 (unsigned weights): on x86 CPUs without VNNI (AVX2, plain AVX-512) onnxruntime's u8 x s8 kernels
+use VPMADDUBSW, whose 16-bit pairwise sums saturate. Measured on the digits scans on an AVX2-only CPU, top-1
+agreement with fp32: s8 weights 65% (dynamic) / 77% (static); s8 weights in 7 bits (reduce_range) 91% / 90%;
+u8 weights 97.5% / 95.3%. A graph is exported once and served on any CPU, so the choice cannot wait for the
+serving machine.
 Reported against the fp32 graph on the same inputs: file size (MB), speed (ms/img, onnxruntime CPU, 2 threads,
 batch 1), top-1 agreement, and top-1 accuracy of each when labels are given (`compare_int8`, `compare_schemes`).
 """
@@ -41,7 +46,7 @@ def _quiet() -> Iterator[None]:
 
 
 def quantize_int8(onnx_path: str | Path, out_path: str | Path, overwrite: bool = False) -> Path:
-    """Dynamic int8 quantization (QInt8 weights; MatMul and Gemm) of `onnx_path`, written atomically to `out_path`."""
+    """Dynamic int8 quantization (QUInt8 weights; MatMul and Gemm) of `onnx_path`, written atomically to `out_path`."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     out_path = Path(out_path)
@@ -51,7 +56,7 @@ def quantize_int8(onnx_path: str | Path, out_path: str | Path, overwrite: bool =
     def write(tmp: str) -> None:
         with _quiet():
             quantize_dynamic(
-                str(onnx_path), tmp, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                str(onnx_path), tmp, weight_type=QuantType.QUInt8, op_types_to_quantize=["MatMul", "Gemm"],
                 per_channel=True,
             )
 
@@ -86,7 +91,7 @@ class _Batches:
 def quantize_static_int8(
     onnx_path: str | Path, out_path: str | Path, calibration: np.ndarray, batch: int = 8, overwrite: bool = False
 ) -> Path:
-    """Static int8 (QDQ, S8S8, per-channel weights, MinMax activation ranges over `calibration` [N, 3, H, W]
+    """Static int8 (QDQ, U8U8, per-channel weights, MinMax activation ranges over `calibration` [N, 3, H, W]
     float32, preprocessed like the model's inputs) of `onnx_path`, written atomically to `out_path`."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
@@ -105,8 +110,8 @@ def quantize_static_int8(
                 tmp,
                 _Batches(x, batch),
                 quant_format=QuantFormat.QDQ,
-                activation_type=QuantType.QInt8,
-                weight_type=QuantType.QInt8,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QUInt8,
                 per_channel=True,
                 nodes_to_quantize=nodes,
                 calibrate_method=CalibrationMethod.MinMax,
