@@ -42,6 +42,15 @@ Batch = int | Literal["dynamic"]
 _REQUIRED: Any = object()
 
 
+# The graphs' tensor names, the one spelling that the exporter, the manifest, the backends, Triton's configs and
+# the /v2 protocol share: the input, and the outputs `vit-export --outputs` can ask for.
+PIXEL_VALUES = "pixel_values"
+LOGITS = "logits"
+EMBEDDING = "embedding"
+ROLLOUT = "rollout"
+OUTPUT_NAMES = (LOGITS, EMBEDDING, ROLLOUT)
+
+
 # A Triton model's version folder written by `vit-export --format triton` holds the graph as Triton names it,
 # `model.onnx`, and its manifest as `sidecar.json` beside it.
 TRITON_ONNX = "model.onnx"
