@@ -757,7 +757,7 @@ def child_gpu_decode() -> dict[str, Any]:
     import upload_corpus
 
     from vit_serve.preprocess import PreprocessConfig, load_image, resize_and_crop
-    from vit_serve.serve.gpu_decode import GpuDecoder
+    from vit_serve.runtime.gpu_decode import GpuDecoder
 
     names = ("phone_astronaut.jpg", "phone_mosaic_exif6.jpg")
     with tempfile.TemporaryDirectory(prefix="gpu_check-corpus-") as tmp:

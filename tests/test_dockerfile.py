@@ -127,7 +127,7 @@ def _requirements(extras: set[str]) -> set[str]:
 
 
 def test_the_cuda_image_has_torchvision_for_nvjpeg():
-    """The gateway decodes JPEG uploads with nvJPEG through torchvision (vit_serve.serve.gpu_decode); without it
+    """The gateway decodes JPEG uploads with nvJPEG through torchvision (vit_serve.runtime.gpu_decode); without it
     every upload silently took the CPU path in the CUDA image. The CPU image needs none."""
     def installed(stage: str) -> set[str]:
         extras = {e for group in re.findall(r'"\.\[([^\]]+)\]"', _stage_text(stage)) for e in group.split(",")}

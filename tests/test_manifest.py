@@ -103,9 +103,9 @@ def test_every_reader_gets_its_fields_from_the_manifest(exported, tmp_path, caps
     from vit_export.sidecar import engine_sidecar
     from vit_export.tensorrt_build import compare_runtimes
 
-    from vit_serve.serve.backends import triton
-    from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
-    from vit_serve.serve.backends.sidecar import read_export
+    from vit_serve.runtime.backends import triton
+    from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from vit_serve.runtime.backends.sidecar import read_export
 
     m, ex = read_manifest(exported["onnx"]), read_manifest(exported["explain"])
     ort_info = OnnxRuntimeBackend(exported["onnx"], device="cpu", threads=1).info
@@ -179,7 +179,7 @@ def _without_source(expected: dict) -> dict:
 
 @pytest.mark.parametrize("export", ["tiny.onnx", "tiny_dyn.onnx", "tiny_int8.onnx", "tiny_tensorrt/model_sm90.plan"])
 def test_schema_1_manifests_load_into_the_same_model_info(export, tmp_path):
-    from vit_serve.serve.backends.sidecar import read_export
+    from vit_serve.runtime.backends.sidecar import read_export
 
     expected = json.loads((V1 / "expected_model_info.json").read_text())[export]
     # The exports' layout with the recorded manifests; the readers read manifests only, not the graphs.
@@ -204,7 +204,7 @@ def test_schema_1_manifests_load_into_the_same_model_info(export, tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny_onnx", "tiny_py"])
 def test_schema_1_triton_configs_load_into_the_same_model_info(model):
-    from vit_serve.serve.backends import triton
+    from vit_serve.runtime.backends import triton
 
     expected = json.loads((V1 / "expected_model_info.json").read_text())[f"{model}.config.pbtxt"]
     cfg = _config_json(V1 / f"{model}.config.pbtxt")
@@ -251,7 +251,7 @@ _DELETE = object()
     ("format", "tflite", "field 'format' must be one of onnx, tensorrt"),
 ])
 def test_bad_manifests_name_the_file_and_the_field(tmp_path, field, value, message):
-    from vit_serve.serve.backends.sidecar import read_export
+    from vit_serve.runtime.backends.sidecar import read_export
 
     data = _valid()
     _set(data, field, value)
@@ -297,7 +297,7 @@ def test_bad_triton_metadata_names_the_model_and_the_field():
 
 def test_model_info_rollout_settings_use_the_one_default():
     from vit_serve.preprocess import PreprocessConfig
-    from vit_serve.serve.backends.base import ModelInfo
+    from vit_serve.runtime.backends.base import ModelInfo
 
     info = ModelInfo("m", (32, 32), 16, 2, None, PreprocessConfig(input_size=(32, 32)))
     assert info.rollout_settings() == (DEFAULT_HEAD_FUSION, DEFAULT_DISCARD_RATIO) == ("mean", 0.9)

@@ -237,7 +237,7 @@ def test_normalized_embeddings_equal_timms(photos, tmp_path, randomize):
 
 
 def test_embeddings_of_an_export_without_them_is_one_line(onnx, photos, tmp_path, capsys):
-    from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
+    from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     assert OnnxRuntimeBackend(onnx, device="cpu", threads=1).info.embedding_dim == 0  # exported without it
     assert run(onnx, photos, "--out", tmp_path / "x.jsonl", "--embeddings") == 1

@@ -129,8 +129,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from vit_serve.runtime.backends import check_model
     from vit_serve.serve.app import run
-    from vit_serve.serve.backends import check_model
     from vit_serve.serve.settings import ServeSettings
 
     flags = {k: getattr(args, k) for k in ("model", "backend", "triton_url", "triton_timeout_s",

@@ -2,8 +2,8 @@
 
 MODEL is anything `vit-serve serve` takes (a checkpoint, an exported NAME.onnx with NAME.json, an engine, or a
 repository folder with `model_name` picking one, at its newest version); it is loaded by the serving backends
-(`vit_serve.serve.backends.create_backend`), images are decoded by the gateway's own functions
-(`vit_serve.serve.images`) on the same decode path (`decode`, "fast" by default, as the gateway), and the top-k
+(`vit_serve.runtime.backends.create_backend`), images are decoded by the gateway's own functions
+(`vit_serve.runtime.decode`) on the same decode path (`decode`, "fast" by default, as the gateway), and the top-k
 come from the gateway's `top_k`: a row's scores are those `/classify` answers for the same file.
 
 SRC (`list_images`): a folder (recursive), a glob, a text file of paths (one a line, relative ones from the file's
@@ -46,8 +46,8 @@ from vit_serve.predict_writers import (
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig
-    from vit_serve.serve.backends.base import LocalBackend, ModelInfo
-    from vit_serve.serve.discovery import VersionSource
+    from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+    from vit_serve.runtime.discovery import VersionSource
 
 GLOB_CHARS = frozenset("*?[")
 ASCII_SPACE = " \t\r\f\v"  # what a line of a path list is stripped of (not U+0085, U+2028: they may be in names)
@@ -136,7 +136,7 @@ def list_images(src: str, image_folder: bool = False) -> list[Item]:
 def resolve_model(model: str, name: str | None = None) -> VersionSource:
     """MODEL (a model, or a repository folder as `vit-serve serve` reads it) -> the version to load: `name`'s
     (or the only model's) newest version."""
-    from vit_serve.serve.discovery import scan
+    from vit_serve.runtime.discovery import scan
 
     entries = scan(model)
     if name is not None and entries.get(name) is not None and entries[name].skipped:
@@ -186,7 +186,7 @@ def model_digest(source: VersionSource) -> str:
 
 def folder_model_files(folder: Path) -> list[Path]:
     """The files a checkpoint folder's model is made of: its JSON configs and its weights (not a README)."""
-    from vit_serve.serve.discovery import CHECKPOINT_SUFFIXES
+    from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES
 
     return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
                   and p.suffix.lower() in (".json", *CHECKPOINT_SUFFIXES))
@@ -194,8 +194,8 @@ def folder_model_files(folder: Path) -> list[Path]:
 
 def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
     """The serving backend for `source`, on `opts.device`, decoding as `opts.decode` says (as the gateway)."""
-    from vit_serve.serve.backends import create_backend
-    from vit_serve.serve.backends.base import LocalBackend
+    from vit_serve.runtime.backends import create_backend
+    from vit_serve.runtime.backends.base import LocalBackend
     from vit_serve.serve.settings import ServeSettings
 
     settings = ServeSettings(model=str(source.path), backend=source.backend, model_name=source.name,
@@ -236,9 +236,9 @@ def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> di
 
 def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.ndarray | None, str | None]:
     """A file -> (its model input [3, H, W] float32, None), or (None, why it cannot be read), decoded as the
-    gateway decodes an upload of the same bytes (`vit_serve.serve.images`)."""
+    gateway decodes an upload of the same bytes (`vit_serve.runtime.decode`)."""
+    from vit_serve.runtime.decode import decode_crop, input_tensor
     from vit_serve.serve.errors import GatewayError
-    from vit_serve.serve.images import decode_crop, input_tensor
 
     if "\n" in path or "\r" in path:
         return None, "a path with a line break cannot be a row key"

@@ -25,7 +25,7 @@ from vit_serve.predict import Item, PredictOptions, Sink, compute, decode_file, 
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig
-    from vit_serve.serve.discovery import VersionSource
+    from vit_serve.runtime.discovery import VersionSource
 
 
 def require_ray() -> None:

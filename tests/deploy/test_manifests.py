@@ -307,7 +307,7 @@ def _stub_gateway(folder: Path) -> Path:
 def test_kserve_transformer_turns_kserves_arguments_into_settings(tmp_path):
     """The transformer's command, run by /bin/sh with the arguments KServe appends, calls `vit-serve serve`
     with arguments its parser takes, Triton's gRPC address on the predictor's Service, and KServe's port."""
-    from vit_serve.serve.backends.triton import parse_url
+    from vit_serve.runtime.backends.triton import parse_url
     from vit_serve.serve.settings import ServeSettings
 
     isvc = _doc("InferenceService", "vit")
@@ -369,7 +369,7 @@ def test_the_triton_runtime_loads_what_vit_export_writes_and_the_gateway_serves(
     from google.protobuf import json_format
     from vit_export.triton_config import parse
 
-    from vit_serve.serve.backends.triton import model_info
+    from vit_serve.runtime.backends.triton import model_info
 
     runtime = _doc("ServingRuntime", "vit-serve-tritonserver")
     args = runtime["spec"]["containers"][0]["args"]

@@ -84,7 +84,7 @@ def cluster(repo, redis_url) -> Iterator[dict[str, Any]]:
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
     from vit_serve.deploy.ray import run, start_ray
-    from vit_serve.serve.backends.ray import deployment_name
+    from vit_serve.runtime.backends.ray import deployment_name
 
     port = _free_port()
     settings = _settings(repo, default_model="tiny", store=redis_url, max_batch=16, max_delay_ms=50, port=port)
@@ -369,7 +369,7 @@ def test_a_tensorrt_engine_on_ray_needs_no_tensorrt_where_it_is_launched(cluster
 
 def test_the_ray_engine_outside_ray_serve_is_one_clear_error(ckpt):
     pytest.importorskip("ray.serve")
-    from vit_serve.serve.backends import create_backend
+    from vit_serve.runtime.backends import create_backend
 
     with pytest.raises(RuntimeError, match=r"inside Ray Serve.*vit-serve serve --engine ray"):
         create_backend(_settings(ckpt, engine="ray"))
@@ -392,7 +392,7 @@ def test_what_ray_serve_cannot_serve_is_refused_before_any_work(ckpt, tmp_path):
 def test_each_version_of_a_repository_is_its_own_deployment(ckpt, tmp_path):
     pytest.importorskip("ray.serve")
     from vit_serve.deploy.ray import served_versions
-    from vit_serve.serve.backends.ray import deployment_name
+    from vit_serve.runtime.backends.ray import deployment_name
 
     for v in (1, 2):
         (tmp_path / "tiny" / str(v)).mkdir(parents=True)
@@ -411,7 +411,7 @@ class NoRay:
         if name == "ray" or name.startswith("ray."):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, NoRay())
-import vit_serve.serve, vit_serve.serve.app, vit_serve.serve.backends, vit_serve.deploy
+import vit_serve.serve, vit_serve.serve.app, vit_serve.runtime.backends, vit_serve.deploy
 assert not any(m == "ray" or m.startswith("ray.") for m in sys.modules), "vit_serve.serve imported ray"
 try:
     import vit_serve.deploy.ray

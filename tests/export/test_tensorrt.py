@@ -142,7 +142,7 @@ def test_the_engine_reader_takes_the_version_from_the_manifest(tmp_path, export_
     from vit_export.sidecar import engine_sidecar
 
     from vit_serve.manifest import read_manifest, write_manifest
-    from vit_serve.serve.backends.tensorrt import built_with
+    from vit_serve.runtime.backends.tensorrt import built_with
 
     export_tiny(tmp_path, 32, 3, ["a", "b", "c"], out=tmp_path / "out", name="tiny", formats=("onnx",))
     plan = tmp_path / "out" / "tiny_tensorrt" / "model_sm90.plan"

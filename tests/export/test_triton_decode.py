@@ -23,7 +23,7 @@ pytest.importorskip("onnxscript")
 import vit_export
 
 from vit_serve.preprocess import PreprocessConfig, preprocess
-from vit_serve.serve.backends.sidecar import read_export
+from vit_serve.runtime.backends.sidecar import read_export
 
 NAME = "tinyfast"
 RES = 32

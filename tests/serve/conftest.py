@@ -40,7 +40,7 @@ def tiny_onnx(tiny_ckpt, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def backend(tiny_onnx):
     """The tiny export on onnxruntime (one thread): the reference the /v2 and gRPC tests compare with."""
-    from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
+    from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     return OnnxRuntimeBackend(tiny_onnx, device="cpu", threads=1)
 

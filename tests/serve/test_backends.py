@@ -14,10 +14,10 @@ from gateway_helpers import LABELS, RES, settings_for
 from vit_serve.explain import rollout
 from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import preprocess
-from vit_serve.serve.backends import check_model, create_backend, resolve_backend
-from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
-from vit_serve.serve.backends.torch import TorchBackend
-from vit_serve.serve.inference import Task
+from vit_serve.runtime.backends import check_model, create_backend, resolve_backend
+from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
+from vit_serve.runtime.backends.torch import TorchBackend
+from vit_serve.runtime.task import Task
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_tensorrt_without_gpu_or_package_is_a_clear_error(tiny_onnx, tmp_path):
 def test_tensorrt_engine_matches_onnxruntime(tiny_onnx, ort_backend, photos, tmp_path):
     import tensorrt as trt
 
-    from vit_serve.serve.backends.tensorrt import TensorRTBackend
+    from vit_serve.runtime.backends.tensorrt import TensorRTBackend
 
     logger = trt.Logger(trt.Logger.WARNING)
     h, w = RES
@@ -188,7 +188,7 @@ def test_engine_finds_the_explain_graph_its_export_came_with(tiny_onnx, tmp_path
     its /explain comes from NAME_explain.onnx (run by onnxruntime), whose rollout settings it reports."""
     import json
 
-    from vit_serve.serve.backends.sidecar import read_export
+    from vit_serve.runtime.backends.sidecar import read_export
 
     out = tmp_path / "exports"
     shutil.copytree(tiny_onnx.parent, out)

@@ -76,7 +76,7 @@ def test_a_transparent_12mp_upload_makes_no_full_size_copy_in_numpy():
     import numpy as np
 
     from vit_serve.preprocess import PreprocessConfig, load_image
-    from vit_serve.serve.images import decode as decode_upload
+    from vit_serve.runtime.decode import decode as decode_upload
 
     w, h = 4032, 3024
     g = Image.linear_gradient("L").resize((w, h))

@@ -1,4 +1,4 @@
-"""Reading a model repository (`vit_serve.serve.discovery`): layouts, version policies with Triton's semantics,
+"""Reading a model repository (`vit_serve.runtime.discovery`): layouts, version policies with Triton's semantics,
 and a model's config.pbtxt read with Triton's own schema (tritonclient's model_config_pb2, written here with
 protobuf's text_format, as Triton's tools write it)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vit_serve.serve.discovery import ModelLimits, VersionPolicy, scan
+from vit_serve.runtime.discovery import ModelLimits, VersionPolicy, scan
 
 
 def _touch(path: Path, data: bytes = b"x") -> Path:

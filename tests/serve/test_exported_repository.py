@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gateway_helpers import LABELS
 
-from vit_serve.serve.discovery import scan
+from vit_serve.runtime.discovery import scan
 from vit_serve.serve.settings import ServeSettings
 
 RES = 32

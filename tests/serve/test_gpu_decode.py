@@ -1,4 +1,4 @@
-"""GPU decoding of uploads (`vit_serve.serve.gpu_decode`). References: Pillow's `ImageOps.exif_transpose` for the
+"""GPU decoding of uploads (`vit_serve.runtime.gpu_decode`). References: Pillow's `ImageOps.exif_transpose` for the
 orientation, the CPU path (`vit_serve.preprocess`, exact: timm's transform) for the pixels, with torchvision's
 `decode_jpeg` + the same resize code run on the CPU device; on a machine with CUDA, nvJPEG against the CPU path.
 Without CUDA the gateway says why it decodes on the CPU, and the decoder's fallback is exercised on the CPU device.
@@ -19,7 +19,7 @@ from gateway_helpers import run, serving, settings_for
 from PIL import Image, ImageOps
 
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, resize_and_crop
-from vit_serve.serve.gpu_decode import GpuDecoder, decoder_line, orient, resize_crop, unavailable_reason
+from vit_serve.runtime.gpu_decode import GpuDecoder, decoder_line, orient, resize_crop, unavailable_reason
 
 pytest.importorskip("torchvision.io")
 pytest.importorskip("skimage.data")

@@ -22,7 +22,7 @@ import torch
 from gateway_helpers import LABELS, live_server, settings_for
 
 from vit_serve.preprocess import preprocess
-from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
+from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
 SCRIPT = Path(__file__).with_name("kserve_client_script.py")
 TOL = 1e-5

@@ -213,7 +213,7 @@ import fastapi  # recent FastAPI releases import the OpenTelemetry API themselve
 framework = otel()
 import httpx
 from vit_serve.serve.app import create_app
-from vit_serve.serve.backends import triton  # the backend that passes the context on, imported too
+from vit_serve.runtime.backends import triton  # the backend that passes the context on, imported too
 from vit_serve.serve.settings import ServeSettings
 
 async def main():

@@ -39,9 +39,9 @@ import vit_serve
 from vit_serve.cli import build_parser
 from vit_serve.explain import rollout
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess
-from vit_serve.serve.backends.base import BackendUnavailableError
-from vit_serve.serve.backends.triton import TritonBackend, parse_url
-from vit_serve.serve.inference import CLASSIFY, Task
+from vit_serve.runtime.backends.base import BackendUnavailableError
+from vit_serve.runtime.backends.triton import TritonBackend, parse_url
+from vit_serve.runtime.task import CLASSIFY, Task
 from vit_serve.serve.settings import ServeSettings
 
 httpx = pytest.importorskip("httpx")

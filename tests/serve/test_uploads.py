@@ -14,7 +14,8 @@ import pytest
 from gateway_helpers import run, serving, settings_for
 from starlette.requests import Request
 
-from vit_serve.serve import images, uploads
+from vit_serve.runtime import decode as images
+from vit_serve.serve import uploads
 
 
 class SpySha256:

@@ -3,7 +3,7 @@
 
 * The ingress deployment (`Gateway`) is the FastAPI app of `create_app(settings)`: every route, decode, key, store
   and metric is the gateway's. Its settings say engine="ray", so each model version it loads is a
-  `RayModelBackend` (vit_serve.serve.backends.ray) on that version's deployment, driven by a `DirectRunner`.
+  `RayModelBackend` (vit_serve.runtime.backends.ray) on that version's deployment, driven by a `DirectRunner`.
   Each answer carries `X-Ray-Replica`, the ingress replica that served it.
 * One deployment per model version (`ModelServer`, named `deployment_name(model, path)`), with `num_replicas` or
   an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`). Each replica loads the model with
@@ -49,12 +49,12 @@ try:
 except ImportError:  # one line for the CLI and for an import by hand
     raise ImportError("vit_serve.deploy.ray needs Ray Serve: pip install 'vit-serve[ray]' (ray[serve])") from None
 
+from vit_serve.runtime.backends import check_model, create_backend, resolve_backend
+from vit_serve.runtime.backends.base import LocalBackend
+from vit_serve.runtime.backends.ray import RAY_METRICS, deployment_name
+from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan
+from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve.app import create_app
-from vit_serve.serve.backends import check_model, create_backend, resolve_backend
-from vit_serve.serve.backends.base import LocalBackend
-from vit_serve.serve.backends.ray import RAY_METRICS, deployment_name
-from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
-from vit_serve.serve.inference import Outputs, Task
 from vit_serve.serve.settings import ServeSettings
 
 log = logging.getLogger("vit_serve.deploy.ray")

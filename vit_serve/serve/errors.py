@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vit_serve.serve.backends.base import BackendUnavailableError
+from vit_serve.runtime.backends.base import BackendUnavailableError
 from vit_serve.serve.schemas import StrictJSONResponse
 
 log = logging.getLogger("vit_serve.serve")

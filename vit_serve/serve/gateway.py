@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vit_serve.serve.backends.base import ModelInfo
+from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository

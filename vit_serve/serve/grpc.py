@@ -34,8 +34,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add_GRPCInferenceServiceServicer_to_server
 
+from vit_serve.runtime.backends.base import BackendUnavailableError
 from vit_serve.serve import v2_model
-from vit_serve.serve.backends.base import BackendUnavailableError
 from vit_serve.serve.errors import BACKEND_UNAVAILABLE, BadRequestError, GatewayError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.routes.repository import repository as repository_of  # its 403 / 503 rules

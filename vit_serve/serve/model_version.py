@@ -29,11 +29,11 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
-from vit_serve.serve.backends.base import Backend, ModelInfo, RemoteBackend
+from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
+from vit_serve.runtime.decode import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
+from vit_serve.runtime.gpu_decode import GpuDecoder
+from vit_serve.runtime.task import EMBED, Task
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
-from vit_serve.serve.gpu_decode import GpuDecoder
-from vit_serve.serve.images import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
-from vit_serve.serve.inference import EMBED, Task
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.runner import Arrival, Result, Runner
 from vit_serve.serve.stores import CropStore, Namespaced

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from vit_serve.serve.backends import Backend, BackendUnavailableError, create_backend
-from vit_serve.serve.discovery import ModelEntry, VersionPolicy, VersionSource, scan
+from vit_serve.runtime.backends import Backend, BackendUnavailableError, create_backend
+from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan
+from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
-from vit_serve.serve.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import RunnerLimits, runner_for
@@ -155,7 +155,7 @@ class ModelRepository:
             if s.model:  # one model of the Triton server, by its name there
                 name = s.model_name or s.model
                 return {name: ModelEntry(name, {1: VersionSource(name, 1, Path(s.model), "triton")})}
-            from vit_serve.serve.backends.triton import vit_models  # every ViT model the server serves
+            from vit_serve.runtime.backends.triton import vit_models  # every ViT model the server serves
 
             models = await vit_models(s.triton_url, s.triton_timeout_s)
             return {n: ModelEntry(n, {v: VersionSource(n, v, Path(n), "triton")}) for n, v in models.items()}

@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from vit_serve.serve.backends.base import Backend, LocalBackend, RemoteBackend
+from vit_serve.runtime.backends.base import Backend, LocalBackend, RemoteBackend
+from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
-from vit_serve.serve.inference import Outputs, Task
 from vit_serve.serve.metrics import ModelMetrics
 
 log = logging.getLogger("vit_serve.serve")

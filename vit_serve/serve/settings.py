@@ -213,7 +213,7 @@ class ServeSettings(BaseSettings):
     @field_validator("version_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
-        from vit_serve.serve.discovery import VersionPolicy
+        from vit_serve.runtime.discovery import VersionPolicy
 
         return str(VersionPolicy.parse(v))
 

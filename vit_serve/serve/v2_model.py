@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from vit_serve import __version__
-from vit_serve.serve.backends.base import ModelInfo
+from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.task import CLASSIFY, Task
 from vit_serve.serve.errors import BadRequestError
 from vit_serve.serve.gateway import Gateway
-from vit_serve.serve.inference import CLASSIFY, Task
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.settings import ServeSettings

@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
+from vit_serve.runtime.decode import Decoded
+from vit_serve.runtime.task import CLASSIFY, Task
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep
 from vit_serve.serve.gateway import top_k
-from vit_serve.serve.images import Decoded
-from vit_serve.serve.inference import CLASSIFY, Task
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ClassifyResponse, ErrorBody

@@ -19,11 +19,11 @@ from PIL import Image
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.overlay import COLORMAPS
+from vit_serve.runtime.task import Task
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep, ModelDep
 from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.gateway import top_k
-from vit_serve.serve.inference import Task
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes.classify import BY_ID, ERRORS, decode_kept
 from vit_serve.serve.runner import Arrival

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from vit_serve.manifest import RolloutSettings, manifest_path, read_manifest
-from vit_serve.serve.backends.base import LocalBackend
-from vit_serve.serve.backends.onnxruntime import session_providers
-from vit_serve.serve.backends.sidecar import read_export
+from vit_serve.runtime.backends.base import LocalBackend
+from vit_serve.runtime.backends.onnxruntime import session_providers
+from vit_serve.runtime.backends.sidecar import read_export
 from vit_serve.tensorrt_engine import TensorRTEngine
 
 INPUT = "pixel_values"

@@ -18,7 +18,7 @@ import numpy as np
 
 from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
-from vit_serve.serve.inference import Outputs, Task
+from vit_serve.runtime.task import Outputs, Task
 
 
 class BackendUnavailableError(RuntimeError):

@@ -29,10 +29,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from vit_serve.manifest import TritonMeta
+from vit_serve.runtime.backends.base import BackendUnavailableError, ModelInfo, RemoteBackend
+from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve import tracing
-from vit_serve.serve.backends.base import BackendUnavailableError, ModelInfo, RemoteBackend
 from vit_serve.serve.errors import GatewayTimeoutError
-from vit_serve.serve.inference import Outputs, Task
 
 log = logging.getLogger(__name__)
 

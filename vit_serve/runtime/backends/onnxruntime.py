@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from vit_serve.manifest import RolloutSettings
-from vit_serve.serve.backends.base import LocalBackend
-from vit_serve.serve.backends.sidecar import read_export
+from vit_serve.runtime.backends.base import LocalBackend
+from vit_serve.runtime.backends.sidecar import read_export
 
 INPUT = "pixel_values"
 

@@ -14,7 +14,7 @@ import torch
 from vit_serve.explain import grad_rollout, rollout
 from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
-from vit_serve.serve.backends.base import LocalBackend, ModelInfo
+from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
 
 
 def _device(name: str) -> torch.device:

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from vit_serve.serve.backends.base import BackendUnavailableError, RemoteBackend
-from vit_serve.serve.inference import Outputs, Task
+from vit_serve.runtime.backends.base import BackendUnavailableError, RemoteBackend
+from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve.metrics import BATCH_BUCKETS, MODEL
 from vit_serve.serve.settings import ServeSettings
 

@@ -3,7 +3,7 @@
 `<name>.onnx` (or `<name>.engine`) has `<name>.json` beside it, and the explain graph `<name>_explain.onnx` has
 `<name>_explain.json`; an engine's explain twin may also be the explain ONNX graph its export came with. In a
 Triton repository written by `vit-export --format triton`, `MODEL/VERSION/model.onnx` has `sidecar.json` beside it
-and its explain twin is the explain model its config names (`vit_serve.serve.discovery.triton_explain_of`). Only the
+and its explain twin is the explain model its config names (`vit_serve.runtime.discovery.triton_explain_of`). Only the
 manifest is read here (`vit_serve.manifest`); the gateway never imports the exporter.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from vit_serve.manifest import ExportManifest, manifest_path, read_manifest
-from vit_serve.serve.backends.base import ModelInfo
-from vit_serve.serve.discovery import triton_explain_of
+from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.discovery import triton_explain_of
 
 EXPLAIN_SUFFIX = "_explain"
 

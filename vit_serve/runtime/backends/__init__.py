@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from vit_serve.serve.backends.base import Backend, BackendUnavailableError, ModelInfo
-from vit_serve.serve.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
+from vit_serve.runtime.backends.base import Backend, BackendUnavailableError, ModelInfo
+from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
 from vit_serve.serve.settings import ServeSettings
 
 __all__ = ["Backend", "BackendUnavailableError", "ModelInfo", "check_model", "create_backend", "resolve_backend"]
@@ -47,7 +47,7 @@ def check_model(settings: ServeSettings) -> str:
     if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
         raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
     if backend == "tensorrt":
-        from vit_serve.serve.backends.tensorrt import require_tensorrt
+        from vit_serve.runtime.backends.tensorrt import require_tensorrt
 
         require_tensorrt()
     return backend
@@ -65,22 +65,22 @@ def create_backend(settings: ServeSettings) -> Backend:
 
 def _load_backend(settings: ServeSettings) -> Backend:
     if settings.engine == "ray":  # the model runs in its own Ray Serve deployment (vit_serve.deploy.ray)
-        from vit_serve.serve.backends.ray import RayModelBackend
+        from vit_serve.runtime.backends.ray import RayModelBackend
 
         return RayModelBackend(settings)
     backend = check_model(settings)
     if backend == "torch":
-        from vit_serve.serve.backends.torch import TorchBackend
+        from vit_serve.runtime.backends.torch import TorchBackend
 
         return TorchBackend(settings.model, settings.model_name, settings.device, settings.threads)
     if backend == "onnxruntime":
-        from vit_serve.serve.backends.onnxruntime import OnnxRuntimeBackend
+        from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
         return OnnxRuntimeBackend(settings.model, settings.model_name, settings.device, settings.threads)
     if backend == "tensorrt":
-        from vit_serve.serve.backends.tensorrt import TensorRTBackend
+        from vit_serve.runtime.backends.tensorrt import TensorRTBackend
 
         return TensorRTBackend(settings.model, settings.model_name)
-    from vit_serve.serve.backends.triton import TritonBackend
+    from vit_serve.runtime.backends.triton import TritonBackend
 
     return TritonBackend(settings.model, settings.triton_url, settings)
