@@ -1,0 +1,50 @@
+"""The rules of the house as tests (issue 20): the import-linter contracts of pyproject.toml (layers, a runtime
+without web frameworks, predict and deploy off the gateway's internals), no import cycles inside the packages
+(grimp, lazy imports included), and no function longer than a screen."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 100
+_spec = importlib.util.spec_from_file_location("code_shape", ROOT / "benchmarks" / "code_shape.py")
+code_shape = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(code_shape)
+
+
+def test_import_contracts_hold():
+    lint = Path(sys.executable).parent / "lint-imports"
+    done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+def test_no_import_cycles():
+    assert code_shape.import_cycles(grimp.build_graph("vit_serve", "vit_export")) == []
+
+
+def test_import_cycles_are_found():
+    """The check itself: a graph with a cycle through three modules reports its edges."""
+    g = grimp.ImportGraph()
+    for a, b in (("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.c", "p.d")):
+        g.add_import(importer=a, imported=b)
+    assert code_shape.import_cycles(g) == [("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a")]
+
+
+def test_no_function_over_a_screen():
+    assert [f"{where} ({n} lines)" for n, where in code_shape.function_lengths(ROOT) if n > MAX_FUNCTION_LINES] == []
+
+
+def test_long_functions_are_found(tmp_path):
+    """The check itself: a 101-line function in a tree is reported with its length."""
+    (tmp_path / "vit_serve").mkdir()
+    (tmp_path / "export").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(100))
+    (tmp_path / "vit_serve" / "m.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}")
+    assert code_shape.function_lengths(tmp_path)[:2] == [(101, "vit_serve/m.py:5 long"), (2, "vit_serve/m.py:1 short")]
