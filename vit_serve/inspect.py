@@ -24,8 +24,9 @@ import math
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -44,7 +45,15 @@ try:
 except ImportError as e:  # pragma: no cover - matplotlib is in the [test] extra
     raise ImportError(f"vit_serve.inspect needs matplotlib (pip install matplotlib): {e}") from e
 
-__all__ = ["IMAGE_SUFFIXES", "check_out_dir", "check_settings", "default_images", "find_images", "inspect_model"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "InspectResult",
+    "check_out_dir",
+    "check_settings",
+    "default_images",
+    "find_images",
+    "inspect_model",
+]
 
 IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 NUM_FILTER_COMPONENTS = 28  # the paper's Figure 7 left: 28 components in a 4 x 7 grid
@@ -297,42 +306,31 @@ def _top_k(logits: torch.Tensor, labels: Sequence[str] | None, k: int = 5) -> li
     return out
 
 
-@torch.no_grad()
-def inspect_model(
-    model: torch.nn.Module,
-    images: Sequence[ImageInput] | str | os.PathLike | None,
-    out_dir: str | os.PathLike,
-    head_fusion: str = explain.DEFAULT_HEAD_FUSION,
-    discard_ratio: float = explain.DEFAULT_DISCARD_RATIO,
-    names: Sequence[str] | None = None,
-    overwrite: bool = False,
-    batch_size: int = 8,
-) -> dict[str, Any]:
-    """Run the paper's Figure 6/7 inspections of `model` on `images` and write figures + ``inspect.json``.
+class InspectResult(TypedDict):
+    """What :func:`inspect_model` returns and writes to ``inspect.json``, key by key in that order."""
 
-    Args:
-        model: a VisionTransformer (e.g. from ``vit_serve.load``); run in eval mode here, its mode restored after.
-        images: PIL images and/or image paths; a folder (its image files, see :func:`find_images`); or None for
-            matplotlib's sample pictures (:func:`default_images`). Each is preprocessed with the model's
-            ``preprocess_cfg`` (``vit_serve.preprocess``); the overlays are drawn on the same crop
-            (``resize_and_crop``), so maps and pixels align.
-        out_dir: created if needed; an existing non-empty folder is refused (FileExistsError) unless
-            `overwrite` (files are then replaced, other files left alone).
-        head_fusion, discard_ratio: attention-rollout settings (:func:`vit_serve.explain.rollout`).
-        names: one name per image for titles and ``rollout_<name>.png`` (default: file stems, image<i>).
-        batch_size: images per forward pass; all attentions come from one ``model(x, return_attention=True)``
-            pass per batch, under no_grad.
+    files: list[str]
+    model: dict[str, Any]
+    settings: dict[str, Any]
+    filters: dict[str, Any]
+    pos_embed_similarity: dict[str, Any]
+    mean_attention_distance: dict[str, Any]
+    rollout: dict[str, Any]
 
-    Returns the dict written to ``inspect.json``: ``files`` (names inside out_dir), ``model`` (config,
-    preprocessing, grids), ``settings``, ``filters`` (explained-variance ratios, or ``skipped`` with the reason),
-    ``pos_embed_similarity`` ([gh, gw, gh, gw] nested lists), ``mean_attention_distance`` ([L, heads] in
-    pixels, averaged over the images) and ``rollout`` (per image: name, source path, the raw [gh, gw] map, its
-    ``query`` ("cls", or "patch-mean" for GAP models) and the top-5 labels and softmax scores).
-    """
-    check_settings(head_fusion, discard_ratio)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    out = check_out_dir(out_dir, overwrite)
+
+@dataclass
+class _Pass:
+    """Everything image-dependent, from one forward pass per batch."""
+
+    crops: list[Image.Image]  # the model-input crops, as PIL images
+    maps: list[torch.Tensor]  # per image the rollout map [gh, gw], float64
+    tops: list[list[dict[str, Any]]]  # per image the top-5 (empty without a classifier head)
+    mad_px: np.ndarray  # [L, heads] mean attention distance in pixels, averaged over the images
+    query: str  # "cls", or "patch-mean" for GAP models
+
+
+def _resolve_images(images: Sequence[ImageInput] | str | os.PathLike | None) -> list[ImageInput]:
+    """None -> matplotlib's samples; a folder -> its image files; else the given images (ValueError if none)."""
     if images is None:
         images = default_images()
     elif isinstance(images, (str, os.PathLike)):
@@ -340,18 +338,21 @@ def inspect_model(
     images = list(images)
     if not images:
         raise ValueError("no images to inspect")
-    image_names = _names(images, names)
+    return images
 
-    cfg = model.cfg
-    pcfg = _preprocess_cfg(model)
-    patch = cfg.patch_size
+
+def _forward(
+    model: torch.nn.Module,
+    decoded: list[Image.Image],
+    pcfg: PreprocessConfig,
+    head_fusion: str,
+    discard_ratio: float,
+    batch_size: int,
+) -> _Pass:
+    """Run `model` (in eval mode, its mode restored after) over `decoded` in batches of `batch_size`."""
+    cfg, prefix = model.cfg, model.num_prefix_tokens
     grid = model.check_size(*pcfg.input_size)
-    prefix = model.num_prefix_tokens
     param = next(model.parameters())
-
-    # One forward pass per batch; everything image-dependent comes from it.
-    decoded = [load_image(im) for im in images]
-    crops = [resize_and_crop(im, pcfg) for im in decoded]
     maps: list[torch.Tensor] = []
     tops: list[list[dict[str, Any]]] = []
     mad_sum = None
@@ -367,60 +368,67 @@ def inspect_model(
             heat = explain.rollout(attentions, grid, prefix, cfg.pool, head_fusion, discard_ratio)
             query = heat.query
             maps.extend(heat.map.double().cpu())
-            mad = explain.mean_attention_distance(attentions, grid, patch, prefix) * len(chunk)
+            mad = explain.mean_attention_distance(attentions, grid, cfg.patch_size, prefix) * len(chunk)
             mad_sum = mad if mad_sum is None else mad_sum + mad
             tops.extend(_top_k(logits, model.labels) if cfg.num_classes else [[] for _ in chunk])
     finally:
         model.train(was_training)
-    mad_px = (mad_sum / len(decoded)).numpy()
+    crops = [resize_and_crop(im, pcfg) for im in decoded]
+    return _Pass(crops, maps, tops, (mad_sum / len(decoded)).numpy(), query)
 
-    sim = explain.pos_embed_similarity(model.pos_embed.detach().cpu(), model.grid_size, prefix).numpy()
-    weight = model.patch_embed.proj.weight.detach().cpu()
-    if cfg.resnet_layers is not None:
-        filters_skip = (
-            "hybrid model: the patch embedding is a 1x1 projection of ResNet features, not filters over RGB pixels"
-        )
-    elif weight.shape[1] != 3:
-        filters_skip = f"the patch embedding has {weight.shape[1]} input channels, not RGB"
-    else:
-        filters_skip = None
 
-    # Figures and JSON.
-    out.mkdir(parents=True, exist_ok=True)
-    files: list[str] = []
-    result: dict[str, Any] = {"files": files}
-    result["model"] = {
-        "config": cfg.to_dict(),
+def _model_section(model: torch.nn.Module, pcfg: PreprocessConfig) -> dict[str, Any]:
+    return {
+        "config": model.cfg.to_dict(),
         "preprocess": pcfg.to_dict(),
-        "num_prefix_tokens": prefix,
-        "input_grid": list(grid),
+        "num_prefix_tokens": model.num_prefix_tokens,
+        "input_grid": list(model.check_size(*pcfg.input_size)),
         "pos_embed_grid": list(model.grid_size),
         "has_labels": bool(getattr(model, "labels", None)),
     }
-    result["settings"] = {
+
+
+def _settings_section(head_fusion: str, discard_ratio: float, num_images: int) -> dict[str, Any]:
+    return {
         "head_fusion": head_fusion,
         "discard_ratio": discard_ratio,
-        "num_images": len(decoded),
+        "num_images": num_images,
         "overlay": {"alpha": OVERLAY_ALPHA, "colormap": OVERLAY_COLORMAP},
         "filter_components": NUM_FILTER_COMPONENTS,
     }
 
-    if filters_skip is None:
-        comps, ratios = explain.filter_pca(weight, NUM_FILTER_COMPONENTS)
-        _filters_figure(comps.numpy(), ratios.numpy(), out / "filters.png")
-        files.append("filters.png")
-        result["filters"] = {
-            "file": "filters.png",
-            "filter_shape": list(weight.shape[1:]),
-            "num_components": len(ratios),
-            "explained_variance_ratio": ratios.tolist(),
-        }
-    else:
-        result["filters"] = {"skipped": filters_skip}
 
+def _filters_skip_reason(model: torch.nn.Module, weight: torch.Tensor) -> str | None:
+    """Why the patch-embedding weight [D, C, P, P] is not RGB filters (None when it is)."""
+    if model.cfg.resnet_layers is not None:
+        return "hybrid model: the patch embedding is a 1x1 projection of ResNet features, not filters over RGB pixels"
+    if weight.shape[1] != 3:
+        return f"the patch embedding has {weight.shape[1]} input channels, not RGB"
+    return None
+
+
+def _write_filters(model: torch.nn.Module, out: Path) -> dict[str, Any]:
+    """Figure 7 left (``filters.png``), or the reason it is skipped."""
+    weight = model.patch_embed.proj.weight.detach().cpu()
+    skip = _filters_skip_reason(model, weight)
+    if skip is not None:
+        return {"skipped": skip}
+    comps, ratios = explain.filter_pca(weight, NUM_FILTER_COMPONENTS)
+    _filters_figure(comps.numpy(), ratios.numpy(), out / "filters.png")
+    return {
+        "file": "filters.png",
+        "filter_shape": list(weight.shape[1:]),
+        "num_components": len(ratios),
+        "explained_variance_ratio": ratios.tolist(),
+    }
+
+
+def _write_similarity(model: torch.nn.Module, out: Path) -> dict[str, Any]:
+    """Figure 7 centre (``pos_embed_similarity.png``): [gh, gw, gh, gw] cosine similarities."""
+    pos = model.pos_embed.detach().cpu()
+    sim = explain.pos_embed_similarity(pos, model.grid_size, model.num_prefix_tokens).numpy()
     shown = _similarity_figure(sim, out / "pos_embed_similarity.png")
-    files.append("pos_embed_similarity.png")
-    result["pos_embed_similarity"] = {
+    return {
         "file": "pos_embed_similarity.png",
         "grid": list(model.grid_size),
         "measure": "cosine",
@@ -428,49 +436,128 @@ def inspect_model(
         "similarity": np.round(sim, 6).tolist(),
     }
 
-    _distance_figure(mad_px, len(decoded), pcfg.input_size, patch, out / "mean_attention_distance.png")
-    files.append("mean_attention_distance.png")
-    result["mean_attention_distance"] = {
+
+def _write_distance(mad_px: np.ndarray, num_images: int, pcfg: PreprocessConfig, patch: int, out: Path
+                    ) -> dict[str, Any]:
+    """Figure 7 right (``mean_attention_distance.png``) from mad_px [L, heads] in pixels."""
+    _distance_figure(mad_px, num_images, pcfg.input_size, patch, out / "mean_attention_distance.png")
+    return {
         "file": "mean_attention_distance.png",
         "unit": "pixels",
         "shape": list(mad_px.shape),
         "input_size": list(pcfg.input_size),
         "patch_size": patch,
-        "num_images": len(decoded),
+        "num_images": num_images,
         "values": mad_px.tolist(),
     }
 
-    overlays = [overlay(c, m, OVERLAY_ALPHA, OVERLAY_COLORMAP) for c, m in zip(crops, maps, strict=True)]
+
+def _source(src: ImageInput) -> str | None:
+    return str(src) if isinstance(src, (str, os.PathLike)) else getattr(src, "filename", "") or None
+
+
+def _titles(name: str, crop: Image.Image, top: list[dict[str, Any]]) -> tuple[str, str]:
+    """The (input, overlay) panel titles of one image in ``rollout.png``."""
+    top1 = f"top-1: {_short(top[0]['label'])} ({100 * top[0]['score']:.1f}%)" if top else "no classifier head"
+    return f"{_short(name)} ({crop.width}×{crop.height})", top1
+
+
+def _write_rollout(
+    images: list[ImageInput], names: list[str], seen: _Pass, head_fusion: str, discard_ratio: float, out: Path
+) -> dict[str, Any]:
+    """Figure 6: one ``rollout_<name>.png`` overlay per image, then ``rollout.png`` with them all."""
+    overlays = [overlay(c, m, OVERLAY_ALPHA, OVERLAY_COLORMAP) for c, m in zip(seen.crops, seen.maps, strict=True)]
     per_image = []
-    titles = []
-    for src, name, crop, ov, m, top in zip(images, image_names, crops, overlays, maps, tops, strict=True):
+    for src, name, ov, m, top in zip(images, names, overlays, seen.maps, seen.tops, strict=True):
         file = f"rollout_{name}.png"
         ov.save(out / file)
-        files.append(file)
-        source = str(src) if isinstance(src, (str, os.PathLike)) else getattr(src, "filename", "") or None
         per_image.append(
             {
                 "name": name,
-                "source": source,
+                "source": _source(src),
                 "file": file,
-                "query": query,
+                "query": seen.query,
                 "grid": list(m.shape),
                 "map": m.tolist(),
                 "top5": top,
             }
         )
-        top1 = f"top-1: {_short(top[0]['label'])} ({100 * top[0]['score']:.1f}%)" if top else "no classifier head"
-        titles.append((f"{_short(name)} ({crop.width}×{crop.height})", top1))
-    _rollout_figure(crops, overlays, titles, query, out / "rollout.png")
-    files.insert(len(files) - len(per_image), "rollout.png")
-    result["rollout"] = {
+    titles = [_titles(n, c, t) for n, c, t in zip(names, seen.crops, seen.tops, strict=True)]
+    _rollout_figure(seen.crops, overlays, titles, seen.query, out / "rollout.png")
+    return {
         "file": "rollout.png",
-        "query": query,
+        "query": seen.query,
         "head_fusion": head_fusion,
         "discard_ratio": discard_ratio,
         "images": per_image,
     }
 
-    files.append("inspect.json")
+
+@torch.no_grad()
+def inspect_model(
+    model: torch.nn.Module,
+    images: Sequence[ImageInput] | str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    head_fusion: str = explain.DEFAULT_HEAD_FUSION,
+    discard_ratio: float = explain.DEFAULT_DISCARD_RATIO,
+    names: Sequence[str] | None = None,
+    overwrite: bool = False,
+    batch_size: int = 8,
+) -> InspectResult:
+    """Run the paper's Figure 6/7 inspections of `model` on `images` and write figures + ``inspect.json``.
+
+    Args:
+        model: a VisionTransformer (e.g. from ``vit_serve.load``); run in eval mode here, its mode restored after.
+        images: PIL images and/or image paths; a folder (its image files, see :func:`find_images`); or None for
+            matplotlib's sample pictures (:func:`default_images`). Each is preprocessed with the model's
+            ``preprocess_cfg`` (``vit_serve.preprocess``); the overlays are drawn on the same crop
+            (``resize_and_crop``), so maps and pixels align.
+        out_dir: created if needed; an existing non-empty folder is refused (FileExistsError) unless
+            `overwrite` (files are then replaced, other files left alone).
+        head_fusion, discard_ratio: attention-rollout settings (:func:`vit_serve.explain.rollout`).
+        names: one name per image for titles and ``rollout_<name>.png`` (default: file stems, image<i>).
+        batch_size: images per forward pass; all attentions come from one ``model(x, return_attention=True)``
+            pass per batch, under no_grad.
+
+    Returns the dict written to ``inspect.json`` (:class:`InspectResult`): ``files`` (names inside out_dir),
+    ``model`` (config, preprocessing, grids), ``settings``, ``filters`` (explained-variance ratios, or
+    ``skipped`` with the reason), ``pos_embed_similarity`` ([gh, gw, gh, gw] nested lists),
+    ``mean_attention_distance`` ([L, heads] in pixels, averaged over the images) and ``rollout`` (per image:
+    name, source path, the raw [gh, gw] map, its ``query`` ("cls", or "patch-mean" for GAP models) and the
+    top-5 labels and softmax scores).
+    """
+    check_settings(head_fusion, discard_ratio)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out = check_out_dir(out_dir, overwrite)
+    images = _resolve_images(images)
+    image_names = _names(images, names)
+    pcfg = _preprocess_cfg(model)
+    model.check_size(*pcfg.input_size)
+    decoded = [load_image(im) for im in images]
+    seen = _forward(model, decoded, pcfg, head_fusion, discard_ratio, batch_size)
+
+    out.mkdir(parents=True, exist_ok=True)
+    filters = _write_filters(model, out)
+    similarity = _write_similarity(model, out)
+    distance = _write_distance(seen.mad_px, len(decoded), pcfg, model.cfg.patch_size, out)
+    rollout = _write_rollout(images, image_names, seen, head_fusion, discard_ratio, out)
+    files = [
+        *([filters["file"]] if "file" in filters else []),
+        "pos_embed_similarity.png",
+        "mean_attention_distance.png",
+        rollout["file"],
+        *(im["file"] for im in rollout["images"]),
+        "inspect.json",
+    ]
+    result = InspectResult(
+        files=files,
+        model=_model_section(model, pcfg),
+        settings=_settings_section(head_fusion, discard_ratio, len(decoded)),
+        filters=filters,
+        pos_embed_similarity=similarity,
+        mean_attention_distance=distance,
+        rollout=rollout,
+    )
     (out / "inspect.json").write_text(json.dumps(result, default=str) + "\n")
     return result

@@ -23,7 +23,8 @@ import io
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,14 +220,11 @@ def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
 IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
 
 
-def _open(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None = None) -> Image.Image:
-    """Open ``fp`` with PIL (header only) and check its size; with a "fast" ``cfg``, set a JPEG's DCT scale.
-
-    Both size checks (``max_pixels`` and PIL's decompression-bomb limit, raised by ``Image.open``) see the
-    header's full size: the draft, which shrinks ``img.size``, comes after them.
-    """
+@contextmanager
+def _pil_errors() -> Iterator[None]:
+    """PIL's errors while opening or decoding pixels, raised as ours (MemoryError is left alone)."""
     try:
-        img = Image.open(fp, formats=IMAGE_FORMATS)
+        yield
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(_one_line(e)) from e
     except UnidentifiedImageError as e:
@@ -235,6 +233,16 @@ def _open(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None = None) 
         raise
     except Exception as e:  # PIL plugins raise a zoo of types (OSError, SyntaxError, struct.error, ...)
         raise ImageDecodeError(f"cannot decode image: {_one_line(e)}") from e
+
+
+def _open(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None = None) -> Image.Image:
+    """Open ``fp`` with PIL (header only) and check its size; with a "fast" ``cfg``, set a JPEG's DCT scale.
+
+    Both size checks (``max_pixels`` and PIL's decompression-bomb limit, raised by ``Image.open``) see the
+    header's full size: the draft, which shrinks ``img.size``, comes after them.
+    """
+    with _pil_errors():
+        img = Image.open(fp, formats=IMAGE_FORMATS)
     _check_pixels(img, max_pixels)  # before any pixel data is decoded
     if cfg is not None and cfg.decode == "fast" and img.format == "JPEG":
         _draft(img, cfg)
@@ -243,14 +251,8 @@ def _open(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None = None) 
 
 def _load(img: Image.Image) -> Image.Image:
     """Force the pixel decode, with PIL's errors as ours."""
-    try:
+    with _pil_errors():
         img.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(_one_line(e)) from e
-    except MemoryError:
-        raise
-    except Exception as e:
-        raise ImageDecodeError(f"cannot decode image: {_one_line(e)}") from e
     return img
 
 
@@ -258,11 +260,15 @@ def _open_and_load(fp: Any, max_pixels: int | None, cfg: PreprocessConfig | None
     return _load(_open(fp, max_pixels, cfg))
 
 
+# What reading broken EXIF metadata raises; such metadata counts as no orientation.
+_EXIF_ERRORS = (OSError, SyntaxError, ValueError, KeyError, IndexError, TypeError, struct.error)
+
+
 def exif_orientation(img: Image.Image) -> int:
     """The EXIF orientation tag (1-8) of an opened image, 1 when absent or unreadable (read from the header)."""
     try:
         return int(img.getexif().get(0x0112, 1))
-    except (OSError, SyntaxError, ValueError, KeyError, IndexError, TypeError, struct.error):
+    except _EXIF_ERRORS:
         return 1
 
 
@@ -296,7 +302,7 @@ def _exif_transpose(img: Image.Image) -> Image.Image:
         return img  # ImageOps.exif_transpose would return a full-size copy
     try:
         out = ImageOps.exif_transpose(img)
-    except (OSError, SyntaxError, ValueError, KeyError, IndexError, TypeError, struct.error):
+    except _EXIF_ERRORS:
         # Broken EXIF metadata should not make otherwise-valid pixels unusable; treat as "no orientation".
         return img
     return img if out is None else out
@@ -423,15 +429,7 @@ def load_image(
 
     if isinstance(src, Image.Image):
         _check_pixels(src, max_pixels)
-        try:
-            src.load()  # a lazily opened image may still fail to decode here
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise ImageTooLargeError(_one_line(e)) from e
-        except MemoryError:
-            raise
-        except Exception as e:
-            raise ImageDecodeError(f"cannot decode image: {_one_line(e)}") from e
-        img = src
+        img = _load(src)  # a lazily opened image may still fail to decode here
     elif isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
         if not data:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vit_serve.config import ViTConfig
 from vit_serve.labels import default_labels
 from vit_serve.model import VisionTransformer
+from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig
 
 
@@ -63,6 +66,57 @@ def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     if problems:
         where = f" in {source}" if source else ""
         raise CheckpointError(f"checkpoint{where} does not fit the model: " + "; ".join(problems))
+
+
+def strip_prefixes(weights: Mapping[str, torch.Tensor], prefixes: Iterable[str]) -> dict[str, torch.Tensor]:
+    """`weights` without each of `prefixes` (in turn) that every key carries (training wrappers: DDP, compile)."""
+    out = dict(weights)
+    for prefix in prefixes:
+        if out and all(k.startswith(prefix) for k in out):
+            out = {k[len(prefix) :]: v for k, v in out.items()}
+    return out
+
+
+def make_config(fields: dict[str, Any], overrides: Mapping[str, Any], what: str) -> tuple[ViTConfig, ViTConfig]:
+    """(config of the checkpoint as stored, config with the overrides applied).
+
+    Raises CheckpointError for fields that do not make a config or overrides that do not fit it, TypeError
+    for override names that are not ViTConfig fields.
+    """
+    try:
+        native = ViTConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{what}: {one_line(e)}") from e
+    unknown = sorted(set(overrides) - set(ViTConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"unknown ViTConfig override(s): {', '.join(unknown)}")
+    try:
+        return native, native.replace(**overrides) if overrides else native
+    except ValueError as e:
+        raise CheckpointError(f"{what}: bad override ({one_line(e)})") from e
+
+
+def check_against_model(cfg: ViTConfig, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Names and shapes against our model for `cfg`, built on the meta device (no memory, no init cost)."""
+    try:
+        with torch.device("meta"):
+            ref = VisionTransformer(cfg)
+    except Exception:  # model code that cannot run on the meta device: build it for real
+        ref = VisionTransformer(cfg)
+    check_state_dict(ref, state_dict, source)
+
+
+def resample_to(state_dict: dict[str, torch.Tensor], native: ViTConfig, cfg: ViTConfig) -> dict[str, torch.Tensor]:
+    """`state_dict` (of a `native` model) with `pos_embed` [1, prefix + N, D] resampled to `cfg`'s grid.
+
+    The same dict when the image sizes agree; the resize uses `cfg.resample_mode`.
+    """
+    if cfg.img_size == native.img_size:
+        return state_dict
+    pos = resample_pos_embed(
+        state_dict["pos_embed"], native.grid_size, cfg.grid_size, native.num_prefix_tokens, cfg.resample_mode
+    )
+    return {**state_dict, "pos_embed": pos.contiguous()}
 
 
 def build_model(conv: Converted) -> VisionTransformer:

@@ -44,11 +44,17 @@ from typing import Any
 
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict, describe_keys, one_line
+from vit_serve.checkpoints.converted import (
+    CheckpointError,
+    Converted,
+    check_against_model,
+    describe_keys,
+    make_config,
+    one_line,
+    resample_to,
+)
 from vit_serve.checkpoints.io import read_weights
 from vit_serve.config import ViTConfig
-from vit_serve.model import VisionTransformer
-from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig
 
 __all__ = ["HF_ACTIVATIONS", "convert_hf", "hf_preprocess", "is_hf_layout", "load_hf_dir"]
@@ -98,8 +104,6 @@ def is_hf_layout(keys: Iterable[str]) -> bool:
         } <= keys:
             return any(_LAYER_NORM_KEY.match(k) for k in keys)
     return False
-
-
 
 
 def _pair(value: Any, name: str) -> tuple[int, int]:
@@ -189,6 +193,71 @@ def _triple(value: Any, name: str) -> tuple[float, float, float]:
     raise CheckpointError(f"preprocessor_config.json {name}={value!r}: expected 3 numbers")
 
 
+def _interpolation(resample: Any) -> str:
+    """preprocessor_config.json `resample` (a PIL code or a filter name) -> PreprocessConfig.interpolation."""
+    if isinstance(resample, str):
+        return resample.lower()
+    if isinstance(resample, int) and resample in _PIL_RESAMPLE:
+        return _PIL_RESAMPLE[resample]
+    raise CheckpointError(f"preprocessor_config.json resample={resample!r} is not a supported PIL filter")
+
+
+def _geometry(p: Mapping[str, Any], image_size: tuple[int, int]) -> tuple[tuple[int, int], float, str]:
+    """`size` and the centre crop of a processor -> (output (H, W), crop_pct, crop_mode)."""
+    size = _size_dict(p.get("size", {"height": image_size[0], "width": image_size[1]}), "size")
+    crop = _size_dict(p["crop_size"], "crop_size") if p.get("do_center_crop") and p.get("crop_size") else None
+    if crop is not None and not {"height", "width"} <= set(crop):
+        raise CheckpointError(
+            f"preprocessor_config.json crop_size={p['crop_size']!r}: expected height and width"
+        )
+    if {"height", "width"} <= set(size):
+        return _squash_geometry(int(size["height"]), int(size["width"]), crop)
+    if "shortest_edge" in size and "longest_edge" not in size and crop is not None:
+        s = int(size["shortest_edge"])
+        out = (int(crop["height"]), int(crop["width"]))
+        if out[0] != out[1] or out[0] > s:
+            raise CheckpointError(
+                f"preprocessor_config.json: shortest_edge {s} with crop {out[0]}x{out[1]} "
+                "is not expressible (the crop must be square and no larger than the resize)"
+            )
+        return out, _crop_pct(out[0], s), "center"
+    raise CheckpointError(
+        f"preprocessor_config.json size={p.get('size')!r} (do_center_crop={p.get('do_center_crop')!r}) "
+        "gives an image-dependent input size; expected height/width, or shortest_edge with a centre crop"
+    )
+
+
+def _squash_geometry(h: int, w: int, crop: Mapping[str, int] | None) -> tuple[tuple[int, int], float, str]:
+    """A resize to h x w (aspect ratio not kept), then maybe a centre crop -> (output, crop_pct, "squash")."""
+    if crop is None:
+        return (h, w), 1.0, "squash"
+    out = (int(crop["height"]), int(crop["width"]))
+    pct = _crop_pct(out[0], h)
+    if math.floor(out[1] / pct) != w:
+        raise CheckpointError(
+            f"preprocessor_config.json: resize {h}x{w} then crop {out[0]}x{out[1]} crops the two "
+            "edges by different fractions, which our preprocessing contract cannot express"
+        )
+    return out, pct, "squash"
+
+
+def _normalisation(p: Mapping[str, Any]) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """(mean, std) on values in [0, 1]: HF's (x * factor - mean) / std with any rescale factor folded in."""
+    if p.get("do_normalize", True):
+        mean = _triple(p.get("image_mean", 0.5), "image_mean")
+        std = _triple(p.get("image_std", 0.5), "image_std")
+    else:
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    factor = float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0
+    scale = factor * 255.0  # HF: (x * factor - mean) / std; ours: (x / 255 - mean') / std'
+    if scale <= 0:
+        raise CheckpointError(f"preprocessor_config.json rescale_factor={factor!r} must be positive")
+    if abs(scale - 1.0) > 1e-9:
+        mean = tuple(m / scale for m in mean)  # type: ignore[assignment]
+        std = tuple(s / scale for s in std)  # type: ignore[assignment]
+    return mean, std
+
+
 def hf_preprocess(
     preprocessor: Mapping[str, Any] | None, image_size: tuple[int, int] = (224, 224)
 ) -> PreprocessConfig:
@@ -212,62 +281,9 @@ def hf_preprocess(
             "preprocessor_config.json has do_resize=false: the input size would depend on the image, "
             "which a fixed preprocessing contract cannot express"
         )
-    resample = p.get("resample", 2)
-    if isinstance(resample, str):
-        interpolation = resample.lower()
-    elif isinstance(resample, int) and resample in _PIL_RESAMPLE:
-        interpolation = _PIL_RESAMPLE[resample]
-    else:
-        raise CheckpointError(f"preprocessor_config.json resample={resample!r} is not a supported PIL filter")
-
-    size = _size_dict(p.get("size", {"height": image_size[0], "width": image_size[1]}), "size")
-    crop = _size_dict(p["crop_size"], "crop_size") if p.get("do_center_crop") and p.get("crop_size") else None
-    if crop is not None and not {"height", "width"} <= set(crop):
-        raise CheckpointError(
-            f"preprocessor_config.json crop_size={p['crop_size']!r}: expected height and width"
-        )
-
-    if {"height", "width"} <= set(size):
-        h, w = int(size["height"]), int(size["width"])
-        mode = "squash"
-        if crop is None:
-            out, pct = (h, w), 1.0
-        else:
-            out = (int(crop["height"]), int(crop["width"]))
-            pct = _crop_pct(out[0], h)
-            if math.floor(out[1] / pct) != w:
-                raise CheckpointError(
-                    f"preprocessor_config.json: resize {h}x{w} then crop {out[0]}x{out[1]} crops the two "
-                    "edges by different fractions, which our preprocessing contract cannot express"
-                )
-    elif "shortest_edge" in size and "longest_edge" not in size and crop is not None:
-        s = int(size["shortest_edge"])
-        out = (int(crop["height"]), int(crop["width"]))
-        if out[0] != out[1] or out[0] > s:
-            raise CheckpointError(
-                f"preprocessor_config.json: shortest_edge {s} with crop {out[0]}x{out[1]} "
-                "is not expressible (the crop must be square and no larger than the resize)"
-            )
-        mode, pct = "center", _crop_pct(out[0], s)
-    else:
-        raise CheckpointError(
-            f"preprocessor_config.json size={p.get('size')!r} (do_center_crop={p.get('do_center_crop')!r}) "
-            "gives an image-dependent input size; expected height/width, or shortest_edge with a centre crop"
-        )
-
-    if p.get("do_normalize", True):
-        mean = _triple(p.get("image_mean", 0.5), "image_mean")
-        std = _triple(p.get("image_std", 0.5), "image_std")
-    else:
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    factor = float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0
-    scale = factor * 255.0  # HF: (x * factor - mean) / std; ours: (x / 255 - mean') / std'
-    if scale <= 0:
-        raise CheckpointError(f"preprocessor_config.json rescale_factor={factor!r} must be positive")
-    if abs(scale - 1.0) > 1e-9:
-        mean = tuple(m / scale for m in mean)  # type: ignore[assignment]
-        std = tuple(s / scale for s in std)  # type: ignore[assignment]
-
+    interpolation = _interpolation(p.get("resample", 2))
+    out, pct, mode = _geometry(p, image_size)
+    mean, std = _normalisation(p)
     if out != tuple(image_size):
         warnings.warn(
             f"preprocessor_config.json produces {out[0]}x{out[1]} images for a model configured at "
@@ -326,32 +342,75 @@ def _config_fields(config: Mapping[str, Any], num_classes: int) -> dict[str, Any
     return fields
 
 
-def _make_config(
-    fields: dict[str, Any], overrides: Mapping[str, Any], what: str
-) -> tuple[ViTConfig, ViTConfig]:
-    """(config of the checkpoint as stored, config with the overrides applied)."""
-    try:
-        native = ViTConfig(**fields)
-    except ValueError as e:
-        raise CheckpointError(f"{what}: {one_line(e)}") from e
-    known = set(ViTConfig.__dataclass_fields__)
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(f"unknown ViTConfig override(s): {', '.join(unknown)}")
-    try:
-        return native, native.replace(**overrides) if overrides else native
-    except ValueError as e:
-        raise CheckpointError(f"{what}: bad override ({one_line(e)})") from e
+def _style(sd: Mapping[str, torch.Tensor], source: str) -> int:
+    """0 for legacy on-disk names (`encoder.layer.{i}`), 1 for transformers 5 in-memory ones (`layers.{i}`)."""
+    legacy = any(k.startswith(_LAYER_PREFIX[0]) for k in sd)
+    modern = any(k.startswith(_LAYER_PREFIX[1]) for k in sd)
+    if legacy and modern:
+        raise CheckpointError(f"{source}: mixes legacy 'encoder.layer.' and transformers 5 'layers.' names")
+    return 1 if modern else 0
 
 
-def _check_against_model(cfg: ViTConfig, sd: dict[str, torch.Tensor], source: str) -> None:
-    """Shapes and names against our model for `cfg`, built on the meta device (no memory, no init cost)."""
-    try:
-        with torch.device("meta"):
-            ref = VisionTransformer(cfg)
-    except Exception:  # model code that cannot run on the meta device: build it for real
-        ref = VisionTransformer(cfg)
-    check_state_dict(ref, sd, source)
+def _fused(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """q, k, v ([D, D] weights or [D] biases) stacked into one qkv ([3D, D] or [3D]); None if one is missing."""
+    return torch.cat(parts, dim=0) if all(t is not None for t in parts) else None  # type: ignore[arg-type]
+
+
+def _block(take: _Taker, i: int, style: int, qkv_bias: bool, source: str) -> dict[str, torch.Tensor | None]:
+    """Layer `i` under our names `blocks.{i}.*`: plain renames plus the q, k, v fusion."""
+    pre = f"{_LAYER_PREFIX[style]}{i}."
+    out: dict[str, torch.Tensor | None] = {}
+    for ours, theirs in _BLOCK_RENAMES.items():
+        for leaf in ("weight", "bias"):
+            out[f"blocks.{i}.{ours}.{leaf}"] = take(f"{pre}{theirs[style]}.{leaf}")
+    qkv_w = [take(f"{pre}{n}.weight") for n in _QKV[style]]
+    if all(t is not None for t in qkv_w) and len({tuple(t.shape) for t in qkv_w}) != 1:
+        raise CheckpointError(
+            f"{source}: layer {i} query/key/value weights differ in shape {[tuple(t.shape) for t in qkv_w]}"
+        )
+    if (w := _fused(qkv_w)) is not None:
+        out[f"blocks.{i}.attn.qkv.weight"] = w
+    if qkv_bias and (b := _fused([take(f"{pre}{n}.bias") for n in _QKV[style]])) is not None:
+        out[f"blocks.{i}.attn.qkv.bias"] = b
+    return out
+
+
+def _renamed(take: _Taker, cfg: ViTConfig, style: int, classifier_w: torch.Tensor | None, source: str
+             ) -> dict[str, torch.Tensor | None]:
+    """Every tensor of a transformers ViT of `cfg` under our names (None where the checkpoint lacks it)."""
+    out: dict[str, torch.Tensor | None] = {
+        "patch_embed.proj.weight": take("embeddings.patch_embeddings.projection.weight"),
+        "patch_embed.proj.bias": take("embeddings.patch_embeddings.projection.bias"),
+        "cls_token": take("embeddings.cls_token"),
+        "pos_embed": take("embeddings.position_embeddings"),
+    }
+    for i in range(cfg.depth):
+        out.update(_block(take, i, style, cfg.qkv_bias, source))
+    out["norm.weight"] = take("layernorm.weight")
+    out["norm.bias"] = take("layernorm.bias")
+    if classifier_w is not None:
+        out["head.weight"] = classifier_w
+        out["head.bias"] = take("classifier.bias")
+    return out
+
+
+def _check_consumed(take: _Taker, weights: Mapping[str, torch.Tensor], depth: int, source: str) -> None:
+    """CheckpointError listing what was missing or left over, named as the checkpoint spells them."""
+    prefixed = any(k.startswith("vit.") for k in weights)  # then name keys with the `vit.` prefix
+
+    def spelled(key: str) -> str:
+        return f"vit.{key}" if prefixed and not key.startswith("classifier.") else key
+
+    if take.missing:
+        raise CheckpointError(f"{source}: missing keys: {describe_keys([spelled(k) for k in take.missing])}")
+    unexpected = sorted(
+        k if k in weights else spelled(k) for k in take.sd if k not in take.used and not _DROPPED.match(k)
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: unexpected keys (not part of a transformers ViT with "
+            f"{depth} layers): {describe_keys(unexpected)}"
+        )
 
 
 def convert_hf(
@@ -389,70 +448,16 @@ def convert_hf(
     """
     source = source or "transformers ViT checkpoint"
     sd = _strip_vit_prefix(weights)
-    legacy = any(k.startswith(_LAYER_PREFIX[0]) for k in sd)
-    modern = any(k.startswith(_LAYER_PREFIX[1]) for k in sd)
-    if legacy and modern:
-        raise CheckpointError(f"{source}: mixes legacy 'encoder.layer.' and transformers 5 'layers.' names")
-    style = 1 if modern else 0
+    style = _style(sd, source)
     take = _Taker(sd)
-
     classifier_w = take("classifier.weight", required=False)
     num_classes = int(classifier_w.shape[0]) if classifier_w is not None else 0
-    fields = _config_fields(config, num_classes)
-    native, cfg = _make_config(fields, overrides, source)
-
-    out: dict[str, torch.Tensor | None] = {
-        "patch_embed.proj.weight": take("embeddings.patch_embeddings.projection.weight"),
-        "patch_embed.proj.bias": take("embeddings.patch_embeddings.projection.bias"),
-        "cls_token": take("embeddings.cls_token"),
-        "pos_embed": take("embeddings.position_embeddings"),
-    }
-    for i in range(native.depth):
-        pre = f"{_LAYER_PREFIX[style]}{i}."
-        for ours, theirs in _BLOCK_RENAMES.items():
-            for leaf in ("weight", "bias"):
-                out[f"blocks.{i}.{ours}.{leaf}"] = take(f"{pre}{theirs[style]}.{leaf}")
-        qkv_w = [take(f"{pre}{n}.weight") for n in _QKV[style]]
-        if all(t is not None for t in qkv_w):
-            if len({tuple(t.shape) for t in qkv_w}) != 1:
-                raise CheckpointError(
-                    f"{source}: layer {i} query/key/value weights differ in shape "
-                    f"{[tuple(t.shape) for t in qkv_w]}"
-                )
-            out[f"blocks.{i}.attn.qkv.weight"] = torch.cat(qkv_w, dim=0)
-        if native.qkv_bias:
-            qkv_b = [take(f"{pre}{n}.bias") for n in _QKV[style]]
-            if all(t is not None for t in qkv_b):
-                out[f"blocks.{i}.attn.qkv.bias"] = torch.cat(qkv_b, dim=0)
-    out["norm.weight"] = take("layernorm.weight")
-    out["norm.bias"] = take("layernorm.bias")
-    if classifier_w is not None:
-        out["head.weight"] = classifier_w
-        out["head.bias"] = take("classifier.bias")
-
-    # Name keys as the checkpoint spells them: with the `vit.` prefix when it uses one.
-    prefixed = any(k.startswith("vit.") for k in weights)
-
-    def spelled(key: str) -> str:
-        return f"vit.{key}" if prefixed and not key.startswith("classifier.") else key
-
-    if take.missing:
-        raise CheckpointError(f"{source}: missing keys: {describe_keys([spelled(k) for k in take.missing])}")
-    unexpected = sorted(
-        k if k in weights else spelled(k) for k in sd if k not in take.used and not _DROPPED.match(k)
-    )
-    if unexpected:
-        raise CheckpointError(
-            f"{source}: unexpected keys (not part of a transformers ViT with "
-            f"{native.depth} layers): {describe_keys(unexpected)}"
-        )
+    native, cfg = make_config(_config_fields(config, num_classes), overrides, source)
+    out = _renamed(take, native, style, classifier_w, source)
+    _check_consumed(take, weights, native.depth, source)
     state: dict[str, torch.Tensor] = {k: v for k, v in out.items() if v is not None}
-    _check_against_model(native, state, f"{source} (as described by its config.json)")
-
-    if cfg.img_size != native.img_size:
-        state["pos_embed"] = resample_pos_embed(
-            state["pos_embed"], native.grid_size, cfg.grid_size, native.num_prefix_tokens, cfg.resample_mode
-        ).contiguous()
+    check_against_model(native, state, f"{source} (as described by its config.json)")
+    state = resample_to(state, native, cfg)
     labels = _labels(config, num_classes)
     pre_cfg = hf_preprocess(preprocessor, native.img_size).with_size(*cfg.img_size)
     return Converted(cfg, state, source=source, labels=labels, preprocess=pre_cfg)

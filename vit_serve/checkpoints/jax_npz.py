@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted
+from vit_serve.checkpoints.converted import CheckpointError, Converted, describe_keys
 from vit_serve.config import ViTConfig, backbone_stride
 from vit_serve.preprocess import PreprocessConfig
 
@@ -28,7 +30,6 @@ PREFIXES = ("params/img/", "opt/target/", "params/", "")
 _ANCHOR = "embedding/kernel"
 _ENCODER_BLOCK = re.compile(r"^Transformer/encoderblock_(\d+)/")
 _RESNET_UNIT = re.compile(r"^block(\d+)/unit(\d+)/")
-_MAX_LISTED = 12
 
 
 def npz_prefix(keys: Iterable[str]) -> str | None:
@@ -49,11 +50,6 @@ def npz_prefix(keys: Iterable[str]) -> str | None:
 def is_npz_layout(keys: Iterable[str]) -> bool:
     """True for vit_jax / AugReg / big_vision parameter names (`embedding/kernel`, `Transformer/...`)."""
     return npz_prefix(keys) is not None
-
-
-def _listed(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_LISTED])
-    return shown + (f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else "")
 
 
 def _as_float32(name: str, a: Any) -> np.ndarray:
@@ -212,42 +208,77 @@ def _t(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _convert(
-    arr: _Arrays, cfg: ViTConfig, stacked: bool, big_vision: bool, mha: str, mlp: str, ln2: str
-) -> dict[str, np.ndarray]:
-    sd: dict[str, np.ndarray | None] = {}
-    d = cfg.embed_dim
+@dataclass(frozen=True)
+class _Naming:
+    """Where a checkpoint keeps its blocks and what it calls their sub-modules."""
 
-    def vec(key: str, idx: int | None = None) -> np.ndarray | None:
-        a = arr.get(key, idx)
+    stacked: bool  # one Transformer/encoderblock/ whose arrays have a leading depth axis (nn.scan)
+    big_vision: bool  # big_vision rather than vit_jax (position table, sub-module numbering)
+    mha: str  # the attention sub-module
+    mlp: str  # the MLP sub-module
+    ln2: str  # the second LayerNorm
+
+
+def _naming(arr: _Arrays) -> _Naming:
+    """Sub-module numbering: vit_jax counts every submodule of the block, big_vision each kind separately."""
+    stacked = "Transformer/encoderblock/LayerNorm_0/scale" in arr
+    big_vision = arr.prefix.startswith("params/") or "pos_embedding" in arr or stacked
+    block = "Transformer/encoderblock/" if stacked else "Transformer/encoderblock_0/"
+    has_1 = f"{block}MultiHeadDotProductAttention_1/query/kernel" in arr
+    has_0 = f"{block}MultiHeadDotProductAttention_0/query/kernel" in arr
+    if has_0 or (big_vision and not has_1):
+        return _Naming(stacked, big_vision, "MultiHeadDotProductAttention_0", "MlpBlock_0", "LayerNorm_1")
+    return _Naming(stacked, big_vision, "MultiHeadDotProductAttention_1", "MlpBlock_3", "LayerNorm_2")
+
+
+class _Reader:
+    """Arrays in torch layout: `vec` flattens (scales, biases), `mat` transposes (kernels); None if missing."""
+
+    def __init__(self, arr: _Arrays) -> None:
+        self.arr = arr
+
+    def vec(self, key: str, idx: int | None = None) -> np.ndarray | None:
+        a = self.arr.get(key, idx)
         return None if a is None else a.reshape(-1)
 
-    def mat(key: str, idx: int | None = None) -> np.ndarray | None:
-        a = arr.get(key, idx)
+    def mat(self, key: str, idx: int | None = None) -> np.ndarray | None:
+        a = self.arr.get(key, idx)
         return None if a is None else _t(a)
 
-    if cfg.resnet_layers is not None:
-        pe = "patch_embed.backbone."
-        sd[pe + "stem.conv.weight"] = mat("conv_root/kernel")
-        sd[pe + "stem.norm.weight"] = vec("gn_root/scale")
-        sd[pe + "stem.norm.bias"] = vec("gn_root/bias")
-        for i, n_units in enumerate(cfg.resnet_layers):
-            for j in range(n_units):
-                src, dst = f"block{i + 1}/unit{j + 1}/", f"{pe}stages.{i}.blocks.{j}."
-                for r in (1, 2, 3):
-                    sd[f"{dst}conv{r}.weight"] = mat(f"{src}conv{r}/kernel")
-                    sd[f"{dst}norm{r}.weight"] = vec(f"{src}gn{r}/scale")
-                    sd[f"{dst}norm{r}.bias"] = vec(f"{src}gn{r}/bias")
-                if j == 0:  # the first unit of every stage changes width (and stride): projection shortcut
-                    sd[f"{dst}downsample.conv.weight"] = mat(f"{src}conv_proj/kernel")
-                    sd[f"{dst}downsample.norm.weight"] = vec(f"{src}gn_proj/scale")
-                    sd[f"{dst}downsample.norm.bias"] = vec(f"{src}gn_proj/bias")
-    sd["patch_embed.proj.weight"] = mat(_ANCHOR)
-    sd["patch_embed.proj.bias"] = vec("embedding/bias")
+
+def _resnet_arrays(r: _Reader, layers: tuple[int, ...]) -> dict[str, np.ndarray | None]:
+    """The BiT ResNet stem and stages of a hybrid, under `patch_embed.backbone.*`."""
+    pe = "patch_embed.backbone."
+    sd: dict[str, np.ndarray | None] = {
+        pe + "stem.conv.weight": r.mat("conv_root/kernel"),
+        pe + "stem.norm.weight": r.vec("gn_root/scale"),
+        pe + "stem.norm.bias": r.vec("gn_root/bias"),
+    }
+    for i, n_units in enumerate(layers):
+        for j in range(n_units):
+            src, dst = f"block{i + 1}/unit{j + 1}/", f"{pe}stages.{i}.blocks.{j}."
+            for k in (1, 2, 3):
+                sd[f"{dst}conv{k}.weight"] = r.mat(f"{src}conv{k}/kernel")
+                sd[f"{dst}norm{k}.weight"] = r.vec(f"{src}gn{k}/scale")
+                sd[f"{dst}norm{k}.bias"] = r.vec(f"{src}gn{k}/bias")
+            if j == 0:  # the first unit of every stage changes width (and stride): projection shortcut
+                sd[f"{dst}downsample.conv.weight"] = r.mat(f"{src}conv_proj/kernel")
+                sd[f"{dst}downsample.norm.weight"] = r.vec(f"{src}gn_proj/scale")
+                sd[f"{dst}downsample.norm.bias"] = r.vec(f"{src}gn_proj/bias")
+    return sd
+
+
+def _embedding_arrays(r: _Reader, cfg: ViTConfig, big_vision: bool) -> dict[str, np.ndarray | None]:
+    """Patch embedding [D, C, P, P], [class] token [1, 1, D] and position table [1, prefix + N, D]."""
+    d = cfg.embed_dim
+    sd: dict[str, np.ndarray | None] = {
+        "patch_embed.proj.weight": r.mat(_ANCHOR),
+        "patch_embed.proj.bias": r.vec("embedding/bias"),
+    }
     if cfg.class_token:
-        cls = arr.get("cls")
+        cls = r.arr.get("cls")
         sd["cls_token"] = None if cls is None else cls.reshape(1, 1, d)
-    pos = arr.get(_pos_key(arr, big_vision))
+    pos = r.arr.get(_pos_key(r.arr, big_vision))
     if pos is not None:
         pos = pos.reshape(1, -1, d)
         if cfg.class_token and pos.shape[1] == cfg.grid_size[0] * cfg.grid_size[1]:
@@ -255,51 +286,96 @@ def _convert(
             # the same as a zero [class] slot in timm's layout.
             pos = np.concatenate([np.zeros((1, 1, d), np.float32), pos], axis=1)
         sd["pos_embed"] = pos
+    return sd
 
-    for i in range(cfg.depth):
-        idx = i if stacked else None
-        src = "Transformer/encoderblock/" if stacked else f"Transformer/encoderblock_{i}/"
-        dst = f"blocks.{i}."
-        sd[dst + "norm1.weight"] = vec(src + "LayerNorm_0/scale", idx)
-        sd[dst + "norm1.bias"] = vec(src + "LayerNorm_0/bias", idx)
-        # query/key/value kernels [D, heads, head_dim] -> rows of one [3D, D] matrix; biases
-        # [heads, head_dim] -> [3D].
-        qkv = [arr.get(f"{src}{mha}/{n}/kernel", idx) for n in ("query", "key", "value")]
-        sd[dst + "attn.qkv.weight"] = (
-            None if any(a is None for a in qkv) else np.concatenate([a.reshape(d, -1).T for a in qkv], axis=0)
-        )
-        if cfg.qkv_bias:
-            qkv_b = [vec(f"{src}{mha}/{n}/bias", idx) for n in ("query", "key", "value")]
-            sd[dst + "attn.qkv.bias"] = None if any(b is None for b in qkv_b) else np.concatenate(qkv_b)
-        out = arr.get(f"{src}{mha}/out/kernel", idx)  # [heads, head_dim, D]
-        sd[dst + "attn.proj.weight"] = None if out is None else out.reshape(-1, d).T
-        sd[dst + "attn.proj.bias"] = vec(f"{src}{mha}/out/bias", idx)
-        sd[dst + "norm2.weight"] = vec(f"{src}{ln2}/scale", idx)
-        sd[dst + "norm2.bias"] = vec(f"{src}{ln2}/bias", idx)
-        for r in (0, 1):
-            sd[f"{dst}mlp.fc{r + 1}.weight"] = mat(f"{src}{mlp}/Dense_{r}/kernel", idx)
-            sd[f"{dst}mlp.fc{r + 1}.bias"] = vec(f"{src}{mlp}/Dense_{r}/bias", idx)
 
-    sd["norm.weight"] = vec("Transformer/encoder_norm/scale")
-    sd["norm.bias"] = vec("Transformer/encoder_norm/bias")
+def _block_arrays(r: _Reader, cfg: ViTConfig, names: _Naming, i: int) -> dict[str, np.ndarray | None]:
+    """Encoder block `i` under `blocks.{i}.*` (from layer `i` of the stacked arrays when `names.stacked`)."""
+    d, mha = cfg.embed_dim, names.mha
+    idx = i if names.stacked else None
+    src = "Transformer/encoderblock/" if names.stacked else f"Transformer/encoderblock_{i}/"
+    dst = f"blocks.{i}."
+    sd: dict[str, np.ndarray | None] = {
+        dst + "norm1.weight": r.vec(src + "LayerNorm_0/scale", idx),
+        dst + "norm1.bias": r.vec(src + "LayerNorm_0/bias", idx),
+    }
+    # query/key/value kernels [D, heads, head_dim] -> rows of one [3D, D] matrix; biases [heads, head_dim] -> [3D].
+    qkv = [r.arr.get(f"{src}{mha}/{n}/kernel", idx) for n in ("query", "key", "value")]
+    sd[dst + "attn.qkv.weight"] = (
+        None if any(a is None for a in qkv) else np.concatenate([a.reshape(d, -1).T for a in qkv], axis=0)
+    )
+    if cfg.qkv_bias:
+        qkv_b = [r.vec(f"{src}{mha}/{n}/bias", idx) for n in ("query", "key", "value")]
+        sd[dst + "attn.qkv.bias"] = None if any(b is None for b in qkv_b) else np.concatenate(qkv_b)
+    out = r.arr.get(f"{src}{mha}/out/kernel", idx)  # [heads, head_dim, D]
+    sd[dst + "attn.proj.weight"] = None if out is None else out.reshape(-1, d).T
+    sd[dst + "attn.proj.bias"] = r.vec(f"{src}{mha}/out/bias", idx)
+    sd[dst + "norm2.weight"] = r.vec(f"{src}{names.ln2}/scale", idx)
+    sd[dst + "norm2.bias"] = r.vec(f"{src}{names.ln2}/bias", idx)
+    for k in (0, 1):
+        sd[f"{dst}mlp.fc{k + 1}.weight"] = r.mat(f"{src}{names.mlp}/Dense_{k}/kernel", idx)
+        sd[f"{dst}mlp.fc{k + 1}.bias"] = r.vec(f"{src}{names.mlp}/Dense_{k}/bias", idx)
+    return sd
+
+
+def _head_arrays(r: _Reader, cfg: ViTConfig) -> dict[str, np.ndarray | None]:
+    """Final LayerNorm [D], pre-logits [R, D] and head [K, R or D], as far as `cfg` has them."""
+    sd: dict[str, np.ndarray | None] = {
+        "norm.weight": r.vec("Transformer/encoder_norm/scale"),
+        "norm.bias": r.vec("Transformer/encoder_norm/bias"),
+    }
     if cfg.representation_size:
-        sd["pre_logits.0.weight"] = mat("pre_logits/kernel")
-        sd["pre_logits.0.bias"] = vec("pre_logits/bias")
+        sd["pre_logits.0.weight"] = r.mat("pre_logits/kernel")
+        sd["pre_logits.0.bias"] = r.vec("pre_logits/bias")
     if cfg.num_classes:
-        sd["head.weight"] = mat("head/kernel")
-        sd["head.bias"] = vec("head/bias")
+        sd["head.weight"] = r.mat("head/kernel")
+        sd["head.bias"] = r.vec("head/bias")
+    return sd
 
+
+def _convert(arr: _Arrays, cfg: ViTConfig, names: _Naming) -> dict[str, np.ndarray]:
+    """Every array of a ViT of `cfg`, in timm names and torch layout; every array of `arr` consumed."""
+    r = _Reader(arr)
+    sd = _resnet_arrays(r, cfg.resnet_layers) if cfg.resnet_layers is not None else {}
+    sd.update(_embedding_arrays(r, cfg, names.big_vision))
+    for i in range(cfg.depth):
+        sd.update(_block_arrays(r, cfg, names, i))
+    sd.update(_head_arrays(r, cfg))
     if arr.missing:
         raise CheckpointError(
-            f"npz checkpoint is missing {len(arr.missing)} array(s): {_listed(arr.missing)}"
+            f"npz checkpoint is missing {len(arr.missing)} array(s): {describe_keys(arr.missing)}"
         )
     unused = sorted(arr.prefix + k for k in set(arr.w) - arr.used)
     if unused:
         raise CheckpointError(
             f"npz checkpoint has arrays that are not part of a ViT of the inferred "
-            f"architecture: {_listed(unused)}"
+            f"architecture: {describe_keys(unused)}"
         )
     return {k: v for k, v in sd.items() if v is not None}
+
+
+@contextmanager
+def _npz_errors(what: str) -> Iterator[None]:
+    """ValueErrors (other than ours) raised as CheckpointError("npz checkpoint: <what> (<error>)")."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"npz checkpoint: {what} ({e})") from e
+
+
+def _with_overrides(cfg: ViTConfig, overrides: Mapping[str, Any]) -> ViTConfig:
+    """`cfg` with `overrides` (ViTConfig fields) replaced; TypeError for unknown names."""
+    if not overrides:
+        return cfg
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ViTConfig)})
+    if unknown:
+        raise TypeError(f"unknown ViTConfig field(s) in overrides: {', '.join(unknown)}")
+    try:
+        return cfg.replace(**overrides)
+    except ValueError as e:
+        raise CheckpointError(f"npz checkpoint: overrides do not fit the model ({e})") from e
 
 
 def convert_npz(
@@ -338,7 +414,7 @@ def convert_npz(
         expected = ", ".join(p + _ANCHOR for p in PREFIXES)
         raise CheckpointError(
             f"not a vit_jax / big_vision ViT checkpoint: expected one of {expected} "
-            f"(or Transformer/... arrays); got {_listed(sorted(keys))}"
+            f"(or Transformer/... arrays); got {describe_keys(sorted(keys))}"
         )
     arr = _Arrays(weights, prefix)
     if any(k.startswith("MAPHead_0/") for k in arr.w):
@@ -346,37 +422,12 @@ def convert_npz(
             f"{prefix}MAPHead_0: map pooling is not supported (multihead attention-pooling "
             "head of big_vision / SigLIP models); only [class] token and GAP models are"
         )
-    stacked = "Transformer/encoderblock/LayerNorm_0/scale" in arr
-    big_vision = prefix.startswith("params/") or "pos_embedding" in arr or stacked
-    # Sub-module numbering: vit_jax counts every submodule of the block, big_vision each kind separately.
-    block = "Transformer/encoderblock/" if stacked else "Transformer/encoderblock_0/"
-    has_1 = f"{block}MultiHeadDotProductAttention_1/query/kernel" in arr
-    has_0 = f"{block}MultiHeadDotProductAttention_0/query/kernel" in arr
-    if has_0 or (big_vision and not has_1):
-        mha, ln2, mlp = "MultiHeadDotProductAttention_0", "LayerNorm_1", "MlpBlock_0"
-    else:
-        mha, ln2, mlp = "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"
-
-    try:
-        cfg = _infer_config(arr, stacked, big_vision, mha, mlp)
-    except ValueError as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"npz checkpoint: inconsistent shapes ({e})") from e
-    if overrides:
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ViTConfig)})
-        if unknown:
-            raise TypeError(f"unknown ViTConfig field(s) in overrides: {', '.join(unknown)}")
-        try:
-            cfg = cfg.replace(**overrides)
-        except ValueError as e:
-            raise CheckpointError(f"npz checkpoint: overrides do not fit the model ({e})") from e
-    try:
-        arrays = _convert(arr, cfg, stacked, big_vision, mha, mlp, ln2)
-    except ValueError as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"npz checkpoint: arrays do not fit together ({e})") from e
+    names = _naming(arr)
+    with _npz_errors("inconsistent shapes"):
+        cfg = _infer_config(arr, names.stacked, names.big_vision, names.mha, names.mlp)
+    cfg = _with_overrides(cfg, overrides)
+    with _npz_errors("arrays do not fit together"):
+        arrays = _convert(arr, cfg, names)
     state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
 
     crop_pct = 1.0 if min(cfg.img_size) >= 384 else 0.9
@@ -387,5 +438,5 @@ def convert_npz(
         interpolation="bicubic",
         crop_pct=crop_pct,
     )
-    kind = "big_vision" if big_vision else "vit_jax"
+    kind = "big_vision" if names.big_vision else "vit_jax"
     return Converted(cfg, state, source=source or f"{kind} .npz checkpoint", preprocess=pre)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted
+from vit_serve.checkpoints.converted import CheckpointError, Converted, strip_prefixes
 from vit_serve.config import HEADS_BY_WIDTH, ViTConfig, backbone_stride, get_config
 from vit_serve.preprocess import PreprocessConfig
 
@@ -20,15 +20,6 @@ _STAGE = re.compile(r"^patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.")
 def is_timm_layout(keys: Iterable[str]) -> bool:
     keys = set(keys)
     return "patch_embed.proj.weight" in keys and "pos_embed" in keys
-
-
-def _strip_prefix(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # Training wrappers (DDP, torch.compile) prefix every key.
-    out = dict(weights)
-    for prefix in ("module.", "_orig_mod.", "model."):
-        if out and all(k.startswith(prefix) for k in out):
-            out = {k[len(prefix):]: v for k, v in out.items()}
-    return out
 
 
 def _infer_config(sd: Mapping[str, torch.Tensor], arch: str | None, model_args: Mapping[str, Any]) -> ViTConfig:
@@ -98,7 +89,7 @@ def convert_timm(
             pretrained_cfg with the preprocessing contract).
         overrides: ViTConfig fields to replace.
     """
-    sd = _strip_prefix(weights)
+    sd = strip_prefixes(weights, ("module.", "_orig_mod.", "model."))
     if not is_timm_layout(sd):
         raise CheckpointError("not a timm VisionTransformer state dict (no patch_embed.proj.weight / pos_embed)")
     hub_config = hub_config or {}

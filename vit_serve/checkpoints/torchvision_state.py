@@ -29,14 +29,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted, check_state_dict, describe_keys, one_line
-from vit_serve.config import HEADS_BY_WIDTH, ViTConfig, get_config
-from vit_serve.model import VisionTransformer
-from vit_serve.pos_embed import resample_pos_embed
+from vit_serve.checkpoints.converted import (
+    CheckpointError,
+    Converted,
+    check_against_model,
+    describe_keys,
+    make_config,
+    resample_to,
+    strip_prefixes,
+)
+from vit_serve.config import HEADS_BY_WIDTH, get_config
 from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig
 
 __all__ = [
@@ -80,8 +87,6 @@ def is_torchvision_layout(keys: Iterable[str]) -> bool:
     """True for a torchvision VisionTransformer state dict (optionally "module."-prefixed)."""
     keys = {k[len("module.") :] if k.startswith("module.") else k for k in keys}
     return {"class_token", "encoder.pos_embedding"} <= keys and any(k.startswith("conv_proj.") for k in keys)
-
-
 
 
 def torchvision_preprocess(
@@ -147,6 +152,147 @@ def _heads(arch: str | None, width: int, overrides: Mapping[str, Any]) -> tuple[
     return int(overrides.get("num_heads") or heads), arch
 
 
+@dataclass(frozen=True)
+class _Shapes:
+    """What a torchvision state dict's shapes tell: patch grid, width, depth, MLP names and width."""
+
+    width: int  # D
+    patch: int  # P
+    in_chans: int  # C
+    side: int  # patches per image side (the position-embedding grid is square)
+    depth: int  # encoder layers
+    mlp_names: tuple[str, str]  # ("mlp.0", "mlp.3"), or the pre-0.13 ("mlp.linear_1", "mlp.linear_2")
+    mlp_dim: int  # M
+    has_head: bool  # heads.head present
+    num_classes: int  # K rows of heads.head (0 without a head)
+    representation_size: int | None  # R rows of heads.pre_logits
+
+
+def _check_layout(sd: Mapping[str, torch.Tensor], source: str) -> None:
+    """CheckpointError for conv-stem variants and state dicts without the patch / position embeddings."""
+    if any(k.startswith("conv_proj.conv_") for k in sd):
+        raise CheckpointError(
+            f"{source}: ViTs with a convolutional stem (conv_stem_configs) are not supported"
+        )
+    for key in ("conv_proj.weight", "encoder.pos_embedding"):
+        if key not in sd:
+            raise CheckpointError(f"{source}: missing keys: {key} (not a torchvision VisionTransformer?)")
+
+
+def _read_shapes(sd: Mapping[str, torch.Tensor], source: str) -> _Shapes:
+    """conv_proj.weight [D, C, P, P], encoder.pos_embedding [1, 1 + N, D], the layers and heads -> _Shapes."""
+    proj, pos = sd["conv_proj.weight"], sd["encoder.pos_embedding"]
+    if proj.ndim != 4 or proj.shape[-1] != proj.shape[-2] or pos.ndim != 3 or pos.shape[0] != 1:
+        raise CheckpointError(
+            f"{source}: unexpected shapes conv_proj.weight {tuple(proj.shape)}, "
+            f"encoder.pos_embedding {tuple(pos.shape)}"
+        )
+    side = math.isqrt(pos.shape[1] - 1)
+    if side * side != pos.shape[1] - 1:
+        raise CheckpointError(f"{source}: {pos.shape[1] - 1} position embeddings do not form a square grid")
+    layer_ids = {int(m[1]) for k in sd if (m := _LAYER.match(k))}
+    depth = max(layer_ids) + 1 if layer_ids else 0
+    if depth == 0:
+        raise CheckpointError(f"{source}: missing keys: encoder.layers.encoder_layer_0.* (no encoder layers)")
+    mlp_names = _MLP_NAMES[1] if "encoder.layers.encoder_layer_0.mlp.linear_1.weight" in sd else _MLP_NAMES[0]
+    fc1 = sd.get(f"encoder.layers.encoder_layer_0.{mlp_names[0]}.weight")
+    if fc1 is None:
+        raise CheckpointError(f"{source}: missing keys: encoder.layers.encoder_layer_0.mlp.0.weight")
+    head_w, pre_w = sd.get("heads.head.weight"), sd.get("heads.pre_logits.weight")
+    return _Shapes(
+        width=int(proj.shape[0]),
+        patch=int(proj.shape[-1]),
+        in_chans=int(proj.shape[1]),
+        side=side,
+        depth=depth,
+        mlp_names=mlp_names,
+        mlp_dim=int(fc1.shape[0]),
+        has_head=head_w is not None,
+        num_classes=int(head_w.shape[0]) if head_w is not None else 0,
+        representation_size=int(pre_w.shape[0]) if pre_w is not None else None,
+    )
+
+
+def _check_arch(shapes: _Shapes, heads: int, arch: str | None, tv_arch: str | None, source: str) -> str | None:
+    """The torchvision architecture the shapes are (recognised when `arch` is None), checked against them."""
+    if tv_arch is None and arch is None:  # recognise the published architectures by their shapes
+        dims = (shapes.patch, shapes.depth, heads, shapes.width, shapes.mlp_dim)
+        tv_arch = next((name for name, want in TORCHVISION_ARCHS.items() if want == dims), None)
+    if tv_arch is not None:
+        want = TORCHVISION_ARCHS[tv_arch]
+        got = (shapes.patch, shapes.depth, want[2], shapes.width, shapes.mlp_dim)
+        if got != want:
+            raise CheckpointError(
+                f"{source}: shapes give (patch, layers, heads, width, mlp) = {got}, "
+                f"but torchvision {tv_arch} is {want}"
+            )
+    return tv_arch
+
+
+def _config_fields(shapes: _Shapes, heads: int) -> dict[str, Any]:
+    """ViTConfig fields of a torchvision ViT: pre-LN, [class] token, LayerNorm eps 1e-6, exact GELU."""
+    return {
+        "img_size": (shapes.side * shapes.patch, shapes.side * shapes.patch),
+        "patch_size": shapes.patch,
+        "in_chans": shapes.in_chans,
+        "num_classes": shapes.num_classes,
+        "embed_dim": shapes.width,
+        "depth": shapes.depth,
+        "num_heads": heads,
+        "mlp_dim": shapes.mlp_dim,
+        "qkv_bias": True,
+        "class_token": True,
+        "pool": "token",
+        "representation_size": shapes.representation_size,
+        "layer_norm_eps": 1e-6,
+        "gelu": "exact",
+        "resample_mode": "torchvision",
+    }
+
+
+def _renames(shapes: _Shapes) -> dict[str, str]:
+    """Our key -> torchvision's key, for every tensor a torchvision ViT of these shapes holds."""
+    renames = {
+        "patch_embed.proj.weight": "conv_proj.weight",
+        "patch_embed.proj.bias": "conv_proj.bias",
+        "cls_token": "class_token",
+        "pos_embed": "encoder.pos_embedding",
+        "norm.weight": "encoder.ln.weight",
+        "norm.bias": "encoder.ln.bias",
+    }
+    block = {
+        "norm1": "ln_1",
+        "attn.qkv": "self_attention.in_proj",
+        "attn.proj": "self_attention.out_proj",
+        "norm2": "ln_2",
+        "mlp.fc1": shapes.mlp_names[0],
+        "mlp.fc2": shapes.mlp_names[1],
+    }
+    for i in range(shapes.depth):
+        for ours, theirs in block.items():
+            for leaf in ("weight", "bias"):
+                sep = "_" if theirs.endswith("in_proj") else "."
+                renames[f"blocks.{i}.{ours}.{leaf}"] = f"encoder.layers.encoder_layer_{i}.{theirs}{sep}{leaf}"
+    if shapes.representation_size is not None:
+        renames["pre_logits.0.weight"] = "heads.pre_logits.weight"
+        renames["pre_logits.0.bias"] = "heads.pre_logits.bias"
+    if shapes.has_head:
+        renames["head.weight"] = "heads.head.weight"
+        renames["head.bias"] = "heads.head.bias"
+    return renames
+
+
+def _renamed(sd: Mapping[str, torch.Tensor], renames: Mapping[str, str], source: str) -> dict[str, torch.Tensor]:
+    """`sd` under our names as contiguous float32; every key of `sd` consumed, every renamed one present."""
+    missing = [theirs for theirs in renames.values() if theirs not in sd]
+    if missing:
+        raise CheckpointError(f"{source}: missing keys: {describe_keys(missing)}")
+    unexpected = sorted(set(sd) - set(renames.values()))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected keys: {describe_keys(unexpected)}")
+    return {ours: sd[theirs].detach().to(torch.float32).contiguous() for ours, theirs in renames.items()}
+
+
 def convert_torchvision(
     weights: Mapping[str, torch.Tensor],
     arch: str | None = None,
@@ -176,123 +322,14 @@ def convert_torchvision(
         CheckpointError: conv-stem variants, missing / unexpected keys (all listed), inconsistent shapes.
     """
     source = source or "torchvision state dict"
-    sd = dict(weights)
-    if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module.") :]: v for k, v in sd.items()}
-    if any(k.startswith("conv_proj.conv_") for k in sd):
-        raise CheckpointError(
-            f"{source}: ViTs with a convolutional stem (conv_stem_configs) are not supported"
-        )
-    for key in ("conv_proj.weight", "encoder.pos_embedding"):
-        if key not in sd:
-            raise CheckpointError(f"{source}: missing keys: {key} (not a torchvision VisionTransformer?)")
-
-    proj, pos = sd["conv_proj.weight"], sd["encoder.pos_embedding"]
-    if proj.ndim != 4 or proj.shape[-1] != proj.shape[-2] or pos.ndim != 3 or pos.shape[0] != 1:
-        raise CheckpointError(
-            f"{source}: unexpected shapes conv_proj.weight {tuple(proj.shape)}, "
-            f"encoder.pos_embedding {tuple(pos.shape)}"
-        )
-    width, patch = int(proj.shape[0]), int(proj.shape[-1])
-    side = math.isqrt(pos.shape[1] - 1)
-    if side * side != pos.shape[1] - 1:
-        raise CheckpointError(f"{source}: {pos.shape[1] - 1} position embeddings do not form a square grid")
-    layer_ids = {int(m[1]) for k in sd if (m := _LAYER.match(k))}
-    depth = max(layer_ids) + 1 if layer_ids else 0
-    if depth == 0:
-        raise CheckpointError(f"{source}: missing keys: encoder.layers.encoder_layer_0.* (no encoder layers)")
-    mlp_names = _MLP_NAMES[1] if "encoder.layers.encoder_layer_0.mlp.linear_1.weight" in sd else _MLP_NAMES[0]
-    fc1 = sd.get(f"encoder.layers.encoder_layer_0.{mlp_names[0]}.weight")
-    if fc1 is None:
-        raise CheckpointError(f"{source}: missing keys: encoder.layers.encoder_layer_0.mlp.0.weight")
-    heads, tv_arch = _heads(arch, width, overrides)
-    head_w, pre_w = sd.get("heads.head.weight"), sd.get("heads.pre_logits.weight")
-    if tv_arch is None and arch is None:  # recognise the published architectures by their shapes
-        dims = (patch, depth, heads, width, int(fc1.shape[0]))
-        tv_arch = next((name for name, want in TORCHVISION_ARCHS.items() if want == dims), None)
-    if tv_arch is not None:
-        want = TORCHVISION_ARCHS[tv_arch]
-        got = (patch, depth, want[2], width, int(fc1.shape[0]))
-        if got != want:
-            raise CheckpointError(
-                f"{source}: shapes give (patch, layers, heads, width, mlp) = {got}, "
-                f"but torchvision {tv_arch} is {want}"
-            )
-
-    fields: dict[str, Any] = {
-        "img_size": (side * patch, side * patch),
-        "patch_size": patch,
-        "in_chans": int(proj.shape[1]),
-        "num_classes": int(head_w.shape[0]) if head_w is not None else 0,
-        "embed_dim": width,
-        "depth": depth,
-        "num_heads": heads,
-        "mlp_dim": int(fc1.shape[0]),
-        "qkv_bias": True,
-        "class_token": True,
-        "pool": "token",
-        "representation_size": int(pre_w.shape[0]) if pre_w is not None else None,
-        "layer_norm_eps": 1e-6,
-        "gelu": "exact",
-        "resample_mode": "torchvision",
-    }
-    try:
-        native = ViTConfig(**fields)
-    except ValueError as e:
-        raise CheckpointError(f"{source}: {one_line(e)}") from e
-    unknown = sorted(set(overrides) - set(ViTConfig.__dataclass_fields__))
-    if unknown:
-        raise TypeError(f"unknown ViTConfig override(s): {', '.join(unknown)}")
-    try:
-        cfg = native.replace(**overrides) if overrides else native
-    except ValueError as e:
-        raise CheckpointError(f"{source}: bad override ({one_line(e)})") from e
-
-    renames = {
-        "patch_embed.proj.weight": "conv_proj.weight",
-        "patch_embed.proj.bias": "conv_proj.bias",
-        "cls_token": "class_token",
-        "pos_embed": "encoder.pos_embedding",
-        "norm.weight": "encoder.ln.weight",
-        "norm.bias": "encoder.ln.bias",
-    }
-    block = {
-        "norm1": "ln_1",
-        "attn.qkv": "self_attention.in_proj",
-        "attn.proj": "self_attention.out_proj",
-        "norm2": "ln_2",
-        "mlp.fc1": mlp_names[0],
-        "mlp.fc2": mlp_names[1],
-    }
-    for i in range(depth):
-        for ours, theirs in block.items():
-            for leaf in ("weight", "bias"):
-                sep = "_" if theirs.endswith("in_proj") else "."
-                renames[f"blocks.{i}.{ours}.{leaf}"] = f"encoder.layers.encoder_layer_{i}.{theirs}{sep}{leaf}"
-    if pre_w is not None:
-        renames["pre_logits.0.weight"] = "heads.pre_logits.weight"
-        renames["pre_logits.0.bias"] = "heads.pre_logits.bias"
-    if head_w is not None:
-        renames["head.weight"] = "heads.head.weight"
-        renames["head.bias"] = "heads.head.bias"
-
-    missing = [theirs for theirs in renames.values() if theirs not in sd]
-    if missing:
-        raise CheckpointError(f"{source}: missing keys: {describe_keys(missing)}")
-    unexpected = sorted(set(sd) - set(renames.values()))
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected keys: {describe_keys(unexpected)}")
-    state = {ours: sd[theirs].detach().to(torch.float32).contiguous() for ours, theirs in renames.items()}
-    try:  # names and shapes against our model, built on the meta device (no memory, no init cost)
-        with torch.device("meta"):
-            ref = VisionTransformer(native)
-    except Exception:  # model code that cannot run on the meta device: build it for real
-        ref = VisionTransformer(native)
-    check_state_dict(ref, state, source)
-
-    if cfg.img_size != native.img_size:
-        state["pos_embed"] = resample_pos_embed(
-            state["pos_embed"], native.grid_size, cfg.grid_size, native.num_prefix_tokens, cfg.resample_mode
-        ).contiguous()
+    sd = strip_prefixes(weights, ("module.",))
+    _check_layout(sd, source)
+    shapes = _read_shapes(sd, source)
+    heads, tv_arch = _heads(arch, shapes.width, overrides)
+    tv_arch = _check_arch(shapes, heads, arch, tv_arch, source)
+    native, cfg = make_config(_config_fields(shapes, heads), overrides, source)
+    state = _renamed(sd, _renames(shapes), source)
+    check_against_model(native, state, source)
+    state = resample_to(state, native, cfg)
     pre = torchvision_preprocess(tv_arch, native.img_size[0], weights_tag).with_size(*cfg.img_size)
     return Converted(cfg, state, source=f"{source} ({tv_arch})" if tv_arch else source, preprocess=pre)
