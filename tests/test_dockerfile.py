@@ -87,7 +87,7 @@ def test_the_production_example_names_real_settings():
     header = "\n".join(ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.lstrip().startswith("#"))
     named = dict(re.findall(r"-e VIT_SERVE_(\w+)=(\S+)", header))
     assert {"API_KEYS_FILE", "SSL_CERTFILE", "SSL_KEYFILE", "STORE", "GRPC_PORT"} <= set(named)
-    fields = set(ServeSettings.model_fields)
+    fields = set(ServeSettings.flat_fields())
     assert {n.lower() for n in named} <= fields, {n.lower() for n in named} - fields
     s = ServeSettings(**{n.lower(): v for n, v in named.items()})
     assert s.grpc_port == 8001 and s.store.startswith("redis://") and s.model_control == "poll"

@@ -1,40 +1,67 @@
-"""What `vit-serve predict` can be told: `PredictOptions`, one field per flag."""
+"""What `vit-serve predict` can be told: `PredictOptions`, one field per flag (its `vit_serve.flags.Flag` in the
+field's metadata; the field order is the order of `vit-serve predict --help`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from vit_serve.flags import FLAG_KEY, Flag
 from vit_serve.predict_writers import output_format
+
+
+def _flag(help: str, **kw: Any) -> dict[str, Flag]:
+    """A field's metadata: its flag."""
+    return {FLAG_KEY: Flag(help, **kw)}
 
 
 @dataclass(frozen=True)
 class PredictOptions:
     """What `vit-serve predict` can be told (one field per flag; checked when built: ValueError naming it)."""
 
-    model: str
-    src: str
-    out: str
-    model_name: str | None = None
-    top_k: int = 5
-    batch_size: int = 16
-    workers: int = 0  # 0: the gateway's default (`default_decode_workers`)
-    processes: bool = False  # decode in worker processes rather than threads
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int | None = None
-    decode: Literal["fast", "exact", "contract"] = "fast"
-    embeddings: bool = False
-    normalize: bool = False
-    explain: bool = False
-    image_folder: bool = False
-    force: bool = False
-    quiet: bool = False
-    max_pixels: int = 50_000_000
-    part_rows: int = 4096
-    engine: Literal["local", "ray"] = "local"
-    address: str | None = None
-    actors: int = 0  # ray: model actors (0: one per GPU, or one per CPU of the cluster)
+    model: str = field(metadata=_flag(
+        "a checkpoint, an exported NAME.onnx (NAME.json beside it), an engine, or a repository folder (what "
+        "`vit-serve serve REPO` takes; then --model NAME)", metavar="MODEL", positional=True))
+    src: str = field(metadata=_flag(
+        "a folder (recursive), a glob ('photos/**/*.jpg'), a text file of paths (one a line), one image, or with "
+        "--image-folder an ImageFolder root", metavar="SRC", positional=True))
+    out: str = field(metadata=_flag("preds.jsonl, preds.csv or preds.parquet (a folder of parts)"))
+    model_name: str | None = field(default=None, metadata=_flag(
+        "the model of a repository folder (its newest version)", name="--model", metavar="NAME"))
+    top_k: int = field(default=5, metadata=_flag("classes per row (default {default})"))
+    batch_size: int = field(default=16, metadata=_flag("images per model call (default {default})"))
+    # 0: the gateway's default (`default_decode_workers`)
+    workers: int = field(default=0, metadata=_flag(
+        "decode workers (default: as the gateway, max(2, min(4, cores - model threads)))"))
+    processes: bool = field(default=False, metadata=_flag("decode in worker processes instead of threads"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_flag("default {default}"))
+    threads: int | None = field(default=None, metadata=_flag(
+        "intra-op threads of the model runtime (default: its own)"))
+    decode: Literal["fast", "exact", "contract"] = field(default="fast", metadata=_flag(
+        "decode path, as `serve --decode` (default {default}, the gateway's default)"))
+    embeddings: bool = field(default=False, metadata=_flag("add the pre-logits embedding"))
+    normalize: bool = field(default=False, metadata=_flag("L2-normalise the embeddings"))
+    explain: bool = field(default=False, metadata=_flag(
+        "write the attention-rollout maps to OUT.rollout.npy ([N, gh, gw]; each row's rollout_index names its "
+        "map)"))
+    image_folder: bool = field(default=False, metadata=_flag(
+        "SRC is an ImageFolder (SRC/<class>/...): rows also carry target and target_index"))
+    max_pixels: int = field(default=50_000_000, metadata=_flag(
+        "larger images are skipped as unreadable (default {default})"))
+    part_rows: int = field(default=4096, metadata=_flag(
+        "Parquet: rows per part file (default {default}; a part is also written every 30 s)"))
+    engine: Literal["local", "ray"] = field(default="local", metadata=_flag(
+        "local (default) or ray (Ray Data; pip install 'vit-serve[ray]')"))
+    address: str | None = field(default=None, metadata=_flag(
+        "--engine ray: the cluster (auto, ray://HOST:10001; default: a local one)"))
+    # ray: model actors (0: one per GPU, or one per CPU of the cluster)
+    actors: int = field(default=0, metadata=_flag(
+        "--engine ray: model actors (default: one per GPU, or one per CPU of the cluster)"))
+    force: bool = field(default=False, metadata=_flag(
+        "replace an OUT written with another model or other settings"))
+    quiet: bool = field(default=False, metadata=_flag("no progress bar or per-file lines"))
 
     def __post_init__(self) -> None:
         for name in ("top_k", "batch_size", "max_pixels", "part_rows"):
@@ -47,10 +74,9 @@ class PredictOptions:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.normalize and not self.embeddings:
             raise ValueError("--normalize applies to --embeddings; add --embeddings")
-        choices = {"device": ("auto", "cpu", "cuda"), "decode": ("fast", "exact", "contract"),
-                   "engine": ("local", "ray")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
+        for name, hint in typing.get_type_hints(PredictOptions).items():
+            allowed = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+            if allowed is not None and getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.address is not None and self.engine != "ray":
             raise ValueError("--address is for --engine ray")

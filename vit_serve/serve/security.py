@@ -1,7 +1,7 @@
 """Who may call the gateway: API keys (HTTP headers, gRPC metadata) and the admin keys of the repository API.
 
 A key is sent as `Authorization: Bearer KEY` or `X-API-Key: KEY` (over gRPC, the same names as metadata:
-`authorization: Bearer KEY` or `x-api-key: KEY`). Keys are kept only as sha256 hashes (`key_hash`; settings
+`authorization: Bearer KEY` or `x-api-key: KEY`). Keys are kept only as sha256 hashes (`keys.key_hash`; settings
 accept `sha256:HEX` entries as hashes, so that a deployment need not hold the keys at all); a presented key is
 hashed and compared with every stored hash in constant time (`hmac.compare_digest`), and keys are never logged.
 A request without a valid key gets 401 with `WWW-Authenticate: Bearer realm="vit-serve"`; a valid key that is not
@@ -18,48 +18,26 @@ scrapers keep working when keys are switched on.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from starlette._utils import get_route_path  # the path Starlette's router matches routes on
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vit_serve.serve.keys import HASH_PREFIX, key_hash, read_key_file
 from vit_serve.serve.schemas import json_bytes
+from vit_serve.serve.settings import SecuritySettings, ServeSettings
 
-if TYPE_CHECKING:  # settings import this module (key_hash) when they validate
-    from vit_serve.serve.settings import ServeSettings
+__all__ = ["ADMIN_PATH", "GRPC_ADMIN_METHODS", "GRPC_PROBE_METHODS", "HASH_PREFIX", "PAGE_PATHS", "PROBE_PATHS",
+           "REALM", "ApiKeys", "KeyRing", "key_hash", "presented_key", "read_key_file"]
 
-HASH_PREFIX = "sha256:"
 REALM = 'Bearer realm="vit-serve"'
 PAGE_PATHS = ("/", "/static/", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/favicon.ico")
 PROBE_PATHS = ("/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready")
 ADMIN_PATH = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
 GRPC_ADMIN_METHODS = ("RepositoryModelLoad", "RepositoryModelUnload")
 GRPC_PROBE_METHODS = ("ServerLive", "ServerReady", "ModelReady")
-
-
-def key_hash(key: str) -> str:
-    """"sha256:HEX" of a key (a "sha256:HEX" entry is taken as a hash already)."""
-    key = key.strip()
-    if key.startswith(HASH_PREFIX) and re.fullmatch(r"[0-9a-f]{64}", key[len(HASH_PREFIX):]):
-        return key
-    return HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
-
-
-def read_key_file(path: str) -> list[str]:
-    """Keys (or hashes) of a file, one a line; blank lines and # comments skipped. ValueError naming the file."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read the key file {path}: {e}") from e
-    keys = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    if not keys:
-        raise ValueError(f"the key file {path} holds no key")
-    return keys
 
 
 @dataclass(frozen=True)
@@ -72,14 +50,18 @@ class KeyRing:
     any_key_admin: bool = False  # without admin keys: may any caller load / unload (allow_any_key_admin)?
 
     @classmethod
-    def from_settings(cls, s: ServeSettings) -> KeyRing:
+    def from_settings(cls, s: SecuritySettings | ServeSettings, repository_api: bool = True) -> KeyRing:
+        """The keys of the settings and of their key files (ValueError naming a file that cannot be read). With
+        the repository API off (`repository_api`; a ServeSettings says it itself), its routes refuse every call
+        themselves, saying so: no refusal here first."""
+        if isinstance(s, ServeSettings):
+            s, repository_api = s.security, s.repository.repository_api
         keys, admin = list(s.api_keys), list(s.admin_api_keys)  # hashed by the settings already
         if s.api_keys_file:
             keys += [key_hash(k) for k in read_key_file(s.api_keys_file)]
         if s.admin_api_keys_file:
             admin += [key_hash(k) for k in read_key_file(s.admin_api_keys_file)]
-        # With the repository API off, its routes refuse every call themselves, saying so: no refusal here first.
-        any_key_admin = s.allow_any_key_admin or not s.repository_api
+        any_key_admin = s.allow_any_key_admin or not repository_api
         return cls(tuple(keys) + tuple(admin), tuple(admin), s.open_probes, any_key_admin)
 
     @property

@@ -22,97 +22,42 @@ be reached never fails a classification: `put` logs a warning, `get` is a miss (
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
-from urllib.parse import parse_qs, urlsplit
+from typing import TYPE_CHECKING
 
-from PIL import Image
-
-from vit_serve.serve.errors import GatewayError
+from vit_serve.serve.stores.base import CropStore, Namespaced, StoreUnavailableError
+from vit_serve.serve.stores.redaction import redacted, url_has_password
 from vit_serve.serve.stores.secret import StoreSecret
 
 if TYPE_CHECKING:
-    from vit_serve.serve.settings import ServeSettings
+    from vit_serve.serve.settings import ServeSettings, StoreSettings
+
+__all__ = ["REDIS_SCHEMES", "CropStore", "Namespaced", "StoreUnavailableError", "open_store", "redacted",
+           "url_has_password"]
 
 log = logging.getLogger("vit_serve.serve")
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-# A URL's user:password@ (up to the authority's last @, as urlsplit reads it) and password-like query values.
-_USERINFO = re.compile(r"(?P<scheme>\b[a-z][a-z0-9+.-]*://)(?P<info>[^\s/?#]*)@", re.IGNORECASE)
-_QUERY_SECRET = re.compile(r"(?P<name>[?&;](?:password|passwd|pass|pwd)=)[^&#;\s'\"]*", re.IGNORECASE)
-
-
-def redacted(text: str) -> str:
-    """`text` (a URL, or a message with URLs in it) without passwords: `user:password@` becomes `user:***@` and
-    `?password=...` becomes `?password=***` (redis-py reads both); for logs, errors and the settings' repr."""
-    def userinfo(m: re.Match[str]) -> str:
-        user, colon, _ = m["info"].partition(":")
-        return f"{m['scheme']}{user}:***@" if colon else m[0]
-
-    return _QUERY_SECRET.sub(lambda m: m["name"] + "***", _USERINFO.sub(userinfo, text))
-
-
-def url_has_password(url: str) -> bool:
-    parts = urlsplit(url)
-    return parts.password is not None or "password" in parse_qs(parts.query)
 
 
 def _rejected_default() -> None:
     """No counter (a store used on its own, e.g. in tests of the store)."""
 
 
-class StoreUnavailableError(GatewayError):
-    """The store could not be asked (e.g. Redis is down): 503, since the image may well be there."""
-
-    status = 503
-
-
-class CropStore(Protocol):
-    """Crops by key; `secret` makes the ids and keys (`secret.StoreSecret`)."""
-
-    secret: StoreSecret
-
-    def get(self, key: str) -> Image.Image | None:
-        """The crop, or None if unknown, expired, or the store cannot answer (the caller decodes again)."""
-        ...
-
-    def find(self, key: str) -> Image.Image | None:
-        """The crop, or None if unknown or expired; raises StoreUnavailableError if the store cannot answer."""
-        ...
-
-    def put(self, key: str, crop: Image.Image) -> None:
-        """Keep the crop (a store that cannot take it logs why; it never raises)."""
-        ...
-
-    def close(self) -> None:
-        """Release connections (the gateway's stop)."""
-        ...
-
-
-class Namespaced:
-    """A store seen through a namespace (keys "slot:namespace"): one preprocessing contract's crops."""
-
-    def __init__(self, store: CropStore, namespace: str) -> None:
-        self._store, self.namespace = store, namespace
-
-    def get(self, key: str) -> Image.Image | None:
-        return self._store.get(f"{key}:{self.namespace}")
-
-    def find(self, key: str) -> Image.Image | None:
-        return self._store.find(f"{key}:{self.namespace}")
-
-    def put(self, key: str, crop: Image.Image) -> None:
-        self._store.put(f"{key}:{self.namespace}", crop)
-
-
-def open_store(settings: ServeSettings, rejected: Callable[[], None] = _rejected_default) -> CropStore:
+def open_store(settings: StoreSettings | ServeSettings, rejected: Callable[[], None] = _rejected_default,
+               shared_secret: bool = False) -> CropStore:
     """The store `settings.store` names, bounded by `store_size` and `store_ttl_s`, with the settings' store
-    secret; `rejected` is called for each entry whose seal fails. ValueError (one line) for a name that is
-    neither `memory` nor a Redis URL, a Redis URL without the `redis` package, a secret or password file that
-    cannot be read. Nothing is connected here: a Redis that is down at start-up is reported by the first request
-    that needs it."""
+    secret; `rejected` is called for each entry whose seal fails; `shared_secret`: a secret made by this process
+    is carried to the other replicas (Ray Serve), so no warning that they cannot share it. A ServeSettings is
+    taken for its `explain_store` group (and its engine: ray shares the secret). ValueError (one line) for a name
+    that is neither `memory` nor a Redis URL, a Redis URL without the `redis` package, a secret or password file
+    that cannot be read. Nothing is connected here: a Redis that is down at start-up is reported by the first
+    request that needs it."""
+    from vit_serve.serve.settings import ServeSettings  # here: the settings import this package's modules
+
+    if isinstance(settings, ServeSettings):
+        settings, shared_secret = settings.explain_store, shared_secret or settings.engine == "ray"
     name = settings.store.strip()
     secret = StoreSecret.from_settings(settings)
     if name == "memory":
@@ -126,7 +71,7 @@ def open_store(settings: ServeSettings, rejected: Callable[[], None] = _rejected
             raise ValueError(f"--store {name.split('://')[0]}://...: the redis package is not installed "
                              f"(pip install 'vit-serve[serve]'): {e}") from None
         password = _password(settings, name)
-        if settings.store_secret_generated and settings.engine != "ray":  # Ray replicas share the settings' one
+        if settings.store_secret_generated and not shared_secret:
             log.warning("image store %s: no VIT_SERVE_STORE_SECRET_FILE or VIT_SERVE_STORE_SECRET, so explain ids "
                         "are made with a secret of this process: other replicas cannot explain the images this "
                         "one classified (GET /explain?id= is 404 there); give every replica the same secret file",
@@ -137,7 +82,7 @@ def open_store(settings: ServeSettings, rejected: Callable[[], None] = _rejected
                      f"rediss://..., unix://...), not {redacted(name)!r}")
 
 
-def _password(settings: ServeSettings, url: str) -> str | None:
+def _password(settings: StoreSettings, url: str) -> str | None:
     """The Redis password of `store_password_file` (a Secret mount: one trailing newline dropped), or None."""
     path = settings.store_password_file
     if not path:

@@ -33,7 +33,8 @@ from PIL import Image
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from vit_serve.serve.stores import StoreUnavailableError, redacted
+from vit_serve.serve.stores.base import StoreUnavailableError
+from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import StoreSecret
 
 log = logging.getLogger("vit_serve.serve")

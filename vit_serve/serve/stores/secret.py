@@ -23,10 +23,9 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from vit_serve.serve.settings import ServeSettings
+from pydantic import SecretStr
 
 # Shorter secrets are refused: the ids and seals are only as strong as the secret.
 MIN_SECRET_BYTES = 16
@@ -38,6 +37,17 @@ _SEP = b"\x00"
 def process_secret() -> str:
     """This process's random secret, made on first use (what the settings take when none is given)."""
     return secrets.token_hex(32)
+
+
+class SecretSettings(Protocol):
+    """Where the secret comes from: `vit_serve.serve.settings.StoreSettings` (which imports this module, hence a
+    protocol rather than the class)."""
+
+    store_secret_file: str | None
+    store_secret: SecretStr | None
+
+    @property
+    def store_secret_generated(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class StoreSecret:
         return cls(derive(b"id"), derive(b"slot"), derive(b"seal"))
 
     @classmethod
-    def from_settings(cls, s: ServeSettings) -> StoreSecret:
+    def from_settings(cls, s: SecretSettings) -> StoreSecret:
         """`store_secret_file` (its bytes, trailing whitespace stripped) or `store_secret`; ValueError (one line,
         naming the file, never the secret) when it cannot be read or is too short."""
         if s.store_secret_file:

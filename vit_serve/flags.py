@@ -1,0 +1,144 @@
+"""Command-line flags made from typed fields: the `Flag` a field carries, and `add_flags`, which turns fields into
+argparse arguments (name, type, choices from a `Literal`, append for a list, store_const for a bool).
+
+A field gets a flag when it carries a `Flag`: in a pydantic model as `Annotated[T, Flag(...)]`, in a dataclass as
+`field(metadata={"flag": Flag(...)})`. The flag's default is always None (unset): the settings keep the defaults,
+so that an unset flag leaves the environment's or the field's value alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+FLAG_KEY = "flag"  # a dataclass field's metadata key
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field is spelled on a command line.
+
+    help: the help text ("{default}" becomes the field's default, as `shown`; default: the field's description);
+    name: the flag (default --field-name, or --no-field-name for a bool whose default is True); metavar;
+    positional: an argument rather than a flag (optional, nargs "?", when the field has a default); none: the
+    choice that means None (a `Literal[...] | None` field); after: the field whose flag this one follows in
+    --help (default: the field order); section: the argument group it is listed under (None: the command's own
+    options).
+    """
+
+    help: str | None = None
+    name: str | None = None
+    metavar: str | None = None
+    positional: bool = False
+    none: str | None = None
+    after: str | None = None
+    section: str | None = None
+
+
+@dataclass(frozen=True)
+class FlagField:
+    """One field as `add_flags` reads it: its name, type, default (`required` when it has none), description."""
+
+    name: str
+    annotation: Any
+    default: Any
+    required: bool
+    description: str | None
+    flag: Flag
+
+
+def pydantic_fields(fields: dict[str, Any]) -> list[FlagField]:
+    """The fields of `fields` (name -> pydantic FieldInfo, in order) that carry a `Flag`."""
+    out = []
+    for name, info in fields.items():
+        flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
+        if flag is None:
+            continue
+        required = info.is_required()
+        default = None if required else info.get_default(call_default_factory=True)
+        out.append(FlagField(name, info.annotation, default, required, info.description, flag))
+    return out
+
+
+def dataclass_fields(cls: type) -> list[FlagField]:
+    """The fields of the dataclass `cls` that carry a `Flag` (metadata["flag"]), in order."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        flag = f.metadata.get(FLAG_KEY)
+        if flag is None:
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        out.append(FlagField(f.name, hints[f.name], default, required, None, flag))
+    return out
+
+
+def ordered(fields: list[FlagField]) -> list[FlagField]:
+    """`fields` in --help order: the field order, each field with `Flag.after` moved behind the one it names."""
+    out = [f for f in fields if f.flag.after is None]
+    for f in fields:
+        if f.flag.after is not None:
+            out.insert(next(i for i, g in enumerate(out) if g.name == f.flag.after) + 1, f)
+    return out
+
+
+def _base(annotation: Any) -> tuple[Any, bool]:
+    """(the annotation without None, whether None was allowed): `int | None` -> (int, True)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return (args[0] if len(args) == 1 else annotation), len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def shown(default: Any) -> str:
+    """A default as a help text says it: 10.0 -> "10", 67108864 -> "64 MiB", 50000000 -> "50 M"."""
+    if isinstance(default, float):
+        return f"{default:g}"
+    if isinstance(default, int) and not isinstance(default, bool) and default >= 1 << 20:
+        if default % (1 << 20) == 0:
+            return f"{default >> 20} MiB"
+        if default % 1_000_000 == 0:
+            return f"{default // 1_000_000} M"
+    return str(default)
+
+
+def argument(field: FlagField) -> tuple[list[str], dict[str, Any]]:
+    """The `add_argument` names and keywords of one field (its default is always None, i.e. unset)."""
+    flag, (base, optional) = field.flag, _base(field.annotation)
+    kw: dict[str, Any] = {"help": (flag.help or field.description or "").replace("{default}", shown(field.default))}
+    if flag.metavar is not None:
+        kw["metavar"] = flag.metavar
+    if flag.positional:
+        if not field.required:
+            kw["nargs"] = "?"
+        return [field.name], kw
+    if base is bool:
+        on = field.default is not True
+        name = flag.name or ("--" if on else "--no-") + field.name.replace("_", "-")
+        return [name], kw | {"dest": field.name, "action": "store_const", "const": on}
+    name = flag.name or "--" + field.name.replace("_", "-")
+    if name != "--" + field.name.replace("_", "-"):
+        kw["dest"] = field.name
+    if field.required:
+        kw["required"] = True
+    if typing.get_origin(base) is list:
+        kw["action"], base = "append", typing.get_args(base)[0]
+    if typing.get_origin(base) is Literal:
+        kw["choices"] = (*typing.get_args(base), *([flag.none] if optional and flag.none else []))
+    elif base in (int, float):
+        kw["type"] = base
+    return [name], kw
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, fields: list[FlagField],
+              section: str | None = None) -> None:
+    """Add the flags of `fields` listed under `section` to `parser`, in --help order."""
+    for field in ordered(fields):
+        if field.flag.section == section:
+            names, kw = argument(field)
+            parser.add_argument(*names, **kw)
