@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(1 for n, _ in lengths if n > 60)}; the ten longest:\n")
     for n, where in lengths[:10]:
         print(f"- {n:4d}  {where}")
-    cycles = import_cycles(grimp.build_graph("vit_serve", "vit_export"))
+    cycles = import_cycles(grimp.build_graph("vit_serve", "vit_export", cache_dir=None))
     print(f"\nimport cycles (module pairs): {len(cycles)}")
     for a, b in cycles:
         print(f"- {a} <-> {b}")

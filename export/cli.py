@@ -49,6 +49,7 @@ from vit_export.pipeline import (
 
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.manifest import LOGITS
 
 EXIT_NO_TENSORRT = 3
 FLAGS = {"formats": "format"}  # ExportOptions fields whose flag is not their name
@@ -82,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
         "failed parity (of the ONNX graphs or the engine), 2 bad usage, 3 tensorrt requested but unavailable "
         "here (everything else written).",
     )
+    _add_graph_flags(p)
+    _add_int8_flags(p)
+    _add_check_flags(p)
+    _add_tensorrt_flags(p)
+    _add_triton_flags(p)
+    return p
+
+
+def _add_graph_flags(p: argparse.ArgumentParser) -> None:
+    """The checkpoint, what the ONNX graphs are and where they go."""
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint (any format `vit-serve convert` reads)")
     p.add_argument(
         "--res",
@@ -98,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=argument_type(parse_batch), default="dynamic",
                    help="'dynamic' (default) or a fixed batch size")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--outputs", type=argument_type(parse_outputs), default=("logits",),
+    p.add_argument("--outputs", type=argument_type(parse_outputs), default=(LOGITS,),
                    help="the graph's outputs: logits (default) or logits,embedding (the pre-logits image "
                         "representation, forward_head(pre_logits=True), also in the Triton models)")
     p.add_argument("--out", default="exports", help="folder of the ONNX files and engines (default: exports)")
@@ -110,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="real images for the parity check (sub-folders named after labels give int8 accuracy)",
     )
+
+
+def _add_int8_flags(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("int8 (--precision int8)")
     q.add_argument(
         "--int8-scheme",
@@ -123,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"images that calibrate static int8 (default: --check-images; at most {MAX_CALIBRATION} are used)",
     )
+
+
+def _add_check_flags(p: argparse.ArgumentParser) -> None:
+    """The explain graph's rollout, the parity bound, and --force."""
     p.add_argument("--head-fusion", choices=HEAD_FUSIONS, default="mean", help="explain graph rollout")
     p.add_argument("--discard-ratio", type=float, default=0.9, help="explain graph rollout (default 0.9)")
     p.add_argument("--tol", type=float, default=1e-4, help="fp32 parity: max |Δ logit| (default 1e-4)")
@@ -131,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace existing ONNX files and engines (never a repository's versions: a re-export adds one)",
     )
+
+
+def _add_tensorrt_flags(p: argparse.ArgumentParser) -> None:
     trt = p.add_argument_group("tensorrt")
     trt.add_argument(
         "--trt-precision",
@@ -138,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp16",
         help="engine precision (default fp16; normalisation layers stay fp32)",
     )
+
+
+def _add_triton_flags(p: argparse.ArgumentParser) -> None:
     tri = p.add_argument_group("triton")
     tri.add_argument(
         "--max-batch",
@@ -169,7 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="dynamic batching: requests that may wait; more are rejected (default 128)",
     )
-    return p
 
 
 def options(args: argparse.Namespace) -> ExportOptions:

@@ -20,21 +20,24 @@ graph gives the same numbers in onnxruntime and OpenVINO (tests/export/test_open
 from __future__ import annotations
 
 import copy
-import json
+import io
 import warnings
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import onnx
 import torch
 import torch.nn as nn
+from vit_export.graph_info import GraphInfo, load_proto
 from vit_export.simplify import simplify as simplify_graph
 
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, rollout
+from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, IOSpec, RolloutSettings
 from vit_serve.model import VisionTransformer
 
-INPUT_NAME = "pixel_values"
 PRECISIONS = ("fp32", "fp16")
 Res = tuple[int, int] | Literal["dynamic"] | None
 
@@ -128,7 +131,7 @@ def _dynamic_shapes(model: VisionTransformer, res: Res, batch: str | int) -> dic
         p = model.cfg.patch_size
         axes[2] = p * Dim("grid_h", min=1, max=1024)
         axes[3] = p * Dim("grid_w", min=1, max=1024)
-    return {INPUT_NAME: axes} if axes else None
+    return {PIXEL_VALUES: axes} if axes else None
 
 
 def _torch_export(
@@ -143,7 +146,7 @@ def _torch_export(
                 (x,),
                 dynamo=True,
                 opset_version=opset,
-                input_names=[INPUT_NAME],
+                input_names=[PIXEL_VALUES],
                 output_names=output_names,
                 dynamic_shapes=dyn,
                 verbose=False,
@@ -151,22 +154,20 @@ def _torch_export(
         return prog.model_proto, "dynamo"
     except Exception as e:  # the dynamo exporter raises many types; keep its message for the report
         dynamo_error = " ".join(str(e).split())[:300]
-    import io
-
     buf = io.BytesIO()
     axes = {}
     if dyn:
         names = {0: "batch", 2: "height", 3: "width"}
-        axes = {INPUT_NAME: {i: names[i] for i in dyn[INPUT_NAME]}}
+        axes = {PIXEL_VALUES: {i: names[i] for i in dyn[PIXEL_VALUES]}}
         for o in output_names:
-            axes[o] = {0: "batch"} if 0 in dyn[INPUT_NAME] else {}
+            axes[o] = {0: "batch"} if 0 in dyn[PIXEL_VALUES] else {}
     torch.onnx.export(
         graph,
         (x,),
         buf,
         dynamo=False,
         opset_version=opset,
-        input_names=[INPUT_NAME],
+        input_names=[PIXEL_VALUES],
         output_names=output_names,
         dynamic_axes=axes or None,
     )
@@ -185,7 +186,16 @@ def check(proto: onnx.ModelProto) -> str:
         return "check_model"
 
 
-def export_onnx(
+@dataclass(frozen=True)
+class ExportedGraph:
+    """A graph `export_graph` wrote: its file, the settings stored in it, and its inputs and outputs."""
+
+    path: Path
+    info: GraphInfo
+    io: IOSpec
+
+
+def export_graph(
     model: VisionTransformer,
     path: str | Path,
     res: Res = None,
@@ -198,7 +208,7 @@ def export_onnx(
     overwrite: bool = False,
     simplify: bool = True,
     embedding: bool = False,
-) -> Path:
+) -> ExportedGraph:
     """Export `model` to ONNX at `path` (atomically; FileExistsError if it exists and not `overwrite`).
 
     res: (H, W) -> position embeddings resampled with `model.cfg.resample_mode` and baked in (static H, W);
@@ -208,19 +218,13 @@ def export_onnx(
     embedding: a second output "embedding" [B, D] of the logits graph (`LogitsGraph`); not with `explain`.
     precision: "fp32", or "fp16" (fp16 weights and compute, LayerNorm in fp32, float32 inputs and outputs).
     simplify: run onnxslim, kept only when onnxruntime's outputs are unchanged (`vit_export.simplify`).
-    The export settings are stored in the ONNX metadata_props ("vit_export" key, JSON).
+    The export settings are stored in the ONNX metadata_props (`GraphInfo`, "vit_export" key, JSON) and returned
+    with the file's path and its inputs and outputs.
     """
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass --force to replace it")
-    if opset < 17:
-        raise ValueError(f"opset {opset} is too old; LayerNormalization needs opset >= 17")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r} for ONNX export; expected one of {', '.join(PRECISIONS)}")
-    if explain and embedding:
-        raise ValueError("the embedding output belongs to the logits graph, not to the explain graph")
-    if not (batch == "dynamic" or (isinstance(batch, int) and batch > 0)):
-        raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
+    _check_options(opset, precision, explain, embedding, batch)
     if res is not None and res != "dynamic":
         res = (int(res[0]), int(res[1]))
         model.check_size(*res)
@@ -229,7 +233,7 @@ def export_onnx(
         m = to_fp16(m)
     h, w = m.cfg.img_size
     graph = ExplainGraph(m, head_fusion, discard_ratio) if explain else LogitsGraph(m, embedding)
-    outputs = ["logits", "rollout"] if explain else ["logits", "embedding"] if embedding else ["logits"]
+    outputs = [LOGITS, ROLLOUT] if explain else [LOGITS, EMBEDDING] if embedding else [LOGITS]
     # An example batch of 2 keeps a dynamic batch axis from being specialised to 1.
     x = torch.randn(batch if isinstance(batch, int) else 2, 3, h, w)
     with torch.no_grad():
@@ -237,46 +241,43 @@ def export_onnx(
     simplified = "off"
     if simplify:
         proto, simplified = simplify_graph(proto, tuple(x.shape))
-    info = {
-        "resolution": "dynamic" if res == "dynamic" else [h, w],
-        "batch": batch,
-        "opset": opset,
-        "precision": precision,
-        "explain": explain,
-        "embedding": embedding,
-        "resample_mode": m.cfg.resample_mode,
-        "patch_size": m.cfg.patch_size,
-        "exporter": exporter,
-        "simplified": simplified,
-    }
-    if explain:
-        info.update(
-            head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=m.num_prefix_tokens, pool=m.cfg.pool
-        )
-    onnx.helper.set_model_props(proto, {"vit_export": json.dumps(info)})
-    info["checker"] = check(proto)
-    onnx.helper.set_model_props(proto, {"vit_export": json.dumps(info)})
-    return atomic_write(path, lambda tmp: onnx.save(proto, tmp), overwrite=overwrite)
+    rollout = RolloutSettings(head_fusion, discard_ratio, m.cfg.pool, m.num_prefix_tokens) if explain else None
+    info = GraphInfo("dynamic" if res == "dynamic" else (h, w), batch, opset, precision, explain, embedding,
+                     m.cfg.resample_mode, m.cfg.patch_size, exporter, simplified, rollout)
+    info = info.replace(checker=check(proto))
+    info.write(proto)
+    atomic_write(path, partial(onnx.save, proto), overwrite=overwrite)
+    return ExportedGraph(path, info, IOSpec.from_dict(io_spec(proto), f"{path.name} (exported graph)"))
 
 
-def _proto(src: str | Path | onnx.ModelProto) -> onnx.ModelProto:
-    return src if isinstance(src, onnx.ModelProto) else onnx.load(str(src), load_external_data=False)
+def export_onnx(model: VisionTransformer, path: str | Path, *args: Any, **kwargs: Any) -> Path:
+    """`export_graph` with the same arguments, returning the written file's path."""
+    return export_graph(model, path, *args, **kwargs).path
+
+
+def _check_options(opset: int, precision: str, explain: bool, embedding: bool, batch: object) -> None:
+    if opset < 17:
+        raise ValueError(f"opset {opset} is too old; LayerNormalization needs opset >= 17")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} for ONNX export; expected one of {', '.join(PRECISIONS)}")
+    if explain and embedding:
+        raise ValueError("the embedding output belongs to the logits graph, not to the explain graph")
+    if not (batch == "dynamic" or (isinstance(batch, int) and batch > 0)):
+        raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
 
 
 def export_info(onnx_path: str | Path | onnx.ModelProto) -> dict:
-    """The export settings stored by `export_onnx` in the model's metadata_props ({} if absent).
+    """The export settings stored by `export_graph` in the model's metadata_props as a JSON object ({} if absent):
+    `GraphInfo.read(...).to_dict()`.
 
     Takes a path or an already loaded proto (a ViT-B graph is 350 MB: load it once for several questions)."""
-    proto = _proto(onnx_path)
-    for prop in proto.metadata_props:
-        if prop.key == "vit_export":
-            return json.loads(prop.value)
-    return {}
+    info = GraphInfo.read(onnx_path)
+    return {} if info is None else info.to_dict()
 
 
 def io_spec(onnx_path: str | Path | onnx.ModelProto) -> dict[str, list[dict]]:
     """Input and output names, element types and shapes (symbolic dims as strings) of an ONNX file or proto."""
-    proto = _proto(onnx_path)
+    proto = load_proto(onnx_path)
 
     def spec(v: onnx.ValueInfoProto) -> dict:
         t = v.type.tensor_type

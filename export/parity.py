@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from vit_export.onnx_export import INPUT_NAME, export_info
+from vit_export.graph_info import GraphInfo
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, rollout
+from vit_serve.manifest import PIXEL_VALUES, RolloutSettings
 from vit_serve.model import VisionTransformer
 from vit_serve.preprocess import PreprocessConfig, preprocess_batch
 
@@ -193,10 +194,11 @@ def judge_logits(ref: np.ndarray, got: np.ndarray, *, zero_max_abs: float, max_a
     return top1_min is None or float(np.mean(r.argmax(-1) == g.argmax(-1))) >= top1_min
 
 
-def default_resolutions(model: VisionTransformer, info: dict) -> list[tuple[int, int]]:
-    """Static graphs: their own resolution. Dynamic: the model's, and 1.5x and a non-square size."""
-    if info.get("resolution") not in (None, "dynamic"):
-        return [tuple(info["resolution"])]
+def default_resolutions(model: VisionTransformer, info: GraphInfo | None) -> list[tuple[int, int]]:
+    """Static graphs: their own resolution. Dynamic (or unrecorded): the model's, and 1.5x and a non-square size."""
+    res = None if info is None else info.resolution
+    if res not in (None, "dynamic"):
+        return [(res[0], res[1])]
     h, w = model.cfg.img_size
     p = model.cfg.patch_size
     return [(h, w), (h * 3 // 2 // p * p, w * 3 // 2 // p * p), (h, max(p, w * 3 // 4 // p * p))]
@@ -291,6 +293,7 @@ def check_parity(
     seed: int = 0,
     threads: int = 2,
     runtime: str = "onnxruntime",
+    info: GraphInfo | None = None,
 ) -> ParityReport:
     """Run the ONNX graph (in `runtime`: "onnxruntime" or "openvino") and `model` on the same inputs and compare.
 
@@ -299,22 +302,21 @@ def check_parity(
     contract at that size. fp32: ok when max |Δ logit| <= tol, and for an explain graph when the rollout map is
     within 1e-5 of PyTorch's beyond what near-threshold weights explain (`rollout_envelope`);
     fp16 graphs: ok when top-1 agreement is 100% and the minimum cosine >= 0.9999.
+    info: the graph's `GraphInfo` when the caller has it (`export_graph`'s), else read from the file.
     """
-    info = export_info(onnx_path)
-    precision = info.get("precision", "fp32")
-    explain = bool(info.get("explain"))
-    fixed_batch = info.get("batch") if isinstance(info.get("batch"), int) else None
+    info = info or GraphInfo.read(onnx_path) or GraphInfo()
+    precision = info.precision
     criteria = f"top-1 = 100%, cosine >= {FP16_MIN_COSINE}" if precision == "fp16" else f"max |Δ logit| <= {tol:g}"
-    if explain and precision == "fp32":
+    if info.explain and precision == "fp32":
         criteria += f", rollout |Δ| <= {ROLLOUT_TOL:g} beyond near-threshold flips"
-    if info.get("embedding"):
+    if info.embedding:
         criteria += ", the same for the embedding"
     report = ParityReport(str(onnx_path), precision, criteria, runtime=runtime)
     sess = runtime_session(onnx_path, runtime, threads)
     model = model.eval()
     pre = model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)
     g = torch.Generator().manual_seed(seed)
-    batch_sizes = [fixed_batch] if fixed_batch else list(batch_sizes)
+    batch_sizes = [info.fixed_batch] if info.fixed_batch else list(batch_sizes)
     for h, w in resolutions or default_resolutions(model, info):
         real = preprocess_batch(list(images), pre.with_size(h, w)) if images else None
         for b in batch_sizes:
@@ -323,7 +325,7 @@ def check_parity(
                 idx = torch.arange(b) % len(real)  # cycle the images to fill the batch
                 cases.append(("images", real[idx]))
             for kind, x in cases:
-                outs = sess.run(None, {INPUT_NAME: x.numpy()})
+                outs = sess.run(None, {PIXEL_VALUES: x.numpy()})
                 report.rows.append(compare_outputs(model, x, outs, kind, precision, tol, info))
     return report
 
@@ -371,28 +373,29 @@ def compare_rollout(
 @torch.no_grad()
 def compare_outputs(
     model: VisionTransformer, x: torch.Tensor, outs: Sequence[np.ndarray], kind: str, precision: str, tol: float,
-    info: dict,
+    info: GraphInfo,
 ) -> ParityRow:
     """One row: a runtime's outputs `outs` (logits, and the rollout map for an explain graph or the embedding for
     a graph with one) on inputs `x` against `model`'s."""
     got = outs[0]
     ro = None
     emb_abs = emb_cos = None
-    if info.get("embedding"):
+    if info.embedding:
         ref_t, embedding = model.forward_embedding(x)
         emb_abs = float(np.abs(outs[1] - embedding.numpy()).max())
         emb_cos = _cosine(outs[1], embedding.numpy())
-    elif info.get("explain"):
+    elif info.explain:
         ref_t, attentions = model(x, return_attention=True)
         p = model.cfg.patch_size
+        settings = info.rollout or RolloutSettings()
         ro = compare_rollout(
             outs[1],
             attentions,
             (x.shape[-2] // p, x.shape[-1] // p),
             model.num_prefix_tokens,
             model.cfg.pool,
-            info.get("head_fusion", DEFAULT_HEAD_FUSION),
-            info.get("discard_ratio", DEFAULT_DISCARD_RATIO),
+            settings.head_fusion,
+            settings.discard_ratio,
         )
     else:
         ref_t = model(x)

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
+from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
 from vit_serve.resolution import parse_resolution
 
 if TYPE_CHECKING:
+    from vit_export.onnx_export import ExportedGraph
     from vit_export.parity import ParityReport
     from vit_export.triton_repo import WrittenModel
-
-    from vit_serve.manifest import Parity
 
 FORMATS = ("onnx", "tensorrt", "triton")
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -82,14 +82,14 @@ def parse_formats(text: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(set(out), key=FORMATS.index)) or ("onnx",)
 
 
-OUTPUTS = ("logits", "embedding")
+OUTPUTS = (LOGITS, EMBEDDING)
 
 
 def parse_outputs(text: str | Sequence[str]) -> tuple[str, ...]:
     """"logits,embedding" -> ("logits", "embedding"): the logits graph's outputs (logits always among them)."""
     names = tuple(dict.fromkeys(v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()))
     unknown = [n for n in names if n not in OUTPUTS]
-    if unknown or "logits" not in names:
+    if unknown or LOGITS not in names:
         raise OptionError("outputs", f"<outputs> takes logits or logits,embedding (got {','.join(names) or 'none'})")
     return names
 
@@ -170,7 +170,7 @@ class ExportOptions:
     triton_device: str = "cpu"
     queue_delay_us: int = 1000
     max_queue: int = 128
-    outputs: tuple[str, ...] | str = ("logits",)
+    outputs: tuple[str, ...] | str = (LOGITS,)
 
     def __post_init__(self) -> None:
         def norm(name: str, value: Any) -> None:
@@ -223,7 +223,7 @@ class ExportOptions:
             raise OptionError("res", "<formats> tensorrt needs a fixed <res> (e.g. <res> 384): engines are built "
                                      "for one input size, and the dynamic graph's in-graph position-embedding "
                                      "resampling is not built into an engine")
-        if "tensorrt" in self.formats and "embedding" in self.outputs:
+        if "tensorrt" in self.formats and EMBEDDING in self.outputs:
             raise OptionError("outputs", "<formats> tensorrt builds engines with the logits output only: drop "
                                          "embedding from <outputs>, or export it for onnx / triton without "
                                          "tensorrt")
@@ -241,13 +241,15 @@ class ExportOptions:
 
 @dataclass(frozen=True)
 class WrittenGraph:
-    """An ONNX graph written: its file, its manifest, its parity check against PyTorch, and for int8 the side by
-    side measurement of the schemes (`vit_export.quantize.compare_schemes`' dict, or sizes only)."""
+    """An ONNX graph written: its file, its manifest, its parity check against PyTorch, for int8 the side by
+    side measurement of the schemes (`vit_export.quantize.compare_schemes`' dict, or sizes only), and the
+    manifest as written (`record`)."""
 
     path: Path
     manifest: Path
     parity: ParityReport
     int8: dict[str, Any] | None = None
+    record: ExportManifest | None = None
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ class WrittenEngine:
     manifest: Path
     parity: Parity
     typed_graph: Path | None
-    build: dict[str, Any]
+    build: TensorRTBuild
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,28 @@ def resolution_tag(res: Resolution) -> str:
     return "dynamic" if res == "dynamic" else (f"{res[0]}" if res[0] == res[1] else f"{res[0]}x{res[1]}")
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One export's inputs, resolved once: the loaded model, the checkpoint it came from (None for a model
+    object), the options, the resolution, the file stem, the check and calibration images, and the progress
+    callback."""
+
+    model: VisionTransformer
+    checkpoint: Path | None
+    opts: ExportOptions
+    res: Resolution
+    name: str
+    images: list[Path] | None
+    calibration: list[Path] | None
+    say: Progress
+
+    @property
+    def targets(self) -> tuple[Path, Path]:
+        """The logits graph and the explain graph this export writes."""
+        out = self.opts.out
+        return out / f"{self.name}.onnx", out / f"{self.name}_explain.onnx"
+
+
 def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions | None = None, *,
            progress: Progress | None = None) -> ExportResult:
     """Export `model` (a loaded VisionTransformer, or a checkpoint path: loaded with `vit_serve.checkpoints.load`,
@@ -335,15 +359,31 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     the later formats RuntimeError (a failed TensorRT build), ImportError (an optional dependency missing) or
     ValueError (a repository that refuses the model). Failed parity checks are in the result, not raised.
     """
-    from vit_export.onnx_export import export_onnx
-    from vit_export.parity import check_parity
-    from vit_export.sidecar import build_sidecar
+    job = _job(model, options or ExportOptions(), progress or log.info)
+    graph, explain = _write_graphs(job)
+    result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint)
+    later = tuple(f for f in job.opts.formats if f != "onnx")
+    if not result.graphs_ok:
+        return dataclasses.replace(result, skipped=later)
+    if "tensorrt" in job.opts.formats:
+        engine, reason = _tensorrt(job, graph)
+        result = dataclasses.replace(result, engine=engine, tensorrt_unavailable=reason)
+    if result.engine_ok is False:
+        if "triton" in job.opts.formats:
+            job.say("(the engine failed its parity check: the Triton repository is not written)")
+            result = dataclasses.replace(result, skipped=("triton",))
+        return result
+    if "triton" in job.opts.formats:
+        result = dataclasses.replace(result, triton=_triton(job, result.engine))
+    return result
 
+
+def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say: Progress) -> _Job:
+    """The model loaded, the images found, the resolution and name settled, and the outputs checked (nothing is
+    written yet)."""
     from vit_serve.checkpoints import load
-    from vit_serve.manifest import Int8Quantization, manifest_path, write_manifest
+    from vit_serve.manifest import manifest_path
 
-    opts = options or ExportOptions()
-    say = progress or log.info
     images = find_images(opts.check_images) if opts.check_images else None
     calibration = (find_images(opts.calibration_images, "calibration_images") if opts.calibration_images
                    else images)
@@ -354,67 +394,65 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     if isinstance(opts.res, tuple):
         model.check_size(*opts.res)  # ValueError naming the nearest valid sizes
     res: Resolution = opts.res or (int(model.cfg.img_size[0]), int(model.cfg.img_size[1]))  # type: ignore[assignment]
-    tag = resolution_tag(res)
-    name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{tag}" + (
+    name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{resolution_tag(res)}" + (
         "" if opts.precision == "fp32" else f"_{opts.precision}")
-    targets = [opts.out / f"{name}.onnx", opts.out / f"{name}_explain.onnx"]
-    existing = [p for t in targets for p in (t, manifest_path(t)) if p.exists()]
+    job = _Job(model, checkpoint, opts, res, name, images, calibration, say)
+    existing = [p for t in job.targets for p in (t, manifest_path(t)) if p.exists()]
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
+    return job
 
-    onnx_precision = "fp16" if opts.precision == "fp16" else "fp32"
-    graphs = []
+
+def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph]:
+    """Both ONNX graphs, each exported, checked, (int8: quantized) and described by its manifest."""
     with tempfile.TemporaryDirectory(prefix="vit-export-") as tmp:
-        for target, explain in zip(targets, (False, True), strict=True):
-            kind = "explain graph" if explain else "graph"
-            # int8: export fp32 beside the temp dir, quantize it into place.
-            dest = Path(tmp) / target.name if opts.precision == "int8" else target
-            say(f"exporting {kind} ({tag}, batch {opts.batch}, {onnx_precision}, opset {opts.opset}) ...")
-            t0 = time.perf_counter()
-            export_onnx(model, dest, res=res, batch=opts.batch, opset=opts.opset, explain=explain,
-                        head_fusion=opts.head_fusion, discard_ratio=opts.discard_ratio, precision=onnx_precision,
-                        overwrite=opts.force, embedding=not explain and "embedding" in opts.outputs)
-            say(f"  exported in {time.perf_counter() - t0:.1f}s; checking parity with onnxruntime ...")
-            report = check_parity(model, dest, images, tol=opts.tol)
-            say(report.table())
-            int8_report = None
-            int8 = None
-            if opts.precision == "int8":
-                int8_report = _quantize(model, dest, target, images, calibration, opts, say)
-                int8 = Int8Quantization(opts.int8_scheme, int8_report,
-                                        f"parity of the fp32 graph before {opts.int8_scheme} int8 quantization")
-            manifest = write_manifest(target, build_sidecar(model, target, checkpoint, report.to_dict(), int8),
-                                      overwrite=opts.force)
-            say(f"wrote {target} and {manifest.name}")
-            graphs.append(WrittenGraph(target, manifest, report, int8_report))
-    result = ExportResult(opts, name, res, graphs[0], graphs[1], source_checkpoint=checkpoint)
-    later = tuple(f for f in opts.formats if f != "onnx")
-    if not result.graphs_ok:
-        return dataclasses.replace(result, skipped=later)
-    if "tensorrt" in opts.formats:
-        engine, reason = _tensorrt(model, targets[0], opts.out / f"{name}_tensorrt", res, opts, say)
-        result = dataclasses.replace(result, engine=engine, tensorrt_unavailable=reason)
-    if result.engine_ok is False:
-        if "triton" in opts.formats:
-            say("(the engine failed its parity check: the Triton repository is not written)")
-            result = dataclasses.replace(result, skipped=("triton",))
-        return result
-    if "triton" in opts.formats:
-        result = dataclasses.replace(result, triton=_triton(targets, name, result.engine, opts, say))
-    return result
+        graph, explain = (_write_graph(job, target, kind == "explain", Path(tmp))
+                          for kind, target in zip(("graph", "explain"), job.targets, strict=True))
+        return graph, explain
 
 
-def _tensorrt(
-    model: VisionTransformer, onnx_path: Path, plan_dir: Path, res: tuple[int, int], opts: ExportOptions,
-    say: Progress,
-) -> tuple[WrittenEngine | None, str | None]:
-    """Build and check the engine: (engine, None), its parity in `engine.parity` (table sent to `say`, manifest
-    written with the result); (None, reason) when TensorRT cannot run here."""
+def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGraph:
+    """Export one graph to `target` (int8: export fp32 into `tmp`, quantize it into place), check it against
+    PyTorch and write its manifest."""
+    from vit_export.onnx_export import export_graph
+    from vit_export.parity import check_parity
+    from vit_export.sidecar import build_sidecar
+
+    from vit_serve.manifest import Int8Quantization, write_manifest
+
+    opts, say = job.opts, job.say
+    onnx_precision = "fp16" if opts.precision == "fp16" else "fp32"
+    dest = tmp / target.name if opts.precision == "int8" else target
+    say(f"exporting {'explain graph' if explain else 'graph'} ({resolution_tag(job.res)}, batch {opts.batch}, "
+        f"{onnx_precision}, opset {opts.opset}) ...")
+    t0 = time.perf_counter()
+    exported = export_graph(job.model, dest, res=job.res, batch=opts.batch, opset=opts.opset, explain=explain,
+                            head_fusion=opts.head_fusion, discard_ratio=opts.discard_ratio,
+                            precision=onnx_precision, overwrite=opts.force,
+                            embedding=not explain and EMBEDDING in opts.outputs)
+    say(f"  exported in {time.perf_counter() - t0:.1f}s; checking parity with onnxruntime ...")
+    report = check_parity(job.model, dest, job.images, tol=opts.tol, info=exported.info)
+    say(report.table())
+    int8_report = int8 = None
+    if opts.precision == "int8":
+        int8_report = _quantize(job, exported, target)
+        int8 = Int8Quantization(opts.int8_scheme, int8_report,
+                                f"parity of the fp32 graph before {opts.int8_scheme} int8 quantization")
+    record = build_sidecar(job.model, target, job.checkpoint, report.to_dict(), int8, info=exported.info,
+                           io=exported.io)
+    manifest = write_manifest(target, record, overwrite=opts.force)
+    say(f"wrote {target} and {manifest.name}")
+    return WrittenGraph(target, manifest, report, int8_report, record)
+
+
+def _tensorrt(job: _Job, graph: WrittenGraph) -> tuple[WrittenEngine | None, str | None]:
+    """Build and check the engine from the logits graph: (engine, None), its parity in `engine.parity` (table
+    sent to `say`, manifest written with the result); (None, reason) when TensorRT cannot run here."""
     from vit_export.sidecar import engine_sidecar
     from vit_export.tensorrt_build import build_engine, tensorrt_version, unavailable_reason
     from vit_export.tensorrt_compat import check_supported, plan_build
 
-    from vit_serve.manifest import manifest_path, read_manifest, write_manifest
+    from vit_serve.manifest import manifest_path, write_manifest
 
     reason = unavailable_reason()
     if reason is None:
@@ -424,6 +462,8 @@ def _tensorrt(
             reason = str(e)
     if reason:
         return None, reason
+    opts, say, onnx_path = job.opts, job.say, graph.path
+    plan_dir = opts.out / f"{job.name}_tensorrt"
     version = tensorrt_version()
     graph_precision = "fp16" if opts.precision == "fp16" else "fp32"
     precision = opts.trt_precision  # an fp16 graph with another engine precision is refused by ExportOptions
@@ -434,41 +474,32 @@ def _tensorrt(
 
         source = plan_dir / f"{onnx_path.stem}_{plan.graph_precision}.onnx"
         say(f"exporting the {plan.graph_precision}-typed graph TensorRT {version} builds from (LayerNorm in fp32) ...")
-        export_typed(model, source, plan.graph_precision, res=res, batch=opts.batch, opset=opts.opset,
+        export_typed(job.model, source, plan.graph_precision, res=job.res, batch=opts.batch, opset=opts.opset,
                      overwrite=opts.force)
     hi = opts.max_batch
     say(f"building the TensorRT engine ({precision}, batch 1..{hi}) ...")
-    info = build_engine(
-        source,
-        plan_dir,
-        precision=precision,
-        batch=(1, max(1, hi // 2), hi),
-        cache_dir=opts.out,
-        progress=say,
-        check_onnx=onnx_path,
-        overwrite=opts.force,
-    )
+    build = build_engine(source, plan_dir, precision=precision, batch=(1, max(1, hi // 2), hi), cache_dir=opts.out,
+                         progress=say, check_onnx=onnx_path, overwrite=opts.force)
     # `vit-serve serve <plan>` reads the ONNX graph's contract in the engine's manifest (<plan stem>.json).
     built_from = None if source == onnx_path else str(source.relative_to(plan_dir.parent))
-    manifest = engine_sidecar(read_manifest(onnx_path), info, built_from)
-    written = write_manifest(info["path"], manifest, overwrite=opts.force)
-    say(f"wrote {info['path']} and {manifest_path(info['path']).name}")
-    report_engine_parity(info["parity"], info["file"], say)
+    assert graph.record is not None  # `_write_graph` keeps the manifest it wrote
+    manifest = engine_sidecar(graph.record, build, built_from)
+    written = write_manifest(build.path, manifest, overwrite=opts.force)
+    say(f"wrote {build.path} and {manifest_path(build.path).name}")
     assert manifest.tensorrt is not None and manifest.tensorrt.parity is not None
-    return WrittenEngine(Path(info["path"]), written, manifest.tensorrt.parity,
-                         None if source == onnx_path else source, info), None
+    report_engine_parity(manifest.tensorrt.parity, build.file, say)
+    return WrittenEngine(Path(build.path), written, manifest.tensorrt.parity,
+                         None if source == onnx_path else source, manifest.tensorrt), None
 
 
-def report_engine_parity(parity: dict, engine: str, progress: Progress | None = None) -> bool:
+def report_engine_parity(parity: Parity | dict, engine: str, progress: Progress | None = None) -> bool:
     """Send the engine's parity table (`vit_export.parity`'s layout) to `progress`; True when it passed.
 
-    `parity`: what `tensorrt_build.compare_runtimes` returns.
+    `parity`: the build's `TensorRTBuild.parity`, or what `tensorrt_build.compare_runtimes` returns.
     """
     from vit_export.parity import ParityReport, ParityRow
 
-    from vit_serve.manifest import Parity
-
-    check = Parity.from_dict(parity, f"the parity check of {engine}")
+    check = parity if isinstance(parity, Parity) else Parity.from_dict(parity, f"the parity check of {engine}")
     names = [f.name for f in dataclasses.fields(ParityRow)]  # fields the engine check lacks (rollout's) stay None
     rows = [ParityRow(**{n: r.get(n) for n in names}) for r in check.rows]
     report = ParityReport(onnx_path=engine, precision=check.precision, criteria=check.criteria, rows=rows)
@@ -480,19 +511,18 @@ def report_engine_parity(parity: dict, engine: str, progress: Progress | None = 
     return report.ok
 
 
-def _triton(targets: list[Path], name: str, engine: WrittenEngine | None, opts: ExportOptions, say: Progress
-            ) -> tuple[WrittenModel, ...]:
+def _triton(job: _Job, engine: WrittenEngine | None) -> tuple[WrittenModel, ...]:
     from vit_export.triton_repo import write_repository
 
+    opts, say = job.opts, job.say
     ensemble = opts.triton_ensemble
     if ensemble == "trt" and engine is None:
         ensemble = "onnx"
         say("(no TensorRT engine: the ensemble calls the onnxruntime model)")
     written = write_repository(
-        targets[0],
-        targets[1],
+        *job.targets,
         opts.repo,
-        name,
+        job.name,
         None if engine is None else engine.build,
         max_batch=opts.max_batch,
         instances=opts.instances,
@@ -516,20 +546,18 @@ def _labels_of(images: list[Path], labels: list[str] | None) -> list[int] | None
     return None if any(i is None for i in found) else found  # type: ignore[return-value]
 
 
-def _quantize(
-    model: VisionTransformer, fp32_path: Path, target: Path, images: list[Path] | None,
-    calibration: list[Path] | None, opts: ExportOptions, say: Progress,
-) -> dict:
-    """Write the chosen int8 scheme to `target`; measure every scheme that can be built here side by side."""
+def _quantize(job: _Job, fp32: ExportedGraph, target: Path) -> dict:
+    """Write the chosen int8 scheme of the `fp32` graph to `target`; measure every scheme that can be built here
+    side by side."""
     import torch
-    from vit_export.onnx_export import export_info
     from vit_export.quantize import compare_schemes, quantize_int8, quantize_static_int8
 
     from vit_serve.checkpoints.io import atomic_write
     from vit_serve.preprocess import PreprocessConfig, preprocess_batch
 
-    res = export_info(fp32_path)["resolution"]
-    h, w = model.cfg.img_size if res == "dynamic" else res
+    model, opts, say, images, calibration = job.model, job.opts, job.say, job.images, job.calibration
+    fp32_path, res = fp32.path, fp32.info.resolution
+    h, w = model.cfg.img_size if res in ("dynamic", None) else res
     pre = (model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)).with_size(h, w)
     batch = opts.batch if isinstance(opts.batch, int) else 8
     paths = {"dynamic": fp32_path.with_name(f"{fp32_path.stem}_dynamic.onnx")}

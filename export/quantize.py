@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from vit_export.onnx_export import INPUT_NAME
 from vit_export.parity import session
 
 from vit_serve.checkpoints.io import atomic_write
+from vit_serve.manifest import PIXEL_VALUES
 
 SCHEMES = ("dynamic", "static")
 MAX_CALIBRATION = 256  # images; MinMax ranges settle long before this
@@ -82,7 +82,7 @@ class _Batches:
         self.chunks = [x[i : i + batch] for i in range(0, n, batch)]
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        return {INPUT_NAME: self.chunks.pop(0)} if self.chunks else None
+        return {PIXEL_VALUES: self.chunks.pop(0)} if self.chunks else None
 
     def rewind(self) -> None:  # pragma: no cover - part of the protocol, unused by MinMax
         pass
@@ -216,10 +216,10 @@ class QuantReport:
 def _logits_and_ms(path: Path, x: np.ndarray, threads: int, warmup: int = 2) -> tuple[np.ndarray, float]:
     sess = session(path, threads)
     for i in range(min(warmup, len(x))):
-        sess.run(None, {INPUT_NAME: x[i : i + 1]})
+        sess.run(None, {PIXEL_VALUES: x[i : i + 1]})
     out, t0 = [], time.perf_counter()
     for i in range(len(x)):
-        out.append(sess.run(None, {INPUT_NAME: x[i : i + 1]})[0])
+        out.append(sess.run(None, {PIXEL_VALUES: x[i : i + 1]})[0])
     return np.concatenate(out), (time.perf_counter() - t0) * 1000 / len(x)
 
 

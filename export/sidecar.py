@@ -10,11 +10,12 @@ import dataclasses
 import hashlib
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import onnx
-from vit_export.onnx_export import export_info, io_spec
+from vit_export.graph_info import GraphInfo, load_proto
+from vit_export.onnx_export import io_spec
 
 from vit_serve.manifest import (
     Architecture,
@@ -62,23 +63,28 @@ def build_sidecar(
     checkpoint: str | os.PathLike | None,
     parity: dict[str, Any] | None = None,
     int8: Int8Quantization | None = None,
+    *,
+    info: GraphInfo | None = None,
+    io: IOSpec | None = None,
 ) -> ExportManifest:
     """The manifest of an ONNX file exported from `model` (the source model, before resampling).
 
     parity: `vit_export.parity.ParityReport.to_dict()`; int8: set for a quantized graph (its precision is int8).
+    info, io: the graph's `GraphInfo` and inputs/outputs when the caller has them (`export_graph`'s), else read
+    from the file.
     """
     path = Path(export_path)
-    proto = onnx.load(str(path), load_external_data=False)
-    info = export_info(proto)
-    res = info["resolution"]
-    pre = model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)
-    if isinstance(res, list):
-        pre = pre.with_size(*res)
     source = f"{path.name} (exported graph)"
-    rollout = None
-    if info.get("explain"):
-        rollout = RolloutSettings(info["head_fusion"], float(info["discard_ratio"]), info["pool"],
-                                  int(info["num_prefix_tokens"]))
+    if info is None or io is None:
+        proto = load_proto(path)
+        info = info or GraphInfo.read(proto) or GraphInfo()
+        io = io or IOSpec.from_dict(io_spec(proto), source)
+    res = info.resolution
+    if res is None or info.batch is None or info.opset is None or info.exporter is None or info.checker is None:
+        raise ValueError(f"{path}: not a graph written by vit-export (its 'vit_export' metadata is incomplete)")
+    pre = model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)
+    if res != "dynamic":
+        pre = pre.with_size(*res)
     cfg = model.cfg
     return ExportManifest(
         file=path.name,
@@ -87,31 +93,42 @@ def build_sidecar(
         source_checkpoint=None if checkpoint is None else SourceCheckpoint(str(checkpoint), sha256(checkpoint)),
         architecture=Architecture(cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads,
                                   cfg.resnet_layers is not None, cfg.pool, (cfg.img_size[0], cfg.img_size[1])),
-        resolution="dynamic" if res == "dynamic" else (int(res[0]), int(res[1])),
-        resample_mode=info.get("resample_mode", cfg.resample_mode),
-        batch=info["batch"],
-        opset=info["opset"],
-        precision="int8" if int8 is not None else info["precision"],
-        explain=bool(info.get("explain", False)),
-        exporter=info["exporter"],
-        checker=info["checker"],
+        resolution=res,
+        resample_mode=info.resample_mode or cfg.resample_mode,
+        batch=info.batch,
+        opset=info.opset,
+        precision="int8" if int8 is not None else info.precision,
+        explain=info.explain,
+        exporter=info.exporter,
+        checker=info.checker,
         preprocess=pre,
         labels=None if model.labels is None else tuple(model.labels),
-        io=IOSpec.from_dict(io_spec(proto), source),
-        rollout=rollout,
+        io=io,
+        rollout=_rollout(info),
         parity=None if parity is None else Parity.from_dict(parity, source),
         versions=versions(),
         int8=int8,
     )
 
 
-def engine_sidecar(onnx_manifest: ExportManifest, engine: dict[str, Any], built_from: str | None = None
-                   ) -> ExportManifest:
+def engine_sidecar(onnx_manifest: ExportManifest, engine: TensorRTBuild | Mapping[str, Any],
+                   built_from: str | None = None) -> ExportManifest:
     """The manifest of a TensorRT engine built from the graph `onnx_manifest` describes (the contract is the
-    graph's), from `vit_export.tensorrt_build.build_engine`'s result `engine`; built_from: the typed graph TensorRT
-    built from, when it is not that graph (relative to the output folder)."""
+    graph's), from `vit_export.tensorrt_build.build_engine`'s result `engine` (a `TensorRTBuild`, or a mapping of
+    its JSON keys); built_from: the typed graph TensorRT built from, when it is not that graph (relative to the
+    output folder)."""
+    if isinstance(engine, TensorRTBuild):
+        build = engine if built_from is None else dataclasses.replace(engine, built_from=built_from)
+    else:
+        build = dataclasses.replace(_build_of(engine), built_from=built_from)
+    return dataclasses.replace(onnx_manifest, format="tensorrt", file=build.file, file_sha256=sha256(build.path),
+                               precision=build.precision, source_onnx=onnx_manifest.file, tensorrt=build)
+
+
+def _build_of(engine: Mapping[str, Any]) -> TensorRTBuild:
+    """A build result given as a mapping of `TensorRTBuild.to_dict`'s keys (path may be a Path)."""
     plan = Path(engine["path"])
-    build = TensorRTBuild(
+    return TensorRTBuild(
         path=str(plan),
         file=str(engine["file"]),
         compute_capability=str(engine["compute_capability"]),
@@ -123,7 +140,12 @@ def engine_sidecar(onnx_manifest: ExportManifest, engine: dict[str, Any], built_
         build_s=float(engine["build_s"]),
         timing_cache=engine.get("timing_cache"),
         parity=None if engine.get("parity") is None else Parity.from_dict(engine["parity"], f"{plan.name} check"),
-        built_from=built_from,
     )
-    return dataclasses.replace(onnx_manifest, format="tensorrt", file=build.file, file_sha256=sha256(plan),
-                               precision=build.precision, source_onnx=onnx_manifest.file, tensorrt=build)
+
+
+def _rollout(info: GraphInfo) -> RolloutSettings | None:
+    """The explain graph's rollout settings as a manifest states them (the discard ratio a float)."""
+    r = info.rollout
+    if not info.explain or r is None:
+        return None
+    return RolloutSettings(r.head_fusion, float(r.discard_ratio), r.pool, r.num_prefix_tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-INPUT_NAME = "pixel_values"
+from vit_serve.manifest import PIXEL_VALUES
 
 
 def _run(proto: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
@@ -19,7 +19,7 @@ def _run(proto: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, {INPUT_NAME: x})
+    return sess.run(None, {PIXEL_VALUES: x})
 
 
 def simplify(proto: onnx.ModelProto, example_shape: tuple[int, int, int, int], tol: float = 1e-6

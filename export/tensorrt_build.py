@@ -26,10 +26,10 @@ from vit_export.tensorrt_compat import BuildPlan, plan_build, profile_shapes, ti
 from vit_export.typed_graph import graph_precision
 
 from vit_serve.checkpoints.io import atomic_write
+from vit_serve.manifest import LOGITS, PIXEL_VALUES, Parity, TensorRTBuild
 from vit_serve.tensorrt_engine import TensorRTEngine
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-INPUT_NAME = "pixel_values"
 TOP1_MIN = 1.0  # fp16/bf16: top-1 must agree with onnxruntime on every check input
 COSINE_MIN = {"fp32": 0.99999, "fp16": 0.9999, "bf16": 0.999}
 # fp32 engines are built with TF32 cleared (`BuildPlan.cleared_flags`): full fp32 matmuls, whose other summation
@@ -151,7 +151,7 @@ def build_engine(
     check_onnx: str | Path | None = None,
     overwrite: bool = False,
     suffix: str = "",
-) -> dict:
+) -> TensorRTBuild:
     """Build `out_dir/model_sm<cc>.plan` from `onnx_path` and check it against onnxruntime.
 
     batch: the optimisation profile's (min, opt, max) batch for input "pixel_values" [B, 3, H, W] (static H, W).
@@ -160,8 +160,8 @@ def build_engine(
     check_onnx: the fp32 graph to compare against (default `onnx_path`). suffix: "_explain" for the explain graph.
     The graph must already have the precision the build needs (`plan_build(...).graph_precision`: under
     TensorRT 11 an fp16 / bf16 engine needs an fp16 / bf16 graph, `vit_export.typed_graph.export_typed`).
-    Returns {"path", "file", "compute_capability", "tensorrt", "precision", "graph_precision", "strongly_typed",
-    "batch", "build_s", "timing_cache", "parity"}; raises TensorRTError (one line) when TensorRT fails.
+    Returns the `TensorRTBuild` (its parity: `compare_runtimes`' check); raises TensorRTError (one line) when
+    TensorRT fails.
     """
     reason = unavailable_reason()
     if reason:
@@ -225,25 +225,15 @@ def build_engine(
 
     with _step(version, "to run the engine for the parity check"):
         parity = check_engine(plan_path, Path(check_onnx or onnx_path), precision, (lo, hi))
-    return {
-        "path": plan_path,
-        "file": plan_path.name,
-        "compute_capability": cc,
-        "tensorrt": version,
-        "precision": precision,
-        "graph_precision": graph,
-        "strongly_typed": plan.strongly_typed,
-        "batch": [lo, opt, hi],
-        "build_s": round(build_s, 2),
-        "timing_cache": cache_info,
-        "parity": parity,
-    }
+    return TensorRTBuild(str(plan_path), plan_path.name, cc, version, precision, graph, plan.strongly_typed,
+                         (lo, opt, hi), round(build_s, 2), cache_info,
+                         Parity.from_dict(parity, f"{plan_path.name} check"))
 
 
 def check_engine(plan_path: Path, onnx_path: Path, precision: str, batch_range: tuple[int, int]) -> dict:
     """The engine at `plan_path` vs onnxruntime (CPU) on `onnx_path`: `compare_runtimes` with the engine."""
     engine = TensorRTEngine(plan_path)
-    return compare_runtimes(onnx_path, lambda x: engine.run(x)["logits"], precision, batch_range, "TensorRT")
+    return compare_runtimes(onnx_path, lambda x: engine.run(x)[LOGITS], precision, batch_range, "TensorRT")
 
 
 def compare_runtimes(
@@ -271,7 +261,7 @@ def compare_runtimes(
     rows, ok = [], True
     for b in sorted({batch_range[0], min(batch_range[1], 8)}):
         x = rng.standard_normal((b, 3, h, w)).astype(np.float32)
-        ref = sess.run(["logits"], {INPUT_NAME: x})[0].astype(np.float64)
+        ref = sess.run([LOGITS], {PIXEL_VALUES: x})[0].astype(np.float64)
         got = np.asarray(run(x), dtype=np.float64)
         den = np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1)
         cos = float(np.min(np.sum(ref * got, 1) / np.maximum(den, 1e-300)))

@@ -32,6 +32,7 @@ import re
 import shutil
 import struct
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,14 @@ from vit_export.triton_models import template_text
 
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.manifest import (
+    EMBEDDING,
+    LOGITS,
+    PIXEL_VALUES,
+    ROLLOUT,
     TRITON_MANIFEST,
     TRITON_ONNX,
     ExportManifest,
+    TensorRTBuild,
     TritonMeta,
     manifest_path,
     read_manifest,
@@ -63,6 +69,7 @@ DEFAULT_MAX_PIXELS = 50_000_000
 LABELS_FILE = "labels.txt"
 WARMUP_IMAGE = "image.bin"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_IMAGE = Tensor("image", "TYPE_STRING", (1,))  # the preprocess model's and the ensemble's input: encoded bytes
 
 
 @dataclass(frozen=True)
@@ -129,174 +136,187 @@ def _warmup_image() -> bytes:
     return struct.pack("<I", len(png)) + png
 
 
-def _plans(
-    name: str,
-    onnx_path: Path,
-    explain_path: Path,
-    engine: dict[str, Any] | None,
-    batching: Batching,
-    instances: int,
-    ensemble_target: str,
-    onnx_device: str,
-    threads: int,
-    max_pixels: int,
-) -> list[_Plan]:
+@dataclass(frozen=True)
+class EngineFiles:
+    """What the repository needs of a TensorRT engine: the plan file, its GPU architecture, and the build summary
+    its models' metadata carries (precision, batch profile, whether its parity check passed)."""
+
+    path: Path
+    file: str
+    compute_capability: str
+    precision: str | None = None
+    batch: tuple[int, ...] | list[int] | None = None
+    parity_ok: bool | None = None
+
+    @classmethod
+    def of(cls, engine: TensorRTBuild | Mapping[str, Any]) -> EngineFiles:
+        """From `build_engine`'s `TensorRTBuild`, or a mapping with its JSON keys ("path", "file",
+        "compute_capability", and optionally "precision", "batch", "parity")."""
+        if isinstance(engine, TensorRTBuild):
+            ok = None if engine.parity is None else engine.parity.ok
+            return cls(Path(engine.path), engine.file, engine.compute_capability, engine.precision, engine.batch, ok)
+        return cls(Path(engine["path"]), str(engine["file"]), str(engine["compute_capability"]),
+                   engine.get("precision"), engine.get("batch"), (engine.get("parity") or {}).get("ok"))
+
+    def summary(self) -> dict[str, Any]:
+        """`TritonMeta.tensorrt`: compute_capability, file, precision, batch, parity_ok."""
+        return {"compute_capability": self.compute_capability, "file": self.file, "precision": self.precision,
+                "batch": self.batch, "parity_ok": self.parity_ok}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How the models run in Triton: dynamic batching, instances per model, the onnxruntime models' instance
+    kind ("cpu" | "gpu") and intra-op threads, and the preprocess model's decoded-size limit."""
+
+    batching: Batching
+    instances: int = 1
+    onnx_device: str = "cpu"
+    threads: int = 1
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+
+@dataclass(frozen=True)
+class _Contract:
+    """One export as its models state it, read once from the two manifests: the model names by role, the
+    tensors (dims without the batch axis), the warmup samples, the labels file and the metadata every model
+    carries (`TritonMeta`, specialised per model by `meta`)."""
+
+    names: dict[str, str]
+    pixels: Tensor
+    logits: Tensor
+    rollout: Tensor
+    heads: tuple[Tensor, ...]
+    warmup: tuple[dict[str, Any], ...]
+    labels: dict[str, bytes]
+    base: TritonMeta
+
+    def meta(self, **fields: Any) -> dict[str, str]:
+        """The "vit_serve" config parameter of one model."""
+        return {"vit_serve": dataclasses.replace(self.base, **fields).to_json()}
+
+
+def _contract(name: str, onnx_path: Path, explain_path: Path, batching: Batching) -> _Contract:
     side, side_sha = _read_sidecar(onnx_path, explain=False)
     ex_side, ex_sha = _read_sidecar(explain_path, explain=True)
     if side.resolution != ex_side.resolution or side.labels != ex_side.labels:
         raise ValueError(f"{onnx_path.name} and {explain_path.name} come from different exports")
     assert ex_side.rollout is not None  # read_manifest requires it of an explain graph
-    names = model_names(name)
-    res = side.resolution
-    patch = side.architecture.patch_size
-    num_classes = side.num_classes
-    labels = side.labels
+    res, patch, labels = side.resolution, side.architecture.patch_size, side.labels
     if res == "dynamic":
         pixel_dims, grid = (3, -1, -1), "dynamic"
     else:
-        pixel_dims, grid = (3, res[0], res[1]), [res[0] // patch, res[1] // patch]
-    grid_dims = (-1, -1) if grid == "dynamic" else tuple(grid)
-    label_file = LABELS_FILE if labels else None
-    labels_bytes = {LABELS_FILE: ("\n".join(labels) + "\n").encode()} if labels else {}
-
-    pixels = Tensor("pixel_values", "TYPE_FP32", pixel_dims)
-    logits = Tensor("logits", "TYPE_FP32", (num_classes,), label_file)
-    rollout = Tensor("rollout", "TYPE_FP32", grid_dims)
+        pixel_dims, grid = (3, res[0], res[1]), (res[0] // patch, res[1] // patch)
+    logits = Tensor(LOGITS, "TYPE_FP32", (side.num_classes,), LABELS_FILE if labels else None)
     # The logits graph's outputs: logits, and the embedding when the export has one (the TensorRT engine never).
-    heads = [logits, *([Tensor("embedding", "TYPE_FP32", (side.embedding_dim,))] if side.embedding_dim else [])]
-    image = Tensor("image", "TYPE_STRING", (1,))
-    warm_pixels = [
-        {"name": "zeros_batch_1", "batch_size": 1, "inputs": {"pixel_values": {"zero_data": True}}},
-        {
-            "name": f"random_batch_{batching.max_batch}",
-            "batch_size": batching.max_batch,
-            "inputs": {"pixel_values": {"random_data": True}},
-        },
-    ]
-    if res == "dynamic":
-        warm_pixels = []  # warmup needs concrete dims; a dynamic-resolution graph has none
-
+    heads = (logits, *([Tensor(EMBEDDING, "TYPE_FP32", (side.embedding_dim,))] if side.embedding_dim else []))
+    warmup = () if res == "dynamic" else (  # warmup needs concrete dims; a dynamic-resolution graph has none
+        {"name": "zeros_batch_1", "batch_size": 1, "inputs": {PIXEL_VALUES: {"zero_data": True}}},
+        {"name": f"random_batch_{batching.max_batch}", "batch_size": batching.max_batch,
+         "inputs": {PIXEL_VALUES: {"random_data": True}}},
+    )
     pool = ex_side.rollout.pool or side.architecture.pool
+    names = model_names(name)
     base = TritonMeta(
-        name=name,
-        kind="logits",
-        runtime="onnxruntime",
-        resolution=res,
-        patch_size=patch,
-        grid="dynamic" if grid == "dynamic" else (grid[0], grid[1]),
-        num_classes=num_classes,
-        labels=labels,
-        preprocess=side.preprocess,
-        rollout=dataclasses.replace(ex_side.rollout, pool=pool),
-        pool=pool,
-        precision=side.precision,
-        sidecar_sha256=side_sha,
-        explain_sidecar_sha256=ex_sha,
-        onnx_sha256=side.file_sha256,
+        name=name, kind="logits", runtime="onnxruntime", resolution=res, patch_size=patch, grid=grid,
+        num_classes=side.num_classes, labels=labels, preprocess=side.preprocess,
+        rollout=dataclasses.replace(ex_side.rollout, pool=pool), pool=pool, precision=side.precision,
+        sidecar_sha256=side_sha, explain_sidecar_sha256=ex_sha, onnx_sha256=side.file_sha256,
         source_checkpoint_sha256=None if side.source_checkpoint is None else side.source_checkpoint.sha256,
         preprocess_model=names["preprocess"],
     )
+    return _Contract(
+        names, Tensor(PIXEL_VALUES, "TYPE_FP32", pixel_dims), logits,
+        Tensor(ROLLOUT, "TYPE_FP32", (-1, -1) if grid == "dynamic" else grid), heads, warmup,
+        {LABELS_FILE: ("\n".join(labels) + "\n").encode()} if labels else {}, base,
+    )
 
-    def meta(**fields: Any) -> dict[str, str]:
-        return {"vit_serve": dataclasses.replace(base, **fields).to_json()}
 
-    ort_params = {"intra_op_thread_count": str(threads), "inter_op_thread_count": "1"}
-    py_params = {"intra_op_num_threads": str(threads)}
-    plans: list[_Plan] = []
+def _graph_plans(c: _Contract, onnx_path: Path, explain_path: Path, s: ModelSettings) -> list[_Plan]:
+    """The onnxruntime and Python-backend models of both graphs."""
+    ort_params = {"intra_op_thread_count": str(s.threads), "inter_op_thread_count": "1"}
+    py_params = {"intra_op_num_threads": str(s.threads)}
+    plans = []
     for role, src, outputs, explain_role in (
-        ("onnx", onnx_path, heads, "explain_onnx"),
-        ("explain_onnx", explain_path, [logits, rollout], None),
-        ("py", onnx_path, heads, "explain_py"),
-        ("explain_py", explain_path, [logits, rollout], None),
+        ("onnx", onnx_path, c.heads, "explain_onnx"),
+        ("explain_onnx", explain_path, (c.logits, c.rollout), None),
+        ("py", onnx_path, c.heads, "explain_py"),
+        ("explain_py", explain_path, (c.logits, c.rollout), None),
     ):
         python = role.endswith("py")
-        links = {"explain_model": names[explain_role]} if explain_role else {"logits_model": names[role[8:]]}
+        links = {"explain_model": c.names[explain_role]} if explain_role else {"logits_model": c.names[role[8:]]}
         kind = "logits" if explain_role else "explain"
         cfg = model_config(
-            names[role],
-            [pixels],
-            outputs,
-            batching,
-            platform=None if python else "onnxruntime_onnx",
-            backend="python" if python else None,
-            instances=instances,
-            kind="cpu" if python else onnx_device,
-            warmup=warm_pixels,
+            c.names[role], [c.pixels], list(outputs), s.batching,
+            platform=None if python else "onnxruntime_onnx", backend="python" if python else None,
+            instances=s.instances, kind="cpu" if python else s.onnx_device, warmup=list(c.warmup),
             parameters={
-                **(py_params if python else ort_params if onnx_device == "cpu" else {}),
-                **meta(kind=kind, runtime="python" if python else "onnxruntime", **links),
+                **(py_params if python else ort_params if s.onnx_device == "cpu" else {}),
+                **c.meta(kind=kind, runtime="python" if python else "onnxruntime", **links),
             },
         )
         files: dict[str, Path | bytes] = {TRITON_ONNX: src, TRITON_MANIFEST: manifest_path(src)}
         if python:
             files["model.py"] = template_text("onnx_classifier").encode()
-        plans.append(_Plan(names[role], cfg, files, dict(labels_bytes)))
+        plans.append(_Plan(c.names[role], cfg, files, dict(c.labels)))
+    return plans
 
-    if engine is not None:
-        trt_batch = batching
-        if "batch" in engine:  # the engine's optimisation profile caps the batch
-            trt_batch = Batching(
-                min(batching.max_batch, int(engine["batch"][2])), batching.queue_delay_us, batching.max_queue
-            )
-        cfg = model_config(
-            names["trt"],
-            [pixels],
-            [logits],
-            trt_batch,
-            platform="tensorrt_plan",
-            instances=instances,
-            kind="gpu",
-            warmup=warm_pixels,
-            parameters=meta(
-                kind="logits",
-                runtime="tensorrt",
-                explain_model=names["explain_onnx"],
-                tensorrt={
-                    **{k: engine.get(k) for k in ("compute_capability", "file", "precision", "batch")},
-                    "parity_ok": (engine.get("parity") or {}).get("ok"),
-                },
-            ),
-            cc_model_filenames={str(engine["compute_capability"]): str(engine["file"])},
-        )
-        plans.append(_Plan(names["trt"], cfg, {str(engine["file"]): Path(engine["path"])}, dict(labels_bytes)))
 
-    pre_cfg = model_config(
-        names["preprocess"],
-        [image],
-        [pixels],
-        batching,
-        backend="python",
-        instances=instances,
+def _engine_plan(c: _Contract, engine: EngineFiles, s: ModelSettings) -> _Plan:
+    """The tensorrt_plan model (GPU), its batch capped by the engine's optimisation profile."""
+    batching = s.batching
+    if engine.batch is not None:
+        batching = Batching(min(batching.max_batch, int(engine.batch[2])), batching.queue_delay_us,
+                            batching.max_queue)
+    cfg = model_config(
+        c.names["trt"], [c.pixels], [c.logits], batching, platform="tensorrt_plan", instances=s.instances,
+        kind="gpu", warmup=list(c.warmup),
+        parameters=c.meta(kind="logits", runtime="tensorrt", explain_model=c.names["explain_onnx"],
+                          tensorrt=engine.summary()),
+        cc_model_filenames={engine.compute_capability: engine.file},
+    )
+    return _Plan(c.names["trt"], cfg, {engine.file: engine.path}, dict(c.labels))
+
+
+def _preprocess_plan(c: _Contract, s: ModelSettings) -> _Plan:
+    """The Python model that decodes image bytes into pixel_values."""
+    cfg = model_config(
+        c.names["preprocess"], [_IMAGE], [c.pixels], s.batching, backend="python", instances=s.instances,
         kind="cpu",
         warmup=[{"name": "png_batch_1", "batch_size": 1, "inputs": {"image": {"input_data_file": WARMUP_IMAGE}}}],
-        parameters={"max_pixels": str(max_pixels), **meta(kind="preprocess", runtime="python")},
+        parameters={"max_pixels": str(s.max_pixels), **c.meta(kind="preprocess", runtime="python")},
     )
-    plans.append(
-        _Plan(
-            names["preprocess"],
-            pre_cfg,
-            {"model.py": template_text("preprocess").encode()},
-            {f"warmup/{WARMUP_IMAGE}": _warmup_image()},
-        )
-    )
+    return _Plan(c.names["preprocess"], cfg, {"model.py": template_text("preprocess").encode()},
+                 {f"warmup/{WARMUP_IMAGE}": _warmup_image()})
 
-    target = next(p.config for p in plans if p.name == names[ensemble_target])
-    explain_of = "explain_py" if ensemble_target == "py" else "explain_onnx"
-    ens_heads = heads if ensemble_target != "trt" else [logits]
-    ens_cfg = ensemble_config(
-        names["ensemble"],
-        [image],
-        ens_heads,
-        min(target.max_batch_size, batching.max_batch),
+
+def _ensemble_plan(c: _Contract, plans: list[_Plan], target: str, batching: Batching) -> _Plan:
+    """image -> the preprocess model -> the `target` classifier ("onnx" | "trt" | "py")."""
+    classifier = next(p.config for p in plans if p.name == c.names[target])
+    explain_of = "explain_py" if target == "py" else "explain_onnx"
+    heads = list(c.heads) if target != "trt" else [c.logits]
+    cfg = ensemble_config(
+        c.names["ensemble"], [_IMAGE], heads,
+        min(classifier.max_batch_size, batching.max_batch),
         [
-            (names["preprocess"], {"image": "image"}, {"pixel_values": "pixel_values"}),
-            (names[ensemble_target], {"pixel_values": "pixel_values"}, {t.name: t.name for t in ens_heads}),
+            (c.names["preprocess"], {"image": "image"}, {PIXEL_VALUES: PIXEL_VALUES}),
+            (c.names[target], {PIXEL_VALUES: PIXEL_VALUES}, {t.name: t.name for t in heads}),
         ],
-        parameters=meta(
-            kind="ensemble", runtime="ensemble", classifier=names[ensemble_target], explain_model=names[explain_of]
-        ),
+        parameters=c.meta(kind="ensemble", runtime="ensemble", classifier=c.names[target],
+                          explain_model=c.names[explain_of]),
     )
-    plans.append(_Plan(names["ensemble"], ens_cfg, {}, dict(labels_bytes)))
+    return _Plan(c.names["ensemble"], cfg, {}, dict(c.labels))
+
+
+def _plans(name: str, onnx_path: Path, explain_path: Path, engine: EngineFiles | None, settings: ModelSettings,
+           ensemble_target: str) -> list[_Plan]:
+    """Every model of one export, in the order they are written (the ensemble last)."""
+    c = _contract(name, onnx_path, explain_path, settings.batching)
+    plans = _graph_plans(c, onnx_path, explain_path, settings)
+    if engine is not None:
+        plans.append(_engine_plan(c, engine, settings))
+    plans.append(_preprocess_plan(c, settings))
+    plans.append(_ensemble_plan(c, plans, ensemble_target, settings.batching))
     return plans
 
 
@@ -392,7 +412,7 @@ def write_repository(
     explain_path: str | os.PathLike,
     repo: str | os.PathLike = "model_repo",
     name: str | None = None,
-    engine: dict[str, Any] | None = None,
+    engine: TensorRTBuild | Mapping[str, Any] | None = None,
     *,
     max_batch: int = 16,
     instances: int = 1,
@@ -407,10 +427,11 @@ def write_repository(
 
     onnx_path / explain_path: `NAME.onnx` and `NAME_explain.onnx` with their sidecars (dynamic batch).
     name: the model-name stem (default: the ONNX file's stem). engine: `vit_export.tensorrt_build.build_engine`'s
-    result ({"path", "compute_capability", "file", ...}) or None. ensemble_target: which classifier the
-    ensemble calls, "onnx" | "trt" | "py" (default "trt" with an engine, else "onnx"). onnx_device: instance
-    kind of the onnxruntime models, "cpu" | "gpu" (TensorRT is always GPU, Python models CPU). threads:
-    intra-op threads of each onnxruntime session. max_pixels: the preprocess model's decoded-size limit.
+    `TensorRTBuild` (or a mapping of its JSON keys, at least "path", "compute_capability", "file") or None.
+    ensemble_target: which classifier the ensemble calls, "onnx" | "trt" | "py" (default "trt" with an engine,
+    else "onnx"). onnx_device: instance kind of the onnxruntime models, "cpu" | "gpu" (TensorRT is always GPU,
+    Python models CPU). threads: intra-op threads of each onnxruntime session. max_pixels: the preprocess
+    model's decoded-size limit.
     """
     onnx_path, explain_path, repo = Path(onnx_path), Path(explain_path), Path(repo)
     name = name or onnx_path.stem
@@ -423,8 +444,10 @@ def write_repository(
         raise ValueError("the ensemble cannot target 'trt' without a TensorRT engine (--format tensorrt)")
     if threads < 1 or max_pixels < 1:
         raise ValueError("threads and max_pixels must be >= 1")
-    batching = Batching(max_batch, queue_delay_us, max_queue)
-    plans = _plans(name, onnx_path, explain_path, engine, batching, instances, target, onnx_device, threads, max_pixels)
+    settings = ModelSettings(Batching(max_batch, queue_delay_us, max_queue), instances, onnx_device, threads,
+                             max_pixels)
+    files = None if engine is None else EngineFiles.of(engine)
+    plans = _plans(name, onnx_path, explain_path, files, settings, target)
     repo.mkdir(parents=True, exist_ok=True)
     versions = [_next_version(repo, p) for p in plans]  # every check before the first write
     return [_write(repo, p, v) for p, v in zip(plans, versions, strict=True)]

@@ -11,13 +11,14 @@ The graph's `vit_export` metadata records its precision ("bf16"), which the Tens
 
 from __future__ import annotations
 
-import json
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import onnx
 import torch
-from vit_export.onnx_export import export_info, export_onnx, prepare, to_fp16
+from vit_export.graph_info import GraphInfo, load_proto
+from vit_export.onnx_export import ExportedGraph, export_graph, prepare, to_fp16
 
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.model import VisionTransformer
@@ -46,30 +47,44 @@ def export_typed(
     overwrite: bool = False,
 ) -> Path:
     """The logits graph of `model` typed `precision` (float32 in and out, LayerNorm in fp32), written to `path`."""
+    return export_typed_graph(model, path, precision, res, batch, opset, overwrite).path
+
+
+def export_typed_graph(
+    model: VisionTransformer,
+    path: str | Path,
+    precision: Literal["fp16", "bf16"],
+    res: tuple[int, int] | Literal["dynamic"] | None = None,
+    batch: Literal["dynamic"] | int = "dynamic",
+    opset: int = 18,
+    overwrite: bool = False,
+) -> ExportedGraph:
+    """`export_typed`, returning the graph written with its `GraphInfo` (precision "fp16" or "bf16")."""
     if precision not in TYPED_PRECISIONS:
         raise ValueError(f"unknown typed-graph precision {precision!r}; expected one of {', '.join(TYPED_PRECISIONS)}")
     path = Path(path)
     if precision == "fp16":
-        return export_onnx(model, path, res=res, batch=batch, opset=opset, precision="fp16", overwrite=overwrite)
+        return export_graph(model, path, res=res, batch=batch, opset=opset, precision="fp16", overwrite=overwrite)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass --force to replace it")
     # Resample the position embeddings in fp32, then round: a static graph gets the library's own numbers.
     m = to_bf16(prepare(model, res))
-    export_onnx(m, path, res="dynamic" if res == "dynamic" else None, batch=batch, opset=opset,
-                precision="fp32", overwrite=True, simplify=False)
+    graph = export_graph(m, path, res="dynamic" if res == "dynamic" else None, batch=batch, opset=opset,
+                         precision="fp32", overwrite=True, simplify=False)
     proto = onnx.load(str(path), load_external_data=False)
-    info = export_info(proto)
-    info.update(precision="bf16", simplified="off: onnxruntime (CPU) cannot run a bf16 graph to check it")
-    onnx.helper.set_model_props(proto, {"vit_export": json.dumps(info)})
-    return atomic_write(path, lambda tmp: onnx.save(proto, tmp), overwrite=True)
+    info = graph.info.replace(precision="bf16",
+                              simplified="off: onnxruntime (CPU) cannot run a bf16 graph to check it")
+    info.write(proto)
+    atomic_write(path, partial(onnx.save, proto), overwrite=True)
+    return ExportedGraph(graph.path, info, graph.io)
 
 
 def graph_precision(onnx_path: str | Path | onnx.ModelProto) -> str:
     """"fp32", "fp16" or "bf16": the graph's recorded precision, else the type of its floating-point weights."""
-    proto = onnx_path if isinstance(onnx_path, onnx.ModelProto) else onnx.load(str(onnx_path), load_external_data=False)
-    recorded = export_info(proto).get("precision")
-    if recorded in _ELEM:
-        return recorded
+    proto = load_proto(onnx_path)
+    info = GraphInfo.read(proto)
+    if info is not None and info.precision in _ELEM:
+        return info.precision
     types = {init.data_type for init in proto.graph.initializer}
     for name in ("bf16", "fp16"):
         if _ELEM[name] in types:

@@ -131,7 +131,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from vit_serve.runtime.backends import check_model
+    from vit_serve.runtime import LoadSpec, check
     from vit_serve.serve.app import run
     from vit_serve.serve.settings import GROUPS, ServeSettings
 
@@ -144,7 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                    for n, err in zip(names, e.errors(), strict=True))) from None
     if settings.engine == "ray":  # its replicas load the model: no TensorRT needed here
         return _serve_on_ray(args, settings)
-    check_model(settings)  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
+    check(LoadSpec.of(settings))  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
     run(settings)
     return 0
 

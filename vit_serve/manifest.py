@@ -432,13 +432,13 @@ class ExportManifest:
     @property
     def embedding_dim(self) -> int:
         """D of the graph's "embedding" output (`vit-export --outputs logits,embedding`), 0 when it has none."""
-        emb = self.io.output("embedding")
+        emb = self.io.output(EMBEDDING)
         return int(emb.shape[-1]) if emb is not None and emb.shape and _is_int(emb.shape[-1]) else 0
 
     @property
     def num_classes(self) -> int:
         """K, from the logits output's last dim, else from the labels."""
-        logits = self.io.output("logits")
+        logits = self.io.output(LOGITS)
         if logits is not None and logits.shape and _is_int(logits.shape[-1]):
             return int(logits.shape[-1])
         if self.labels:

@@ -1,10 +1,11 @@
 """Offline batch prediction over image files: `predict(PredictOptions(...))`, what `vit-serve predict` runs.
 
 MODEL is anything `vit-serve serve` takes (a checkpoint, an exported NAME.onnx with NAME.json, an engine, or a
-repository folder with `model_name` picking one, at its newest version); it is loaded by the serving backends
-(`vit_serve.runtime.backends.create_backend`), images are decoded by the gateway's own functions
-(`vit_serve.runtime.decode`) on the same decode path (`decode`, "fast" by default, as the gateway), and the top-k
-come from the gateway's `top_k`: a row's scores are those `/classify` answers for the same file.
+repository folder with `model_name` picking one, at its newest version); it is loaded by the runtime
+(`vit_serve.runtime.load`), images are decoded by the runtime's functions (`vit_serve.runtime.decode`) on the same
+decode path as the gateway (`decode`, "fast" by default), and the top-k come from `vit_serve.runtime.postprocess`:
+a row's scores are those `/classify` answers for the same file. One batch's pieces (decode, compute, rows, the
+sink) are `vit_serve.predict_batch`'s, shared with the Ray engine.
 
 SRC (`list_images`): a folder (recursive), a glob, a text file of paths (one a line, relative ones from the file's
 folder), one image, or with `image_folder` an ImageFolder root (`root/<class>/...`, `vit_serve.data.ImageFolder`),
@@ -13,7 +14,7 @@ whose rows also carry `target` (the folder name) and `target_index` (its index a
 Engines: "local" (decode worker threads or processes, `workers`, overlapped with the model in this thread, in
 batches) and "ray" (`vit_serve.predict_ray`: Ray Data, one model actor per GPU or per CPU). Both write
 through `vit_serve.predict_writers` (formats, resume, manifest, errors, rollout maps). Importing this module
-imports neither Ray nor the gateway.
+imports neither Ray nor the gateway (nor does running it).
 """
 
 from __future__ import annotations
@@ -32,34 +33,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vit_serve.data import IMAGE_EXTENSIONS
+from vit_serve.predict_batch import Item, Sink, compute, decode_file, load_backend, make_rows
 from vit_serve.predict_options import PredictOptions
-from vit_serve.predict_writers import (
-    ErrorLog,
-    RolloutFile,
-    Row,
-    check_manifest,
-    open_writer,
-    printable,
-    sidecar,
-    write_manifest,
-)
+from vit_serve.predict_writers import ErrorLog, RolloutFile, check_manifest, open_writer, sidecar, write_manifest
 
 if TYPE_CHECKING:
-    from vit_serve.preprocess import PreprocessConfig
     from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
     from vit_serve.runtime.discovery import VersionSource
 
+__all__ = ["Item", "PredictOptions", "PredictResult", "Sink", "compute", "decode_file", "list_images",
+           "load_backend", "make_rows", "predict", "resolve_model"]
+
 GLOB_CHARS = frozenset("*?[")
 ASCII_SPACE = " \t\r\f\v"  # what a line of a path list is stripped of (not U+0085, U+2028: they may be in names)
-
-
-@dataclass(frozen=True)
-class Item:
-    """One image to predict: its path as SRC lists it (the row's key), and its ImageFolder class if any."""
-
-    path: str
-    target: str | None = None
-    target_index: int | None = None
 
 
 @dataclass
@@ -192,21 +178,6 @@ def folder_model_files(folder: Path) -> list[Path]:
                   and p.suffix.lower() in (".json", *CHECKPOINT_SUFFIXES))
 
 
-def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
-    """The serving backend for `source`, on `opts.device`, decoding as `opts.decode` says (as the gateway)."""
-    from vit_serve.runtime.backends import create_backend
-    from vit_serve.runtime.backends.base import LocalBackend
-    from vit_serve.serve.settings import ServeSettings
-
-    settings = ServeSettings(model=str(source.path), backend=source.backend, model_name=source.name,
-                             device=opts.device, threads=opts.threads, decode=opts.decode,
-                             max_pixels=opts.max_pixels, decode_workers=max(1, opts.workers))
-    backend = create_backend(settings)
-    if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
-        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
-    return backend
-
-
 def check_outputs(info: ModelInfo, opts: PredictOptions) -> None:
     """One line before any work when the model cannot give what was asked for."""
     if opts.embeddings and not info.embedding_dim:
@@ -232,92 +203,7 @@ def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> di
             "max_pixels": opts.max_pixels}
 
 
-# ---- one batch -------------------------------------------------------------------------------------------------
-
-def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.ndarray | None, str | None]:
-    """A file -> (its model input [3, H, W] float32, None), or (None, why it cannot be read), decoded as the
-    gateway decodes an upload of the same bytes (`vit_serve.runtime.decode`)."""
-    from vit_serve.runtime.decode import decode_crop, input_tensor
-    from vit_serve.serve.errors import GatewayError
-
-    if "\n" in path or "\r" in path:
-        return None, "a path with a line break cannot be a row key"
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        return input_tensor(decode_crop(data, cfg, max_pixels), cfg)[0], None
-    except GatewayError as e:
-        return None, e.message
-    except OSError as e:
-        return None, f"cannot read: {e.strerror or e}"
-
-
-def compute(backend: LocalBackend, x: np.ndarray, embeddings: bool, explain: bool
-            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """x [B, 3, H, W] -> (logits, embedding or None, rollout maps or None). The logits are always those of the
-    classify (or embed) graph, what `/classify` answers, never the explain graph's."""
-    emb = maps = None
-    if embeddings:
-        logits, emb = backend.embed(x)
-    else:
-        logits = backend.classify(x)
-    if explain:
-        _, maps = backend.explain(x, backend.info.resolve_rollout())
-    return logits, emb, maps
-
-
-def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: PredictOptions,
-              emb: np.ndarray | None = None, rollout_index: list[int] | None = None) -> list[Row]:
-    """The rows of a batch: path, [target, target_index], labels, indices, scores (`/classify`'s top_k), and
-    [embedding (L2-normalised with `normalize`), rollout_index]."""
-    from vit_serve.embedding import l2_normalize
-    from vit_serve.serve.gateway import top_k
-
-    if emb is not None and opts.normalize:
-        emb = l2_normalize(emb)  # as POST /embed?normalize=true
-    rows = []
-    for i, item in enumerate(items):
-        best = top_k(logits[i], opts.top_k, info)
-        row: Row = {"path": item.path}
-        if opts.image_folder:
-            row |= {"target": item.target, "target_index": item.target_index}
-        row |= {"labels": [b["label"] for b in best], "indices": [b["index"] for b in best],
-                "scores": [b["score"] for b in best]}
-        if emb is not None:
-            row["embedding"] = emb[i].tolist()
-        if rollout_index is not None:
-            row["rollout_index"] = rollout_index[i]
-        rows.append(row)
-    return rows
-
-
 # ---- the run ---------------------------------------------------------------------------------------------------
-
-class Sink:
-    """Where a batch's outputs go: the rollout maps first, then the rows (see predict_writers)."""
-
-    def __init__(self, writer: Any, rollout: RolloutFile | None, errors: ErrorLog, bar: Any, info: ModelInfo,
-                 opts: PredictOptions) -> None:
-        self.writer, self.rollout, self.errors, self.bar = writer, rollout, errors, bar
-        self.info, self.opts = info, opts
-        self.written = 0
-        self.first: tuple[float, int] | None = None  # (perf_counter, rows written) after the first batch
-
-
-    def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None) -> None:
-        index = self.rollout.append(maps) if self.rollout is not None and maps is not None else None
-        self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index))
-        self.written += len(items)
-        if self.first is None:
-            self.first = (time.perf_counter(), self.written)
-        self.bar.update(len(items))
-
-    def error(self, path: str, why: str) -> None:
-        self.errors.add(path, why)
-        if not self.opts.quiet:
-            self.bar.write(f"vit-serve predict: skipped {printable(path)}: {why}")
-        self.bar.update(1)
-
 
 def run_local(backend: LocalBackend, items: list[Item], sink: Sink, opts: PredictOptions, workers: int) -> None:
     """Decode in `workers` threads (or processes), in order, a bounded window ahead of the model, which runs
@@ -403,7 +289,7 @@ def predict(opts: PredictOptions) -> PredictResult:
             backend.close()  # the actors load their own
             run_ray(source, todo, sink, opts)
         elif todo:
-            from vit_serve.serve.settings import available_cpus, default_decode_workers
+            from vit_serve.runtime.settings import available_cpus, default_decode_workers
 
             workers = opts.workers or default_decode_workers(available_cpus(), opts.threads, info.device)
             backend.warmup()

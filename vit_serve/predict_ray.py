@@ -2,7 +2,7 @@
 
 The images still to do → `ray.data.from_items` (row number and path) → `map_batches(ModelActor)`, a pool of actors
 each holding the serving backend → the driver, which streams the results (`iter_batches`) into the local engine's
-writer. Images are decoded with the gateway's functions (`vit_serve.predict.decode_file`). On CPUs there is one
+writer. Images are decoded with the gateway's functions (`vit_serve.predict_batch.decode_file`). On CPUs there is one
 actor per CPU of the cluster (`--actors N` otherwise), each decoding its batch and then running it on one
 intra-op thread: the actors overlap each other. On GPUs (`--device cuda`, or auto on a cluster with GPUs) there is
 one actor per GPU, reserving no CPU, fed by a separate `map_batches(decode_batch)` stage of CPU tasks, so that the
@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vit_serve.predict import Item, PredictOptions, Sink, compute, decode_file, load_backend
+from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
+from vit_serve.predict_batch import Item, Sink, compute, decode_file, load_backend
+from vit_serve.predict_options import PredictOptions
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig
@@ -75,11 +77,11 @@ class ModelActor:
                 emb[ok] = got_emb
             if maps is not None and got_maps is not None:
                 maps[ok] = got_maps
-        out["logits"] = logits
+        out[LOGITS] = logits
         if emb is not None:
-            out["embedding"] = emb
+            out[EMBEDDING] = emb
         if maps is not None:
-            out["rollout"] = maps
+            out[ROLLOUT] = maps
         return out
 
 
@@ -136,9 +138,9 @@ def run_ray(source: VersionSource, todo: list[Item], sink: Sink, opts: PredictOp
                 if e != "":
                     sink.error(todo[rows[j]].path, str(e))
             if good:
-                sink.batch([todo[rows[j]] for j in good], batch["logits"][good],
-                           batch["embedding"][good] if "embedding" in batch else None,
-                           batch["rollout"][good] if "rollout" in batch else None)
+                sink.batch([todo[rows[j]] for j in good], batch[LOGITS][good],
+                           batch[EMBEDDING][good] if EMBEDDING in batch else None,
+                           batch[ROLLOUT][good] if ROLLOUT in batch else None)
     finally:
         if started:
             ray.shutdown()

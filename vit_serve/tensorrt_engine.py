@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-INPUT = "pixel_values"
+from vit_serve.manifest import PIXEL_VALUES
 
 # `trt.DataType` member names -> torch dtype names. By hand: `trt.nptype` has no bfloat16 (numpy has none).
 TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8", "UINT8": "uint8",
@@ -69,11 +69,11 @@ class TensorRTEngine:
         self.context = engine.create_execution_context()
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        if INPUT not in names:
-            raise ValueError(f"{path.name} has no input named {INPUT!r} (inputs: {names})")
+        if PIXEL_VALUES not in names:
+            raise ValueError(f"{path.name} has no input named {PIXEL_VALUES!r} (inputs: {names})")
         self.dtypes = {n: torch_dtype(engine.get_tensor_dtype(n)) for n in names}
-        shape = engine.get_tensor_shape(INPUT)
-        self.max_batch = shape[0] if shape[0] > 0 else engine.get_tensor_profile_shape(INPUT, 0)[2][0]
+        shape = engine.get_tensor_shape(PIXEL_VALUES)
+        self.max_batch = shape[0] if shape[0] > 0 else engine.get_tensor_profile_shape(PIXEL_VALUES, 0)[2][0]
         self.stream = torch.cuda.Stream()
 
     def run(self, x: np.ndarray) -> dict[str, np.ndarray]:
@@ -83,9 +83,9 @@ class TensorRTEngine:
     def _run(self, x: np.ndarray) -> dict[str, np.ndarray]:
         torch = self.torch
         with torch.cuda.stream(self.stream):
-            xin = torch.from_numpy(x).to("cuda", non_blocking=True).to(self.dtypes[INPUT])
-            self.context.set_input_shape(INPUT, tuple(xin.shape))
-            self.context.set_tensor_address(INPUT, xin.data_ptr())
+            xin = torch.from_numpy(x).to("cuda", non_blocking=True).to(self.dtypes[PIXEL_VALUES])
+            self.context.set_input_shape(PIXEL_VALUES, tuple(xin.shape))
+            self.context.set_tensor_address(PIXEL_VALUES, xin.data_ptr())
             outs = {}
             for name in self.outputs:
                 shape = tuple(self.context.get_tensor_shape(name))

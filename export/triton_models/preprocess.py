@@ -13,10 +13,10 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from vit_serve.manifest import TritonMeta
+from vit_serve.manifest import PIXEL_VALUES, TritonMeta
 from vit_serve.preprocess import preprocess
 
-INPUT, OUTPUT = "image", "pixel_values"
+INPUT, OUTPUT = "image", PIXEL_VALUES
 
 
 def _invalid(message: str):

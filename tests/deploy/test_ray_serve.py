@@ -369,10 +369,10 @@ def test_a_tensorrt_engine_on_ray_needs_no_tensorrt_where_it_is_launched(cluster
 
 def test_the_ray_engine_outside_ray_serve_is_one_clear_error(ckpt):
     pytest.importorskip("ray.serve")
-    from vit_serve.runtime.backends import create_backend
+    from vit_serve.runtime import LoadSpec, load
 
     with pytest.raises(RuntimeError, match=r"inside Ray Serve.*vit-serve serve --engine ray"):
-        create_backend(_settings(ckpt, engine="ray"))
+        load(LoadSpec.of(_settings(ckpt, engine="ray")))
 
 
 def test_what_ray_serve_cannot_serve_is_refused_before_any_work(ckpt, tmp_path):

@@ -13,6 +13,7 @@ reset head, the option check, and the TensorRT version an engine needs.
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -360,13 +361,13 @@ def test_engine_matches_onnxruntime(onnx_files, tiny, graph, precision, tmp_path
         source = export_typed(tiny, tmp_path / f"m_{plan.graph_precision}.onnx", plan.graph_precision, res=(64, 64))
     info = build_engine(source, tmp_path / "plan", precision=precision, batch=(1, 4, 8), cache_dir=tmp_path,
                         check_onnx=onnx_files["fp32"], progress=lambda s: None)
-    assert info["path"].exists() and info["file"].startswith("model_sm")
-    assert info["strongly_typed"] == plan.strongly_typed
-    cache = tmp_path / timing_cache_name(info["compute_capability"], info["tensorrt"])
+    assert Path(info.path).exists() and info.file.startswith("model_sm")
+    assert info.strongly_typed == plan.strongly_typed
+    cache = tmp_path / timing_cache_name(info.compute_capability, info.version)
     assert cache.stat().st_size > 0
-    assert info["parity"]["ok"], info["parity"]
+    assert info.parity.ok, info.parity
     again = build_engine(source, tmp_path / "plan2", precision=precision, batch=(1, 4, 8), cache_dir=tmp_path,
                          check_onnx=onnx_files["fp32"], progress=lambda s: None)
-    assert again["timing_cache"]["loaded"]  # the strict check accepted the cache this GPU wrote
+    assert again.timing_cache["loaded"]  # the strict check accepted the cache this GPU wrote
     with pytest.raises(FileExistsError):
         build_engine(source, tmp_path / "plan", precision=precision, progress=lambda s: None)

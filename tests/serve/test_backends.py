@@ -14,10 +14,15 @@ from gateway_helpers import LABELS, RES, settings_for
 from vit_serve.explain import rollout
 from vit_serve.manifest import RolloutSettings
 from vit_serve.preprocess import preprocess
-from vit_serve.runtime.backends import check_model, create_backend, resolve_backend
+from vit_serve.runtime import LoadSpec, check, load, resolve_backend
 from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from vit_serve.runtime.backends.torch import TorchBackend
 from vit_serve.runtime.task import Task
+
+
+def spec_for(model, **kw) -> LoadSpec:
+    """The spec of the test settings (`settings_for`)."""
+    return LoadSpec.of(settings_for(model, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -108,33 +113,33 @@ def test_grad_rollout_on_torch(torch_backend, tiny_model, photos):
 
 
 def test_factory_picks_backend_by_suffix(tiny_ckpt, tiny_onnx):
-    assert resolve_backend(settings_for("m.onnx")) == "onnxruntime"
-    assert resolve_backend(settings_for("m.engine")) == "tensorrt"
-    assert resolve_backend(settings_for("m.plan")) == "tensorrt"
-    assert resolve_backend(settings_for("m.safetensors")) == "torch"
-    assert resolve_backend(settings_for("vit", backend="triton")) == "triton"
-    assert isinstance(create_backend(settings_for(tiny_ckpt)), TorchBackend)
-    ort = create_backend(settings_for(tiny_onnx, model_name="shown"))
+    assert resolve_backend(spec_for("m.onnx")) == "onnxruntime"
+    assert resolve_backend(spec_for("m.engine")) == "tensorrt"
+    assert resolve_backend(spec_for("m.plan")) == "tensorrt"
+    assert resolve_backend(spec_for("m.safetensors")) == "torch"
+    assert resolve_backend(spec_for("vit", backend="triton")) == "triton"
+    assert isinstance(load(spec_for(tiny_ckpt)), TorchBackend)
+    ort = load(spec_for(tiny_onnx, model_name="shown"))
     assert isinstance(ort, OnnxRuntimeBackend) and ort.info.name == "shown"
 
 
 def test_missing_files_are_clear_errors(tiny_onnx, tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
-        check_model(settings_for(tmp_path / "absent.safetensors"))
+        check(spec_for(tmp_path / "absent.safetensors"))
     with pytest.raises(ValueError, match="no model given"):
-        check_model(settings_for(""))
+        check(spec_for(""))
     lone = tmp_path / "lone.onnx"
     shutil.copy(tiny_onnx, lone)
     with pytest.raises(FileNotFoundError, match=r"no sidecar lone\.json"):
-        create_backend(settings_for(lone))
+        load(spec_for(lone))
     explain = tiny_onnx.with_name("tiny_explain.onnx")
     with pytest.raises(ValueError, match=r"serve the logits graph tiny\.onnx"):
-        create_backend(settings_for(explain))
+        load(spec_for(explain))
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not onnx")
     bad.with_suffix(".json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
-        create_backend(settings_for(bad))
+        load(spec_for(bad))
 
 
 def _tensorrt_available() -> bool:
@@ -151,9 +156,9 @@ def test_tensorrt_without_gpu_or_package_is_a_clear_error(tiny_onnx, tmp_path):
     engine.write_bytes(b"\0" * 16)
     shutil.copy(tiny_onnx.with_suffix(".json"), engine.with_suffix(".json"))
     with pytest.raises(OSError, match="tensorrt backend needs"):
-        check_model(settings_for(engine))
+        check(spec_for(engine))
     with pytest.raises(OSError, match="tensorrt backend needs"):
-        create_backend(settings_for(engine))
+        load(spec_for(engine))
 
 
 @pytest.mark.skipif(not _tensorrt_available(), reason="needs tensorrt and a CUDA GPU")

@@ -171,7 +171,7 @@ def test_one_bad_image_stops_its_siblings_decodes(tiny_onnx, photos, monkeypatch
     """A request of a corrupt image followed by 7 good ones, on one decode thread: 400 for the corrupt one, and
     the good ones are never decoded (the decode function, counted where the gateway calls it, ran once; a good
     request of 8 runs it 8 times)."""
-    from vit_serve.serve import model_version
+    from vit_serve.runtime import decode as model_version  # where the gateway's decode function lives
 
     calls: list[int] = []
     real = model_version.decode

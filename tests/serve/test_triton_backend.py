@@ -39,8 +39,9 @@ import vit_serve
 from vit_serve.cli import build_parser
 from vit_serve.explain import rollout
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess
-from vit_serve.runtime.backends.base import BackendUnavailableError
 from vit_serve.runtime.backends.triton import TritonBackend, parse_url
+from vit_serve.runtime.errors import BackendUnavailableError
+from vit_serve.runtime.settings import TritonClientSettings
 from vit_serve.runtime.task import CLASSIFY, Task
 from vit_serve.serve.settings import ServeSettings
 
@@ -141,7 +142,7 @@ def test_backend_reads_the_model_from_its_config(server, exported):
     ref = session(exported["onnx"], threads=1).run(["logits"], {"pixel_values": x})[0]
     infos = []
     for url in (server.http_url, f"grpc://{server.grpc_url}"):
-        backend = TritonBackend(MODEL, url, startup_timeout_s=10)
+        backend = TritonBackend(MODEL, TritonClientSettings(triton_url=url, triton_startup_timeout_s=10))
         info = backend.info
         infos.append(info)
         assert (info.resolution, info.patch_size, info.num_classes, info.labels) == ((RES, RES), 16, 10, LABELS)
@@ -173,12 +174,14 @@ def test_backend_errors(server):
     assert parse_url("grpc://triton") == ("grpc", "triton:8001")
     t0 = time.monotonic()
     with pytest.raises(BackendUnavailableError, match=r"'missing_py'.*not ready"):
-        TritonBackend("missing_py", server.http_url, startup_timeout_s=0.5)
+        TritonBackend("missing_py", TritonClientSettings(triton_url=server.http_url, triton_startup_timeout_s=0.5))
     with pytest.raises(BackendUnavailableError, match="not ready"):  # nothing listens there
-        TritonBackend(MODEL, f"http://127.0.0.1:{_free_port()}", startup_timeout_s=0.5)
+        TritonBackend(MODEL, TritonClientSettings(triton_url=f"http://127.0.0.1:{_free_port()}",
+                                                  triton_startup_timeout_s=0.5))
     assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match=f"not a logits model.*serve {NAME}_py"):  # the explain model
-        TritonBackend(f"{NAME}_explain_py", server.http_url, startup_timeout_s=5)
+        TritonBackend(f"{NAME}_explain_py",
+                      TritonClientSettings(triton_url=server.http_url, triton_startup_timeout_s=5))
 
 
 def test_classify_photos_matches_onnxruntime(gateway, photos, reference):

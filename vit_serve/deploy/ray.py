@@ -7,7 +7,8 @@
   Each answer carries `X-Ray-Replica`, the ingress replica that served it.
 * One deployment per model version (`ModelServer`, named `deployment_name(model, path)`), with `num_replicas` or
   an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`). Each replica loads the model with
-  `create_backend` (torch, onnxruntime, tensorrt: MODEL's files, the discovery's choice) and warms it up.
+  `vit_serve.runtime.load` of its `LoadSpec` (torch, onnxruntime, tensorrt: MODEL's files, the discovery's choice)
+  and warms it up. The versions deployed are those the gateway's repository would serve (`select_versions`).
 * Dynamic batching in the replica with Ray Serve's `@serve.batch`, up to `max_batch` images (rows, not requests:
   `batch_size_fn`) or `max_delay_ms` from the first, the model's own config.pbtxt limits first, as the gateway's;
   requests of different tasks that meet in one batch run as one model call per task, in the replica's one model
@@ -15,7 +16,7 @@
   being read and decoded (`runner.Arrival`); in a replica, a process away from those uploads, it would never
   wait, and `max_delay_ms` would mean nothing there. Ray's batcher keeps both knobs (and Ray's batch metrics).
 * `GET /explain?id=` works whichever ingress replica classified the image when the store is shared:
-  settings.store = "redis://HOST:PORT/DB".
+  settings.explain_store.store = "redis://HOST:PORT/DB" (VIT_SERVE_STORE).
 
 * Replicas that reserve no GPU get `CUDA_VISIBLE_DEVICES=""` (Ray >= 2.48 no longer sets it for them, and a
   replica would otherwise use a GPU that no one reserved for it): `actor_options`.
@@ -49,11 +50,10 @@ try:
 except ImportError:  # one line for the CLI and for an import by hand
     raise ImportError("vit_serve.deploy.ray needs Ray Serve: pip install 'vit-serve[ray]' (ray[serve])") from None
 
-from vit_serve.runtime.backends import check_model, create_backend, resolve_backend
+from vit_serve.runtime import LoadSpec, Outputs, Task, check, load, resolve_backend
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.ray import RAY_METRICS, deployment_name
-from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan
-from vit_serve.runtime.task import Outputs, Task
+from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan, select_versions
 from vit_serve.serve.app import create_app
 from vit_serve.serve.settings import ServeSettings
 
@@ -82,18 +82,17 @@ class _Failed:
 class ModelServer:
     """One model version: its replicas load the model, batch requests and run them in one model thread."""
 
-    def __init__(self, settings: ServeSettings, name: str, version: int, path: str, backend: str,
-                 max_batch: int, max_delay_ms: float) -> None:
+    def __init__(self, spec: LoadSpec, version: int, max_batch: int, max_delay_ms: float) -> None:
+        name = spec.name or Path(spec.path).stem
         self.name, self.version = name, version
         self.replica = _replica_id()
         self.max_batch = max_batch
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{name}")
         self.backend: LocalBackend | None = None
         self.error: str | None = None
-        local = settings.model_copy(update={"model": path, "backend": backend, "model_name": name, "engine": "local"})
         t0 = time.perf_counter()
         try:
-            loaded = create_backend(local)
+            loaded = load(spec)
             if not isinstance(loaded, LocalBackend):
                 raise ValueError(f"the {loaded.name} backend runs elsewhere already; Ray serves local backends")
             loaded.warmup()
@@ -206,14 +205,21 @@ MODEL_DEPLOYMENT = serve.deployment(ModelServer)
 INGRESS_DEPLOYMENT = serve.deployment(serve.ingress()(Gateway))
 
 
+SECURITY_FILES = ("api_keys_file", "admin_api_keys_file", "ssl_certfile", "ssl_keyfile")
+
+
+def _resolved(value: str | None) -> str | None:
+    """An existing path made absolute; anything else (unset, a hub id, a Triton name) as it is."""
+    return str(Path(value).resolve()) if value and Path(value).exists() else value
+
+
 def _absolute(settings: ServeSettings) -> ServeSettings:
-    """Paths made absolute: replicas do not run in the caller's working directory."""
-    update: dict[str, str] = {}
-    for field in ("model", "api_keys_file", "admin_api_keys_file", "ssl_certfile", "ssl_keyfile"):
-        value = getattr(settings, field)
-        if value and Path(value).exists():
-            update[field] = str(Path(value).resolve())
-    return settings.model_copy(update=update)
+    """MODEL and the security group's files made absolute: replicas do not run in the caller's working directory.
+    Every group travels with the copy (Ray pickles the settings to the replicas)."""
+    security = settings.security
+    files = {f: _resolved(getattr(security, f)) for f in SECURITY_FILES}
+    return settings.model_copy(update={"model": _resolved(settings.model),
+                                       "security": security.model_copy(update=files)})
 
 
 def _check(settings: ServeSettings) -> None:
@@ -223,24 +229,25 @@ def _check(settings: ServeSettings) -> None:
     if settings.backend == "triton":
         raise ValueError("--backend triton already runs the models on a Triton server; serve the gateway alone "
                          "(the local engine) in front of it")
-    if settings.model_control != "none":
-        raise ValueError(f"--model-control {settings.model_control} is not available on Ray Serve: the model "
-                         f"deployments are fixed when the application is built (use none; serve again to roll out "
-                         f"a new version)")
+    control = settings.repository.model_control
+    if control != "none":
+        raise ValueError(f"--model-control {control} is not available on Ray Serve: the model deployments are fixed "
+                         f"when the application is built (use none; serve again to roll out a new version)")
     if settings.grpc_port is not None:
         raise ValueError("--grpc-port is not served on Ray Serve (HTTP goes through Ray Serve's proxy)")
 
 
 def check_launch(settings: ServeSettings) -> None:
     """The checks the launching machine can make (one-line errors): what Ray Serve cannot serve, and the gateway's
-    `check_model` for the files; not its TensorRT check, since the replicas load the engine on their own machines
+    `check` of the files; not its TensorRT check, since the replicas load the engine on their own machines
     (a GPU node with TensorRT), and the one launching needs neither."""
     _check(settings)
-    if resolve_backend(settings) == "tensorrt":
-        if not Path(settings.model).exists():
-            raise FileNotFoundError(f"no such file: {settings.model}")
+    spec = LoadSpec.of(settings)
+    if resolve_backend(spec) == "tensorrt":
+        if not Path(spec.path).exists():
+            raise FileNotFoundError(f"no such file: {spec.path}")
         return
-    check_model(settings)
+    check(spec)
 
 
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
@@ -305,23 +312,21 @@ def resource_shortfall(request: ResourceRequest, total: Mapping[str, float],
 
 
 def _limits(settings: ServeSettings, entry: ModelEntry) -> tuple[int, float]:
-    """(max_batch, max_delay_ms) of a model: its config.pbtxt's, else the settings'; (1, 0) when batching is off."""
-    own = entry.limits
-    max_batch = own.max_batch or settings.max_batch
-    delay = own.max_delay_ms if own.max_delay_ms is not None else settings.max_delay_ms
-    return (max_batch, delay) if max_batch > 1 and delay > 0 else (1, 0.0)
+    """(max_batch, max_delay_ms) of a model: its config.pbtxt's, else the settings' (as the gateway's repository
+    reads them, `ModelLimits.over`); (1, 0) when batching is off."""
+    limits = entry.limits.over(settings.limits)
+    return (limits.max_batch, limits.max_delay_ms) if limits.batching else (1, 0.0)
 
 
 def served_versions(settings: ServeSettings) -> list[tuple[ModelEntry, VersionSource]]:
-    """The model versions of settings.model that the gateway would serve (each model's version policy)."""
-    default = VersionPolicy.parse(settings.version_policy)
+    """The model versions of settings.model that the gateway would serve (each model's version policy, else the
+    settings', chosen as the gateway's repository chooses them: `select_versions`)."""
+    default = VersionPolicy.parse(settings.repository.version_policy)
     chosen: list[tuple[ModelEntry, VersionSource]] = []
     for name, entry in sorted(scan(settings.model, settings.model_name).items()):
         if entry.error is not None:
             log.warning("model %s is not served: %s", name, entry.error)
-            continue
-        for v in (entry.policy or default).select(list(entry.versions)):
-            chosen.append((entry, entry.versions[v]))
+        chosen += [(entry, entry.versions[v]) for v in select_versions(entry, default)]
     return chosen
 
 
@@ -358,12 +363,12 @@ def _build(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: d
             options["autoscaling_config"] = autoscaling_config
         else:
             options["num_replicas"] = num_replicas
-        models.append(MODEL_DEPLOYMENT.options(**options).bind(
-            settings, entry.name, source.version, str(source.path), source.backend, max_batch, delay_ms))
+        spec = LoadSpec.of(settings, path=str(source.path), backend=source.backend, name=entry.name, engine="local")
+        models.append(MODEL_DEPLOYMENT.options(**options).bind(spec, source.version, max_batch, delay_ms))
     if not models:
         raise ValueError(f"no model to serve in {settings.model}")
     front = actor_options(ingress_actor_options)
-    ingress = INGRESS_DEPLOYMENT.options(num_replicas=ingress_replicas, max_ongoing_requests=settings.max_queue,
+    ingress = INGRESS_DEPLOYMENT.options(num_replicas=ingress_replicas, max_ongoing_requests=settings.limits.max_queue,
                                          ray_actor_options=front)
     most = num_replicas if autoscaling_config is None else int(autoscaling_config.get("max_replicas", 1))
     request = ResourceRequest(len(models), most, float(replica["num_cpus"]), float(replica.get("num_gpus") or 0),
@@ -412,8 +417,9 @@ def run(settings: ServeSettings, address: str | None = None, blocking: bool = Tr
     if not ray.is_initialized():
         start_ray(address, logging_level=logging.WARNING)
     http = {"host": settings.host, "port": settings.port}
-    if settings.ssl_certfile:
-        http |= {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile}
+    tls = settings.security
+    if tls.ssl_certfile:
+        http |= {"ssl_certfile": tls.ssl_certfile, "ssl_keyfile": tls.ssl_keyfile}
     serve.start(http_options=http)
     replacing = name in serve.status().applications
     short = resource_shortfall(request, ray.cluster_resources(), None if replacing else ray.available_resources())

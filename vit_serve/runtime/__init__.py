@@ -1,2 +1,61 @@
-"""What serving a model needs, with no web framework in it: the backends, discovery and version policy, decode,
-postprocessing and the Task. `vit_serve.serve` (HTTP, gRPC), `vit_serve.predict` and `vit_serve.deploy` build on it."""
+"""What serving a model needs, with no web framework in it: `load(LoadSpec(...))` gives a `Backend`, whose `ModelInfo`
+says what it serves and which runs a `Task` on preprocessed batches into its `Outputs`. `vit_serve.serve` (HTTP,
+gRPC), `vit_serve.predict` and `vit_serve.deploy` build on it.
+
+Modules:
+
+* `spec`: `LoadSpec` (one model to load), which backend it means and the checks made before loading.
+* `backends`: `load`, and one module per backend (torch, onnxruntime, tensorrt, triton, ray; each imported only when
+  it is loaded) behind `backends.base` (`Backend`, `LocalBackend`, `RemoteBackend`, `ModelInfo`); `sidecar`
+  reads an export's manifest.
+* `task`: `Task` (classify, explain, embed, grad_rollout) and `Outputs`.
+* `discovery`: what a repository holds (`scan`), the version policy (`VersionPolicy`, `select_versions`).
+* `decode`: upload bytes -> the model input (one decode, the crop kept), and the PNG overlay; `gpu_decode`: the
+  same on CUDA (nvJPEG).
+* `postprocess`: top-k classes, the rollout payload, embedding normalisation.
+* `errors`: what a request can be refused for (`ServingError` and its kinds); `vit_serve.serve.errors` maps them
+  to HTTP and gRPC statuses.
+* `settings`: the runtime's settings groups (`RunnerLimits`, `TritonClientSettings`, `RepositorySettings`).
+* `metrics`: the labels and buckets every model metric shares; `trace_context`: the trace context passed on to a
+  model server.
+"""
+
+from vit_serve.runtime.backends import load
+from vit_serve.runtime.backends.base import Backend, ModelInfo
+from vit_serve.runtime.errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    InvalidValueError,
+    ModelTimeoutError,
+    NotFoundError,
+    NotReadyError,
+    QueueFullError,
+    ServingError,
+    TooLargeError,
+    UnreadableImageError,
+    UnsupportedMediaError,
+)
+from vit_serve.runtime.spec import LoadSpec, check, resolve_backend
+from vit_serve.runtime.task import Outputs, Task
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "InvalidInputError",
+    "InvalidValueError",
+    "LoadSpec",
+    "ModelInfo",
+    "ModelTimeoutError",
+    "NotFoundError",
+    "NotReadyError",
+    "Outputs",
+    "QueueFullError",
+    "ServingError",
+    "Task",
+    "TooLargeError",
+    "UnreadableImageError",
+    "UnsupportedMediaError",
+    "check",
+    "load",
+    "resolve_backend",
+]

@@ -3,9 +3,9 @@
 Decoding and preprocessing are `vit_serve.preprocess`'s (`load_image`, then `resize_and_crop` and `to_tensor`,
 the two halves of `preprocess`), so the served input equals `preprocess(image, cfg)` exactly, on the contract's
 decode path (`cfg.decode`, "exact" or "fast"); the crop in the middle, from that one decode, is kept for
-`GET /explain` and the overlay, and the input tensor is made from it (one decode per upload; none when the crop
-is in the store). On CUDA the crop may come from `gpu_decode` instead. Decode failures become the gateway's HTTP
-errors here.
+`GET /explain` and the overlay, and the input tensor is made from it (one decode per upload; none when the caller
+has the crop already: the gateway keeps crops in its image store). On CUDA the crop may come from `gpu_decode`
+instead. Decode failures become the runtime's errors here (`vit_serve.runtime.errors`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from vit_serve.preprocess import (
     resize_and_crop,
     to_tensor,
 )
-from vit_serve.serve.errors import BadImageError, TooLargeError, UnsupportedMediaError
-from vit_serve.serve.stores import CropStore
+from vit_serve.runtime.errors import TooLargeError, UnreadableImageError, UnsupportedMediaError
 
 # The 415's list of what uploads may be (`IMAGE_FORMATS`, the formats Pillow is allowed to open them as).
 ACCEPTED = ", ".join("PPM/PGM/PBM" if f == "PPM" else "WebP" if f == "WEBP" else f for f in IMAGE_FORMATS)
@@ -51,8 +50,8 @@ def image_id(data: bytes) -> str:
 
 
 def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Image:
-    """Encoded image -> the model-input crop (cfg.input_size, on cfg.decode's path); 415 / 422 / 413 as
-    GatewayErrors."""
+    """Encoded image -> the model-input crop (cfg.input_size, on cfg.decode's path); UnsupportedMediaError,
+    UnreadableImageError or TooLargeError (`vit_serve.runtime.errors`) when it cannot be."""
     try:
         return resize_and_crop(load_image(data, max_pixels=max_pixels, cfg=cfg), cfg)
     except ImageTooLargeError as e:
@@ -61,7 +60,7 @@ def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Im
     except ImageDecodeError as e:
         if isinstance(e.__cause__, UnidentifiedImageError):
             raise UnsupportedMediaError(f"not an image in a format vit-serve reads ({ACCEPTED})") from e
-        raise BadImageError(f"corrupt or truncated image: {e}") from e
+        raise UnreadableImageError(f"corrupt or truncated image: {e}") from e
 
 
 def input_tensor(crop: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
@@ -69,18 +68,14 @@ def input_tensor(crop: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
     return to_tensor(crop, cfg).numpy()[None]
 
 
-def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, store: CropStore | None = None,
-           key: str | None = None) -> Decoded:
-    """Decode (or find the crop in `store`) and preprocess; remembers the crop in `store`. `key`: the bytes'
-    sha256 hex when the reader already has it (`uploads.read_image` hashes while reading), else computed here
-    when there is a store (without one, and without `key`, nothing needs the id: it is "")."""
+def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, key: str = "",
+           crop: Image.Image | None = None) -> Decoded:
+    """Decode and preprocess one upload; `crop`: its crop when the caller has it already (an image store's), then
+    nothing is decoded. `key`: the upload's id (`image_id`, or the caller's slot for it), carried into the
+    result ("" when nobody needs it)."""
     t0 = time.perf_counter()
-    key = key or (image_id(data) if store is not None else "")
-    crop = store.get(key) if store is not None else None
     if crop is None:
         crop = decode_crop(data, cfg, max_pixels)
-        if store is not None:
-            store.put(key, crop)
     return Decoded(key, crop, input_tensor(crop, cfg), (time.perf_counter() - t0) * 1e3)
 
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from vit_serve.manifest import TRITON_ONNX, TritonMeta, find_manifest
 
@@ -41,6 +42,13 @@ TRITON_CONFIG = "config.pbtxt"
 
 
 SkipKind = Literal["python", "ensemble", "explain", "engine"]
+
+
+class _Copyable(Protocol):
+    def model_copy(self: L, *, update: dict[str, Any] | None = None) -> L: ...
+
+
+L = TypeVar("L", bound=_Copyable)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,13 @@ class ModelLimits:
     max_delay_ms: float | None = None
     max_queue: int | None = None
 
+    def over(self, limits: L) -> L:
+        """`limits` (the gateway's `runtime.settings.RunnerLimits`) with this model's own values in their place
+        (a max_batch or max_queue of 0 is none)."""
+        own = {"max_batch": self.max_batch or None, "max_delay_ms": self.max_delay_ms,
+               "max_queue": self.max_queue or None}
+        return limits.model_copy(update={k: v for k, v in own.items() if v is not None})
+
 
 @dataclass(frozen=True)
 class VersionSource:
@@ -125,6 +140,16 @@ class ModelEntry:
     # candidate for the default model.
     skipped: SkipKind | None = None
     meta: TritonMeta | None = None  # its config.pbtxt's "vit_serve" parameter, when it has one
+
+
+def select_versions(entry: ModelEntry, default: VersionPolicy, refused: Collection[int] = ()) -> list[int]:
+    """The versions of `entry` to serve, ascending: its own version policy's (its config.pbtxt), else `default`'s,
+    among the versions on disk but `refused` (a refused version leaves the policy to choose among the others);
+    none for a model that cannot be served (`entry.error`). The one version policy of the gateway's repository
+    and of the Ray Serve application."""
+    if entry.error is not None:
+        return []
+    return (entry.policy or default).select([v for v in entry.versions if v not in refused])
 
 
 @dataclass(frozen=True)

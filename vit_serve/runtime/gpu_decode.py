@@ -7,7 +7,7 @@ squash, then the centre crop, zero-padded when smaller) runs on the GPU with tor
 What comes back is the uint8 model-input crop, from which the gateway makes the input tensor and which it keeps
 for `GET /explain`, as on the CPU path.
 
-Every upload the GPU cannot take returns None and the gateway decodes it on the CPU path instead (`images.decode`),
+Every upload the GPU cannot take returns None and the gateway decodes it on the CPU path instead (`decode.decode`),
 one image at a time and never failing the others: not a JPEG, a JPEG Pillow's header check refuses (size limits,
 corrupt header: the CPU path then gives the proper 4xx before any decode), a colour mode other than RGB or grey
 (CMYK), a resize filter torchvision cannot apply to tensors (lanczos, box, hamming), or an nvJPEG error.

@@ -1,11 +1,15 @@
-"""The serving gateway (FastAPI): `create_app(settings)`, `ServeSettings`; run it with `vit-serve serve REPO`.
+"""The serving gateway (FastAPI, gRPC) over `vit_serve.runtime`: `create_app(settings)`, `ServeSettings`; run it
+with `vit-serve serve REPO`.
 
-Layout: settings (ServeSettings), app (factory + lifespan), gateway (the running parts), discovery (what a
-repository holds), repository (the loaded versions: model control, polling, load / unload), model_version (one
-loaded version), runner (batching or direct), inference (the Task), images (decode / overlay), uploads, store
-(recent images), security (API keys), v2_protocol (KServe v2 wire format), metrics, middleware, errors, schemas,
-deps; routes/ (classify, explain, health, metrics, models, v2, repository, page); backends/ (base, torch,
-onnxruntime, tensorrt, triton, sidecar).
+Layout: settings (ServeSettings and its groups: limits, triton, repository, security, explain_store), app (factory +
+lifespan), gateway (the running parts), repository (the loaded versions: model control, polling, load / unload),
+model_version (one loaded version), runner (batching or direct), uploads, keys and security (API keys), caller
+(whose upload is whose), stores/ (recent images for GET /explain: memory, redis, the store secret), errors (runtime
+errors -> HTTP statuses and gRPC codes in one table, and the one /v2 error envelope), v2_protocol (the KServe v2 wire
+format) and v2_model (what HTTP /v2 and gRPC share), grpc, metrics, middleware, tracing, schemas, deps; routes/
+(classify, embed, explain and what they share, image_request; health, metrics, models, page; v2: all of /v2 as one
+router group, the repository extension included). Backends, discovery, decode and postprocessing are the
+runtime's (`vit_serve.runtime`).
 """
 
 from __future__ import annotations

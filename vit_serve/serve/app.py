@@ -26,7 +26,7 @@ from vit_serve.serve.middleware import (
     RequestIdFilter,
     RequestMetrics,
 )
-from vit_serve.serve.routes import classify, embed, explain, health, metrics, models, page, repository, v2
+from vit_serve.serve.routes import classify, embed, explain, health, metrics, models, page, v2
 from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.security import ApiKeys, KeyRing
@@ -49,8 +49,9 @@ under `/v2`. Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
     app.state.grpc = None  # the GrpcServer (its `port`) when grpc_port is set
-    s, ring = gateway.settings, KeyRing.from_settings(gateway.settings)
-    if s.allow_any_key_admin and s.repository_api and not ring.admin:
+    s = gateway.settings
+    ring = KeyRing.from_settings(s.security, s.repository.repository_api)
+    if s.security.allow_any_key_admin and s.repository.repository_api and not ring.admin:
         log.warning("--allow-any-key-admin: %s may load and unload models (POST /v2/repository/models/NAME/load, "
                     "unload; gRPC RepositoryModelLoad, RepositoryModelUnload)",
                     "any valid API key" if ring.on else "anyone (no API key is set)")
@@ -81,17 +82,18 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     gateway = Gateway(settings)
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in (classify, embed, explain, health, metrics, models, v2, repository, page):
+    for module in (classify, embed, explain, health, metrics, models, v2, page):  # v2: all of /v2
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # Outermost last: RequestId -> CORS -> RequestMetrics -> ApiKeys -> ErrorBoundary -> BodyLimit -> routes.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ErrorBoundary)
-    app.add_middleware(ApiKeys, ring=KeyRing.from_settings(settings))
+    security = settings.security
+    app.add_middleware(ApiKeys, ring=KeyRing.from_settings(security, settings.repository.repository_api))
     app.add_middleware(RequestMetrics, metrics=gateway.metrics)
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+    if security.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=security.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
                            expose_headers=["X-Request-ID", "X-Image-Id", "X-Model", "X-Model-Version",
                                            "Server-Timing"], max_age=600)
@@ -134,5 +136,5 @@ def run(settings: ServeSettings) -> None:
         handler.addFilter(RequestIdFilter())
     logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # its lines would carry explain ids
     uvicorn.run(OneLineStartupFailure(create_app(settings)), host=settings.host, port=settings.port,
-                log_level="info", timeout_graceful_shutdown=10, ssl_certfile=settings.ssl_certfile,
-                ssl_keyfile=settings.ssl_keyfile, root_path=settings.root_path)
+                log_level="info", timeout_graceful_shutdown=10, ssl_certfile=settings.security.ssl_certfile,
+                ssl_keyfile=settings.security.ssl_keyfile, root_path=settings.root_path)

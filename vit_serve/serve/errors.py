@@ -1,78 +1,162 @@
-"""The gateway's client errors: one exception per HTTP answer, rendered as JSON by `install_error_handlers`.
+"""The gateway's answers to errors: one table (`STATUSES`) maps each error to its HTTP status, and
+`GRPC_CODES` each HTTP status to its gRPC code; `install_error_handlers` renders them as JSON.
 
-Routes under /v2 answer `{"error": message}` (the Open Inference Protocol's error body); the others answer
-FastAPI's `{"detail": message}`. Anything unexpected is logged and answered 500 by `ErrorBoundary` (middleware).
+The runtime raises its own errors (`vit_serve.runtime.errors`, which know no protocol); the gateway raises the
+classes below, one per answer, each a runtime error as well (a `GatewayError` takes `headers` as it always did).
+Under /v2 (`V2`: the Open Inference Protocol's router group, routes.v2) errors answer `{"error": message}`, the
+protocol's error body; elsewhere FastAPI's `{"detail": message}`: `envelope(scope)` chooses, for the exception
+handlers here and for the middleware that answers before routing (the key check, the body limit). Anything
+unexpected is logged and answered 500 by `ErrorBoundary` (middleware).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
-from vit_serve.runtime.backends.base import BackendUnavailableError
+from vit_serve.runtime import errors as runtime
+from vit_serve.runtime.errors import BackendUnavailableError, ServingError
 from vit_serve.serve.schemas import StrictJSONResponse
 
+if TYPE_CHECKING:
+    import grpc
+
 log = logging.getLogger("vit_serve.serve")
-# A backend that does not answer: its error names internal hosts (a Triton URL, a Ray deployment), so it is
-# logged and the client gets this line (HTTP 503, gRPC UNAVAILABLE).
-BACKEND_UNAVAILABLE = "the model's backend is unavailable; retry later"
+# What a client is told when the backend does not answer (the error itself names internal hosts and is logged):
+# HTTP 503, gRPC UNAVAILABLE.
+BACKEND_UNAVAILABLE = BackendUnavailableError.PUBLIC_MESSAGE
 
 
-class GatewayError(Exception):
-    """A request the gateway answers with `status` and a one-line message."""
+class _TableStatus:
+    """A class attribute that reads the error's HTTP status from `STATUSES` (a subclass may set its own)."""
 
-    status: int = 400
+    def __get__(self, error: object, cls: type[BaseException]) -> int:
+        return table_status(cls)
+
+
+class GatewayError(ServingError):
+    """A request the gateway answers with `status` and a one-line message (and `headers`: Retry-After only)."""
+
+    status: Any = _TableStatus()
 
     def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.headers = headers
+        super().__init__(message, retry_after=(headers or {}).get("Retry-After"))
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return error_headers(self)
 
 
-class BadRequestError(GatewayError):
-    status = 400
+class BadRequestError(GatewayError, runtime.InvalidInputError):
+    pass
 
 
 class ForbiddenError(GatewayError):
-    status = 403
+    pass
 
 
-class NotFoundError(GatewayError):
-    status = 404
+class NotFoundError(GatewayError, runtime.NotFoundError):
+    pass
 
 
-class TooLargeError(GatewayError):
-    status = 413
+class TooLargeError(GatewayError, runtime.TooLargeError):
+    pass
 
 
-class UnsupportedMediaError(GatewayError):
-    status = 415
+class UnsupportedMediaError(GatewayError, runtime.UnsupportedMediaError):
+    pass
 
 
-class BadImageError(GatewayError):
-    status = 422
+class BadImageError(GatewayError, runtime.UnreadableImageError):
+    pass
 
 
-class InvalidValueError(GatewayError):
+class InvalidValueError(GatewayError, runtime.InvalidValueError):
     """A well-formed request with an unusable value (FastAPI's own validation errors are 422 too)."""
 
-    status = 422
+
+class QueueFullError(GatewayError, runtime.QueueFullError):
+    pass
 
 
-class QueueFullError(GatewayError):
-    status = 503
+class NotReadyError(GatewayError, runtime.NotReadyError):
+    pass
 
 
-class NotReadyError(GatewayError):
-    status = 503
+class GatewayTimeoutError(GatewayError, runtime.ModelTimeoutError):
+    """No answer within the gateway's own request timeout."""
 
 
-class GatewayTimeoutError(GatewayError):
-    status = 504
+# The one table: the HTTP status of each error, the first of its classes (most derived first) listed here.
+STATUSES: dict[type[BaseException], int] = {
+    runtime.InvalidInputError: 400,
+    ForbiddenError: 403,
+    runtime.NotFoundError: 404,
+    runtime.TooLargeError: 413,
+    runtime.UnsupportedMediaError: 415,
+    runtime.UnreadableImageError: 422,
+    runtime.InvalidValueError: 422,
+    runtime.NotReadyError: 503,
+    runtime.QueueFullError: 503,
+    runtime.BackendUnavailableError: 503,
+    runtime.ModelTimeoutError: 504,
+    ServingError: 400,  # any other refusal
+}
+# HTTP status -> gRPC status code (Triton's and KServe's choices); an unlisted 4xx: INVALID_ARGUMENT, 5xx: INTERNAL.
+GRPC_CODES: dict[int, str] = {
+    400: "INVALID_ARGUMENT",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",
+    415: "INVALID_ARGUMENT",
+    422: "INVALID_ARGUMENT",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def table_status(cls: type[BaseException]) -> int:
+    """The HTTP status `STATUSES` gives an error class (500 for anything that is no ServingError)."""
+    return next((STATUSES[c] for c in cls.__mro__ if c in STATUSES), 500)
+
+
+def http_status(error: BaseException) -> int:
+    """The HTTP status the gateway answers `error` with: a GatewayError's `status` (the table's unless its class
+    sets its own), else the table's."""
+    return error.status if isinstance(error, GatewayError) else table_status(type(error))
+
+
+def error_headers(error: ServingError) -> dict[str, str] | None:
+    """The answer's headers: Retry-After when the error advises one."""
+    return {"Retry-After": error.retry_after} if error.retry_after is not None else None
+
+
+def grpc_status_code(status: int) -> grpc.StatusCode:
+    """The gRPC code of an HTTP status the gateway answers (`GRPC_CODES`)."""
+    import grpc
+
+    name = GRPC_CODES.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
+    return grpc.StatusCode[name]
+
+
+def grpc_code(error: BaseException) -> grpc.StatusCode:
+    """The gRPC code the gateway answers `error` with (its HTTP status's, `grpc_status_code`)."""
+    return grpc_status_code(http_status(error))
+
+
+def client_message(error: ServingError) -> str:
+    """What the client is told; a backend that does not answer is logged here (its reason names hosts)."""
+    if isinstance(error, BackendUnavailableError):
+        log.warning("backend unavailable: %s", error)
+    return error.message
 
 
 class BodyTooLargeError(HTTPException):
@@ -86,34 +170,54 @@ def body_limit_message(limit: int) -> str:
     return f"request body is larger than the limit of {limit} bytes ({limit / 2**20:.1f} MiB; VIT_SERVE_MAX_BODY_BYTES)"
 
 
-def _body(request: Request, message: str) -> dict[str, str]:
-    return {"error": message} if get_route_path(request.scope).startswith("/v2") else {"detail": message}
+V2 = "/v2"  # the Open Inference Protocol's sub-tree (routes.v2's router prefix), with its own error envelope
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """How an error answer's JSON body carries its message: under `key` ("detail": FastAPI's, "error": the Open
+    Inference Protocol's); `flat`: always one line of text (an HTTPException's detail, validation errors)."""
+
+    key: str
+    flat: bool
+
+    def body(self, message: str) -> dict[str, str]:
+        return {self.key: message}
+
+    def http(self, detail: Any) -> dict[str, Any]:
+        """An HTTPException's detail (any JSON value FastAPI allows; its text when flat)."""
+        return {self.key: str(detail) if self.flat else detail}
+
+    def invalid(self, errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Validation errors: "loc: msg; ..." when flat, else FastAPI's list minus the echoed input (it may be a
+        large or binary body)."""
+        if self.flat:
+            return {self.key: "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)}
+        return {self.key: [{k: v for k, v in e.items() if k not in ("input", "ctx", "url")} for e in errors]}
+
+
+DETAIL = Envelope("detail", flat=False)
+OPEN_INFERENCE = Envelope("error", flat=True)
+
+
+def envelope(scope: Scope) -> Envelope:
+    """The envelope of an error answer to `scope`, by its routed path (--root-path and mounts left out): /v2's
+    for anything under /v2, routed or not (an unknown path there, a 413 before routing), FastAPI's elsewhere."""
+    return OPEN_INFERENCE if get_route_path(scope).startswith(V2) else DETAIL
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """JSON answers for GatewayError, BackendUnavailableError, HTTPException and validation errors."""
+    """JSON answers for the runtime's and the gateway's errors, HTTPException and validation errors."""
 
-    @app.exception_handler(GatewayError)
-    async def _gateway(request: Request, exc: GatewayError) -> StrictJSONResponse:
-        return StrictJSONResponse(_body(request, exc.message), exc.status, headers=exc.headers)
-
-    @app.exception_handler(BackendUnavailableError)
-    async def _unavailable(request: Request, exc: BackendUnavailableError) -> StrictJSONResponse:
-        log.warning("backend unavailable: %s", exc)
-        return StrictJSONResponse(_body(request, BACKEND_UNAVAILABLE), 503, headers={"Retry-After": "1"})
+    @app.exception_handler(ServingError)
+    async def _serving(request: Request, exc: ServingError) -> StrictJSONResponse:
+        body = envelope(request.scope).body(client_message(exc))
+        return StrictJSONResponse(body, http_status(exc), headers=error_headers(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> StrictJSONResponse:
-        if get_route_path(request.scope).startswith("/v2"):
-            return StrictJSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
-        return StrictJSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
+        return StrictJSONResponse(envelope(request.scope).http(exc.detail), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
-        errors = exc.errors()
-        if get_route_path(request.scope).startswith("/v2"):
-            text = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-            return StrictJSONResponse({"error": text}, 422)
-        # FastAPI's own shape, minus the echoed input (it may be a large or binary body).
-        return StrictJSONResponse({"detail": [{k: v for k, v in e.items() if k not in ("input", "ctx", "url")}
-                                        for e in errors]}, 422)
+        return StrictJSONResponse(envelope(request.scope).invalid(exc.errors()), 422)

@@ -13,12 +13,10 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import numpy as np
 from PIL import Image
 
-from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.spec import LoadSpec
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
@@ -26,17 +24,6 @@ from vit_serve.serve.settings import ServeSettings
 from vit_serve.serve.stores import open_store
 
 log = logging.getLogger("vit_serve.serve")
-
-
-def top_k(logits: np.ndarray, k: int, info: ModelInfo) -> list[dict[str, Any]]:
-    """logits [K] -> the k best classes as {"label", "index", "score" (softmax)}, best first (by logit: ties by
-    index, NaN last). Non-finite logits give NaN scores, which the JSON encoder writes as null."""
-    z = logits.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        p = np.exp(z - z.max())
-        p /= p.sum()
-    best = np.argsort(-z, kind="stable")[:min(k, z.shape[0])]
-    return [{"label": info.label(int(i)), "index": int(i), "score": float(p[i])} for i in best]
 
 
 class Gateway:
@@ -62,7 +49,9 @@ class Gateway:
         self._pil_limit = Image.MAX_IMAGE_PIXELS  # restored by stop(): other code in this process keeps its own
         Image.MAX_IMAGE_PIXELS = self.settings.max_pixels
         self.decode_pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="vit-serve-decode")
-        self.repository = ModelRepository(self.settings, self.metrics, self.decode_pool, self.store)
+        s = self.settings
+        self.repository = ModelRepository(LoadSpec.of(s), s.repository, self.metrics, self.decode_pool, self.store,
+                                          max_pixels=s.max_pixels, gpu_decode=s.gpu_decode)
         await self.repository.start()
         self.started = True
 

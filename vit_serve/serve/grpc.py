@@ -11,10 +11,11 @@ RepositoryModelLoad and RepositoryModelUnload (the others answer UNIMPLEMENTED).
 `classification = k` answers Triton's classification extension. Outputs are always `raw_output_contents`, as
 Triton sends them. `model_version` "" is the newest version in service.
 
-Errors carry the HTTP routes' messages, with the status mapped as Triton and KServe do (`STATUS_CODES`); anything
-unexpected is logged and answers INTERNAL with one line, never a traceback. Messages either way are limited to
-`grpc_max_message_bytes` (gRPC's own 4 MiB default is smaller than a 12 MP JPEG: kserve#3717); a larger one
-answers RESOURCE_EXHAUSTED; so do calls beyond `grpc_max_concurrent_calls` in flight. With API keys on, a call
+Errors carry the HTTP routes' messages, with the status mapped as Triton and KServe do (`vit_serve.serve.errors`:
+one table for HTTP and gRPC); anything unexpected is logged and answers INTERNAL with one line, never a
+traceback. Messages either way are limited to `grpc_max_message_bytes` (gRPC's own 4 MiB default is smaller than
+a 12 MP JPEG: kserve#3717); a larger one answers RESOURCE_EXHAUSTED; so do calls beyond `grpc_max_concurrent_calls`
+in flight. With API keys on, a call
 sends one as metadata (`authorization: Bearer KEY` or `x-api-key: KEY`), checked by a server interceptor
 (`KeyCheck`) from the call's metadata before its message is read: UNAUTHENTICATED without, whatever the message;
 load / unload need an admin key (PERMISSION_DENIED), or, with no admin keys, `--allow-any-key-admin`. TLS uses
@@ -34,11 +35,10 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add_GRPCInferenceServiceServicer_to_server
 
-from vit_serve.runtime.backends.base import BackendUnavailableError
+from vit_serve.runtime.errors import ServingError
 from vit_serve.serve import v2_model
-from vit_serve.serve.errors import BACKEND_UNAVAILABLE, BadRequestError, GatewayError, NotReadyError
+from vit_serve.serve.errors import BadRequestError, NotReadyError, client_message, grpc_code, grpc_status_code
 from vit_serve.serve.gateway import Gateway
-from vit_serve.serve.routes.repository import repository as repository_of  # its 403 / 503 rules
 from vit_serve.serve.security import GRPC_ADMIN_METHODS, GRPC_PROBE_METHODS, KeyRing, presented_key
 from vit_serve.serve.tracing import grpc_server_span
 from vit_serve.serve.v2_protocol import (
@@ -56,17 +56,6 @@ from vit_serve.serve.v2_protocol import (
 
 log = logging.getLogger("vit_serve.serve")
 
-# The gateway's HTTP statuses -> gRPC status codes (Triton's and KServe's choices).
-STATUS_CODES: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    415: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 # Typed `contents` field of each datatype (FP16 has none: it travels raw).
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -81,15 +70,13 @@ R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
 
 
-def status_code(status: int) -> grpc.StatusCode:
-    """The gRPC code of an HTTP status the gateway answers (an unlisted 4xx: INVALID_ARGUMENT)."""
-    return STATUS_CODES.get(status, grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL)
+status_code = grpc_status_code  # the gRPC code of an HTTP status the gateway answers (serve.errors.GRPC_CODES)
 
 
 def _answers_errors(rpc: Handler) -> Handler:
-    """A servicer method whose GatewayErrors (and a backend that does not answer) end the call with their
-    status code and message; anything else is logged and answers INTERNAL in one line. (Keys are checked before,
-    by `KeyCheck`.)"""
+    """A servicer method whose runtime and gateway errors (a backend that does not answer too) end the call with
+    their status code and message (serve.errors); anything else is logged and answers INTERNAL in one line. (Keys
+    are checked before, by `KeyCheck`.)"""
 
     name = rpc.__name__
 
@@ -102,11 +89,8 @@ def _answers_errors(rpc: Handler) -> Handler:
                 if span is not None:
                     span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
                 return answer
-            except GatewayError as e:
-                code, message, retry = status_code(e.status), e.message, (e.headers or {}).get("Retry-After")
-            except BackendUnavailableError as e:  # its message names internal hosts: logged, not answered
-                log.warning("backend unavailable: %s", e)
-                code, message, retry = grpc.StatusCode.UNAVAILABLE, BACKEND_UNAVAILABLE, "1"
+            except ServingError as e:  # the runtime's and the gateway's errors: serve.errors' one table
+                code, message, retry = grpc_code(e), client_message(e), e.retry_after
             except Exception as e:
                 log.exception("gRPC %s failed", rpc.__name__)
                 code, message, retry = grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})", None
@@ -221,7 +205,7 @@ class Servicer(GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:  # noqa: N802
         mv = self.gateway.model(request.model_name or None, request.model_version or None)
         with mv.using(), mv.arriving() as arrival:
-            req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings))
+            req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings.limits))
             outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers)
         return infer_response(mv.name, str(mv.version), req.id, outputs)
 
@@ -229,7 +213,7 @@ class Servicer(GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:  # noqa: N802
         """Every model version with its state (`ready`: only those in service); a model never loaded: its name."""
         response = pb.RepositoryIndexResponse()
-        for row in repository_of(self.gateway).index():
+        for row in v2_model.repository_of(self.gateway).index():
             if request.ready and row.state != "READY":
                 continue
             response.models.add(name=row.name, version="" if row.version is None else str(row.version),
@@ -240,13 +224,13 @@ class Servicer(GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,  # noqa: N802
                                   context: Any) -> pb.RepositoryModelLoadResponse:
         """Load (again) a model; needs --model-control explicit, as over HTTP."""
-        await repository_of(self.gateway).load(request.model_name)
+        await v2_model.repository_of(self.gateway).load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @_answers_errors
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,  # noqa: N802
                                     context: Any) -> pb.RepositoryModelUnloadResponse:
-        await repository_of(self.gateway).unload(request.model_name)
+        await v2_model.repository_of(self.gateway).unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
 
@@ -313,7 +297,8 @@ class GrpcServer:
         if s.grpc_port is None:
             raise ValueError("grpc_port is not set")
         limit = s.grpc_max_message_bytes
-        server = grpc.aio.server(interceptors=[KeyCheck(KeyRing.from_settings(s))],
+        ring, tls = KeyRing.from_settings(s.security, s.repository.repository_api), s.security
+        server = grpc.aio.server(interceptors=[KeyCheck(ring)],
                                  maximum_concurrent_rpcs=s.grpc_max_concurrent_calls,
                                  options=[("grpc.max_send_message_length", limit),
                                           ("grpc.max_receive_message_length", limit),
@@ -321,8 +306,8 @@ class GrpcServer:
         add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, self.tracer), server)
         address = _address(s.host, s.grpc_port)
         try:
-            if s.ssl_certfile and s.ssl_keyfile:
-                pair = (Path(s.ssl_keyfile).read_bytes(), Path(s.ssl_certfile).read_bytes())
+            if tls.ssl_certfile and tls.ssl_keyfile:
+                pair = (Path(tls.ssl_keyfile).read_bytes(), Path(tls.ssl_certfile).read_bytes())
                 port = server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
             else:
                 port = server.add_insecure_port(address)

@@ -14,9 +14,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
-MODEL = ("model", "version")
+from vit_serve.runtime.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, MODEL
 
 
 class GatewayMetrics:

@@ -17,7 +17,7 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vit_serve.serve.errors import BodyTooLargeError, body_limit_message
+from vit_serve.serve.errors import BodyTooLargeError, body_limit_message, envelope
 from vit_serve.serve.metrics import GatewayMetrics
 
 log = logging.getLogger("vit_serve.serve")
@@ -96,10 +96,6 @@ def _endpoint(scope: Scope) -> str:
     return getattr(route, "path", None) or "unmatched"
 
 
-def _error_body(scope: Scope, message: str) -> dict[str, str]:
-    return {"error": message} if scope.get("path", "").startswith("/v2") else {"detail": message}
-
-
 class RequestMetrics:
     """Counts every HTTP answer by endpoint, method and status, and observes its latency."""
 
@@ -144,7 +140,7 @@ class ErrorBoundary:
             log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if started:
                 raise
-            body = _error_body(scope, "internal server error; the gateway logged it")
+            body = envelope(scope).body("internal server error; the gateway logged it")
             await JSONResponse(body, 500)(scope, receive, send)
 
 
@@ -163,7 +159,7 @@ class BodyLimit:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.limit:
-                    body = _error_body(scope, body_limit_message(self.limit))
+                    body = envelope(scope).body(body_limit_message(self.limit))
                     await JSONResponse(body, 413, headers={"Connection": "close"})(scope, receive, send)
                     return
                 break

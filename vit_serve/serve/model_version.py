@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,8 +30,9 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.runtime import decode as decoding
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
-from vit_serve.runtime.decode import Decoded, decode, decode_crop, image_id, input_tensor, overlay_png
+from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.gpu_decode import GpuDecoder
 from vit_serve.runtime.task import EMBED, Task
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
@@ -198,31 +200,43 @@ class ModelVersion:
 
     async def decode(self, data: bytes, key: str | None = None, keep: bool = True) -> Decoded:
         """Upload bytes -> id, crop, x [1, 3, H, W], decoded once (none if the crop is in the store); keeps the
-        crop for GET /explain under `key`, the caller's slot for the upload (routes.classify.decode_kept; the id
+        crop for GET /explain under `key`, the caller's slot for the upload (routes.image_request.decode_kept; the id
         is the key then)."""
         loop = asyncio.get_running_loop()
         cfg = self.info.preprocess
         if self.gpu is None:
-            return await loop.run_in_executor(self.pool, decode, data, cfg, self.max_pixels,
-                                              self.crops if keep else None, key)
+            return await loop.run_in_executor(self.pool, self._decode_kept, data, key, keep)
         t0 = time.perf_counter()
         if not key and keep:
-            key = await loop.run_in_executor(self.pool, image_id, data)
+            key = await loop.run_in_executor(self.pool, decoding.image_id, data)
         crop = self.crops.get(key) if keep else None  # a store that cannot answer is a miss here
         if crop is None:
             crop = await self.gpu.crop(data)
             if crop is None:  # not for the GPU: the CPU path (and its 4xx answers)
-                crop = await loop.run_in_executor(self.pool, decode_crop, data, cfg, self.max_pixels)
+                crop = await loop.run_in_executor(self.pool, decoding.decode_crop, data, cfg, self.max_pixels)
             if keep:
                 self.crops.put(key, crop)
-        x = await loop.run_in_executor(self.pool, input_tensor, crop, cfg)
+        x = await loop.run_in_executor(self.pool, decoding.input_tensor, crop, cfg)
         return Decoded(key or "", crop, x, (time.perf_counter() - t0) * 1e3)
 
+    def _decode_kept(self, data: bytes, key: str | None, keep: bool) -> Decoded:
+        """The CPU path, in the decode pool: the crop from the store (`keep`), else decoded and stored. `key`: the
+        bytes' sha256 hex or the caller's slot when the reader has it (`uploads.read_image` hashes while reading),
+        else the bytes' id made here when the crop is kept (without keeping, nothing needs the id: it is "")."""
+        t0 = time.perf_counter()
+        key = key or (decoding.image_id(data) if keep else "")
+        crop = self.crops.get(key) if keep else None
+        decoded = decoding.decode(data, self.info.preprocess, self.max_pixels, key, crop)
+        if keep and crop is None:
+            self.crops.put(key, decoded.crop)
+        return dataclasses.replace(decoded, decode_ms=(time.perf_counter() - t0) * 1e3)
+
     async def tensor_of(self, crop: Image.Image) -> np.ndarray:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, input_tensor, crop, self.info.preprocess)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,
+                                                                self.info.preprocess)
 
     async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, overlay_png, crop, heatmap, alpha,
+        return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.overlay_png, crop, heatmap, alpha,
                                                                 colormap)
 
     def explain_task(self, method: str, head_fusion: str | None, discard_ratio: float | None,

@@ -33,14 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from vit_serve.runtime.backends import Backend, BackendUnavailableError, create_backend
-from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan
+from vit_serve.runtime.backends import Backend, load
+from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan, select_versions
+from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
+from vit_serve.runtime.settings import RepositorySettings, RunnerLimits
+from vit_serve.runtime.spec import LoadSpec
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.runner import RunnerLimits, runner_for
-from vit_serve.serve.settings import ServeSettings, available_cpus
+from vit_serve.serve.runner import runner_for
+from vit_serve.serve.settings import available_cpus
 from vit_serve.serve.stores import CropStore
 
 log = logging.getLogger("vit_serve.serve")
@@ -76,12 +79,17 @@ def model_device(backend: Backend) -> str:
 
 
 class ModelRepository:
-    """The loaded versions of REPO's models, by name and version, and the state of every version."""
+    """The loaded versions of REPO's models, by name and version, and the state of every version.
 
-    def __init__(self, settings: ServeSettings, metrics: GatewayMetrics, pool: ThreadPoolExecutor,
-                 store: CropStore) -> None:
-        self.settings, self.metrics, self.pool, self.store = settings, metrics, pool, store
-        self.policy = VersionPolicy.parse(settings.version_policy)
+    spec: REPO (`spec.path`) and how its models load (each version's spec is this one with its file, backend,
+    name and threads); config: which models and versions are served, and how the set changes; max_pixels and
+    gpu_decode: how each version decodes uploads (`ModelVersion`)."""
+
+    def __init__(self, spec: LoadSpec, config: RepositorySettings, metrics: GatewayMetrics,
+                 pool: ThreadPoolExecutor, store: CropStore, *, max_pixels: int, gpu_decode: bool) -> None:
+        self.spec, self.config, self.metrics, self.pool, self.store = spec, config, metrics, pool, store
+        self.max_pixels, self.gpu_decode = max_pixels, gpu_decode
+        self.policy = VersionPolicy.parse(config.version_policy)
         self.served: dict[str, dict[int, ModelVersion]] = {}  # what requests are routed to
         self.entries: dict[str, ModelEntry] = {}  # the last scan
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (fingerprint, reason)
@@ -99,10 +107,10 @@ class ModelRepository:
     async def start(self) -> None:
         """Scan REPO and load what the model control mode says; a one-file repository that cannot be served
         raises (the server does not start)."""
-        s = self.settings
-        root = Path(s.model)
-        if s.backend == "triton" and not s.model:  # the server may still be starting: wait as for one model
-            deadline = time.monotonic() + s.triton_startup_timeout_s
+        spec, config = self.spec, self.config
+        root = Path(spec.path)
+        if spec.backend == "triton" and not spec.path:  # the server may still be starting: wait as for one model
+            deadline = time.monotonic() + spec.triton.triton_startup_timeout_s
             while True:
                 try:
                     self.entries = await self._scan()
@@ -114,10 +122,10 @@ class ModelRepository:
         else:
             self.entries = await self._scan()
         # one model given (a file, a checkpoint folder, a hub id, a Triton model name): it must load
-        self.one_file = bool(s.model) and (s.backend == "triton" or not root.is_dir()
-                                           or (root / "config.json").is_file())
-        if s.model_control == "explicit" and not self.one_file:
-            names = set(self.entries) if "*" in s.load_models else set(s.load_models)
+        self.one_file = bool(spec.path) and (spec.backend == "triton" or not root.is_dir()
+                                             or (root / "config.json").is_file())
+        if config.model_control == "explicit" and not self.one_file:
+            names = set(self.entries) if "*" in config.load_models else set(config.load_models)
             unknown = sorted(names - set(self.entries))
             if unknown:
                 log.warning("--load-model %s: not in %s", ", ".join(unknown), root)
@@ -131,10 +139,10 @@ class ModelRepository:
             (name,) = self.entries
             if not self.served.get(name):
                 raise RuntimeError(self.why_not(name))
-        if s.default_model is not None and s.default_model not in self.entries:
-            raise ValueError(f"--default-model {s.default_model!r} is not a model of {s.model} (it has "
+        if config.default_model is not None and config.default_model not in self.entries:
+            raise ValueError(f"--default-model {config.default_model!r} is not a model of {spec.path} (it has "
                              f"{', '.join(sorted(self.entries)) or 'none'})")
-        if s.model_control == "poll" and not self.one_file:
+        if config.model_control == "poll" and not self.one_file:
             self._poller = asyncio.get_running_loop().create_task(self._poll(), name="vit-serve-repository-poll")
 
     async def stop(self) -> None:
@@ -150,23 +158,22 @@ class ModelRepository:
             task.cancel()
 
     async def _scan(self) -> dict[str, ModelEntry]:
-        s = self.settings
-        if s.backend == "triton":
-            if s.model:  # one model of the Triton server, by its name there
-                name = s.model_name or s.model
-                return {name: ModelEntry(name, {1: VersionSource(name, 1, Path(s.model), "triton")})}
+        spec = self.spec
+        if spec.backend == "triton":
+            if spec.path:  # one model of the Triton server, by its name there
+                name = spec.name or spec.path
+                return {name: ModelEntry(name, {1: VersionSource(name, 1, Path(spec.path), "triton")})}
             from vit_serve.runtime.backends.triton import vit_models  # every ViT model the server serves
 
-            models = await vit_models(s.triton_url, s.triton_timeout_s)
+            models = await vit_models(spec.triton.triton_url, spec.triton.triton_timeout_s)
             return {n: ModelEntry(n, {v: VersionSource(n, v, Path(n), "triton")}) for n, v in models.items()}
-        return await asyncio.get_running_loop().run_in_executor(
-            None, scan, self.settings.model, self.settings.model_name)
+        return await asyncio.get_running_loop().run_in_executor(None, scan, spec.path, spec.name)
 
     # ---- polling and the repository API ------------------------------------------------------------------
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.repository_poll_s)
+            await asyncio.sleep(self.config.repository_poll_s)
             try:
                 await self.poll_once()
             except asyncio.CancelledError:
@@ -184,7 +191,7 @@ class ModelRepository:
                 await self._sync(name)
 
     def _check_explicit(self, what: str, name: str) -> None:
-        mode = self.settings.model_control
+        mode = self.config.model_control
         if mode != "explicit":
             why = "polling is enabled" if mode == "poll" else "model control is none"
             raise BadRequestError(f"cannot {what} model {name!r}: {why} (serve with --model-control explicit to "
@@ -197,7 +204,7 @@ class ModelRepository:
         async with self._lock:
             self.entries = entries
             if name not in entries:
-                raise BadRequestError(f"failed to load {name!r}: no such model in {self.settings.model} (it has "
+                raise BadRequestError(f"failed to load {name!r}: no such model in {self.spec.path} (it has "
                                       f"{', '.join(sorted(entries)) or 'none'})")
             self._wanted.add(name)
             for known in list(self._failed):  # an explicit load tries again even if nothing changed
@@ -226,13 +233,12 @@ class ModelRepository:
         wanted: list[int] = []
         if entry is not None and entry.error is None and name in self._wanted:
             self._attempted.add(name)
-            policy = entry.policy or self.policy
             # refused before and unchanged since: not tried again (a version rewritten in place is)
             excluded = {v for v, src in entry.versions.items()
                         if self._failed.get((name, v), ("", ""))[0] == src.fingerprint != ""}
             kept: set[int] = set()  # rewritten in place but refused: the loaded one serves on
             while True:  # a refused version leaves the policy to choose among the others (the old ones)
-                wanted = policy.select([v for v in entry.versions if v not in excluded])
+                wanted = select_versions(entry, self.policy, excluded)
                 todo = [v for v in wanted if v not in kept and (
                     v not in served or served[v].fingerprint != entry.versions[v].fingerprint)]
                 if not todo:
@@ -260,7 +266,7 @@ class ModelRepository:
 
         async def close() -> None:
             try:
-                await version.close(self.settings.unload_grace_s)
+                await version.close(self.config.unload_grace_s)
             finally:
                 if self._unloading.get(key) is version:
                     del self._unloading[key]
@@ -270,19 +276,14 @@ class ModelRepository:
         task.add_done_callback(self._closing.discard)
 
     def _threads(self) -> int | None:
-        if self.settings.threads is not None:
-            return self.settings.threads
+        if self.spec.threads is not None:
+            return self.spec.threads
         n = max(1, len(self._wanted))
         return None if n == 1 else max(1, available_cpus() // n)
 
     def _limits(self, entry: ModelEntry | None) -> RunnerLimits:
-        s = self.settings
-        own = entry.limits if entry is not None else None
-        return RunnerLimits(
-            max_batch=(own.max_batch if own and own.max_batch else s.max_batch),
-            max_delay_ms=(own.max_delay_ms if own and own.max_delay_ms is not None else s.max_delay_ms),
-            max_queue=(own.max_queue if own and own.max_queue else s.max_queue),
-            timeout_s=s.request_timeout_s, retry_after_s=s.retry_after_s)
+        """The gateway's limits, with those of the model's own config."""
+        return self.spec.limits if entry is None else entry.limits.over(self.spec.limits)
 
     async def _load_version(self, source: VersionSource, warm_first: bool) -> ModelVersion | None:
         """Load, then warm up (`warm_first`; else in the background), one version in its own new model thread;
@@ -291,15 +292,14 @@ class ModelRepository:
         self._loading.add(key)
         loop = asyncio.get_running_loop()
         thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{source.name}")
-        settings = self.settings.model_copy(update={
-            "model": str(source.path), "backend": source.backend, "model_name": source.name,
-            "threads": self._threads()})
+        spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
+                                 threads=self._threads())
         version: ModelVersion | None = None
         rss0 = rss_bytes()
         t0 = time.perf_counter()
         try:
             try:
-                backend = await loop.run_in_executor(thread, create_backend, settings)
+                backend = await loop.run_in_executor(thread, load, spec)
             except Exception as e:
                 return self._refuse(source, thread, f"cannot load: {' '.join(str(e).split()) or type(e).__name__}")
             info = backend.info
@@ -309,13 +309,13 @@ class ModelRepository:
             runner = runner_for(backend, self._limits(self.entries.get(source.name)), metrics, thread)
             runner.start()
             device = model_device(backend)
-            off = choose_decoder(device, self.settings.gpu_decode, source.name)
+            off = choose_decoder(device, self.gpu_decode, source.name)
             gpu = None
             if off is None:
-                gpu = GpuDecoder(info.preprocess, self.settings.max_pixels, device, runner.limits.max_batch,
+                gpu = GpuDecoder(info.preprocess, self.max_pixels, device, runner.limits.max_batch,
                                  lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
             version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, self.pool,
-                                   self.store, self.settings.max_pixels, gpu, off, source.fingerprint)
+                                   self.store, self.max_pixels, gpu, off, source.fingerprint)
             if not warm_first:
                 version.warm_up_soon()
             elif not await version.warm_up():
@@ -344,8 +344,8 @@ class ModelRepository:
     def default_name(self) -> str | None:
         """The model a request naming none gets: --default-model, else the only model of REPO (those it lists as
         skipped, Triton's own, aside)."""
-        if self.settings.default_model is not None:
-            return self.settings.default_model
+        if self.config.default_model is not None:
+            return self.config.default_model
         names = {n for n, e in self.entries.items() if not e.skipped} | set(self.served)
         return next(iter(names)) if len(names) == 1 else None
 

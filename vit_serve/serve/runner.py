@@ -15,7 +15,8 @@ rows are dropped if they have not started.
 `DirectRunner` (Triton, whose server batches): each request is sent as it comes, in the same parts of at most
 `max_batch` rows, with the same limits (at most `max_queue` parts outstanding, the same timeout).
 
-Both take the same `RunnerLimits` and report to the version's `ModelMetrics`.
+Both take the same `RunnerLimits` (`vit_serve.runtime.settings`: the gateway's, or those of the model's own
+config) and report to the version's `ModelMetrics`.
 """
 
 from __future__ import annotations
@@ -33,27 +34,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from vit_serve.runtime.backends.base import Backend, LocalBackend, RemoteBackend
+from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
 from vit_serve.serve.metrics import ModelMetrics
 
 log = logging.getLogger("vit_serve.serve")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RunnerLimits:
-    """Batching and queue limits of one model version (the gateway's settings, or the model's own config)."""
-
-    max_batch: int = 16  # 1: no batching
-    max_delay_ms: float = 5.0  # 0: no batching
-    max_queue: int = 256
-    timeout_s: float = 30.0
-    retry_after_s: int = 1
-
-    @property
-    def batching(self) -> bool:
-        return self.max_batch > 1 and self.max_delay_ms > 0
 
 
 @dataclass(frozen=True)
@@ -125,7 +112,7 @@ class _Runner:
         self.executor = executor
         self.metrics = metrics
         self.limits = limits
-        self.timeout_s = limits.timeout_s
+        self.timeout_s = limits.request_timeout_s
         self.retry_after = str(limits.retry_after_s)
         self._arrival = asyncio.Event()
         self._incoming = 0  # Arrivals not yet queued

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from starlette._utils import get_route_path  # the path Starlette's router matches routes on
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vit_serve.serve.errors import envelope
 from vit_serve.serve.keys import HASH_PREFIX, key_hash, read_key_file
 from vit_serve.serve.schemas import json_bytes
 from vit_serve.serve.settings import SecuritySettings, ServeSettings
@@ -137,7 +138,7 @@ class ApiKeys:
                                     if key is None else "the API key is not valid")
         else:
             status, message = 403, self.ring.refusal()
-        body = json_bytes({"error": message} if path.startswith("/v2") else {"detail": message})
+        body = json_bytes(envelope(scope).body(message))
         extra = [(b"www-authenticate", REALM.encode())] if status == 401 else []
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})

@@ -4,8 +4,8 @@ On, the app gets a TracerProvider of its own (a BatchSpanProcessor in front of t
 and FastAPIInstrumentor: one server span per request, named after its route ("POST /classify"), which continues
 the caller's trace when the request carries a W3C `traceparent`. The probes (/healthz, /readyz, /metrics) are not
 traced unless OTEL_PYTHON_FASTAPI_EXCLUDED_URLS (or OTEL_PYTHON_EXCLUDED_URLS) says otherwise. The Triton
-backend passes the context on (`context_headers`), so Triton's own spans join the same trace. The gRPC server
-makes a span per call the same way (`grpc_server_span`; the health RPCs are not traced).
+backend passes the context on (`vit_serve.runtime.trace_context`), so Triton's own spans join the same trace. The
+gRPC server makes a span per call the same way (`grpc_server_span`; the health RPCs are not traced).
 
 The rest is OpenTelemetry's own variables, read by its SDK: OTEL_EXPORTER_OTLP_ENDPOINT (default
 http://localhost:4318) or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS, _TIMEOUT,
@@ -77,17 +77,6 @@ def instrument(app: Any, settings: Any) -> Any | None:
     app.state.tracer_provider = provider
     _shutdown_with_lifespan(app, provider)
     return provider
-
-
-def context_headers() -> dict[str, str]:
-    """The current trace context as headers for a downstream call (W3C `traceparent`, `tracestate`, as
-    OTEL_PROPAGATORS says): {} outside a sampled or remote span. Call it only with tracing on (it imports
-    OpenTelemetry's API)."""
-    from opentelemetry.propagate import inject
-
-    carrier: dict[str, str] = {}
-    inject(carrier)
-    return carrier
 
 
 GRPC_SERVICE = "inference.GRPCInferenceService"

@@ -22,17 +22,20 @@ from typing import Any
 import numpy as np
 
 from vit_serve import __version__
+from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT
 from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import CLASSIFY, Task
-from vit_serve.serve.errors import BadRequestError
+from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.runner import Arrival
-from vit_serve.serve.settings import ServeSettings
-from vit_serve.serve.v2_protocol import InferRequest, OutputTensor, RequestBounds, Tensor, classify
+from vit_serve.serve.v2_protocol import IMAGE, InferRequest, OutputTensor, RequestBounds, Tensor, classify
 
 SERVER_NAME = "vit-serve"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+INPUTS = (PIXEL_VALUES, IMAGE)  # a request sends one of them
 
 
 def server_metadata() -> dict[str, Any]:
@@ -46,13 +49,23 @@ def versions(gateway: Gateway, name: str) -> list[str]:
     return [str(v) for v in sorted(served, reverse=True)]
 
 
+def repository_of(gateway: Gateway) -> ModelRepository:
+    """The repository the model repository extension acts on (HTTP /v2/repository and gRPC alike): 403 when
+    the repository API is turned off, 503 while the models are loading."""
+    if not gateway.settings.repository.repository_api:
+        raise ForbiddenError("the repository API is turned off on this gateway (VIT_SERVE_REPOSITORY_API)")
+    if gateway.repository is None:
+        raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
+    return gateway.repository
+
+
 def output_specs(info: ModelInfo) -> list[dict[str, Any]]:
     """The model's outputs as the metadata lists them: logits, then rollout and embedding when it has them."""
-    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, info.num_classes]}]
+    outputs = [{"name": LOGITS, "datatype": "FP32", "shape": [-1, info.num_classes]}]
     if info.explain:
-        outputs.append({"name": "rollout", "datatype": "FP32", "shape": [-1, *info.grid]})
+        outputs.append({"name": ROLLOUT, "datatype": "FP32", "shape": [-1, *info.grid]})
     if info.embedding_dim:
-        outputs.append({"name": "embedding", "datatype": "FP32", "shape": [-1, info.embedding_dim]})
+        outputs.append({"name": EMBEDDING, "datatype": "FP32", "shape": [-1, info.embedding_dim]})
     return outputs
 
 
@@ -65,18 +78,18 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
         "name": mv.name,
         "versions": versions,
         "platform": f"vit-serve_{mv.backend.name}",
-        "inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
-                   {"name": "image", "datatype": "BYTES", "shape": [-1]}],
+        "inputs": [{"name": PIXEL_VALUES, "datatype": "FP32", "shape": [-1, 3, h, w]},
+                   {"name": IMAGE, "datatype": "BYTES", "shape": [-1]}],
         "outputs": outputs,
-        "parameters": {"input": "send pixel_values or image, not both", "preprocess": info.preprocess.to_dict(),
-                       "labels": info.labels},
+        "parameters": {"input": f"send {PIXEL_VALUES} or {IMAGE}, not both",
+                       "preprocess": info.preprocess.to_dict(), "labels": info.labels},
     }
 
 
-def request_bounds(mv: ModelVersion, settings: ServeSettings) -> RequestBounds:
+def request_bounds(mv: ModelVersion, limits: RunnerLimits) -> RequestBounds:
     """What one request to `mv` may carry: `max_images_per_request` images (0: the version's max_batch, its own
     config's or the settings'), and for pixel_values that many rows of [3, H, W]."""
-    images = settings.max_images_per_request or mv.runner.limits.max_batch
+    images = limits.max_images_per_request or mv.runner.limits.max_batch
     h, w = mv.info.resolution
     return RequestBounds(images, images * 3 * h * w)
 
@@ -106,20 +119,20 @@ async def decode_images(mv: ModelVersion, items: list[bytes], window: int) -> np
 async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int) -> np.ndarray:
     """The request's one input -> x [B, 3, H, W] float32 (images decoded with the model's contract)."""
     info = mv.info
-    unknown = set(inputs) - {"pixel_values", "image"}
+    unknown = set(inputs) - set(INPUTS)
     if unknown or len(inputs) != 1:
-        raise BadRequestError(f"send exactly one input, pixel_values or image (got {sorted(inputs)})")
+        raise BadRequestError(f"send exactly one input, {PIXEL_VALUES} or {IMAGE} (got {sorted(inputs)})")
     h, w = info.resolution
-    if "pixel_values" in inputs:
-        t = inputs["pixel_values"]
+    if PIXEL_VALUES in inputs:
+        t = inputs[PIXEL_VALUES]
         if t.datatype not in ("FP32", "FP16", "FP64"):
-            raise BadRequestError(f"pixel_values must be FP32 (got {t.datatype})")
+            raise BadRequestError(f"{PIXEL_VALUES} must be FP32 (got {t.datatype})")
         if len(t.shape) != 4 or t.shape[1:] != [3, h, w] or t.shape[0] < 1:
-            raise BadRequestError(f"pixel_values must have shape [B, 3, {h}, {w}] (got {t.shape})")
+            raise BadRequestError(f"{PIXEL_VALUES} must have shape [B, 3, {h}, {w}] (got {t.shape})")
         return np.asarray(t.data, dtype=np.float32)
-    t = inputs["image"]
+    t = inputs[IMAGE]
     if t.datatype != "BYTES" or not t.data:
-        raise BadRequestError("image must be BYTES holding at least one encoded image")
+        raise BadRequestError(f"{IMAGE} must be BYTES holding at least one encoded image")
     # On the GPU the decoder batches the crops waiting together: let a request's images wait together.
     window = decode_window if mv.gpu is None else max(decode_window, mv.runner.limits.max_batch)
     return await decode_images(mv, list(t.data), window)
@@ -129,8 +142,8 @@ def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str,
     """The passes the outputs asked for need: explain (with the request's head_fusion / discard_ratio) for the
     rollout, embed for the embedding (both: two passes), else classify."""
     names = {out["name"] for out in wanted}
-    tasks = [_explain_task(mv, parameters)] if "rollout" in names else []
-    if "embedding" in names:
+    tasks = [_explain_task(mv, parameters)] if ROLLOUT in names else []
+    if EMBEDDING in names:
         tasks.append(mv.embed_task())
     return tasks or [CLASSIFY]
 
@@ -149,7 +162,7 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo)
     k = InferRequest.class_count(out)
     if k == 0:
         return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
-    shape, items = classify(arr, k, info.labels if out["name"] == "logits" else None)
+    shape, items = classify(arr, k, info.labels if out["name"] == LOGITS else None)
     return OutputTensor(out["name"], "BYTES", shape, items, binary)
 
 

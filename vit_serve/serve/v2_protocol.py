@@ -42,6 +42,7 @@ DTYPES: dict[str, np.dtype] = {
     "INT64": np.dtype("<i8"), "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
 }
 HEADER_LENGTH = "Inference-Header-Content-Length"
+IMAGE = "image"  # the input of encoded images (BYTES), beside the graphs' own pixel_values
 OUTPUT_PARAMETERS = ("binary_data", "classification")
 MAX_DIMS = 32  # numpy 1.x's most dimensions of an array (2.x allows 64)
 IMAGES_SETTING = "VIT_SERVE_MAX_IMAGES_PER_REQUEST"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vit_serve.config import check_fields
+from vit_serve.config import ViTConfig, check_fields, get_config
 
 MODES = ("pretrain", "finetune")
 OBJECTIVES = ("classify", "mpp")
@@ -25,8 +25,10 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # The embedded default: a ViT small enough to train on the digits set in about a minute on 2 CPU cores.
 DIGITS_MODEL: dict[str, Any] = dict(img_size=16, patch_size=2, embed_dim=96, depth=4, num_heads=4, mlp_dim=192)
+# Pre-training presets of our own, next to vit_serve.config's (`--model digits`): ViTConfig fields.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {"digits": DIGITS_MODEL}
 
-# Defaults of every option left unset (None), by mode; the digits set adds its own on top. The paper's
+# Defaults of every option left unset (None), by mode; a data set's recipe adds its own on top. The paper's
 # recipes, scaled to the run: warm-up 5% of the steps as vit_jax's 500 of 10k.
 RECIPES: dict[str, dict[str, Any]] = {
     "pretrain": dict(optimizer="adam", steps=1000, lr=1e-3, weight_decay=0.1, label_smoothing=0.0, dropout=0.0,
@@ -44,12 +46,40 @@ DIGITS_RECIPE: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class DataRecipe:
+    """What a data set brings to a run: option defaults by mode (on top of RECIPES) and the centre-crop
+    fraction of a model pre-trained on it (0.9: the usual eval crop; 1.0: the whole image)."""
+
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    crop_pct: float = 0.9
+
+
+# The digits are whole centred scans: a crop would cut strokes away.
+DATA_RECIPES: dict[str, DataRecipe] = {"digits": DataRecipe(DIGITS_RECIPE, crop_pct=1.0)}
+
+
+def data_recipe(data: str) -> DataRecipe:
+    """The recipe of data set `data` (a --data value); any other data set gets the plain one."""
+    return DATA_RECIPES.get(data, DataRecipe())
+
+
+def recipe_defaults(mode: str, data: str) -> dict[str, Any]:
+    """The defaults of the options left unset for a `mode` run on `data`: the mode's, then the data set's."""
+    return {**RECIPES[mode], **data_recipe(data).defaults.get(mode, {})}
+
+
+def model_preset(name: str) -> ViTConfig:
+    """The ViTConfig of pre-training preset `name`: one of MODEL_PRESETS, else any vit_serve.config preset."""
+    return ViTConfig(**MODEL_PRESETS[name]) if name in MODEL_PRESETS else get_config(name)
+
+
 @dataclass
 class TrainConfig:
     mode: str = "pretrain"
     objective: str = "classify"
     data: str = "digits"
-    model: str = "digits"  # a preset name ("S/16", "vit_base_patch16_224") or "digits" (DIGITS_MODEL)
+    model: str = "digits"  # a preset name ("S/16", "vit_base_patch16_224") or one of MODEL_PRESETS
     model_args: dict[str, Any] = field(default_factory=dict)  # ViTConfig field overrides
     init: str | None = None  # finetune: the checkpoint to start from (any supported format)
     res: tuple[int, int] | None = None  # training resolution; default: the model's own
@@ -111,8 +141,7 @@ class TrainConfig:
         self.few_shot = tuple(int(s) for s in self.few_shot)
         if self.mode == "finetune" and not self.init:
             raise ValueError("--mode finetune needs --init CHECKPOINT")
-        recipe = {**RECIPES[self.mode], **(DIGITS_RECIPE[self.mode] if self.data == "digits" else {})}
-        for name, value in recipe.items():
+        for name, value in recipe_defaults(self.mode, self.data).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.eval_every is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,36 @@ def few_shot_on(model: VisionTransformer, data: str, shots: tuple[int, ...], see
     return few_shot_eval(model, xtr, ytr, xte, yte, shots=shots, seed=seed, device=device)
 
 
+@dataclass(frozen=True)
+class CheckpointEval:
+    """What `vit-serve eval` reports of a checkpoint: its held-out metrics at the resolution it ran at.
+
+    `to_dict()` is the JSON the command prints and writes to eval.json (few_shot only when asked for);
+    also readable by key (`report["top1"]`), as the dict it replaces was.
+    """
+
+    checkpoint: str
+    data: str
+    resolution: list[int]
+    top1: float
+    top5: float
+    loss: float
+    n: int
+    skipped: int
+    few_shot: dict[int, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.few_shot is None:
+            del d["few_shot"]
+        return d
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+
 def run_eval(checkpoint: str, data: str = "digits", res: tuple[int, int] | None = None, out: str | None = None,
-             few_shot: tuple[int, ...] = (), batch_size: int = 128, workers: int = 0) -> dict[str, Any]:
+             few_shot: tuple[int, ...] = (), batch_size: int = 128, workers: int = 0) -> CheckpointEval:
     """Top-1, top-5 (and the confusion matrix PNG, few-shot accuracies) of `checkpoint` on `data`."""
     model = load(checkpoint)
     if res:
@@ -44,16 +73,14 @@ def run_eval(checkpoint: str, data: str = "digits", res: tuple[int, int] | None 
     model.to(device)
     ds = build_dataset(data, "test", eval_transform(pre))
     loader = DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=collate_skip)
-    res_ = evaluate(model, loader, device=device)
-    result: dict[str, Any] = {"checkpoint": checkpoint, "data": data, "resolution": list(model.cfg.img_size),
-                              "top1": res_["top1"], "top5": res_["top5"], "loss": res_["loss"], "n": res_["n"],
-                              "skipped": res_.get("skipped", 0)}
-    if few_shot:
-        result["few_shot"] = few_shot_on(model, data, few_shot, device=device)
+    scores = evaluate(model, loader, device=device)
+    report = CheckpointEval(checkpoint=checkpoint, data=data, resolution=list(model.cfg.img_size), top1=scores.top1,
+                            top5=scores.top5, loss=scores.loss, n=scores.n, skipped=scores.skipped,
+                            few_shot=few_shot_on(model, data, few_shot, device=device) if few_shot else None)
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        save_confusion_png(res_["confusion"], model.labels or [], folder / "confusion.png",
-                           f"{Path(checkpoint).name}: top-1 {100 * res_['top1']:.2f}%")
-        (folder / "eval.json").write_text(json.dumps(result, indent=2))
-    return result
+        save_confusion_png(scores.confusion, model.labels or [], folder / "confusion.png",
+                           f"{Path(checkpoint).name}: top-1 {100 * scores.top1:.2f}%")
+        (folder / "eval.json").write_text(json.dumps(report.to_dict(), indent=2))
+    return report

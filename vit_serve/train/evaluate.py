@@ -11,12 +11,17 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["confusion_counts", "confusion_matrix", "default_step", "evaluate", "save_confusion_png", "topk_accuracy"]
+__all__ = [
+    "EvalResult", "confusion_counts", "confusion_matrix", "default_step", "evaluate", "save_confusion_png",
+    "topk_accuracy",
+]
 
 
 def _topk_correct(logits: torch.Tensor, y: torch.Tensor, ks: Sequence[int]) -> dict[int, int]:
@@ -85,6 +90,74 @@ def _unpack(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     return batch[0], batch[1], skipped
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    """Classification metrics of one evaluation over a whole set.
+
+    top1, top5 (top-k with k = min(5, K)), loss (mean cross-entropy; nan for an empty set), n (images scored),
+    skipped (images the loader dropped as unreadable), confusion (LongTensor [K, K] on the CPU, rows = true,
+    cols = predicted). Also readable by key (`result["top1"]`), as the dict it replaces was.
+    """
+
+    top1: float
+    top5: float
+    loss: float
+    n: int
+    skipped: int
+    confusion: torch.Tensor
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields by name, in declaration order (the confusion matrix stays a tensor)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
+class _Tally:
+    """The running sums of one evaluation, kept on the device (one synchronisation at the end)."""
+
+    def __init__(self, device: torch.device, num_classes: int | None) -> None:
+        self.device = device
+        self.correct = torch.zeros(2, dtype=torch.long, device=device)  # top-1, top-5 hits
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.cm = None if num_classes is None else torch.zeros(num_classes, num_classes, dtype=torch.long,
+                                                                device=device)
+        self.num_classes, self.n, self.skipped = num_classes or 0, 0, 0
+
+    def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
+        """Count one batch: logits [B, K] float32, y [B] int64, both on the device."""
+        k = logits.shape[1]
+        if self.cm is None:
+            self.num_classes, self.cm = k, torch.zeros(k, k, dtype=torch.long, device=self.device)
+        elif k != self.num_classes:
+            raise ValueError(f"the model returned {k} classes after {self.num_classes}")
+        self.loss_sum += F.cross_entropy(logits, y, reduction="sum").double()  # also rejects labels outside [0, K)
+        top = logits.topk(min(5, k), dim=1).indices
+        hit = top == y[:, None]
+        self.correct[0] += hit[:, 0].sum()
+        self.correct[1] += hit.any(dim=1).sum()
+        self.cm += confusion_counts(top[:, 0], y, k)
+        self.n += y.shape[0]
+
+    def reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the counts (one packed vector), then the loss, over the processes."""
+        counts = reduce(torch.cat([self.correct, torch.tensor([self.n, self.skipped], device=self.device),
+                                   self.cm.reshape(-1)]))
+        self.loss_sum = reduce(self.loss_sum)
+        self.correct, (self.n, self.skipped), self.cm = counts[:2], counts[2:4].tolist(), counts[4:]
+
+    def result(self) -> EvalResult:
+        n, k = self.n, self.num_classes
+        c1, c5 = self.correct.tolist()
+        confusion = torch.zeros(0, 0, dtype=torch.long) if self.cm is None else self.cm.reshape(k, k).cpu()
+        return EvalResult(top1=c1 / n if n else 0.0, top5=c5 / n if n else 0.0,
+                          loss=float(self.loss_sum) / n if n else float("nan"), n=n, skipped=self.skipped,
+                          confusion=confusion)
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -94,8 +167,8 @@ def evaluate(
     num_classes: int | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     step: Callable[[], None] | None = None,
-) -> dict:
-    """Run `model` over `loader` in eval mode and return classification metrics.
+) -> EvalResult:
+    """Run `model` over `loader` in eval mode; its classification metrics as an :class:`EvalResult`.
 
     The loader yields (x [B, C, H, W], y [B]) or (x, y, n_skipped) (the count of unreadable images dropped
     from that batch); a batch with x None is skipped (its n_skipped still counts). Batches are moved to
@@ -109,62 +182,32 @@ def evaluate(
 
     `step` is called after each batch the model ran on (default `default_step(device)`: `xla.sync` on XLA, so
     that one batch is one graph of fixed shapes, compiled once).
-
-    Returns {"top1", "top5" (top-k with k = min(5, K)), "loss" (mean cross-entropy), "n" (images scored),
-    "skipped" (sum of n_skipped), "confusion" (LongTensor [K, K], rows = true, cols = predicted)}.
     """
     device = torch.device(device)
     step = step if step is not None else default_step(device)
     was_training = model.training
     model.eval()
-    # Accumulated on the device; one synchronisation at the end.
-    correct = torch.zeros(2, dtype=torch.long, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     if reduce is not None and num_classes is None:
         raise ValueError("a sharded evaluation (reduce=...) needs num_classes")
-    cm = None if num_classes is None else torch.zeros(num_classes, num_classes, dtype=torch.long, device=device)
-    n, skipped, num_classes = 0, 0, num_classes or 0
+    tally = _Tally(device, num_classes)
     try:
         for batch in loader:
             x, y, s = _unpack(batch)
-            skipped += s
+            tally.skipped += s
             if x is None or y is None or x.shape[0] == 0:
                 continue
             x = x.to(device, non_blocking=True)
-            y = y.to(device, non_blocking=True).long()
             ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
             with ctx:
                 logits = model(x)
-            logits = logits.float()
-            k = logits.shape[1]
-            if cm is None:
-                num_classes, cm = k, torch.zeros(k, k, dtype=torch.long, device=device)
-            elif k != num_classes:
-                raise ValueError(f"the model returned {k} classes after {num_classes}")
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").double()  # also rejects labels outside [0, K)
-            top = logits.topk(min(5, k), dim=1).indices
-            hit = top == y[:, None]
-            correct[0] += hit[:, 0].sum()
-            correct[1] += hit.any(dim=1).sum()
-            cm += confusion_counts(top[:, 0], y, k)
-            n += y.shape[0]
+            tally.add(logits.float(), y.to(device, non_blocking=True).long())
             if step is not None:
                 step()
     finally:
         model.train(was_training)
     if reduce is not None:
-        counts = reduce(torch.cat([correct, torch.tensor([n, skipped], device=device), cm.reshape(-1)]))
-        loss_sum = reduce(loss_sum)
-        correct, (n, skipped), cm = counts[:2], counts[2:4].tolist(), counts[4:]
-    c1, c5 = correct.tolist()
-    return {
-        "top1": c1 / n if n else 0.0,
-        "top5": c5 / n if n else 0.0,
-        "loss": float(loss_sum) / n if n else float("nan"),
-        "n": n,
-        "skipped": skipped,
-        "confusion": torch.zeros(0, 0, dtype=torch.long) if cm is None else cm.reshape(num_classes, num_classes).cpu(),
-    }
+        tally.reduce(reduce)
+    return tally.result()
 
 
 def save_confusion_png(
@@ -179,9 +222,6 @@ def save_confusion_png(
     are printed in the cells for K <= 20; tick labels come from `labels` (thinned and rotated for K > 30).
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     counts = torch.as_tensor(cm).detach().cpu().long()
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"cm must be square [K, K], got {tuple(counts.shape)}")
@@ -189,9 +229,17 @@ def save_confusion_png(
     names = [str(i) for i in range(k)] if labels is None else [str(s) for s in labels]
     if len(names) != k:
         raise ValueError(f"{len(names)} labels for a {k}-class confusion matrix")
-    rows = counts.sum(dim=1, keepdim=True).clamp(min=1)
-    frac = (counts.double() / rows).numpy()
+    fig = _confusion_figure(counts, names, title)
+    return _write_png(fig, Path(path))
 
+
+def _confusion_figure(counts: torch.Tensor, names: list[str], title: str):
+    """The matplotlib Figure of counts [K, K] with K tick names: the row-normalised image, colour bar, title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    k = counts.shape[0]
+    frac = (counts.double() / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()
     side = min(max(5.0, 0.32 * k + 2.5), 14.0)
     fig = Figure(figsize=(side + 1.2, side), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -206,8 +254,16 @@ def save_confusion_png(
     ax.set_title(f"{title}\n(n={total}, accuracy {100 * acc:.1f}%)")
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
+    _set_ticks(ax, names)
+    if k <= 20:
+        _write_counts(ax, counts, frac)
+    return fig
 
-    step = 1 if k <= 30 else -(-k // 30)  # at most ~30 tick labels per axis
+
+def _set_ticks(ax, names: list[str]) -> None:
+    """At most ~30 tick labels per axis, long names shortened, rotated when they would collide."""
+    k = len(names)
+    step = 1 if k <= 30 else -(-k // 30)
     ticks = list(range(0, k, step))
     short = [n if len(n) <= 18 else n[:17] + "…" for n in names]
     if k > 30:
@@ -220,23 +276,21 @@ def save_confusion_png(
     ax.set_xticks(ticks, [short[i] for i in ticks], rotation=rot, ha=ha, rotation_mode=mode, fontsize=fs_ticks)
     ax.set_yticks(ticks, [short[i] for i in ticks], fontsize=fs_ticks)
 
-    if k <= 20:
-        fs = 10 if k <= 10 else 8
-        for i in range(k):
-            for j in range(k):
-                c = int(counts[i, j])
-                if c:
-                    ax.text(
-                        j,
-                        i,
-                        str(c),
-                        ha="center",
-                        va="center",
-                        fontsize=fs,
-                        color="white" if frac[i, j] > 0.5 else "black",
-                    )
 
-    path = Path(path)
+def _write_counts(ax, counts: torch.Tensor, frac) -> None:
+    """Each non-zero count [K, K] in its cell, white on the dark cells (fraction `frac` [K, K] above 0.5)."""
+    k = counts.shape[0]
+    fs = 10 if k <= 10 else 8
+    for i in range(k):
+        for j in range(k):
+            c = int(counts[i, j])
+            if c:
+                ax.text(j, i, str(c), ha="center", va="center", fontsize=fs,
+                        color="white" if frac[i, j] > 0.5 else "black")
+
+
+def _write_png(fig, path: Path) -> Path:
+    """Save `fig` as a PNG at `path` atomically (temp file + rename), with ordinary file permissions."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

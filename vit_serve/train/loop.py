@@ -1,4 +1,4 @@
-"""The training loop: one flat function, `train(cfg)`.
+"""The training loop: a `Trainer` of small steps, and `train(cfg)`, which runs one.
 
 Works the same on one CPU process, under torchrun (DDP: NCCL on GPU, gloo on CPU; on XLA torch_xla's own
 process group and gradient all-reduce), on CUDA (bf16 autocast or fp16 with loss scaling, fused attention,
@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,14 @@ from torch.utils.data import DataLoader
 
 import vit_serve
 from vit_serve.checkpoints import load as load_checkpoint
-from vit_serve.config import ViTConfig, get_config
 from vit_serve.data import build_dataset, collate_skip
 from vit_serve.model import VisionTransformer
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.train import distributed, xla
 from vit_serve.train.augment import MixupCutmix, eval_transform, soft_target_cross_entropy, train_transform
-from vit_serve.train.config import DIGITS_MODEL, TrainConfig
+from vit_serve.train.config import TrainConfig, data_recipe, model_preset
 from vit_serve.train.eval_checkpoint import few_shot_on
-from vit_serve.train.evaluate import evaluate, save_confusion_png
+from vit_serve.train.evaluate import EvalResult, evaluate, save_confusion_png
 from vit_serve.train.mpp import MPPModel, denormalize, mpp_targets
 from vit_serve.train.progress import MetricsLog, Progress, plot_curves, read_metrics, summary_table
 from vit_serve.train.recipes import build_optimizer, build_schedule
@@ -80,14 +80,12 @@ def build_model(cfg: TrainConfig, classes: list[str]) -> VisionTransformer:
     num_classes = len(classes)
     regularisers = dict(drop_rate=cfg.dropout, attn_drop_rate=cfg.attn_dropout, drop_path_rate=cfg.drop_path)
     if cfg.mode == "pretrain":
-        base = ViTConfig(**DIGITS_MODEL) if cfg.model == "digits" else get_config(cfg.model)
-        vcfg = base.replace(num_classes=0 if cfg.objective == "mpp" else num_classes,
+        vcfg = model_preset(cfg.model).replace(num_classes=0 if cfg.objective == "mpp" else num_classes,
                             representation_size=cfg.representation_size, **regularisers, **cfg.model_args)
         if cfg.res:
             vcfg = vcfg.replace(img_size=cfg.res)
         model = VisionTransformer(vcfg)
-        digits = cfg.data == "digits"
-        model.preprocess_cfg = PreprocessConfig(input_size=vcfg.img_size, crop_pct=1.0 if digits else 0.9)
+        model.preprocess_cfg = PreprocessConfig(input_size=vcfg.img_size, crop_pct=data_recipe(cfg.data).crop_pct)
         return model
     init = load_checkpoint(cfg.init)
     # Rebuild so that dropout settings apply; the weights are carried over unchanged.
@@ -114,210 +112,326 @@ def _batches(loader: DataLoader, sampler, dataset: SeededTransform, epoch: int, 
         epoch, start = epoch + 1, 0
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    rank, world = distributed.setup(device_type(cfg.device))  # first: XLA's rendezvous sets up its runtime
-    device = resolve_device(cfg.device)
-    is_main = rank == 0
-    out = Path(cfg.out)
-    state_path = out / "checkpoints" / "last.pt"
-    if state_path.exists() and not cfg.resume:  # every rank: none may wait on a rank that stopped
-        raise TrainingError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    random.seed(cfg.seed)  # the same on every rank: identical initial weights
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+@dataclass
+class RunState:
+    """Where a run stands: what the checkpoint stores (step, epoch, index, best) and the log's counters."""
 
-    micro, rem = divmod(cfg.batch_size, cfg.accum_steps * world)
-    if rem or micro == 0:
-        raise TrainingError(f"batch size {cfg.batch_size} does not split into {cfg.accum_steps} accumulation "
-                            f"steps x {world} processes")
-    train_base = build_dataset(cfg.data, "train", _raw, strict=cfg.strict)
-    num_classes = len(train_base.classes)
-    model = build_model(cfg, list(train_base.classes))
-    model.labels = list(train_base.classes) if cfg.objective == "classify" else None
-    pre = model.preprocess_cfg
-    model.grad_checkpointing = cfg.grad_checkpointing
-    if device.type == "xla" and xla.hardware(device) == "TPU":
-        try:
-            xla.use_pallas_attention(model)
-        except ImportError as e:
-            raise TrainingError(str(e)) from None
-    model.to(device)
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    index: int = 0  # micro-batches of `epoch` consumed
+    best: float = -1.0  # best validation top-1 so far
+    skipped: int = 0  # unreadable training images skipped by this process
+    images_since_log: int = 0  # across processes
+    images_total: int = 0
 
-    augment = train_transform(pre, cfg.inception_crop, cfg.flip, cfg.randaugment, cfg.translate)
-    train_ds = SeededTransform(train_base, augment, cfg.seed)
-    val_ds = build_dataset(cfg.data, "test", eval_transform(pre), strict=cfg.strict)
-    sampler = distributed.ResumableSampler(train_ds, world, rank, cfg.seed)
-    pin = device.type == "cuda"
-    # Own generators: a DataLoader otherwise draws its worker seed from the global RNG each time an epoch
-    # starts, which would shift every later dropout mask of a resumed run.
-    loader = DataLoader(train_ds, batch_size=micro, sampler=sampler, num_workers=cfg.workers, drop_last=True,
-                        collate_fn=collate_skip, pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
-    val_loader = DataLoader(val_ds, batch_size=micro, sampler=distributed.ShardSampler(len(val_ds), world, rank),
-                            num_workers=cfg.workers, collate_fn=collate_skip, pin_memory=pin,
-                            generator=torch.Generator().manual_seed(cfg.seed))
-    if len(sampler) < micro:
-        raise TrainingError(f"the training set ({len(train_ds)} images) is smaller than one batch per process")
 
-    net: torch.nn.Module = MPPModel(model, ratio=cfg.mpp_ratio).to(device) if cfg.objective == "mpp" else model
-    optimizer = build_optimizer(net, cfg)
-    schedule = build_schedule(optimizer, cfg)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    if amp_dtype is not None and device.type != "cuda":
-        raise TrainingError(f"--precision {cfg.precision} needs a CUDA device; use fp32 here")
-    scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
-    mix = MixupCutmix(num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing) if cfg.mixup or cfg.cutmix else None
+class Trainer:
+    """One training run of `cfg`: built by :meth:`setup`, driven by :meth:`run`, one :meth:`step` at a time.
 
-    step, epoch, start, best = 0, 0, 0, -1.0
-    if cfg.resume and state_path.exists():
-        st = load_state(state_path)
-        net.load_state_dict(st["model"])
-        optimizer.load_state_dict(st["optimizer"])
-        schedule.load_state_dict(st["schedule"])
-        scaler.load_state_dict(st["scaler"])
-        step, epoch, start, best = st["step"], st["epoch"], st["index_in_epoch"] * micro, st["best"]
-        set_rng_state(st["rng"])
-        if is_main:
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-            print(f"resuming at step {step} of {cfg.steps} from {state_path}"
-                  + (f" (torchrun restart {restart})" if restart else ""), flush=True)
-    # Every rank reads the state itself: ranks that found different ones (a node-local --out on several
-    # machines) would run different numbers of steps into a deadlock. The sum over the ranks equals
-    # world x own step on every rank only when all the steps are equal.
-    if world > 1 and int(distributed.sum_across(torch.tensor(step, device=device)).item()) != world * step:
-        raise TrainingError(f"the processes found different training states at {state_path} (this one: "
-                            f"{'step ' + str(step) if step else 'none'}); with several machines --out must be a "
-                            "folder every machine sees at the same path (shared storage)")
-    trunk = net
-    if world > 1 and device.type != "xla":  # on XLA, torch_xla all-reduces the gradients (xla.reduce_gradients)
-        trunk = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if pin else None,
-                                                          find_unused_parameters=cfg.objective == "mpp")
-    if cfg.compile:
-        trunk = torch.compile(trunk)
+    Every process builds its own Trainer; the loop state lives in `self.state` (a :class:`RunState`).
+    """
 
-    if is_main and (hazard := distributed.restart_hazard()):
-        print(f"warning: {hazard}", file=sys.stderr, flush=True)
-    log = MetricsLog(out, enabled=is_main)
-    if is_main:
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    progress = Progress(cfg.steps, step, enabled=is_main and cfg.progress)
-    batches = _batches(loader, sampler, train_ds, epoch, start)
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.state = RunState()
+        self.setup()
 
-    def run_eval() -> dict[str, Any]:
-        """Every rank scores its shard; the counts are summed, so every rank gets the whole set's result."""
-        res = evaluate(model, val_loader, device=device, amp_dtype=amp_dtype, num_classes=num_classes,
-                       reduce=distributed.sum_across)
-        rec = {"step": step, "val_top1": res["top1"], "val_top5": res["top5"], "val_loss": res["loss"]}
-        log.write(rec)
-        return res
+    # ---- setup ----
 
-    def save_all() -> None:
-        if is_main:
-            save_state(state_path, model=net.state_dict(), optimizer=optimizer.state_dict(),
-                       schedule=schedule.state_dict(), scaler=scaler.state_dict(), step=step, epoch=epoch,
-                       index_in_epoch=index, best=best, config=cfg.to_dict())
-        distributed.barrier()
+    def setup(self) -> None:
+        """Processes, data, model, optimizer, the resumed state and the logs, in the order that fixes the RNG
+        draws (the initial weights, then MPP's token, then a resumed run's saved state)."""
+        self._start_process()
+        self._build_model()
+        self._build_loaders()
+        self._build_optimizer()
+        self._resume()
+        self._wrap()
+        self._open_logs()
 
-    if cfg.eval_at_start and cfg.objective == "classify" and step == 0:
-        first = run_eval()
-        if is_main:
-            print(f"before training: top-1 {100 * first['top1']:.2f}%", flush=True)
+    def _start_process(self) -> None:
+        cfg = self.cfg
+        self.rank, self.world = distributed.setup(device_type(cfg.device))  # first: XLA's rendezvous
+        self.device = resolve_device(cfg.device)
+        self.is_main = self.rank == 0
+        self.out = Path(cfg.out)
+        self.state_path = self.out / "checkpoints" / "last.pt"
+        if self.state_path.exists() and not cfg.resume:  # every rank: none may wait on a rank that stopped
+            raise TrainingError(f"{self.out} already holds a run; pass --resume to continue it or choose another "
+                                "--out")
+        random.seed(cfg.seed)  # the same on every rank: identical initial weights
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.micro, rem = divmod(cfg.batch_size, cfg.accum_steps * self.world)
+        if rem or self.micro == 0:
+            raise TrainingError(f"batch size {cfg.batch_size} does not split into {cfg.accum_steps} accumulation "
+                                f"steps x {self.world} processes")
 
-    t_start = time.perf_counter()
-    t_log, images_since_log, images_total, skipped_total, index = t_start, 0, 0, 0, start // micro
-    while step < cfg.steps:
-        seed_step(cfg.seed, rank, step, device)  # a resumed run draws what an uninterrupted one would
-        net.train()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        self.train_base = build_dataset(cfg.data, "train", _raw, strict=cfg.strict)
+        self.num_classes = len(self.train_base.classes)
+        model = build_model(cfg, list(self.train_base.classes))
+        model.labels = list(self.train_base.classes) if cfg.objective == "classify" else None
+        model.grad_checkpointing = cfg.grad_checkpointing
+        if self.device.type == "xla" and xla.hardware(self.device) == "TPU":
+            try:
+                xla.use_pallas_attention(model)
+            except ImportError as e:
+                raise TrainingError(str(e)) from None
+        self.model = model.to(self.device)
+        self.pre = model.preprocess_cfg
+
+    def _build_loaders(self) -> None:
+        cfg, micro = self.cfg, self.micro
+        augment = train_transform(self.pre, cfg.inception_crop, cfg.flip, cfg.randaugment, cfg.translate)
+        self.train_ds = SeededTransform(self.train_base, augment, cfg.seed)
+        val_ds = build_dataset(cfg.data, "test", eval_transform(self.pre), strict=cfg.strict)
+        self.sampler = distributed.ResumableSampler(self.train_ds, self.world, self.rank, cfg.seed)
+        self.pin = self.device.type == "cuda"
+        # Own generators: a DataLoader otherwise draws its worker seed from the global RNG each time an epoch
+        # starts, which would shift every later dropout mask of a resumed run.
+        self.loader = DataLoader(self.train_ds, batch_size=micro, sampler=self.sampler, num_workers=cfg.workers,
+                                 drop_last=True, collate_fn=collate_skip, pin_memory=self.pin,
+                                 generator=torch.Generator().manual_seed(cfg.seed))
+        self.val_loader = DataLoader(val_ds, batch_size=micro,
+                                     sampler=distributed.ShardSampler(len(val_ds), self.world, self.rank),
+                                     num_workers=cfg.workers, collate_fn=collate_skip, pin_memory=self.pin,
+                                     generator=torch.Generator().manual_seed(cfg.seed))
+        if len(self.sampler) < micro:
+            raise TrainingError(f"the training set ({len(self.train_ds)} images) is smaller than one batch per "
+                                "process")
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        mpp = cfg.objective == "mpp"
+        self.net: torch.nn.Module = MPPModel(self.model, ratio=cfg.mpp_ratio).to(self.device) if mpp else self.model
+        self.optimizer = build_optimizer(self.net, cfg)
+        self.schedule = build_schedule(self.optimizer, cfg)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        if self.amp_dtype is not None and self.device.type != "cuda":
+            raise TrainingError(f"--precision {cfg.precision} needs a CUDA device; use fp32 here")
+        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
+        self.mix = MixupCutmix(self.num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing) \
+            if cfg.mixup or cfg.cutmix else None
+
+    def _resume(self) -> None:
+        """Continue from the saved state, if asked and there is one; check every process found the same."""
+        cfg, s = self.cfg, self.state
+        if cfg.resume and self.state_path.exists():
+            st = load_state(self.state_path)
+            self.net.load_state_dict(st["model"])
+            self.optimizer.load_state_dict(st["optimizer"])
+            self.schedule.load_state_dict(st["schedule"])
+            self.scaler.load_state_dict(st["scaler"])
+            s.step, s.epoch, s.index, s.best = st["step"], st["epoch"], st["index_in_epoch"], st["best"]
+            set_rng_state(st["rng"])
+            if self.is_main:
+                restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+                print(f"resuming at step {s.step} of {cfg.steps} from {self.state_path}"
+                      + (f" (torchrun restart {restart})" if restart else ""), flush=True)
+        # Every rank reads the state itself: ranks that found different ones (a node-local --out on several
+        # machines) would run different numbers of steps into a deadlock. The sum over the ranks equals
+        # world x own step on every rank only when all the steps are equal.
+        step_sum = distributed.sum_across(torch.tensor(s.step, device=self.device)) if self.world > 1 else None
+        if step_sum is not None and int(step_sum.item()) != self.world * s.step:
+            raise TrainingError(f"the processes found different training states at {self.state_path} (this one: "
+                                f"{'step ' + str(s.step) if s.step else 'none'}); with several machines --out must "
+                                "be a folder every machine sees at the same path (shared storage)")
+
+    def _wrap(self) -> None:
+        """DDP across processes (on XLA, torch_xla all-reduces the gradients instead), then torch.compile."""
+        self.trunk = self.net
+        if self.world > 1 and self.device.type != "xla":
+            self.trunk = torch.nn.parallel.DistributedDataParallel(
+                self.net, device_ids=[self.device.index] if self.pin else None,
+                find_unused_parameters=self.cfg.objective == "mpp")
+        if self.cfg.compile:
+            self.trunk = torch.compile(self.trunk)
+
+    def _open_logs(self) -> None:
+        cfg = self.cfg
+        if self.is_main and (hazard := distributed.restart_hazard()):
+            print(f"warning: {hazard}", file=sys.stderr, flush=True)
+        self.log_file = MetricsLog(self.out, enabled=self.is_main)
+        if self.is_main:
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self.progress = Progress(cfg.steps, self.state.step, enabled=self.is_main and cfg.progress)
+        self.batches = _batches(self.loader, self.sampler, self.train_ds, self.state.epoch,
+                                self.state.index * self.micro)
+
+    # ---- the loop ----
+
+    def run(self) -> dict[str, Any]:
+        """Train to `cfg.steps` (evaluating, logging and checkpointing on the way) and finish; the summary."""
+        cfg, s = self.cfg, self.state
+        if cfg.eval_at_start and cfg.objective == "classify" and s.step == 0:
+            first = self.evaluate()
+            if self.is_main:
+                print(f"before training: top-1 {100 * first.top1:.2f}%", flush=True)
+        self.t_start = self.t_log = time.perf_counter()
+        while s.step < cfg.steps:
+            loss_sum = self.step()
+            if s.step % cfg.log_every == 0 or s.step == cfg.steps:
+                self.log(loss_sum)
+            if cfg.eval_every and s.step % cfg.eval_every == 0 and s.step < cfg.steps \
+                    and cfg.objective == "classify":
+                self.keep_if_best(self.evaluate())
+            if cfg.ckpt_every and s.step % cfg.ckpt_every == 0:
+                self.checkpoint()
+        self.progress.close()
+        return self.finish(time.perf_counter() - self.t_start)
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step over `accum_steps` micro-batches; the mean loss (a device scalar)."""
+        cfg, s = self.cfg, self.state
+        seed_step(cfg.seed, self.rank, s.step, self.device)  # a resumed run draws what an uninterrupted one would
+        self.net.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
         for m in range(cfg.accum_steps):
-            x = None
-            while x is None:  # a batch whose every image was unreadable is skipped
-                epoch, index, x, y, skipped = next(batches)
-                skipped_total += skipped
-            x, y = x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+            x, y = self._next_batch()
             last = m == cfg.accum_steps - 1
-            sync = trunk.no_sync() if not last and hasattr(trunk, "no_sync") else contextlib.nullcontext()
-            with sync, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                if cfg.objective == "mpp":
-                    targets = mpp_targets(denormalize(x, pre.mean, pre.std), model.cfg.patch_size)
-                    loss = trunk(x, targets)
-                elif mix is not None:
-                    x, y_soft = mix(x, y)
-                    loss = soft_target_cross_entropy(trunk(x), y_soft)
-                else:
-                    loss = F.cross_entropy(trunk(x), y, label_smoothing=cfg.label_smoothing)
-                scaler.scale(loss / cfg.accum_steps).backward()
+            sync = self.trunk.no_sync() if not last and hasattr(self.trunk, "no_sync") else contextlib.nullcontext()
+            with sync, torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                loss = self._loss(x, y)
+                self.scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach() / cfg.accum_steps
-            images_since_log += x.shape[0] * world
-
-        if device.type != "xla":  # on XLA the check waits for a log step: no host sync per step
+            s.images_since_log += x.shape[0] * self.world
+        if self.device.type != "xla":  # on XLA the check waits for a log step: no host sync per step
             loss_value = distributed.mean_across(loss_sum).item()
             if not math.isfinite(loss_value):
-                raise TrainingError(f"loss is {loss_value} at step {step + 1}; stopping. The last good "
-                                    f"checkpoint is intact: {state_path if state_path.exists() else 'none yet'}")
-        if device.type == "xla":
-            xla.reduce_gradients(optimizer)  # before clipping, as DDP's all-reduce is
-        if cfg.grad_clip:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
-        if device.type == "xla":
-            optimizer.step()
+                raise TrainingError(f"loss is {loss_value} at step {s.step + 1}; stopping. The last good checkpoint "
+                                    f"is intact: {self.state_path if self.state_path.exists() else 'none yet'}")
+        self._apply_gradients()
+        s.step += 1
+        return loss_sum
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch on the device, skipping any whose every image was unreadable."""
+        s = self.state
+        x = None
+        while x is None:
+            s.epoch, s.index, x, y, skipped = next(self.batches)
+            s.skipped += skipped
+        return x.to(self.device, non_blocking=self.pin), y.to(self.device, non_blocking=self.pin)
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The objective on one micro-batch x [B, 3, H, W], y [B]: MPP, mixed soft targets, or cross-entropy."""
+        if self.cfg.objective == "mpp":
+            targets = mpp_targets(denormalize(x, self.pre.mean, self.pre.std), self.model.cfg.patch_size)
+            return self.trunk(x, targets)
+        if self.mix is not None:
+            x, y_soft = self.mix(x, y)
+            return soft_target_cross_entropy(self.trunk(x), y_soft)
+        return F.cross_entropy(self.trunk(x), y, label_smoothing=self.cfg.label_smoothing)
+
+    def _apply_gradients(self) -> None:
+        """Clip (after XLA's all-reduce, as DDP's precedes it), step the optimizer and the schedule."""
+        if self.device.type == "xla":
+            xla.reduce_gradients(self.optimizer)
+        if self.cfg.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.cfg.grad_clip)
+        if self.device.type == "xla":
+            self.optimizer.step()
             xla.sync()
         else:
-            scaler.step(optimizer)
-            scaler.update()
-        schedule.step()
-        step += 1
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.schedule.step()
 
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            loss_value = distributed.mean_across(loss_sum).item()
-            if not math.isfinite(loss_value):
-                raise TrainingError(f"loss is {loss_value} at step {step}; stopping")
-            now = time.perf_counter()
-            ips = images_since_log / max(now - t_log, 1e-9)
-            images_total += images_since_log
-            lr = optimizer.param_groups[0]["lr"]
-            skipped_all = int(distributed.sum_across(torch.tensor(skipped_total, device=device)).item())
-            log.write({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr, "images_per_s": ips,
-                       "skipped": skipped_all})
-            progress.update(step, cfg.log_every if step % cfg.log_every == 0 else step % cfg.log_every,
-                            loss=loss_value, lr=lr, img_s=ips)
-            t_log, images_since_log = now, 0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and cfg.objective == "classify":
-            res = run_eval()
-            if res["top1"] > best:
-                best = res["top1"]
-                if is_main:
-                    vit_serve.save(model, out / "best.safetensors", overwrite=True)
-        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-            save_all()
-    progress.close()
-    wall = time.perf_counter() - t_start
-    save_all()
+    def log(self, loss_sum: torch.Tensor) -> None:
+        """A metrics record of the step just taken (loss, lr, throughput, skipped images) and the progress bar."""
+        cfg, s = self.cfg, self.state
+        loss_value = distributed.mean_across(loss_sum).item()
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"loss is {loss_value} at step {s.step}; stopping")
+        now = time.perf_counter()
+        ips = s.images_since_log / max(now - self.t_log, 1e-9)
+        s.images_total += s.images_since_log
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped_all = int(distributed.sum_across(torch.tensor(s.skipped, device=self.device)).item())
+        self.log_file.write({"step": s.step, "epoch": s.epoch, "loss": loss_value, "lr": lr, "images_per_s": ips,
+                             "skipped": skipped_all})
+        self.progress.update(s.step, cfg.log_every if s.step % cfg.log_every == 0 else s.step % cfg.log_every,
+                             loss=loss_value, lr=lr, img_s=ips)
+        self.t_log, s.images_since_log = now, 0
 
-    summary: dict[str, Any] = {"steps": step, "wall_s": wall, "images_per_s": images_total / max(wall, 1e-9),
-                               "skipped": skipped_total, "world_size": world}
-    if cfg.objective == "classify":
-        res = run_eval()
-        summary.update(top1=res["top1"], top5=res["top5"], val_loss=res["loss"], val_images=res["n"])
-    if is_main:
+    def evaluate(self) -> EvalResult:
+        """Every rank scores its shard; the counts are summed, so every rank gets the whole set's result."""
+        res = evaluate(self.model, self.val_loader, device=self.device, amp_dtype=self.amp_dtype,
+                       num_classes=self.num_classes, reduce=distributed.sum_across)
+        self.log_file.write({"step": self.state.step, "val_top1": res.top1, "val_top5": res.top5,
+                             "val_loss": res.loss})
+        return res
+
+    def keep_if_best(self, res: EvalResult) -> None:
+        """A new best validation top-1: remember it and write best.safetensors."""
+        if res.top1 > self.state.best:
+            self.state.best = res.top1
+            if self.is_main:
+                vit_serve.save(self.model, self.out / "best.safetensors", overwrite=True)
+
+    def checkpoint(self) -> None:
+        """The whole state, atomically, by the main process; every process waits for it."""
+        s = self.state
+        if self.is_main:
+            save_state(self.state_path, model=self.net.state_dict(), optimizer=self.optimizer.state_dict(),
+                       schedule=self.schedule.state_dict(), scaler=self.scaler.state_dict(), step=s.step,
+                       epoch=s.epoch, index_in_epoch=s.index, best=s.best, config=self.cfg.to_dict())
+        distributed.barrier()
+
+    # ---- the end ----
+
+    def finish(self, wall: float) -> dict[str, Any]:
+        """The last checkpoint and evaluation, the run's files, the summary table; the summary."""
+        cfg, s = self.cfg, self.state
+        self.checkpoint()
+        summary: dict[str, Any] = {"steps": s.step, "wall_s": wall, "images_per_s": s.images_total / max(wall, 1e-9),
+                                   "skipped": s.skipped, "world_size": self.world}
+        res = None
         if cfg.objective == "classify":
-            if res["top1"] > best:
-                vit_serve.save(model, out / "best.safetensors", overwrite=True)
-            save_confusion_png(res["confusion"], model.labels or [], out / "confusion.png",
-                               f"validation, step {step}: top-1 {100 * res['top1']:.2f}%")
+            res = self.evaluate()
+            summary.update(top1=res.top1, top5=res.top5, val_loss=res.loss, val_images=res.n)
+        if self.is_main:
+            self._write_outputs(summary, res)
+            print(summary_table(self._summary_rows(summary, wall)), flush=True)
+        self.log_file.close()
+        distributed.teardown()
+        return summary
+
+    def _write_outputs(self, summary: dict[str, Any], res: EvalResult | None) -> None:
+        """best/model.safetensors, confusion.png, curves.png and summary.json (main process only); adds
+        few_shot to `summary` when asked for."""
+        cfg, out = self.cfg, self.out
+        if res is not None:
+            if res.top1 > self.state.best:
+                vit_serve.save(self.model, out / "best.safetensors", overwrite=True)
+            save_confusion_png(res.confusion, self.model.labels or [], out / "confusion.png",
+                               f"validation, step {self.state.step}: top-1 {100 * res.top1:.2f}%")
         if cfg.few_shot:
-            summary["few_shot"] = few_shot_on(model, cfg.data, cfg.few_shot, cfg.seed, device)
-        vit_serve.save(model, out / "model.safetensors", overwrite=True,
+            summary["few_shot"] = few_shot_on(self.model, cfg.data, cfg.few_shot, cfg.seed, self.device)
+        vit_serve.save(self.model, out / "model.safetensors", overwrite=True,
                        extra_metadata={"train_config": cfg.to_dict(), "summary": summary})
-        plot_curves(read_metrics(log.path), out / "curves.png", f"{cfg.mode} on {cfg.data}")
+        plot_curves(read_metrics(self.log_file.path), out / "curves.png", f"{cfg.mode} on {cfg.data}")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def _summary_rows(self, summary: dict[str, Any], wall: float) -> dict[str, str]:
         rows = {"top-1": f"{100 * summary['top1']:.2f}%", "top-5": f"{100 * summary['top5']:.2f}%"} \
             if "top1" in summary else {}
         rows.update({"images/s": f"{summary['images_per_s']:.1f}", "wall time": f"{wall:.1f} s",
-                     "steps": str(step), "skipped images": str(skipped_total), "model": str(out / "model.safetensors")})
-        print(summary_table(rows), flush=True)
-    log.close()
-    distributed.teardown()
-    return summary
+                     "steps": str(self.state.step), "skipped images": str(self.state.skipped),
+                     "model": str(self.out / "model.safetensors")})
+        return rows
 
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run the training `cfg` describes on this process (one of a torchrun job, or alone).
+
+    Writes into `cfg.out`: config.json, metrics.jsonl (and TensorBoard), checkpoints/last.pt (every `ckpt_every`
+    steps and at the end), best.safetensors, model.safetensors, confusion.png, curves.png, summary.json.
+    Returns the summary: steps, wall_s, images_per_s, skipped, world_size (and for classification top1, top5,
+    val_loss, val_images; few_shot when asked for).
+    """
+    return Trainer(cfg).run()

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vit_serve.manifest import RolloutSettings
+from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.task import Outputs, Task
 
-
-class BackendUnavailableError(RuntimeError):
-    """The backend cannot answer now (e.g. the Triton server is down); the gateway answers 503."""
+__all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend"]
 
 
 @dataclass(frozen=True)
@@ -117,14 +115,14 @@ class LocalBackend(Backend):
     def run(self, task: Task, x: np.ndarray) -> Outputs:
         """`task` on x [B, 3, H, W] float32 -> its outputs."""
         if task.kind == "classify":
-            return {"logits": self.classify(x)}
+            return {LOGITS: self.classify(x)}
         if task.kind == "explain":
             logits, rollout = self.explain(x, task.rollout)
-            return {"logits": logits, "rollout": rollout}
+            return {LOGITS: logits, ROLLOUT: rollout}
         if task.kind == "embed":
             logits, embedding = self.embed(x)
-            return {"logits": logits, "embedding": embedding}
-        return {"rollout": np.stack([self.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])])}
+            return {LOGITS: logits, EMBEDDING: embedding}
+        return {ROLLOUT: np.stack([self.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])])}
 
     def warmup(self) -> None:
         """Run one batch so the first request does not pay for lazy initialisation."""

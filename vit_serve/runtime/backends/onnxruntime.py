@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vit_serve.manifest import RolloutSettings
+from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.sidecar import read_export
 
-INPUT = "pixel_values"
+INPUT = PIXEL_VALUES
 
 
 def session_providers(device: str) -> list[str]:
@@ -61,7 +61,7 @@ class OnnxRuntimeBackend(LocalBackend):
         # fp16 exports take float16 pixels; everything leaves as float32.
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
         used = tuple(self.session.get_providers())
-        has_embedding = any(o.name == "embedding" for o in self.session.get_outputs())
+        has_embedding = any(o.name == EMBEDDING for o in self.session.get_outputs())
         self.info = dataclasses.replace(self.info, providers=used,
                                         device="cuda" if "CUDAExecutionProvider" in used else "cpu",
                                         embedding_dim=self.info.embedding_dim if has_embedding else 0)
@@ -70,13 +70,13 @@ class OnnxRuntimeBackend(LocalBackend):
         return {INPUT: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
 
     def classify(self, x: np.ndarray) -> np.ndarray:
-        (logits,) = self.session.run(["logits"], self._feed(x))
+        (logits,) = self.session.run([LOGITS], self._feed(x))
         return logits.astype(np.float32, copy=False)
 
     def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not self.info.embedding_dim:
             return super().embed(x)
-        logits, embedding = self.session.run(["logits", "embedding"], self._feed(x))
+        logits, embedding = self.session.run([LOGITS, EMBEDDING], self._feed(x))
         return logits.astype(np.float32, copy=False), embedding.astype(np.float32, copy=False)
 
     def explain(self, x: np.ndarray, rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -85,5 +85,5 @@ class OnnxRuntimeBackend(LocalBackend):
         if self.explain_session is None:
             raise NotImplementedError(f"no explain graph beside {Path(self.info.source).name} "
                                       f"(vit-export writes NAME_explain.onnx)")
-        logits, heat = self.explain_session.run(["logits", "rollout"], self._feed(x))
+        logits, heat = self.explain_session.run([LOGITS, ROLLOUT], self._feed(x))
         return logits.astype(np.float32, copy=False), heat.astype(np.float32, copy=False)

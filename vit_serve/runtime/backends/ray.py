@@ -1,14 +1,14 @@
 """A model version served by its own Ray Serve deployment: the backend of a gateway running as a Ray Serve ingress.
 
 `vit_serve.deploy.ray.build_app` makes one deployment per model version, named by `deployment_name`, whose
-replicas load the model with `create_backend` (torch, onnxruntime, tensorrt) and batch with `@serve.batch`. In
-the ingress (settings.engine = "ray"), `create_backend` gives a `RayModelBackend` for every version the
+replicas load the model with `vit_serve.runtime.load` (torch, onnxruntime, tensorrt) and batch with `@serve.batch`.
+In the ingress (`LoadSpec.engine` "ray"), `load` gives a `RayModelBackend` for every version the
 repository loads: a `RemoteBackend` (its replicas batch, so the gateway drives it with a `DirectRunner`) that
 sends each request to the deployment's handle, with the `ModelInfo` its replica loaded.
 
 Each answer names the replica and the size of the batch it ran in; `RAY_METRICS` counts them per replica
 (`vit_serve_ray_requests_total`, `vit_serve_ray_batch_size`), and the ingress serves them on /metrics beside the
-gateway's own. Imported only with engine="ray": nothing else in vit_serve.serve needs Ray.
+gateway's own. Imported only with engine="ray": nothing else in vit_serve.runtime needs Ray.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from vit_serve.runtime.backends.base import BackendUnavailableError, RemoteBackend
+from vit_serve.runtime.backends.base import RemoteBackend
+from vit_serve.runtime.errors import BackendUnavailableError
+from vit_serve.runtime.metrics import BATCH_BUCKETS, MODEL
+from vit_serve.runtime.spec import LoadSpec
 from vit_serve.runtime.task import Outputs, Task
-from vit_serve.serve.metrics import BATCH_BUCKETS, MODEL
-from vit_serve.serve.settings import ServeSettings
 
 try:
     from ray import serve
@@ -50,18 +51,18 @@ def deployment_name(model: str, path: str | Path) -> str:
 
 
 class RayModelBackend(RemoteBackend):
-    """A handle on the deployment of one model version; built in the ingress by `create_backend`."""
+    """A handle on the deployment of one model version; built in the ingress by `vit_serve.runtime.load`."""
 
     name = "ray"
 
-    def __init__(self, settings: ServeSettings) -> None:
+    def __init__(self, spec: LoadSpec) -> None:
         try:
             app = serve.get_replica_context().app_name
         except Exception:
             raise RuntimeError("engine=ray runs the gateway inside Ray Serve, as the ingress of "
                                "vit_serve.deploy.ray.build_app (vit-serve serve --engine ray)") from None
-        self.deployment = deployment_name(settings.model_name or Path(settings.model).stem, settings.model)
-        self.timeout_s = settings.request_timeout_s
+        self.deployment = deployment_name(spec.name or Path(spec.path).stem, spec.path)
+        self.timeout_s = spec.limits.request_timeout_s
         self.handle = serve.get_deployment_handle(self.deployment, app_name=app)
         try:  # in the model thread: the replicas are up (the ingress waited for them)
             described = self.handle.describe.remote().result(timeout_s=self.timeout_s)

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from vit_serve.manifest import RolloutSettings, manifest_path, read_manifest
+from vit_serve.manifest import LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings, manifest_path, read_manifest
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.onnxruntime import session_providers
 from vit_serve.runtime.backends.sidecar import read_export
 from vit_serve.tensorrt_engine import TensorRTEngine
 
-INPUT = "pixel_values"
+INPUT = PIXEL_VALUES
 
 
 def require_tensorrt() -> Any:
@@ -59,8 +59,8 @@ class _OnnxExplain:
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
 
     def run(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        logits, heat = self.session.run(["logits", "rollout"], {INPUT: x.astype(self.input_dtype, copy=False)})
-        return {"logits": logits, "rollout": heat}
+        logits, heat = self.session.run([LOGITS, ROLLOUT], {INPUT: x.astype(self.input_dtype, copy=False)})
+        return {LOGITS: logits, ROLLOUT: heat}
 
 
 class TensorRTBackend(LocalBackend):
@@ -79,11 +79,11 @@ class TensorRTBackend(LocalBackend):
                                    else TensorRTEngine(explain, runtime, built_with(explain)))
 
     def classify(self, x: np.ndarray) -> np.ndarray:
-        return self.engine.run(x)["logits"]
+        return self.engine.run(x)[LOGITS]
 
     def explain(self, x: np.ndarray, rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The explain graph, whose rollout settings are its own."""
         if self.explain_engine is None:
             raise NotImplementedError(f"no explain engine beside {Path(self.info.source).name}")
         out = self.explain_engine.run(x)
-        return out["logits"], out["rollout"]
+        return out[LOGITS], out[ROLLOUT]

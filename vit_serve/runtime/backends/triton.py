@@ -28,18 +28,16 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from vit_serve.manifest import TritonMeta
-from vit_serve.runtime.backends.base import BackendUnavailableError, ModelInfo, RemoteBackend
+from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, TritonMeta
+from vit_serve.runtime.backends.base import ModelInfo, RemoteBackend
+from vit_serve.runtime.errors import BackendUnavailableError, ModelTimeoutError
+from vit_serve.runtime.settings import TritonClientSettings
 from vit_serve.runtime.task import Outputs, Task
-from vit_serve.serve import tracing
-from vit_serve.serve.errors import GatewayTimeoutError
+from vit_serve.runtime.trace_context import context_headers
 
 log = logging.getLogger(__name__)
 
-INPUT = "pixel_values"
-LOGITS = "logits"
-ROLLOUT = "rollout"
-EMBEDDING = "embedding"
+INPUT = PIXEL_VALUES
 PROBE_TIMEOUT_S = 2.0
 # Connections beyond max_queue: readiness probes and the parts of a batch split over max_batch_size.
 SPARE_CONNECTIONS = 8
@@ -104,11 +102,6 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
         max_batch_size=int(config.get("max_batch_size", 0)),
         embedding_dim=0 if embedding is None else int(embedding["dims"][-1]),
     )
-
-
-def _first(*values: Any) -> Any:
-    """The first value that is not None (0 is a value)."""
-    return next(v for v in values if v is not None)
 
 
 def _close_soon(conn: _Connection) -> None:
@@ -191,24 +184,22 @@ async def vit_models(url: str, timeout_s: float = 10.0) -> dict[str, int]:
 
 
 class TritonBackend(RemoteBackend):
-    """MODEL on the Triton server at URL; `info` from the model's config, explain via its explain model.
-
-    settings: the gateway's ServeSettings (triton_timeout_s, triton_startup_timeout_s, max_queue); the keyword
-    arguments override them.
-    """
+    """MODEL on the Triton server `client.triton_url`; `info` from the model's config, explain via its explain
+    model. Each call waits at most `client.triton_timeout_s`, start-up `client.triton_startup_timeout_s`;
+    max_queue: how many requests the gateway lets be outstanding (the size of the connection pool); trace: pass
+    the trace context on (`vit_serve.runtime.trace_context`)."""
 
     name = "triton"
 
-    def __init__(self, model: str, url: str, settings: Any = None, *, timeout_s: float | None = None,
-                 startup_timeout_s: float | None = None, max_queue: int | None = None) -> None:
+    def __init__(self, model: str, client: TritonClientSettings, *, max_queue: int = 256,
+                 trace: bool = False) -> None:
         self.model = model
-        self.url = url
-        self.protocol, self.address = parse_url(url)
-        self.timeout_s = float(_first(timeout_s, getattr(settings, "triton_timeout_s", None), 10.0))
-        startup = float(_first(startup_timeout_s, getattr(settings, "triton_startup_timeout_s", None), 30.0))
+        self.url = client.triton_url
+        self.protocol, self.address = parse_url(self.url)
+        self.timeout_s = float(client.triton_timeout_s)
         # The gateway lets at most max_queue requests be outstanding: each gets a connection at once.
-        self.pool_size = int(_first(max_queue, getattr(settings, "max_queue", None), 256)) + SPARE_CONNECTIONS
-        self.trace = bool(getattr(settings, "otel", False))  # pass the trace context on to Triton
+        self.pool_size = int(max_queue) + SPARE_CONNECTIONS
+        self.trace = trace
         if self.protocol == "http":
             import tritonclient.http.aio as client_module
         else:
@@ -216,7 +207,7 @@ class TritonBackend(RemoteBackend):
         self._tc = client_module
         self._conn: _Connection | None = None
         self._ready = False
-        self.info = _run_blocking(lambda: self._start(startup))
+        self.info = _run_blocking(lambda: self._start(float(client.triton_startup_timeout_s)))
         self.explain_model: str | None = self.info.explain_model
         self.max_batch_size: int = self.info.max_batch_size
         self._ready = True  # the gateway warms up (`warmup`) before it reports ready
@@ -258,8 +249,8 @@ class TritonBackend(RemoteBackend):
         self._mark(False, f"{what}: {err}")
         return BackendUnavailableError(f"Triton at {self.url} is unavailable ({what}): {err}")
 
-    def _timed_out(self, what: str, timeout_s: float) -> GatewayTimeoutError:
-        return GatewayTimeoutError(f"Triton did not answer {what} within {timeout_s:g} s (VIT_SERVE_TRITON_TIMEOUT_S)")
+    def _timed_out(self, what: str, timeout_s: float) -> ModelTimeoutError:
+        return ModelTimeoutError(f"Triton did not answer {what} within {timeout_s:g} s (VIT_SERVE_TRITON_TIMEOUT_S)")
 
     def _mark(self, ready: bool, why: str = "") -> None:
         if ready != self._ready:
@@ -274,10 +265,10 @@ class TritonBackend(RemoteBackend):
     def _trace_headers(self) -> dict[str, str] | None:
         """With tracing on, the current trace context (W3C traceparent / tracestate): HTTP headers or gRPC
         metadata, which Triton's OpenTelemetry tracing continues."""
-        return tracing.context_headers() if self.trace else None
+        return context_headers() if self.trace else None
 
     async def _guard(self, conn: _Connection, what: str, coro: Any, timeout_s: float) -> Any:
-        """Await one client call within `timeout_s`: past it GatewayTimeoutError (504); connection failures and
+        """Await one client call within `timeout_s`: past it ModelTimeoutError (504); connection failures and
         Triton's "not now" answers BackendUnavailableError (503); Triton's other errors RuntimeError.
 
         Only a gRPC channel whose connection failed is retired; a timeout or a failed HTTP call leaves the
@@ -318,7 +309,7 @@ class TritonBackend(RemoteBackend):
         while True:
             try:
                 return await self._describe()
-            except (BackendUnavailableError, GatewayTimeoutError) as e:
+            except (BackendUnavailableError, ModelTimeoutError) as e:
                 last = e
             if time.monotonic() >= deadline:
                 raise BackendUnavailableError(
@@ -424,7 +415,7 @@ class TritonBackend(RemoteBackend):
                 await self._models_ready(conn, models, timeout_s=wait)
         except BackendUnavailableError:
             return False
-        except (GatewayTimeoutError, TimeoutError):  # a busy server is not a broken connection: nothing is dropped
+        except (ModelTimeoutError, TimeoutError):  # a busy server is not a broken connection: nothing is dropped
             self._mark(False, f"no answer within {wait:g}s")
             return False
         self._mark(True)

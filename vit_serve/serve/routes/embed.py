@@ -7,13 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from vit_serve.embedding import l2_normalize
+from vit_serve.manifest import EMBEDDING
+from vit_serve.runtime.postprocess import normalize_embedding
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.classify import BY_ID, ERRORS, decode_kept
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, infer_upload
 from vit_serve.serve.schemas import EmbedResponse
-from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
+from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
 router = APIRouter(tags=["embed"])
 
@@ -38,14 +39,9 @@ async def embed(
     answer 400). The image is kept like /classify's, so `GET /explain?id=` works on it too.
     """
     t0 = time.perf_counter()
-    with choice.announce(ModelVersion.embed_task):  # 404 / 400 before the body is read; the version is chosen
-        upload = await read_image(request)  # once it is
-    with choice.use() as mv, mv.arriving() as arrival:
-        decoded = await decode_kept(mv, upload, scope)
-        result = await mv.infer(mv.embed_task(), decoded.x, arrival)
-    vector = result.outputs["embedding"][0]
-    if normalize:
-        vector = l2_normalize(vector)
+    async with infer_upload(request, choice, scope, ModelVersion.embed_task) as done:
+        mv, decoded, result = done.mv, done.decoded, done.result
+    vector = normalize_embedding(result.outputs[EMBEDDING][0], normalize)
     info = mv.info
     return {
         "id": decoded.id,

@@ -12,23 +12,23 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from PIL import Image
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
+from vit_serve.manifest import LOGITS, ROLLOUT
 from vit_serve.overlay import COLORMAPS
+from vit_serve.runtime.postprocess import rollout_payload, top_k
 from vit_serve.runtime.task import Task
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep, ModelDep
 from vit_serve.serve.errors import NotFoundError
-from vit_serve.serve.gateway import top_k
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.classify import BY_ID, ERRORS, decode_kept
-from vit_serve.serve.runner import Arrival
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, infer_upload
+from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
-from vit_serve.serve.uploads import IMAGE_REQUEST_BODY, read_image
+from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
 router = APIRouter(tags=["explain"])
 
@@ -77,26 +77,21 @@ def _task(mv: ModelVersion, p: ExplainParams) -> Task:
     return mv.explain_task(p.method, p.head_fusion, p.discard_ratio, p.target)
 
 
-async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image, x: np.ndarray,
-                  p: ExplainParams, t0: float, decode_ms: float, arrival: Arrival) -> Response | dict:
-    result = await mv.infer(task, x, arrival)
-    heat = result.outputs["rollout"][0]
+async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image, result: Result,
+                  p: ExplainParams, t0: float, decode_ms: float) -> Response | dict:
+    """The explain task's result as GET /explain answers it: the PNG overlay over `crop`, or the JSON map."""
+    heat = result.outputs[ROLLOUT][0]
     info = mv.info
     if p.format == "png":
         png = await mv.overlay(crop, heat, p.alpha, p.colormap)
         return Response(png, media_type="image/png", headers={"X-Image-Id": image_id, "X-Model": info.name,
                                                               "X-Model-Version": str(mv.version)})
-    logits = result.outputs.get("logits")
+    logits = result.outputs.get(LOGITS)
     return {
         "id": image_id,
         "model": info.name,
         "version": str(mv.version),
-        "method": p.method,
-        "head_fusion": task.rollout.head_fusion if task.rollout else None,
-        "discard_ratio": task.rollout.discard_ratio if task.rollout else None,
-        "query": "cls" if info.pool == "token" else "patch-mean",
-        "grid": info.grid,
-        "map": heat.tolist(),
+        **rollout_payload(p.method, task.rollout, heat, info),
         "predictions": top_k(logits[0], 5, info) if logits is not None else [],
         "timing_ms": result.timing_ms(decode_ms, (time.perf_counter() - t0) * 1e3),
     }
@@ -129,7 +124,8 @@ async def explain_by_id(
                             f"image/* body)")
     with mv.arriving() as arrival:
         x = await mv.tensor_of(crop)
-        return await _answer(mv, task, id, crop, x, params, t0, 0.0, arrival)
+        result = await mv.infer(task, x, arrival)
+        return await _answer(mv, task, id, crop, result, params, t0, 0.0)
 
 
 @router.post("/explain", response_model=ExplainResponse, responses={200: {**PNG, **BY_ID_LINK}, **ERRORS},
@@ -138,10 +134,7 @@ async def explain_upload(request: Request, choice: ModelChoiceDep, params: Param
                          ) -> Response | dict:
     """Explain an uploaded image (same body as POST /classify, same parameters and answers as GET /explain)."""
     t0 = time.perf_counter()
-    with choice.announce(lambda mv: _task(mv, params)):  # 404 / 400 before the body is read; the version is
-        upload = await read_image(request)  # chosen once it is
-    with choice.use() as mv, mv.arriving() as arrival:
-        task = _task(mv, params)
-        decoded = await decode_kept(mv, upload, scope)
-        return await _answer(mv, task, decoded.id, decoded.crop, decoded.x, params, t0, decoded.decode_ms,
-                             arrival)
+    async with infer_upload(request, choice, scope, lambda mv: _task(mv, params)) as done:
+        decoded = done.decoded  # the overlay is drawn while the version is still held
+        return await _answer(done.mv, done.task, decoded.id, decoded.crop, done.result, params, t0,
+                             decoded.decode_ms)

@@ -31,4 +31,5 @@ async def models(gateway: GatewayDep) -> dict:
             version.update(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
                            explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight)
         entry["versions"].append(version)
-    return {"default_model": default, "model_control": gateway.settings.model_control, "models": list(out.values())}
+    return {"default_model": default, "model_control": gateway.settings.repository.model_control,
+            "models": list(out.values())}

@@ -15,12 +15,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request
 
 from vit_serve.serve.deps import GatewayDep
-from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
+from vit_serve.serve.errors import V2, BadRequestError
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.v2_model import repository_of
 from vit_serve.serve.v2_protocol import load_json
 
-router = APIRouter(prefix="/v2/repository", tags=["v2 repository extension"])
+router = APIRouter(prefix=f"{V2}/repository", tags=["v2 repository extension"])  # in routes.v2's group
 V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
     "type": "string"}}}}}}
 ERRORS = {400: V2_ERROR, 403: V2_ERROR, 503: V2_ERROR}
@@ -29,11 +30,8 @@ BODY = {"requestBody": {"required": False, "content": {"application/json": {"sch
 
 
 def repository(gateway: GatewayDep) -> ModelRepository:
-    if not gateway.settings.repository_api:
-        raise ForbiddenError("the repository API is turned off on this gateway (VIT_SERVE_REPOSITORY_API)")
-    if gateway.repository is None:
-        raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
-    return gateway.repository
+    """The repository (403 with the repository API off, 503 while loading: `v2_model.repository_of`)."""
+    return repository_of(gateway)
 
 
 RepositoryDep = Annotated[ModelRepository, Depends(repository)]

@@ -25,9 +25,10 @@ from pydantic import BaseModel
 
 from vit_serve.serve import v2_model
 from vit_serve.serve.deps import GatewayDep, ModelChoice
-from vit_serve.serve.errors import BadRequestError, TooLargeError, UnsupportedMediaError
+from vit_serve.serve.errors import V2, BadRequestError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.routes import repository
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.v2_model import model_metadata, versions
@@ -35,7 +36,11 @@ from vit_serve.serve.v2_protocol import HEADER_LENGTH, encode_infer_response, pa
 
 __all__ = ["model_metadata", "router"]  # model_metadata lives in v2_model; importable from here as before
 
-router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
+# All of /v2, one router group: the protocol's routes below, then the repository extension (routes.repository),
+# each declared with its whole path (a matched route's path is the metrics' endpoint label). Its errors answer
+# `{"error": message}` (serve.errors.envelope: the V2 prefix, routed or not).
+router = APIRouter()
+protocol = APIRouter(prefix=V2, tags=["v2 (Open Inference Protocol)"])
 V2_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
     "type": "string"}}}}}}
 NameDep = Annotated[str, Path(description="the model's name (GET /v2/models/{name} lists it)")]
@@ -63,19 +68,19 @@ class ModelReady(BaseModel):
     ready: bool
 
 
-@router.get("", responses={200: {"description": "server metadata"}})
+@protocol.get("", responses={200: {"description": "server metadata"}})
 async def server_metadata() -> dict:
     """`{"name", "version", "extensions"}`."""
     return v2_model.server_metadata()
 
 
-@router.get("/health/live", response_model=ServerLive)
+@protocol.get("/health/live", response_model=ServerLive)
 async def live() -> dict:
     """200 `{"live": true}` while the server answers."""
     return {"live": True}
 
 
-@router.get("/health/ready", response_model=ServerReady, responses={503: {"model": ServerReady}})
+@protocol.get("/health/ready", response_model=ServerReady, responses={503: {"model": ServerReady}})
 async def ready(gateway: GatewayDep) -> StrictJSONResponse:
     """200 `{"ready": true}` once the model is loaded, warmed up and its backend answers; 503 `{"ready": false,
     "error": why}` before."""
@@ -83,7 +88,7 @@ async def ready(gateway: GatewayDep) -> StrictJSONResponse:
     return StrictJSONResponse({"ready": True} if ok else {"ready": False, "error": why}, 200 if ok else 503)
 
 
-@router.get("/models/{name}", responses={200: MODEL_LINKS, 404: V2_ERROR, 503: V2_ERROR})
+@protocol.get("/models/{name}", responses={200: MODEL_LINKS, 404: V2_ERROR, 503: V2_ERROR})
 async def metadata(name: NameDep, gateway: GatewayDep) -> dict:
     """Model metadata (its newest version in service): inputs `pixel_values` FP32 [-1, 3, H, W] and `image`
     BYTES [-1] (send one), outputs `logits` FP32 [-1, K] and `rollout` FP32 [-1, gh, gw] (with an explain graph);
@@ -91,7 +96,7 @@ async def metadata(name: NameDep, gateway: GatewayDep) -> dict:
     return model_metadata(gateway.model(name), versions(gateway, name))
 
 
-@router.get("/models/{name}/versions/{version}", responses={404: V2_ERROR, 503: V2_ERROR})
+@protocol.get("/models/{name}/versions/{version}", responses={404: V2_ERROR, 503: V2_ERROR})
 async def version_metadata(name: NameDep, version: VersionDep, gateway: GatewayDep) -> dict:
     """The same, for one version."""
     return model_metadata(gateway.model(name, version), versions(gateway, name))
@@ -107,14 +112,14 @@ async def _ready(gateway: Gateway, name: str, version: str | None) -> StrictJSON
 READY_DOC = {"response_model": ModelReady, "responses": {404: V2_ERROR, 503: {"model": ModelReady}}}
 
 
-@router.get("/models/{name}/ready", **READY_DOC)
+@protocol.get("/models/{name}/ready", **READY_DOC)
 async def model_ready(name: NameDep, gateway: GatewayDep) -> StrictJSONResponse:
     """200 `{"name", "ready": true}` when the model is ready, 503 (`"ready": false`) before, 404 for a name the
     repository does not have."""
     return await _ready(gateway, name, None)
 
 
-@router.get("/models/{name}/versions/{version}/ready", **READY_DOC)
+@protocol.get("/models/{name}/versions/{version}/ready", **READY_DOC)
 async def version_ready(name: NameDep, version: VersionDep, gateway: GatewayDep) -> StrictJSONResponse:
     """The same, for one version."""
     return await _ready(gateway, name, version)
@@ -146,7 +151,7 @@ INFER_DOC = {
 }
 
 
-@router.post("/models/{name}/infer", **INFER_DOC)
+@protocol.post("/models/{name}/infer", **INFER_DOC)
 async def infer(name: NameDep, request: Request, gateway: GatewayDep) -> Response:
     """Inference: `{"id"?, "inputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}],
     "outputs"?: [{"name", "parameters": {"binary_data", "classification"}}], "parameters"?:
@@ -158,7 +163,7 @@ async def infer(name: NameDep, request: Request, gateway: GatewayDep) -> Respons
     return await _infer(request, gateway, ModelChoice(gateway, name))
 
 
-@router.post("/models/{name}/versions/{version}/infer", **INFER_DOC, include_in_schema=False)  # Triton's alias
+@protocol.post("/models/{name}/versions/{version}/infer", **INFER_DOC, include_in_schema=False)  # Triton's alias
 async def version_infer(name: NameDep, version: VersionDep, request: Request, gateway: GatewayDep) -> Response:
     """The same, for one version."""
     return await _infer(request, gateway, ModelChoice(gateway, name, version))
@@ -174,7 +179,12 @@ async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Res
 async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival) -> Response:
     body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
                        gateway.settings.max_body_bytes)
-    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), v2_model.request_bounds(mv, gateway.settings))
+    bounds = v2_model.request_bounds(mv, gateway.settings.limits)
+    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
     outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
+
+
+router.include_router(protocol)
+router.include_router(repository.router)

@@ -1,0 +1,126 @@
+"""One batch of `vit-serve predict`, whichever engine runs it: an image to predict (`Item`), the model loaded on the
+runtime (`load_backend`), a file decoded as the gateway decodes an upload (`decode_file`), the model's outputs
+(`compute`), the rows made of them (`make_rows`) and where they go (`Sink`).
+
+Both engines stand on this module: `vit_serve.predict` (the job, and the local engine) and `vit_serve.predict_ray`
+(Ray Data's model actors). Nothing here imports either, nor the HTTP gateway, nor Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vit_serve.predict_options import PredictOptions
+from vit_serve.predict_writers import ErrorLog, RolloutFile, Row, printable
+
+if TYPE_CHECKING:
+    from vit_serve.preprocess import PreprocessConfig
+    from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+    from vit_serve.runtime.discovery import VersionSource
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image to predict: its path as SRC lists it (the row's key), and its ImageFolder class if any."""
+
+    path: str
+    target: str | None = None
+    target_index: int | None = None
+
+
+def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
+    """The runtime's backend for `source`, on `opts.device`, decoding as `opts.decode` says (as the gateway)."""
+    from vit_serve.runtime import LoadSpec, load
+    from vit_serve.runtime.backends.base import LocalBackend
+
+    backend = load(LoadSpec(path=str(source.path), backend=source.backend, name=source.name, device=opts.device,
+                            threads=opts.threads, decode=opts.decode))
+    if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
+        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
+    return backend
+
+
+def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.ndarray | None, str | None]:
+    """A file -> (its model input [3, H, W] float32, None), or (None, why it cannot be read), decoded as the
+    gateway decodes an upload of the same bytes (`vit_serve.runtime.decode`)."""
+    from vit_serve.runtime.decode import decode_crop, input_tensor
+    from vit_serve.runtime.errors import ServingError
+
+    if "\n" in path or "\r" in path:
+        return None, "a path with a line break cannot be a row key"
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return input_tensor(decode_crop(data, cfg, max_pixels), cfg)[0], None
+    except ServingError as e:  # too large, not an image, corrupt: one line
+        return None, e.message
+    except OSError as e:
+        return None, f"cannot read: {e.strerror or e}"
+
+
+def compute(backend: LocalBackend, x: np.ndarray, embeddings: bool, explain: bool
+            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """x [B, 3, H, W] -> (logits [B, K], embedding [B, D] or None, rollout maps [B, gh, gw] or None). The logits
+    are always those of the classify (or embed) graph, what `/classify` answers, never the explain graph's."""
+    emb = maps = None
+    if embeddings:
+        logits, emb = backend.embed(x)
+    else:
+        logits = backend.classify(x)
+    if explain:
+        _, maps = backend.explain(x, backend.info.resolve_rollout())
+    return logits, emb, maps
+
+
+def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: PredictOptions,
+              emb: np.ndarray | None = None, rollout_index: list[int] | None = None) -> list[Row]:
+    """The rows of a batch (logits [B, K], emb [B, D]): path, [target, target_index], labels, indices, scores
+    (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`), rollout_index]."""
+    from vit_serve.runtime.postprocess import normalize_embedding, top_k
+
+    if emb is not None:
+        emb = normalize_embedding(emb, opts.normalize)  # as POST /embed?normalize=true
+    rows = []
+    for i, item in enumerate(items):
+        best = top_k(logits[i], opts.top_k, info)
+        row: Row = {"path": item.path}
+        if opts.image_folder:
+            row |= {"target": item.target, "target_index": item.target_index}
+        row |= {"labels": [b["label"] for b in best], "indices": [b["index"] for b in best],
+                "scores": [b["score"] for b in best]}
+        if emb is not None:
+            row["embedding"] = emb[i].tolist()
+        if rollout_index is not None:
+            row["rollout_index"] = rollout_index[i]
+        rows.append(row)
+    return rows
+
+
+class Sink:
+    """Where a batch's outputs go: the rollout maps first, then the rows (see predict_writers)."""
+
+    def __init__(self, writer: Any, rollout: RolloutFile | None, errors: ErrorLog, bar: Any, info: ModelInfo,
+                 opts: PredictOptions) -> None:
+        self.writer, self.rollout, self.errors, self.bar = writer, rollout, errors, bar
+        self.info, self.opts = info, opts
+        self.written = 0
+        self.first: tuple[float, int] | None = None  # (perf_counter, rows written) after the first batch
+
+    def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None) -> None:
+        """logits [B, K], emb [B, D] or None, maps [B, gh, gw] or None -> B rows written."""
+        index = self.rollout.append(maps) if self.rollout is not None and maps is not None else None
+        self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index))
+        self.written += len(items)
+        if self.first is None:
+            self.first = (time.perf_counter(), self.written)
+        self.bar.update(len(items))
+
+    def error(self, path: str, why: str) -> None:
+        self.errors.add(path, why)
+        if not self.opts.quiet:
+            self.bar.write(f"vit-serve predict: skipped {printable(path)}: {why}")
+        self.bar.update(1)

@@ -1,0 +1,109 @@
+"""What loading one model needs (`LoadSpec`), and which backend a spec means (`resolve_backend`, `check`).
+
+`vit_serve.runtime.load(spec)` (`runtime.backends.load`) builds the backend. `--backend auto` means, for a path:
+`.onnx` -> onnxruntime, `.engine` / `.plan` / `.trt` -> tensorrt, anything else -> torch (a checkpoint file,
+folder or hub id). A model on a Triton server needs backend "triton" (the path is then its name there, "" for
+all of them). With engine "ray" the backend is a handle on the Ray Serve deployment that loads the model with
+the backend above (`vit_serve.deploy.ray`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
+from vit_serve.runtime.settings import RunnerLimits, TritonClientSettings
+
+BackendChoice = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One model to load.
+
+    path: a checkpoint (file, folder or hub id), NAME.onnx (NAME.json beside it), a TensorRT engine, or a Triton
+    model name. backend: which runtime serves it ("auto": from the path's suffix). name: the name shown to
+    clients (None: the path's stem). device / threads: torch's and onnxruntime's device ("auto", "cpu", "cuda")
+    and intra-op threads (None: the runtime's own). decode: the upload decoding path ("fast", "exact"; None: the
+    contract's). triton: how the Triton backend reaches its server; limits: the queue the backend is driven with
+    (the Triton backend sizes its connection pool by `max_queue`, Ray waits `request_timeout_s`). trace: pass
+    the trace context on to Triton (OpenTelemetry). engine: "local" (in this process) or "ray" (a handle on
+    the model's Ray Serve deployment, from inside the gateway's Ray Serve ingress).
+    """
+
+    path: str
+    backend: BackendChoice = "auto"
+    name: str | None = None
+    device: str = "auto"
+    threads: int | None = None
+    decode: str | None = None
+    triton: TritonClientSettings = field(default_factory=TritonClientSettings)
+    limits: RunnerLimits = field(default_factory=RunnerLimits)
+    trace: bool = False
+    engine: Literal["local", "ray"] = "local"
+
+    @classmethod
+    def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
+        """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
+        device, threads, decode, triton and limits groups, otel, engine), with `changes`."""
+        spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
+                   device=settings.device, threads=settings.threads, decode=settings.decode,
+                   triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine)
+        return dataclasses.replace(spec, **changes) if changes else spec
+
+    def replace(self, **changes: object) -> LoadSpec:
+        """A copy with `changes` (dataclasses.replace)."""
+        return dataclasses.replace(self, **changes)
+
+
+class SettingsLike(Protocol):
+    """What `LoadSpec.of` reads (a `ServeSettings` has it)."""
+
+    model: str
+    backend: str
+    engine: str
+    model_name: str | None
+    device: str
+    threads: int | None
+    decode: str | None
+    triton: TritonClientSettings
+    limits: RunnerLimits
+    otel: bool
+
+
+def resolve_backend(spec: LoadSpec) -> str:
+    """The backend `spec.backend` means for its path ("auto": by the suffix)."""
+    if spec.backend != "auto":
+        return spec.backend
+    suffix = Path(spec.path).suffix.lower()
+    if suffix == ".onnx":
+        return "onnxruntime"
+    if suffix in ENGINE_SUFFIXES:
+        return "tensorrt"
+    return "torch"
+
+
+def check(spec: LoadSpec) -> str:
+    """Cheap checks before anything loads (so that a command can fail with one line); returns the backend name.
+    ValueError for no model or the wrong kind of file, FileNotFoundError, OSError without TensorRT."""
+    if not spec.path:
+        if spec.backend == "triton":
+            return "triton"  # every ViT model of the Triton server
+        raise ValueError("no model given: pass REPO (a folder of models) or MODEL (a checkpoint, NAME.onnx, an "
+                         "engine; with --backend triton a model name there, or none for all) or set "
+                         "VIT_SERVE_MODEL")
+    backend = resolve_backend(spec)
+    path = Path(spec.path)
+    is_file = backend in ("onnxruntime", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES
+    if backend != "triton" and is_file and not path.exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
+        raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
+    if backend == "tensorrt":
+        from vit_serve.runtime.backends.tensorrt import require_tensorrt
+
+        require_tensorrt()
+    return backend
