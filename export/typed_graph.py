@@ -18,7 +18,7 @@ from typing import Literal
 import onnx
 import torch
 from vit_export.graph_info import GraphInfo, load_proto
-from vit_export.onnx_export import ExportedGraph, export_graph, prepare, to_fp16
+from vit_export.onnx_export import export_graph, prepare, to_fp16
 
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.model import VisionTransformer
@@ -47,24 +47,11 @@ def export_typed(
     overwrite: bool = False,
 ) -> Path:
     """The logits graph of `model` typed `precision` (float32 in and out, LayerNorm in fp32), written to `path`."""
-    return export_typed_graph(model, path, precision, res, batch, opset, overwrite).path
-
-
-def export_typed_graph(
-    model: VisionTransformer,
-    path: str | Path,
-    precision: Literal["fp16", "bf16"],
-    res: tuple[int, int] | Literal["dynamic"] | None = None,
-    batch: Literal["dynamic"] | int = "dynamic",
-    opset: int = 18,
-    overwrite: bool = False,
-) -> ExportedGraph:
-    """`export_typed`, returning the graph written with its `GraphInfo` (precision "fp16" or "bf16")."""
     if precision not in TYPED_PRECISIONS:
         raise ValueError(f"unknown typed-graph precision {precision!r}; expected one of {', '.join(TYPED_PRECISIONS)}")
     path = Path(path)
     if precision == "fp16":
-        return export_graph(model, path, res=res, batch=batch, opset=opset, precision="fp16", overwrite=overwrite)
+        return export_graph(model, path, res=res, batch=batch, opset=opset, precision="fp16", overwrite=overwrite).path
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass --force to replace it")
     # Resample the position embeddings in fp32, then round: a static graph gets the library's own numbers.
@@ -76,7 +63,7 @@ def export_typed_graph(
                               simplified="off: onnxruntime (CPU) cannot run a bf16 graph to check it")
     info.write(proto)
     atomic_write(path, partial(onnx.save, proto), overwrite=True)
-    return ExportedGraph(graph.path, info, graph.io)
+    return graph.path
 
 
 def graph_precision(onnx_path: str | Path | onnx.ModelProto) -> str:

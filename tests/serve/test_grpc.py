@@ -468,7 +468,7 @@ def _b64(data: bytes) -> str:
 
 def test_every_gateway_error_has_a_grpc_code():
     from vit_serve.serve import errors
-    from vit_serve.serve.grpc import status_code
+    from vit_serve.serve.errors import grpc_status_code as status_code
 
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.GatewayError)]
     codes = {c.__name__: status_code(c.status) for c in classes}

@@ -37,7 +37,7 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add
 
 from vit_serve.runtime.errors import ServingError
 from vit_serve.serve import v2_model
-from vit_serve.serve.errors import BadRequestError, NotReadyError, client_message, grpc_code, grpc_status_code
+from vit_serve.serve.errors import BadRequestError, NotReadyError, client_message, grpc_code
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.security import GRPC_ADMIN_METHODS, GRPC_PROBE_METHODS, KeyRing, presented_key
 from vit_serve.serve.tracing import grpc_server_span
@@ -68,9 +68,6 @@ ADMIN_RPCS = frozenset(GRPC_ADMIN_METHODS)
 
 R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
-
-
-status_code = grpc_status_code  # the gRPC code of an HTTP status the gateway answers (serve.errors.GRPC_CODES)
 
 
 def _answers_errors(rpc: Handler) -> Handler:

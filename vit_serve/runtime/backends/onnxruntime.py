@@ -17,8 +17,6 @@ from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, Rollout
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.sidecar import read_export
 
-INPUT = PIXEL_VALUES
-
 
 def session_providers(device: str) -> list[str]:
     """onnxruntime providers for `device` ("auto": CUDA first when this onnxruntime has it, "cpu", "cuda")."""
@@ -67,7 +65,7 @@ class OnnxRuntimeBackend(LocalBackend):
                                         embedding_dim=self.info.embedding_dim if has_embedding else 0)
 
     def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        return {INPUT: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
+        return {PIXEL_VALUES: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         (logits,) = self.session.run([LOGITS], self._feed(x))

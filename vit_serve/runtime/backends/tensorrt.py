@@ -23,8 +23,6 @@ from vit_serve.runtime.backends.onnxruntime import session_providers
 from vit_serve.runtime.backends.sidecar import read_export
 from vit_serve.tensorrt_engine import TensorRTEngine
 
-INPUT = PIXEL_VALUES
-
 
 def require_tensorrt() -> Any:
     """The tensorrt module, or OSError saying what is missing (package, CUDA)."""
@@ -59,7 +57,7 @@ class _OnnxExplain:
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
 
     def run(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        logits, heat = self.session.run([LOGITS, ROLLOUT], {INPUT: x.astype(self.input_dtype, copy=False)})
+        logits, heat = self.session.run([LOGITS, ROLLOUT], {PIXEL_VALUES: x.astype(self.input_dtype, copy=False)})
         return {LOGITS: logits, ROLLOUT: heat}
 
 

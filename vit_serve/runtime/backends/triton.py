@@ -37,7 +37,6 @@ from vit_serve.runtime.trace_context import context_headers
 
 log = logging.getLogger(__name__)
 
-INPUT = PIXEL_VALUES
 PROBE_TIMEOUT_S = 2.0
 # Connections beyond max_queue: readiness probes and the parts of a batch split over max_batch_size.
 SPARE_CONNECTIONS = 8
@@ -69,8 +68,8 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
     """ModelInfo of the logits model `model` from its config (get_model_config as JSON)."""
     meta = TritonMeta.from_config(config, model)
     inputs = {i.get("name"): i.get("data_type") for i in config.get("input", [])}
-    if meta.kind != "logits" or inputs.get(INPUT) != "TYPE_FP32":
-        raise ValueError(f"Triton model {model!r} is not a logits model taking {INPUT!r} (it is a {meta.kind} "
+    if meta.kind != "logits" or inputs.get(PIXEL_VALUES) != "TYPE_FP32":
+        raise ValueError(f"Triton model {model!r} is not a logits model taking {PIXEL_VALUES!r} (it is a {meta.kind} "
                          f"model); serve {meta.name}_py, {meta.name}_onnx or {meta.name}_trt")
     logits = next((o for o in config.get("output", []) if o.get("name") == LOGITS), None)
     if logits is None:
@@ -371,7 +370,7 @@ class TritonBackend(RemoteBackend):
                                            for i in range(0, len(x), step)))
             return [np.concatenate([p[j] for p in parts]) for j in range(len(outputs))]
         binary = {"binary_data": True} if self.protocol == "http" else {}
-        inp = self._tc.InferInput(INPUT, list(x.shape), "FP32")
+        inp = self._tc.InferInput(PIXEL_VALUES, list(x.shape), "FP32")
         inp.set_data_from_numpy(x, **binary)
         requested = [self._tc.InferRequestedOutput(n, **binary) for n in outputs]
         result = await self._guard(conn, f"infer {model}", conn.client.infer(
