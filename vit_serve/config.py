@@ -13,9 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-POOLS = ("token", "gap")
-GELUS = ("exact", "tanh")
-RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision")
+POOLS = ("token", "gap", "map")
+# "quick": x * sigmoid(1.702 x), the activation OpenAI's CLIP weights were trained with.
+GELUS = ("exact", "tanh", "quick")
+RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision", "dinov2", "open_clip")
+SCORES = ("softmax", "sigmoid")
+# Which image embedding a family's users mean (manifest `embedding.kind`), and whether it is compared by cosine.
+FAMILIES = ("vit", "deit", "dinov2", "clip", "siglip")
 STD_CONV_STYLES = ("var", "std")
 
 
@@ -52,6 +56,17 @@ class ViTConfig:
     std_conv_style: str = "var"
     std_conv_eps: float = 1e-8
     group_norm_eps: float = 1e-5
+    # The families' pieces (DeiT, DINOv2, CLIP, SigLIP), each off by default; parameter names are timm's.
+    dist_token: bool = False  # DeiT: a distillation token after [class], read by `head_dist`; heads averaged
+    reg_tokens: int = 0  # DINOv2-reg (Darcet et al. 2024): register tokens after [class] / [dist]
+    no_embed_class: bool = False  # the prefix tokens get no position embedding (pos_embed covers patches only)
+    init_values: float | None = None  # LayerScale: per-channel gammas on both residual branches (DINOv2)
+    norm_pre: bool = False  # a LayerNorm on the tokens before the encoder (CLIP's ln_pre)
+    patch_bias: bool = True  # CLIP's patch projection has no bias
+    proj_dim: int | None = None  # CLIP: a bias-free projection of the pooled token (the image embedding)
+    embed_norm: bool = False  # L2-normalise the embedding before the head (zero-shot heads)
+    scores: str = "softmax"  # how logits become scores: softmax (one label) or sigmoid (SigLIP, multi-label)
+    family: str = "vit"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +77,12 @@ class ViTConfig:
         _check_choice("gelu", self.gelu, GELUS)
         _check_choice("resample_mode", self.resample_mode, RESAMPLE_MODES)
         _check_choice("std_conv_style", self.std_conv_style, STD_CONV_STYLES)
+        _check_choice("scores", self.scores, SCORES)
+        _check_choice("family", self.family, FAMILIES)
+        if self.reg_tokens < 0:
+            raise ValueError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
+        if self.dist_token and (not self.class_token or self.pool != "token"):
+            raise ValueError("dist_token needs class_token=True and pool='token'")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.pool == "token" and not self.class_token:
@@ -79,7 +100,18 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(self.class_token)
+        """Tokens before the patches: [class], [dist], registers (timm's order)."""
+        return int(self.class_token) + int(self.dist_token) + self.reg_tokens
+
+    @property
+    def num_pos_prefix_tokens(self) -> int:
+        """Prefix tokens that carry a position embedding (the leading rows of `pos_embed`)."""
+        return 0 if self.no_embed_class else self.num_prefix_tokens
+
+    @property
+    def embed_dim_out(self) -> int:
+        """Width of the image embedding: the projection's, the pre-logits layer's, or the encoder's."""
+        return self.proj_dim or self.representation_size or self.embed_dim
 
     @property
     def backbone_stride(self) -> int:

@@ -5,7 +5,10 @@
     z_l = MLP(LN(z'_l)) + z'_l                               (Eq. 3)
     y = LN(z_L^0)                                            (Eq. 4)
 
-Parameter names follow timm, so a timm state dict is our state dict.
+The families people deploy are options of this one model (ViTConfig), each reproducing its source:
+DeiT's distillation token, DINOv2's LayerScale and registers, CLIP's pre-encoder LayerNorm, QuickGELU and
+projection, SigLIP's attention-pool (MAP) head without a class token. Parameter names follow timm, so a timm
+state dict is our state dict.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class PatchEmbed(nn.Module):
                                        cfg.std_conv_style, cfg.group_norm_eps)
             in_chs = self.backbone.out_chs
         k = cfg.patch_size // cfg.backbone_stride
-        self.proj = nn.Conv2d(in_chs, cfg.embed_dim, kernel_size=k, stride=k)
+        self.proj = nn.Conv2d(in_chs, cfg.embed_dim, kernel_size=k, stride=k, bias=cfg.patch_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] -> [B, (H/P) * (W/P), D], row-major over the patch grid."""
@@ -78,13 +81,25 @@ class Attention(nn.Module):
         return x, probs
 
 
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the GELU approximation OpenAI's CLIP was trained with (open_clip, transformers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def make_act(gelu: str) -> nn.Module:
+    """ViTConfig.gelu -> the activation module: exact (erf), tanh approximation, or QuickGELU."""
+    return QuickGELU() if gelu == "quick" else nn.GELU(approximate="tanh" if gelu == "tanh" else "none")
+
+
 class Mlp(nn.Module):
     """Two layers with a GELU between (paper: "two layers with a GELU non-linearity")."""
 
     def __init__(self, dim: int, hidden: int, gelu: str = "exact", drop: float = 0.0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU(approximate="tanh" if gelu == "tanh" else "none")
+        self.act = make_act(gelu)
         self.fc2 = nn.Linear(hidden, dim)
         self.drop = nn.Dropout(drop)
 
@@ -100,23 +115,70 @@ def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return x * keep / (1 - p)
 
 
+class LayerScale(nn.Module):
+    """Per-channel scaling of a residual branch, x * gamma (CaiT; DINOv2's layer_scale / open_clip's ls_1)."""
+
+    def __init__(self, dim: int, init_values: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-LN encoder block (Eq. 2-3)."""
+    """Pre-LN encoder block (Eq. 2-3), with LayerScale on both branches when `init_values` is set."""
 
     def __init__(self, cfg: ViTConfig, drop_path_rate: float = 0.0) -> None:
         super().__init__()
         d = cfg.embed_dim
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attn = Attention(d, cfg.num_heads, cfg.qkv_bias, cfg.attn_drop_rate, cfg.drop_rate)
+        self.ls1 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.mlp = Mlp(d, cfg.mlp_dim, cfg.gelu, cfg.drop_rate)
+        self.ls2 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.drop_path_rate = drop_path_rate
 
     def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         y, attn = self.attn(self.norm1(x), return_attention)
-        x = x + drop_path(y, self.drop_path_rate, self.training)
-        x = x + drop_path(self.mlp(self.norm2(x)), self.drop_path_rate, self.training)
+        x = x + drop_path(self.ls1(y), self.drop_path_rate, self.training)
+        x = x + drop_path(self.ls2(self.mlp(self.norm2(x))), self.drop_path_rate, self.training)
         return x, attn
+
+
+class AttentionPool(nn.Module):
+    """Multihead attention-pooling (MAP) head: one learned query attends over all tokens (SigLIP; timm's
+    AttentionPoolLatent, big_vision's MAPHead), then a residual MLP: y = p + MLP(LN(p)), p = proj(attn(q, k, v)).
+
+    tokens [B, N, D] -> [B, D]; with return_attention also the probe's probabilities [B, heads, 1, N].
+    """
+
+    def __init__(self, cfg: ViTConfig) -> None:
+        super().__init__()
+        d = cfg.embed_dim
+        self.num_heads = cfg.num_heads
+        self.head_dim = d // cfg.num_heads
+        self.latent = nn.Parameter(torch.zeros(1, 1, d))
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.mlp = Mlp(d, cfg.mlp_dim, cfg.gelu)
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, N, C = x.shape
+        q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        probs = None
+        if return_attention:
+            probs = (q * self.head_dim**-0.5 @ k.transpose(-2, -1)).softmax(dim=-1)
+            y = probs @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v)
+        y = self.proj(y.transpose(1, 2).reshape(B, 1, C))
+        y = y + self.mlp(self.norm(y))
+        return y[:, 0], probs
 
 
 class VisionTransformer(nn.Module):
@@ -134,16 +196,24 @@ class VisionTransformer(nn.Module):
         d = cfg.embed_dim
         self.patch_embed = PatchEmbed(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.dist_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, d)) if cfg.reg_tokens else None
         gh, gw = cfg.grid_size
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + gh * gw, d))
+        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_pos_prefix_tokens + gh * gw, d))
         self.pos_drop = nn.Dropout(cfg.drop_rate)
+        self.norm_pre = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.norm_pre else nn.Identity()
         # Stochastic depth grows linearly with depth, as in timm.
         dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
         self.blocks = nn.ModuleList([Block(cfg, r) for r in dpr])
         self.norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.attn_pool = AttentionPool(cfg) if cfg.pool == "map" else None
         self.pre_logits = self._make_pre_logits(cfg)
+        self.proj = nn.Linear(cfg.representation_size or d, cfg.proj_dim, bias=False) if cfg.proj_dim else None
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes else nn.Identity()
+        # DeiT: a second head on the distillation token; at inference the two heads' logits are averaged.
+        self.head_dist = nn.Linear(d, cfg.num_classes) if cfg.dist_token and cfg.num_classes else None
+        self.distilled_training = False  # train/: forward returns (logits, dist logits) while training
         self.init_weights()
         # Metadata that travels with the weights (set by vit_serve.checkpoints): class names and the
         # preprocessing contract (vit_serve.preprocess.PreprocessConfig).
@@ -162,7 +232,8 @@ class VisionTransformer(nn.Module):
 
     @property
     def num_features(self) -> int:
-        return self.cfg.representation_size or self.cfg.embed_dim
+        """Width of the embedding the head reads."""
+        return self.cfg.embed_dim_out
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -180,11 +251,18 @@ class VisionTransformer(nn.Module):
             elif isinstance(m, nn.Conv2d) and name == "patch_embed.proj":
                 fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
                 nn.init.trunc_normal_(m.weight, std=math.sqrt(1 / fan_in) / 0.87962566103423978)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
         self.reset_pos_embed()
-        if isinstance(self.head, nn.Linear):
-            nn.init.zeros_(self.head.weight)
-            nn.init.zeros_(self.head.bias)
+        for token in (self.dist_token, self.reg_token):  # timm: trunc-normal 0.02 / normal 1e-6
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
+        if self.attn_pool is not None:
+            nn.init.trunc_normal_(self.attn_pool.latent, std=self.cfg.embed_dim**-0.5)
+        for head in (self.head, self.head_dist):
+            if isinstance(head, nn.Linear):
+                nn.init.zeros_(head.weight)
+                nn.init.zeros_(head.bias)
 
     # -- resolution -----------------------------------------------------------------------------------
     def check_size(self, h: int, w: int) -> tuple[int, int]:
@@ -203,7 +281,8 @@ class VisionTransformer(nn.Module):
         w = h if w is None else w
         grid = self.check_size(h, w)
         mode = mode or self.cfg.resample_mode
-        new = resample_pos_embed(self.pos_embed.detach(), self.grid_size, grid, self.num_prefix_tokens, mode)
+        new = resample_pos_embed(self.pos_embed.detach(), self.grid_size, grid, self.cfg.num_pos_prefix_tokens,
+                                 mode)
         self.pos_embed = nn.Parameter(new.clone())
         self.cfg = self.cfg.replace(img_size=(h, w))
         if self.preprocess_cfg is not None:
@@ -220,26 +299,39 @@ class VisionTransformer(nn.Module):
             self.cfg = self.cfg.replace(representation_size=None)
         self.cfg = self.cfg.replace(num_classes=num_classes)
         self.labels = None
+        self.cfg = self.cfg.replace(embed_norm=False, scores="softmax")  # a new head is an ordinary classifier
         ref = self.pos_embed
         self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype) \
             if num_classes else nn.Identity()
-        if num_classes:
-            nn.init.zeros_(self.head.weight)
-            nn.init.zeros_(self.head.bias)
+        self.head_dist = None
+        if self.cfg.dist_token and num_classes:
+            self.head_dist = nn.Linear(self.cfg.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
+        for head in (self.head, self.head_dist):
+            if isinstance(head, nn.Linear):
+                nn.init.zeros_(head.weight)
+                nn.init.zeros_(head.bias)
 
     def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Patch tokens [B, N, D] -> [B, prefix + N, D]: [class], [dist], registers, patches, plus position
+        embeddings (on the patches only when `no_embed_class`, as timm's DINOv2-reg and SigLIP)."""
         pos = self.pos_embed
         if (self.dynamic_size and is_tracing()) or grid != self.grid_size:  # no symbolic compare when tracing
-            pos = resample_pos_embed(pos, self.grid_size, grid, self.num_prefix_tokens, self.cfg.resample_mode)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+            pos = resample_pos_embed(pos, self.grid_size, grid, self.cfg.num_pos_prefix_tokens,
+                                     self.cfg.resample_mode)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token)
+                  if t is not None]
+        if self.cfg.no_embed_class:
+            x = x + pos
+            return self.pos_drop(torch.cat([*prefix, x], dim=1) if prefix else x)
+        if prefix:
+            x = torch.cat([*prefix, x], dim=1)
         return self.pos_drop(x + pos)
 
     # -- forward --------------------------------------------------------------------------------------
     def forward_features(self, x: torch.Tensor, return_attention: bool = False):
         """[B, C, H, W] -> tokens [B, prefix + N, D] after the final LayerNorm (and attentions if asked)."""
         grid = self.check_size(x.shape[-2], x.shape[-1])
-        x = self._pos_embed(self.patch_embed(x), grid)
+        x = self.norm_pre(self._pos_embed(self.patch_embed(x), grid))
         attentions = []
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and not return_attention:
@@ -251,27 +343,57 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)
         return (x, attentions) if return_attention else x
 
-    def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens -> image representation: the [class] token, or the mean of the patch tokens (GAP)."""
+    def pool(self, x: torch.Tensor, return_attention: bool = False):
+        """Tokens [B, prefix + N, D] -> [B, D]: the [class] token (DeiT: the mean of [class] and [dist]), the
+        mean of the patch tokens (GAP), or the attention-pool head (MAP; with return_attention also its
+        probabilities [B, heads, 1, N])."""
+        attn = None
         if self.cfg.pool == "token":
-            return x[:, 0]
-        return x[:, self.num_prefix_tokens:].mean(dim=1)
+            x = (x[:, 0] + x[:, 1]) / 2 if self.cfg.dist_token else x[:, 0]
+        elif self.cfg.pool == "map":
+            x, attn = self.attn_pool(x, return_attention)
+        else:
+            x = x[:, self.num_prefix_tokens:].mean(dim=1)
+        return (x, attn) if return_attention else x
+
+    def embed(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled [B, D] -> the image embedding [B, E]: pre-logits layer, then the projection (CLIP)."""
+        x = self.pre_logits(pooled)
+        return self.proj(x) if self.proj is not None else x
+
+    def head_logits(self, tokens: torch.Tensor, embedding: torch.Tensor):
+        """The head on an embedding (L2-normalised first for zero-shot heads); DeiT averages its two heads,
+        or returns both while distillation-training."""
+        x = F.normalize(embedding, dim=-1) if self.cfg.embed_norm else embedding
+        logits = self.head(self.head_drop(x))
+        if self.head_dist is None:
+            return logits
+        dist = self.head_dist(self.head_drop(tokens[:, 1]))
+        if self.distilled_training and self.training:
+            return self.head(self.head_drop(tokens[:, 0])), dist
+        return (self.head(self.head_drop(tokens[:, 0])) + dist) / 2
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.pre_logits(self.pool(x))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
+        """Tokens -> logits [B, K], or with pre_logits the image embedding [B, E] (timm's representation)."""
+        embedding = self.embed(self.pool(x))
+        return self.head_drop(embedding) if pre_logits else self.head_logits(x, embedding)
 
     def forward_embedding(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, C, H, W] -> (logits [B, K], embedding [B, D]) from one pass: the embedding is
-        `forward_head(tokens, pre_logits=True)` (timm's image representation), the logits the head applied to it."""
-        embedding = self.forward_head(self.forward_features(x), pre_logits=True)
-        return self.head(embedding), embedding
+        """[B, C, H, W] -> (logits [B, K], embedding [B, E]) from one pass: the embedding is
+        `forward_head(tokens, pre_logits=True)` (each family's own: HF pooler_output for DINOv2 and SigLIP,
+        image_embeds for CLIP with projection), the logits the head on it."""
+        tokens = self.forward_features(x)
+        embedding = self.embed(self.pool(tokens))
+        return self.head_logits(tokens, embedding), embedding
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
-        """[B, C, H, W] -> logits [B, K]; with return_attention, (logits, [attn [B, heads, N, N]] * depth)."""
+        """[B, C, H, W] -> logits [B, K]; with return_attention, (logits, [attn [B, heads, N, N]] * depth), and
+        for MAP models one more entry last: the pool's probe attention [B, heads, 1, N]."""
         if return_attention:
             feats, attentions = self.forward_features(x, return_attention=True)
+            if self.cfg.pool == "map":
+                pooled, probe = self.pool(feats, return_attention=True)
+                return self.head_logits(feats, self.embed(pooled)), [*attentions, probe]
             return self.forward_head(feats), attentions
         return self.forward_head(self.forward_features(x))
 

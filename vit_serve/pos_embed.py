@@ -18,16 +18,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# mode -> (F.interpolate mode, align_corners, antialias), i.e. the call each reference makes.
-_MODES: dict[str, tuple[str, bool, bool]] = {
+# mode -> (F.interpolate mode, align_corners, antialias, offset), i.e. the call each reference makes. A non-zero
+# offset means the reference passes scale_factor = (new + offset) / old instead of a size.
+_MODES: dict[str, tuple[str, bool, bool, float]] = {
     # vit_jax checkpoint.interpolate_posembed: scipy.ndimage.zoom(order=1), which maps corner to corner.
-    "jax": ("bilinear", True, False),
-    # timm.layers.resample_abs_pos_embed defaults.
-    "timm": ("bicubic", False, True),
-    # transformers ViTEmbeddings.interpolate_pos_encoding.
-    "hf": ("bicubic", False, False),
+    "jax": ("bilinear", True, False, 0.0),
+    # timm.layers.resample_abs_pos_embed defaults (and transformers' Dinov2WithRegisters).
+    "timm": ("bicubic", False, True, 0.0),
+    # transformers ViTEmbeddings / Dinov2Embeddings / CLIPVisionEmbeddings.interpolate_pos_encoding.
+    "hf": ("bicubic", False, False, 0.0),
     # torchvision.models.vision_transformer.interpolate_embeddings.
-    "torchvision": ("bicubic", True, False),
+    "torchvision": ("bicubic", True, False, 0.0),
+    # facebookresearch/dinov2 DinoVisionTransformer.interpolate_pos_encoding as released with the first models
+    # (interpolate_offset=0.1, interpolate_antialias=False): scale_factor (new + 0.1) / old, "to avoid floating
+    # point error" (dino #8). The register models were released with offset 0 and antialias: "timm".
+    "dinov2": ("bicubic", False, False, 0.1),
+    # open_clip.model.resize_pos_embed (bicubic, antialias, align_corners=False).
+    "open_clip": ("bicubic", False, True, 0.0),
 }
 
 
@@ -46,7 +53,8 @@ def _cubic(x: torch.Tensor, a: float) -> torch.Tensor:
 
 
 def interpolation_weights(in_size: int, out_size, kind: str, align_corners: bool, antialias: bool,
-                          dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                          offset: float = 0.0) -> torch.Tensor:
     """The [out_size, in_size] matrix W with F.interpolate(x)[j] = sum_i W[j, i] x[i] along one axis.
 
     in_size: a Python int (the checkpoint's grid). out_size: an int, or a SymInt / traced size while
@@ -57,12 +65,18 @@ def interpolation_weights(in_size: int, out_size, kind: str, align_corners: bool
       floor(s) + {-1, 0, 1, 2}, clamped to the border; bicubic with Keys' a = -0.75.
     - bicubic with antialias (PIL's filter, a = -0.5): centre c = scale * (j + 0.5), support 2 * max(scale, 1),
       w_i = k((i - c + 0.5) / max(scale, 1)) over the inputs in range, normalised to sum 1.
+    - offset (F.interpolate given scale_factor = (out + offset) / in rather than a size): scale = in / (out + offset)
+      in the formulas above, the output still `out` long.
     """
     # Source positions as ratios of integers (exact in float32 below 2^24), rounded once: torch rounds
     # s = scale * (j + 0.5) - 0.5 before taking its fraction, which costs ~1e-6 in the weights at grids of 20+.
     dst = torch.arange(out_size, dtype=dtype, device=device)
     src = torch.arange(in_size, dtype=dtype, device=device)
     n_out = dst[-1:] + 1  # the output size as a tensor: it stays graph arithmetic, never a traced constant
+    if offset:
+        if align_corners:
+            raise ValueError("an offset scale factor is implemented for align_corners=False only")
+        n_out = n_out + offset
     if antialias:
         if kind != "bicubic" or align_corners:
             raise ValueError("antialias is implemented for bicubic with align_corners=False only")
@@ -115,7 +129,9 @@ def resample_pos_embed(
         num_prefix_tokens: leading tokens ([class]) copied unchanged.
         mode: "jax" (bilinear, align_corners=True = scipy.ndimage.zoom(order=1) as in vit_jax),
             "timm" (bicubic, antialias, align_corners=False), "hf" (bicubic, no antialias, as transformers),
-            "torchvision" (bicubic, align_corners=True).
+            "torchvision" (bicubic, align_corners=True), "dinov2" (bicubic at scale (new + 0.1) / old, the
+            DINOv2 release's), "open_clip" (as timm). On non-square grids "dinov2" scales each axis by its own
+            size (the DINOv2 code pairs the width's factor with the height axis; equal for square grids).
         portable: the matmul form (`interpolation_weights`) instead of `F.interpolate`; default: while
             exporting (ONNX, torch.export) only, so eager numbers are the references' own.
 
@@ -131,20 +147,22 @@ def resample_pos_embed(
         raise ValueError(f"pos_embed has {pos_embed.shape[1]} tokens, expected {num_prefix_tokens} + {gh}x{gw}")
     if not is_tracing() and tuple(old_grid) == tuple(new_grid):
         return pos_embed
-    kind, align_corners, antialias = _MODES[mode]
+    kind, align_corners, antialias, offset = _MODES[mode]
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim = pos_embed.shape[-1]
     # scipy.ndimage.zoom computes in float64; matching it within 2e-6 needs the same precision. Exported
     # graphs stay in float32 (not every runtime runs float64; logits move by ~1e-6).
     dtype = torch.float64 if mode == "jax" and not is_tracing() else torch.float32
     if is_exporting() if portable is None else portable:
-        w_h = interpolation_weights(gh, new_grid[0], kind, align_corners, antialias, dtype, pos_embed.device)
-        w_w = interpolation_weights(gw, new_grid[1], kind, align_corners, antialias, dtype, pos_embed.device)
+        w_h = interpolation_weights(gh, new_grid[0], kind, align_corners, antialias, dtype, pos_embed.device, offset)
+        w_w = interpolation_weights(gw, new_grid[1], kind, align_corners, antialias, dtype, pos_embed.device, offset)
         grid = torch.matmul(w_h, grid.to(dtype).reshape(gh, gw * dim)).reshape(-1, gw, dim)  # [gh', gw, D]
         grid = torch.matmul(w_w, grid)  # [gw', gw] @ [gh', gw, D] -> [gh', gw', D]
     else:
         grid = grid.to(dtype).reshape(1, gh, gw, dim).permute(0, 3, 1, 2)
-        grid = F.interpolate(grid, size=(new_grid[0], new_grid[1]), mode=kind,
-                             align_corners=align_corners, antialias=antialias).permute(0, 2, 3, 1)
+        size = dict(scale_factor=((new_grid[0] + offset) / gh, (new_grid[1] + offset) / gw)) if offset \
+            else dict(size=(new_grid[0], new_grid[1]))
+        grid = F.interpolate(grid, mode=kind, align_corners=align_corners, antialias=antialias,
+                             **size).permute(0, 2, 3, 1)
     grid = grid.reshape(1, -1, dim).to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
