@@ -11,6 +11,7 @@ Errors are one line and a non-zero exit.
 
 Where things go:
     <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
+    <out>/<name>_text.onnx, <name>_text.json, <name>_text_tokenizer/        --text-tower (CLIP / SigLIP)
     <out>/<name>_tensorrt/model_sm<XY>.plan                                --format tensorrt
     <out>/<name>_tensorrt/<name>_<fp16|bf16>.onnx   the typed graph TensorRT 11 builds from (strongly typed only)
     <out>/tensorrt_sm<XY>_trt<version>.cache                               TensorRT's timing cache
@@ -112,6 +113,10 @@ def _add_graph_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outputs", type=argument_type(parse_outputs), default=(LOGITS,),
                    help="the graph's outputs: logits (default) or logits,embedding (the pre-logits image "
                         "representation, forward_head(pre_logits=True), also in the Triton models)")
+    p.add_argument("--text-tower", action="store_true",
+                   help="also write the checkpoint's text tower (CLIP / SigLIP): <name>_text.onnx (input_ids -> "
+                        "text_embeds), its tokenizer files and manifest, for POST /classify?labels=; adds the "
+                        "embedding output")
     p.add_argument("--out", default="exports", help="folder of the ONNX files and engines (default: exports)")
     p.add_argument("--repo", default="model_repo", help="Triton model repository (default: model_repo)")
     p.add_argument("--name", help="file name stem (default: the checkpoint's name and the resolution)")
@@ -204,7 +209,7 @@ def options(args: argparse.Namespace) -> ExportOptions:
         discard_ratio=args.discard_ratio, tol=args.tol, force=args.force, trt_precision=args.trt_precision,
         max_batch=args.max_batch, instances=args.instances, triton_ensemble=args.triton_ensemble,
         triton_device=args.triton_device, queue_delay_us=args.queue_delay_us, max_queue=args.max_queue,
-        outputs=args.outputs,
+        outputs=args.outputs, text_tower=args.text_tower,
     )
 
 
@@ -235,9 +240,14 @@ def _exit_code(result: ExportResult) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from vit_export.text_tower import NoTextTowerError
+
     args = build_parser().parse_args(argv)
     try:
         return _exit_code(export(args.checkpoint, options(args), progress=_say))
+    except NoTextTowerError as e:  # a usage error: nothing written
+        _error(str(e))
+        return 2
     except OptionError as e:
         _error(e.render(_flag))
     except OutputExistsError as e:

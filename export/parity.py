@@ -216,7 +216,8 @@ def rollout_envelope(
 ) -> tuple[list[int], torch.Tensor]:
     """How far rounding at the discard thresholds can move `vit_serve.explain.rollout`'s map, per image and cell.
 
-    attentions: L tensors [B, heads, N, N] (PyTorch's). A weight is near-threshold when its fused value a is within
+    attentions: L tensors [B, heads, N, N] (PyTorch's; MAP models: the pool's probe [B, heads, 1, N] last, whose
+    fused row is then q, `vit_serve.explain.probe_query`). A weight is near-threshold when its fused value a is within
     near_rel of its layer's threshold t (|a - t| <= near_rel * t; t = the smallest kept weight, read off
     `discard_lowest`'s own decisions). Flipping one such weight (i, j) of layer l, w = a, changes that layer's
     row-normalised matrix Â_l in row i only, by σw (e_j - Â_l[i]) / (s_i + σw) (σ = +1 keeps a dropped weight,
@@ -228,8 +229,9 @@ def rollout_envelope(
 
     Returns (near-threshold weight count per image, envelope [B, gh * gw] float64).
     """
-    from vit_serve.explain import discard_lowest, fuse_heads
+    from vit_serve.explain import discard_lowest, fuse_heads, probe_query, split_probe
 
+    attentions, probe = split_probe(attentions, pool)
     p, batch, n = num_prefix_tokens, attentions[0].shape[0], attentions[0].shape[-1]
     fused = [fuse_heads(a.float(), head_fusion) for a in attentions]  # exactly what rollout thresholds
     kept = [discard_lowest(f, discard_ratio, p > 0) for f in fused] if discard_ratio > 0 else fused
@@ -259,6 +261,8 @@ def rollout_envelope(
         q = torch.zeros(n, dtype=torch.float64)
         if pool == "token":
             q[0] = 1.0
+        elif probe is not None:
+            q = probe_query(probe[b:b + 1].float(), head_fusion)[0].double()
         else:
             q[p:] = 1.0 / (n - p)
         back = q  # b_L = q; b_{l-1} = b_l Â_l

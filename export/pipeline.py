@@ -35,6 +35,7 @@ from vit_serve.resolution import parse_resolution
 if TYPE_CHECKING:
     from vit_export.onnx_export import ExportedGraph
     from vit_export.parity import ParityReport
+    from vit_export.text_tower import WrittenTextTower
     from vit_export.triton_repo import WrittenModel
 
 FORMATS = ("onnx", "tensorrt", "triton")
@@ -142,6 +143,8 @@ class ExportOptions:
     head_fusion, discard_ratio: the explain graph's rollout; tol: fp32 parity bound on max |Δ logit|.
     outputs: the logits graph's outputs, "logits" or "logits,embedding" (the pre-logits representation, also in
     the Triton models and ensemble).
+    text_tower: also write the checkpoint's text tower (`NAME_text.onnx`, its tokenizer and manifest,
+    `vit_export.text_tower`), for POST /classify?labels=; the logits graph then has the embedding output too.
     force: replace existing ONNX files and engines (never a repository's versions: a re-export adds one).
     trt_precision: engine precision; max_batch: every Triton model's max_batch_size and the engine's largest
     batch; instances, triton_ensemble (the classifier the ensemble calls), triton_device, queue_delay_us,
@@ -171,6 +174,7 @@ class ExportOptions:
     queue_delay_us: int = 1000
     max_queue: int = 128
     outputs: tuple[str, ...] | str = (LOGITS,)
+    text_tower: bool = False
 
     def __post_init__(self) -> None:
         def norm(name: str, value: Any) -> None:
@@ -181,6 +185,8 @@ class ExportOptions:
         norm("formats", parse_formats(self.formats))
         norm("batch", parse_batch(self.batch))
         norm("outputs", parse_outputs(self.outputs))
+        if self.text_tower and EMBEDDING not in self.outputs:  # labels are compared with the image embedding
+            norm("outputs", (*self.outputs, EMBEDDING))
         for name in ("out", "repo", "check_images", "calibration_images"):
             if getattr(self, name) is not None:
                 norm(name, Path(getattr(self, name)))
@@ -223,6 +229,9 @@ class ExportOptions:
             raise OptionError("res", "<formats> tensorrt needs a fixed <res> (e.g. <res> 384): engines are built "
                                      "for one input size, and the dynamic graph's in-graph position-embedding "
                                      "resampling is not built into an engine")
+        if "tensorrt" in self.formats and self.text_tower:
+            raise OptionError("text_tower", "<text_tower> needs the embedding output, which TensorRT engines do not "
+                                            "have: export it for onnx (and triton) without tensorrt")
         if "tensorrt" in self.formats and EMBEDDING in self.outputs:
             raise OptionError("outputs", "<formats> tensorrt builds engines with the logits output only: drop "
                                          "embedding from <outputs>, or export it for onnx / triton without "
@@ -282,6 +291,7 @@ class ExportResult:
     skipped: tuple[str, ...] = ()
     tensorrt_unavailable: str | None = None
     source_checkpoint: Path | None = None
+    text: WrittenTextTower | None = None  # `text_tower`: NAME_text.onnx and its manifest
 
     @property
     def onnx(self) -> Path:
@@ -298,7 +308,7 @@ class ExportResult:
 
     @property
     def graphs_ok(self) -> bool:
-        return self.graph.parity.ok and self.explain.parity.ok
+        return self.graph.parity.ok and self.explain.parity.ok and (self.text is None or self.text.ok)
 
     @property
     def engine_ok(self) -> bool | None:
@@ -341,6 +351,7 @@ class _Job:
     images: list[Path] | None
     calibration: list[Path] | None
     say: Progress
+    text: Any = None  # the checkpoint's `vit_serve.text.bundle.TextBundle` (`text_tower`)
 
     @property
     def targets(self) -> tuple[Path, Path]:
@@ -361,7 +372,8 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     """
     job = _job(model, options or ExportOptions(), progress or log.info)
     graph, explain = _write_graphs(job)
-    result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint)
+    result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint,
+                          text=_write_text_tower(job))
     later = tuple(f for f in job.opts.formats if f != "onnx")
     if not result.graphs_ok:
         return dataclasses.replace(result, skipped=later)
@@ -396,11 +408,43 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     res: Resolution = opts.res or (int(model.cfg.img_size[0]), int(model.cfg.img_size[1]))  # type: ignore[assignment]
     name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{resolution_tag(res)}" + (
         "" if opts.precision == "fp32" else f"_{opts.precision}")
-    job = _Job(model, checkpoint, opts, res, name, images, calibration, say)
+    text = _text_bundle(model, checkpoint) if opts.text_tower else None
+    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text)
     existing = [p for t in job.targets for p in (t, manifest_path(t)) if p.exists()]
+    if text is not None:
+        from vit_export.text_tower import text_targets
+
+        existing += [p for p in text_targets(opts.out, name) if p.exists()]
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
     return job
+
+
+def _text_bundle(model: VisionTransformer, checkpoint: Path | None) -> Any:
+    """The checkpoint's text tower (NoTextTowerError without one), its width checked against the image
+    embedding's."""
+    from vit_export.text_tower import NoTextTowerError, load_text_bundle
+
+    bundle = load_text_bundle(checkpoint)
+    if bundle.config.embed_dim != model.cfg.embed_dim_out:
+        raise NoTextTowerError(f"{checkpoint}: its text tower embeds into {bundle.config.embed_dim} dimensions, its "
+                               f"image model into {model.cfg.embed_dim_out}; they are not one CLIP / SigLIP model")
+    return bundle
+
+
+def _write_text_tower(job: _Job) -> WrittenTextTower | None:
+    """NAME_text.onnx, its tokenizer and manifest (`text_tower`), checked against the torch tower."""
+    if job.text is None:
+        return None
+    from vit_export.text_tower import export_text_tower
+
+    job.say(f"exporting the text tower (context length {job.text.config.context_length}, opset {job.opts.opset}) ...")
+    written = export_text_tower(job.text, job.checkpoint, job.opts.out, job.name, family=job.model.cfg.family,
+                                opset=job.opts.opset, tol=job.opts.tol, overwrite=job.opts.force)
+    job.say(f"  parity: text_embeds max |Δ| {written.max_abs_err:.2e} (onnxruntime vs torch, tol {written.tol:g}): "
+            f"{'ok' if written.ok else 'FAILED'}")
+    job.say(f"wrote {written.path}, {written.manifest.name} and {written.tokenizer_dir.name}/")
+    return written
 
 
 def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph]:

@@ -26,6 +26,7 @@ from vit_serve.manifest import (
     RolloutSettings,
     SourceCheckpoint,
     TensorRTBuild,
+    embedding_of,
 )
 from vit_serve.model import VisionTransformer
 from vit_serve.preprocess import PreprocessConfig
@@ -108,6 +109,8 @@ def build_sidecar(
         parity=None if parity is None else Parity.from_dict(parity, source),
         versions=versions(),
         int8=int8,
+        embedding=embedding_of(cfg),
+        scores=cfg.scores,
     )
 
 

@@ -20,7 +20,7 @@ def test_every_preset_builds(name):
     cfg = get_config(name)
     with torch.device("meta"):
         model = VisionTransformer(cfg)
-    assert model.pos_embed.shape == (1, 1 + cfg.grid_size[0] * cfg.grid_size[1], cfg.embed_dim)
+    assert model.pos_embed.shape == (1, cfg.num_pos_prefix_tokens + cfg.grid_size[0] * cfg.grid_size[1], cfg.embed_dim)
 
 
 @pytest.mark.parametrize("name", list(TIMM_PARAMS))
@@ -69,3 +69,33 @@ def test_config_dict_round_trip():
     assert ViTConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown ViTConfig fields: bogus"):
         ViTConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_family_presets_match_timm():
+    """Reference: timm.create_model for every DeiT / DINOv2 / CLIP / SigLIP name get_config knows (meta device):
+    parameter count, LayerNorm eps, activation and patch grid."""
+    timm = pytest.importorskip("timm")
+    checked = 0
+    for name in timm.list_models(["deit*", "vit_*dinov2*", "vit_*clip*", "vit_*siglip*"]):
+        try:
+            cfg = get_config(name, num_classes=1000)
+        except ValueError:
+            continue
+        with torch.device("meta"):
+            ref = timm.create_model(name, pretrained=False, num_classes=1000)
+            ours = VisionTransformer(cfg)
+        act = ref.blocks[0].mlp.act
+        gelu = "quick" if "Quick" in type(act).__name__ else \
+            "tanh" if "Tanh" in type(act).__name__ or getattr(act, "approximate", "") == "tanh" else "exact"
+        assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters()), name
+        assert (cfg.gelu, cfg.layer_norm_eps, cfg.grid_size) == (gelu, ref.blocks[0].norm1.eps,
+                                                                 tuple(ref.patch_embed.grid_size)), name
+        checked += 1
+    assert checked >= 80
+
+
+@pytest.mark.parametrize("name, what", [("eva02_base_patch14_224", "RoPE"), ("beit_base_patch16_224", "relative"),
+                                        ("vit_giant_patch14_dinov2.lvd142m", "SwiGLU")])
+def test_unsupported_architectures_name_what_is_missing(name, what):
+    with pytest.raises(ValueError, match=f"not supported: .*{what}"):
+        get_config(name)

@@ -26,8 +26,11 @@ def _contains(now, saved, where: str = "") -> list[str]:
     """What of `saved` is missing or different in `now` (dicts: every saved key, recursively; lists: the saved
     items in order, new ones allowed after or between them; anything else: equal)."""
     if isinstance(saved, dict) and isinstance(now, dict):
-        return [p for k, v in saved.items()
+        return [p for k, v in saved.items() if k != "description"  # prose may say more; what it describes may not
                 for p in (_contains(now[k], v, f"{where}/{k}") if k in now else [f"{where}/{k} removed"])]
+    if isinstance(saved, list) and isinstance(now, list) and saved and not isinstance(saved[0], (dict, list)):
+        rest = iter(now)  # scalars (an enum's values): each saved one still there, in order
+        return [f"{where}: {v!r} removed" for v in saved if not any(v == n for n in rest)]
     if isinstance(saved, list) and isinstance(now, list) and not (saved and not isinstance(saved[0], dict)):
         rest = iter(now)
         missing = [f"{where}[{i}]" for i, item in enumerate(saved) if not any(not _contains(n, item) for n in rest)]

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 import typing
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,13 +25,30 @@ RESOLUTION = argument_type(parse_resolution)  # 384 or HxW, as an argparse type
 def _cmd_convert(args: argparse.Namespace) -> int:
     from vit_serve.checkpoints import convert
 
-    model = convert(args.src, args.dst, res=args.res, num_classes=args.num_classes, arch=args.arch,
-                    resample_mode=args.resample_mode, overwrite=args.force)
+    labels = templates = None
+    if args.zero_shot is not None or args.templates is not None:
+        from vit_serve.zeroshot import ZeroShotError, read_lines
+
+        if args.zero_shot is None:
+            raise ZeroShotError("--templates needs --zero-shot LABELS.txt")
+        if args.num_classes is not None:
+            raise ZeroShotError("--zero-shot builds its own head: drop --num-classes")
+        labels = read_lines(args.zero_shot, "labels")
+        templates = read_lines(args.templates, "templates") if args.templates else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = convert(args.src, args.dst, res=args.res, num_classes=args.num_classes, arch=args.arch,
+                        resample_mode=args.resample_mode, overwrite=args.force, zero_shot=labels,
+                        templates=templates)
+    for w in caught:
+        if "text tower not kept" in str(w.message):
+            print(f"vit-serve convert: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     c = model.cfg
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.dst}: {c.embed_dim}d x {c.depth} layers, patch {c.patch_size}, "
           f"{c.img_size[0]}x{c.img_size[1]}, {c.num_classes} classes, {params / 1e6:.1f}M params, "
-          f"resample={c.resample_mode}, gelu={c.gelu}, ln_eps={c.layer_norm_eps:g}")
+          f"resample={c.resample_mode}, gelu={c.gelu}, ln_eps={c.layer_norm_eps:g}"
+          + (f", zero-shot head ({c.scores})" if labels is not None else ""))
     return 0
 
 
@@ -206,13 +224,21 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
     """`vit-serve convert`."""
     c = sub.add_parser("convert", help="convert any supported checkpoint to vit-serve's .safetensors format",
-                       description="Convert a vit_jax/big_vision .npz, timm, transformers or torchvision "
-                                   "checkpoint (file, folder or hub id) to one vit-serve .safetensors file.")
+                       description="Convert a vit_jax/big_vision .npz, timm, transformers, torchvision or "
+                                   "open_clip checkpoint (file, folder or hub id) to one vit-serve .safetensors "
+                                   "file (a CLIP/SigLIP text tower is kept).")
     c.add_argument("src", help="checkpoint file, folder, or hub id (timm/<name>, google/vit-...)")
     c.add_argument("dst", help="output .safetensors path")
     c.add_argument("--res", type=RESOLUTION, help="resample position embeddings to this resolution (384 or HxW)")
     c.add_argument("--num-classes", type=int, help="replace the head with a zero-initialised K-way head")
-    c.add_argument("--arch", help="architecture name when the weights do not say (e.g. vit_base_patch16_224)")
+    c.add_argument("--zero-shot", metavar="LABELS.txt",
+                   help="build a zero-shot head (CLIP/SigLIP) from these labels, one per line, with the "
+                        "checkpoint's text tower (open_clip's recipe); not with --num-classes")
+    c.add_argument("--templates", metavar="TEMPLATES.txt",
+                   help="prompt templates for --zero-shot, one per line, each with {} for the label "
+                        "(default: 'a photo of a {}.')")
+    c.add_argument("--arch", help="architecture name when the weights do not say (e.g. vit_base_patch16_224; "
+                                  "open_clip:ViT-B-32 for open_clip state dicts)")
     c.add_argument("--resample-mode", choices=RESAMPLE_MODES,
                    help="position-embedding resampling to use and record (default: the source's own)")
     c.add_argument("--force", action="store_true", help="overwrite DST if it exists")
@@ -335,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
         # CheckpointError and bad sizes are ValueErrors with a message written for the user.
         print(f"vit-serve {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)  # 2: a usage error / refused input (UnsupportedCheckpoint, OptionError)
 
 
 if __name__ == "__main__":  # pragma: no cover

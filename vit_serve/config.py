@@ -170,15 +170,56 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "L": (1024, 24, 16, 4096),
     "H": (1280, 32, 16, 5120),
 }
+# Sizes only timm's family models use (timm/models/vision_transformer.py, deit.py): DeiT-III / CLIP "medium",
+# TinyCLIP's "xsmall" and "betwixt", CLIP's "giant" (1408 wide; not DINOv2's) and "gigantic", SigLIP's
+# shape-optimised So400m (Alabdulmohsin et al. 2023; mlp 4304 = int(1152 * 3.7362)) and "giantopt".
+TIMM_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "xsmall": (256, 10, 4, 1024),
+    "medium": (512, 12, 8, 2048),
+    "betwixt": (640, 12, 10, 2560),
+    "giant": (1408, 40, 16, 6144),
+    "gigantic": (1664, 48, 16, 8192),
+    "so400m": (1152, 27, 16, 4304),
+    "giantopt": (1536, 40, 16, 6144),
+}
 PATCHES = (8, 14, 16, 32)
 _TIMM_SIZE = {"tiny": "Ti", "small": "S", "base": "B", "large": "L", "huge": "H"}
 _SIZE_TIMM = {v: k for k, v in _TIMM_SIZE.items()}
-# Heads by width, for checkpoints that do not record them (timm and torchvision state dicts).
-HEADS_BY_WIDTH = {d: h for d, _, h, _ in SIZES.values()}
+# Heads by width, for checkpoints that do not record them (timm and torchvision state dicts). Width 1536 is
+# left out: timm's SigLIP giantopt has 16 heads there, DINOv2's giant 24.
+HEADS_BY_WIDTH = {d: h for d, _, h, _ in [*SIZES.values(), *(TIMM_SIZES[k] for k in TIMM_SIZES if k != "giantopt")]}
+# timm builds these SigLIP architectures (the SigLIP 2 shapes) with GELU-tanh, every other SigLIP one with exact
+# GELU (`act_layer` in timm/models/vision_transformer.py); `_gap_` variants follow their MAP twin.
+_SIGLIP_TANH = frozenset({
+    "vit_base_patch32_siglip_256", "vit_large_patch16_siglip_512", "vit_so400m_patch16_siglip_256",
+    "vit_so400m_patch16_siglip_384", "vit_so400m_patch16_siglip_512", "vit_giantopt_patch16_siglip_256",
+    "vit_giantopt_patch16_siglip_384",
+})
+# Architectures whose pieces this model does not implement, and what is missing (one line each).
+_UNSUPPORTED: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^eva"), "EVA / EVA-02 needs rotary position embeddings (RoPE) and SwiGLU MLPs"),
+    (re.compile(r"^beit"), "BEiT needs relative position bias (relative_position_bias_table)"),
+    (re.compile(r"_rope_|_rope$|^vit_.*rope"), "rotary position embeddings (RoPE)"),
+    (re.compile(r"^vit_giant_patch14_(?:reg\d+_)?dinov2"), "DINOv2 giant needs a SwiGLU MLP (mlp.w12 / packed fc1)"),
+)
+
+
+def unsupported_reason(name: str) -> str | None:
+    """What an architecture named `name` (timm style, any ".tag") needs that this model lacks, or None."""
+    key = name.split(".")[0]
+    return next((why for pattern, why in _UNSUPPORTED if pattern.search(key)), None)
+
+
+def _dims(size: str) -> tuple[int, int, int, int]:
+    return SIZES[_TIMM_SIZE[size]] if size in _TIMM_SIZE else TIMM_SIZES[size]
 
 
 def _preset(size: str, patch: int, img: int = 224, hybrid: bool = False, **kw: Any) -> ViTConfig:
-    d, depth, heads, mlp = SIZES[size]
+    """A config of a paper size ("B") or a timm size ("base", "so400m"). An image size that is not a multiple
+    of the patch is floored to one, which is what timm's patch conv reads of it (So400m/14 at 384: 27 x 27
+    patches, 378 px)."""
+    d, depth, heads, mlp = SIZES[size] if size in SIZES else _dims(size)
+    img = img // patch * patch
     cfg: dict[str, Any] = dict(embed_dim=d, depth=depth, num_heads=heads, mlp_dim=mlp, patch_size=patch,
                                img_size=(img, img))
     if hybrid:
@@ -187,31 +228,101 @@ def _preset(size: str, patch: int, img: int = 224, hybrid: bool = False, **kw: A
     return ViTConfig(**cfg)
 
 
-def preset_names() -> list[str]:
-    """Every canonical preset name, paper style ("B/16") and timm style ("vit_base_patch16_224")."""
-    names = [f"{s}/{p}" for s in SIZES for p in PATCHES] + ["R50+B/16"]
-    names += [f"vit_{_SIZE_TIMM[s]}_patch{p}_224" for s in SIZES for p in PATCHES] + ["vit_base_r50_s16_224"]
-    return names
+def _deit(m: re.Match[str]) -> ViTConfig:
+    """timm deit.py: DeiT (distilled: [dist] token + head_dist); DeiT-III: LayerScale 1e-6, no_embed_class."""
+    g = m.groupdict()
+    v3 = dict(init_values=1e-6, no_embed_class=True) if g.get("v3") else {}
+    return _preset(g["size"], int(g["patch"]), int(g["img"]), family="deit", dist_token=bool(g.get("dist")), **v3)
+
+
+def _dinov2(m: re.Match[str]) -> ViTConfig:
+    """timm's DINOv2 (518 px, LayerScale 1e-5); `_reg4_`: 4 registers without position embeddings."""
+    reg = int(m["reg"] or 0)
+    return _preset(m["size"], int(m["patch"]), 518, family="dinov2", init_values=1e-5, reg_tokens=reg,
+                   no_embed_class=reg > 0)
+
+
+def _clip(m: re.Match[str]) -> ViTConfig:
+    """timm's CLIP image towers: pre_norm (norm_pre, bias-free patch conv), nn.LayerNorm eps 1e-5; QuickGELU
+    for the `_quickgelu_` names (OpenAI weights)."""
+    return _preset(m["size"], int(m["patch"]), int(m["img"]), family="clip", norm_pre=True, patch_bias=False,
+                   layer_norm_eps=1e-5, gelu="quick" if m["quick"] else "exact")
+
+
+def _siglip(m: re.Match[str]) -> ViTConfig:
+    """timm's SigLIP image towers: no class token, MAP pooling (`_gap_`: mean of tokens, no fc_norm)."""
+    tanh = m[0].replace("_siglip_gap_", "_siglip_") in _SIGLIP_TANH
+    return _preset(m["size"], int(m["patch"]), int(m["img"]), family="siglip", class_token=False,
+                   pool="gap" if m["gap"] else "map", gelu="tanh" if tanh else "exact")
 
 
 _PAPER = re.compile(r"^(?:(?P<r50>R50\+))?(?:ViT-)?(?P<size>Ti|S|B|L|H)/(?P<patch>\d+)$")
 _TIMM = re.compile(r"^vit_(?P<size>tiny|small|base|large|huge)_patch(?P<patch>\d+)(?P<gap>_gap)?_(?P<img>\d+)$")
 _TIMM_R50 = re.compile(r"^vit_(?P<size>base|large)_r50_s16_(?P<img>\d+)$")
+_FAMILIES: tuple[tuple[re.Pattern[str], Any], ...] = (
+    (re.compile(r"^deit_(?P<size>tiny|small|base)_(?P<dist>distilled_)?patch(?P<patch>16)_(?P<img>\d+)$"), _deit),
+    (re.compile(r"^deit(?P<v3>3)_(?P<size>small|medium|base|large|huge)_patch(?P<patch>\d+)_(?P<img>\d+)$"), _deit),
+    (re.compile(r"^vit_(?P<size>small|base|large)_patch(?P<patch>14)_(?:reg(?P<reg>\d+)_)?dinov2$"), _dinov2),
+    (re.compile(r"^vit_(?P<size>xsmall|medium|betwixt|base|large|huge|giant|gigantic)_patch(?P<patch>\d+)_clip_"
+                r"(?P<quick>quickgelu_)?(?P<img>\d+)$"), _clip),
+    (re.compile(r"^vit_(?P<size>base|large|so400m|giantopt)_patch(?P<patch>\d+)_siglip_(?P<gap>gap_)?"
+                r"(?P<img>\d+)$"), _siglip),
+)
+FAMILY_PATTERNS = ("deit_{tiny,small,base}_[distilled_]patch16_<img>", "deit3_<size>_patch<p>_<img>",
+                   "vit_{small,base,large}_patch14_[reg<n>_]dinov2", "vit_<size>_patch<p>_clip_[quickgelu_]<img>",
+                   "vit_{base,large,so400m,giantopt}_patch<p>_siglip_[gap_]<img>")
+
+
+def family_preset_names() -> list[str]:
+    """timm names of the families' main presets (DeiT, DeiT-III, DINOv2 (+registers), CLIP, SigLIP)."""
+    names = [f"deit_{s}_{d}patch16_{i}" for s in ("tiny", "small", "base") for d in ("", "distilled_")
+             for i in (224, 384)]
+    names += [f"deit3_{s}_patch16_224" for s in ("small", "medium", "base", "large")] + ["deit3_huge_patch14_224"]
+    names += [f"vit_{s}_patch14_{r}dinov2" for s in ("small", "base", "large") for r in ("", "reg4_")]
+    names += [f"vit_base_patch{p}_clip_{q}224" for p in (16, 32) for q in ("", "quickgelu_")]
+    names += [f"vit_large_patch14_clip_{q}{i}" for q in ("", "quickgelu_") for i in (224, 336)]
+    names += ["vit_huge_patch14_clip_224", "vit_medium_patch16_clip_224"]
+    names += [f"vit_base_patch16_siglip_{i}" for i in (224, 256, 384, 512)] + ["vit_base_patch32_siglip_256"]
+    names += [f"vit_large_patch16_siglip_{i}" for i in (256, 384)]
+    names += [f"vit_so400m_patch14_siglip_{i}" for i in (224, 378, 384)] + ["vit_so400m_patch16_siglip_256"]
+    names += ["vit_base_patch16_siglip_gap_224", "vit_giantopt_patch16_siglip_256"]
+    return names
+
+
+def preset_names() -> list[str]:
+    """Every canonical preset name: paper style ("B/16"), timm style ("vit_base_patch16_224") and the timm
+    families' main names (`family_preset_names`)."""
+    names = [f"{s}/{p}" for s in SIZES for p in PATCHES] + ["R50+B/16"]
+    names += [f"vit_{_SIZE_TIMM[s]}_patch{p}_224" for s in SIZES for p in PATCHES] + ["vit_base_r50_s16_224"]
+    return names + family_preset_names()
+
+
+def _resolve(key: str) -> ViTConfig | None:
+    if m := _PAPER.match(key):
+        return _preset(m["size"], int(m["patch"]), hybrid=bool(m["r50"]))
+    if m := _TIMM.match(key):
+        gap = dict(class_token=False, pool="gap") if m["gap"] else {}
+        return _preset(_TIMM_SIZE[m["size"]], int(m["patch"]), int(m["img"]), **gap)
+    if m := _TIMM_R50.match(key):
+        return _preset(_TIMM_SIZE[m["size"]], 16, int(m["img"]), hybrid=True)
+    return next((build(m) for pattern, build in _FAMILIES if (m := pattern.match(key))), None)
 
 
 def get_config(name: str, **overrides: Any) -> ViTConfig:
-    """Resolve a preset name to a ViTConfig; keyword overrides replace fields (e.g. num_classes=10)."""
+    """Resolve a preset name to a ViTConfig; keyword overrides replace fields (e.g. num_classes=10).
+
+    timm names carry the family's numerics: DeiT (`_distilled_`: distillation token), DeiT-III, DINOv2
+    (`_reg4_`), CLIP (`_quickgelu_`: QuickGELU) and SigLIP. ValueError for unknown names, and for known
+    architectures this model does not implement (EVA-02, BEiT, RoPE, SwiGLU), naming what is missing.
+    """
     key = name.split(".")[0]  # timm's "arch.pretrained_tag"
-    if m := _PAPER.match(key):
-        cfg = _preset(m["size"], int(m["patch"]), hybrid=bool(m["r50"]))
-    elif m := _TIMM.match(key):
-        gap = dict(class_token=False, pool="gap") if m["gap"] else {}
-        cfg = _preset(_TIMM_SIZE[m["size"]], int(m["patch"]), int(m["img"]), **gap)
-    elif m := _TIMM_R50.match(key):
-        cfg = _preset(_TIMM_SIZE[m["size"]], 16, int(m["img"]), hybrid=True)
-    else:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())} "
-                         "(timm names may end in any image size or '_gap_<size>')")
+    if why := unsupported_reason(key):
+        raise ValueError(f"model {name!r} is not supported: {why}")
+    cfg = _resolve(key)
+    if cfg is None:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names()[:42])} "
+                         "(timm names may end in any image size or '_gap_<size>'), and the timm families "
+                         + ", ".join(FAMILY_PATTERNS))
     if cfg.patch_size not in PATCHES:
         raise ValueError(f"unknown patch size {cfg.patch_size} in {name!r}; presets have {PATCHES}")
     return cfg.replace(**overrides) if overrides else cfg

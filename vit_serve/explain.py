@@ -107,33 +107,76 @@ class Heatmap:
     """A relevance map over the patch grid: `map` [B, gh, gw], and which rows of the rollout it comes from."""
 
     map: torch.Tensor
-    query: str  # "cls": the [class] token's row; "patch-mean": the mean of the patch rows (GAP models)
+    # "cls": the [class] token's row; "patch-mean": the mean of the patch rows (GAP models); "map-probe": the MAP
+    # head's probe row (SigLIP) times the encoder's rollout
+    query: str
+
+
+QUERIES = {"token": "cls", "gap": "patch-mean", "map": "map-probe"}
+
+
+def split_probe(attentions: Sequence[torch.Tensor], pool: str = "token"
+                ) -> tuple[Sequence[torch.Tensor], torch.Tensor | None]:
+    """A forward pass's attentions -> (the encoder's L tensors [B, heads, N, N], the MAP probe [B, heads, 1, N]).
+
+    `VisionTransformer.forward(x, return_attention=True)` of a pool == "map" model returns the attention pool's
+    probe as one extra last entry; other models have none (None)."""
+    if pool != "map":
+        return attentions, None
+    if len(attentions) < 2:
+        raise ValueError("a MAP model's rollout needs the encoder's attentions and the pool's probe (last)")
+    return attentions[:-1], attentions[-1]
+
+
+def probe_query(probe: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
+    """The MAP probe's attention [B, heads, 1, N] -> its fused row [B, N], renormalised to sum to 1.
+
+    The probe is the query (as the [class] row is for token-pooled models): it is neither discarded nor given an
+    identity (no residual path runs from the tokens into the pooled vector)."""
+    q = fuse_heads(probe, head_fusion)[:, 0]
+    return q / q.sum(dim=-1, keepdim=True)
 
 
 def rollout_to_map(result: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: int = 1,
-                   pool: str = "token") -> Heatmap:
-    """[B, N, N] rollout -> Heatmap [B, gh, gw] over the patch tokens.
+                   pool: str = "token", probe: torch.Tensor | None = None) -> Heatmap:
+    """[B, N, N] rollout -> Heatmap [B, gh, gw] over the patch tokens (prefix tokens: in the graph, not the map).
 
-    Token-pooled models read the [class] token's row; GAP models (whose output is the mean of the patch
-    tokens) average the patch rows instead, and the Heatmap says so.
+    Token-pooled models read the [class] token's row (DeiT too: its [dist] token and any registers are rows and
+    columns of the graph, cut from the map); GAP models (whose output is the mean of the patch tokens) average the
+    patch rows; MAP models (SigLIP) read `probe` [B, N] (`probe_query`) times the rollout: probe -> tokens -> ...
+    -> patches. The Heatmap says which.
     """
     p = num_prefix_tokens
     if pool == "token":
-        row, query = result[:, 0, p:], "cls"
+        row = result[:, 0, p:]
+    elif pool == "map":
+        if probe is None:
+            raise ValueError("a MAP model's map needs the pool's probe attention")
+        row = (probe[:, None, :] @ result)[:, 0, p:]
     else:
-        row, query = result[:, p:, p:].mean(dim=1), "patch-mean"
-    return Heatmap(row.reshape(result.shape[0], grid[0], grid[1]), query)
+        row = result[:, p:, p:].mean(dim=1)
+    return Heatmap(row.reshape(result.shape[0], grid[0], grid[1]), QUERIES.get(pool, "patch-mean"))
 
 
 def rollout(attentions: Sequence[torch.Tensor], grid: tuple[int, int], num_prefix_tokens: int = 1,
             pool: str = "token", head_fusion: str = "mean", discard_ratio: float = 0.0) -> Heatmap:
-    """Attention rollout of one forward pass as a map over the (possibly non-square) patch grid."""
-    result = rollout_matrix(attentions, head_fusion, discard_ratio, keep_first=num_prefix_tokens > 0)
-    return rollout_to_map(result, grid, num_prefix_tokens, pool)
+    """Attention rollout of one forward pass as a map over the (possibly non-square) patch grid.
+
+    attentions: as `VisionTransformer.forward(x, return_attention=True)` gives them: L tensors [B, heads, N, N],
+    and for pool == "map" the probe [B, heads, 1, N] last. N counts every token (num_prefix_tokens = [class] +
+    [dist] + registers, first); the map [B, gh, gw] covers the patches only."""
+    encoder, probe = split_probe(attentions, pool)
+    result = rollout_matrix(encoder, head_fusion, discard_ratio, keep_first=num_prefix_tokens > 0)
+    query = probe_query(probe, head_fusion) if probe is not None else None
+    return rollout_to_map(result, grid, num_prefix_tokens, pool, query)
 
 
 def grad_rollout(model: torch.nn.Module, x: torch.Tensor, target: int | torch.Tensor | None = None) -> Heatmap:
-    """Gradient-weighted rollout of `model` on images x [B, C, H, W] for class `target` (default: top-1)."""
+    """Gradient-weighted rollout of `model` on images x [B, C, H, W] for class `target` (default: top-1).
+
+    Every family: the prefix tokens are in the graph, the map covers the patches. MAP models (SigLIP): the probe's
+    gradient-weighted attention mean_h((dy_c/dP ⊙ P)^+) [B, N] (P the probe [B, heads, 1, N]; Chefer et al.'s
+    rule for a query that attends into the tokens) times the encoder's relevance R."""
     with torch.enable_grad():
         x = x.detach()
         logits, attentions = model(x, return_attention=True)
@@ -142,9 +185,15 @@ def grad_rollout(model: torch.nn.Module, x: torch.Tensor, target: int | torch.Te
         target = torch.as_tensor(target, device=logits.device).reshape(-1).expand(logits.shape[0])
         score = logits.gather(1, target[:, None]).sum()
         grads = torch.autograd.grad(score, attentions)
-    result = grad_rollout_matrix([a.detach() for a in attentions], grads)
+    pool = model.cfg.pool
+    encoder, probe = split_probe([a.detach() for a in attentions], pool)
+    enc_grads, probe_grad = split_probe(grads, pool)
+    result = grad_rollout_matrix(encoder, enc_grads)
+    query = None
+    if probe is not None:
+        query = (probe_grad * probe).clamp(min=0).mean(dim=1)[:, 0]
     grid = (x.shape[-2] // model.cfg.patch_size, x.shape[-1] // model.cfg.patch_size)
-    return rollout_to_map(result, grid, model.num_prefix_tokens, model.cfg.pool)
+    return rollout_to_map(result, grid, model.num_prefix_tokens, pool, query)
 
 
 def patch_positions(grid: tuple[int, int], patch_size: int) -> torch.Tensor:

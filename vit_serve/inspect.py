@@ -281,7 +281,8 @@ def _rollout_figure(
         right.set_title(titles[k][1], fontsize=8)
     sm = ScalarMappable(norm=Normalize(0.0, 1.0), cmap=matplotlib.colormaps[OVERLAY_COLORMAP])
     fig.colorbar(sm, ax=axes, shrink=0.8 if nrows > 1 else 0.9, fraction=0.03, label="relevance (min-max per image)")
-    what = "the [class] token" if query == "cls" else "the mean of the patch tokens (GAP model)"
+    what = {"cls": "the [class] token", "map-probe": "the attention-pool probe (MAP model)"}.get(
+        query, "the mean of the patch tokens (GAP model)")
     fig.suptitle(f"Attention rollout over the model-input crop, read from {what}", fontsize=10)
     _save(fig, path)
 
@@ -368,7 +369,8 @@ def _forward(
             heat = explain.rollout(attentions, grid, prefix, cfg.pool, head_fusion, discard_ratio)
             query = heat.query
             maps.extend(heat.map.double().cpu())
-            mad = explain.mean_attention_distance(attentions, grid, cfg.patch_size, prefix) * len(chunk)
+            encoder = explain.split_probe(attentions, cfg.pool)[0]  # a MAP model's probe is not a layer
+            mad = explain.mean_attention_distance(encoder, grid, cfg.patch_size, prefix) * len(chunk)
             mad_sum = mad if mad_sum is None else mad_sum + mad
             tops.extend(_top_k(logits, model.labels) if cfg.num_classes else [[] for _ in chunk])
     finally:

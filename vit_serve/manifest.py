@@ -14,6 +14,10 @@ Schema 2 (this module) reads schema 1 files (the "sidecars" written before it) u
   "tensorrt"), and its "parity" stays the ONNX graph's check, the engine's own being under "tensorrt";
 - the Triton metadata's "rollout" holds every rollout setting (1: head_fusion and discard_ratio; pool beside it).
 Every other key and its meaning is as in 1, so a gateway of schema 1 still reads files of schema 2.
+Issue 21 added two optional keys to schema 2 (absent in older files, which read as before): "embedding" (`Embedding`:
+which image embedding the graph's "embedding" output is, its dimension, whether it is meant to be compared
+L2-normalised) and "scores" ("softmax" | "sigmoid": how the head's logits become scores). A reader older than them
+refuses such a file naming the key ("written by a newer vit-export?").
 
 The rollout defaults are `vit_serve.explain.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`, defined once there.
 """
@@ -36,6 +40,10 @@ VERSION_KEY = "manifest_version"
 V1_VERSION_KEY = "sidecar_version"
 FORMATS = ("onnx", "tensorrt")
 TRITON_KINDS = ("logits", "explain", "preprocess", "ensemble")
+SCORES = ("softmax", "sigmoid")  # = vit_serve.config.SCORES
+# Which image embedding a model gives: timm's pre-logits (the 2020 ViT, DeiT), Hugging Face's pooler_output
+# (DINOv2, SigLIP, CLIP without projection), CLIP's projected image_embeds, open_clip's encode_image.
+EMBEDDING_KINDS = ("pre_logits", "pooler_output", "image_embeds", "encode_image")
 
 Resolution = tuple[int, int] | Literal["dynamic"]
 Batch = int | Literal["dynamic"]
@@ -216,6 +224,45 @@ class RolloutSettings:
             if o.source in str(e):
                 raise
             raise ValueError(f"{o.source}: field {o.path!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The image embedding a model gives (its "embedding" output, POST /embed): `kind` (EMBEDDING_KINDS), its
+    dimension E, and whether it is meant to be compared L2-normalised (CLIP, SigLIP: cosine similarity)."""
+
+    kind: str
+    dim: int
+    normalized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in EMBEDDING_KINDS:
+            raise ValueError(f"unknown embedding kind {self.kind!r}; expected one of {', '.join(EMBEDDING_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dim": self.dim, "normalized": self.normalized}
+
+    @classmethod
+    def _read(cls, o: _Obj) -> Embedding:
+        o.unknown({"kind", "dim", "normalized"})
+        return cls(o.choice("kind", EMBEDDING_KINDS), o.int("dim"), o.bool("normalized"))
+
+
+def embedding_of(cfg: Any) -> Embedding:
+    """The Embedding of a model's config (a `vit_serve.config.ViTConfig`, read by its fields): a converter's
+    `cfg.extra["embedding_kind"]` when it set one (open_clip: "encode_image"), else by family: CLIP with a
+    projection "image_embeds", DINOv2 / SigLIP / CLIP without one "pooler_output", the 2020 ViT and DeiT
+    "pre_logits". Normalised: CLIP and SigLIP (their embeddings are compared by cosine)."""
+    family = getattr(cfg, "family", "vit")
+    kind = (getattr(cfg, "extra", None) or {}).get("embedding_kind")
+    if kind is None:
+        if family == "clip" and getattr(cfg, "proj_dim", None):
+            kind = "image_embeds"
+        elif family in ("dinov2", "siglip", "clip"):
+            kind = "pooler_output"
+        else:
+            kind = "pre_logits"
+    return Embedding(kind, int(cfg.embed_dim_out), family in ("clip", "siglip"))
 
 
 @dataclass(frozen=True)
@@ -418,7 +465,14 @@ class ExportManifest:
     int8: Int8Quantization | None = None
     source_onnx: str | None = None
     tensorrt: TensorRTBuild | None = None
+    embedding: Embedding | None = None
+    scores: str | None = None
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def score_fn(self) -> str:
+        """How the logits become scores: "softmax" (files that do not say) or "sigmoid"."""
+        return self.scores or "softmax"
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -483,6 +537,7 @@ class ExportManifest:
             out["source_onnx"] = self.source_onnx
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt.to_dict()
+        _write_optional(out, self.embedding, self.scores)
         return out
 
     @classmethod
@@ -494,7 +549,7 @@ class ExportManifest:
             o.unknown({VERSION_KEY, "file", "file_sha256", "format", "source_checkpoint", "architecture",
                        "resolution", "resample_mode", "batch", "opset", "precision", "explain", "exporter",
                        "onnx_checker", "preprocess", "labels", "io", "parity", "versions", "rollout", "int8_scheme",
-                       "int8", "parity_note", "source_onnx", "tensorrt"})
+                       "int8", "parity_note", "source_onnx", "tensorrt", "embedding", "scores"})
         ckpt = o.obj("source_checkpoint", null=True)
         explain = o.bool("explain")
         rollout = o.obj("rollout", None, null=True)
@@ -531,8 +586,23 @@ class ExportManifest:
             int8=int8,
             source_onnx=o.str("source_onnx", None, null=True),
             tensorrt=None if trt is None else TensorRTBuild._read(trt),
+            **_read_optional(o),
             schema_version=version,
         )
+
+
+def _write_optional(out: dict[str, Any], embedding: Embedding | None, scores: str | None) -> None:
+    """The optional keys issue 21 added, written only when stated (older files read back as they were)."""
+    if embedding is not None:
+        out["embedding"] = embedding.to_dict()
+    if scores is not None:
+        out["scores"] = scores
+
+
+def _read_optional(o: _Obj) -> dict[str, Any]:
+    emb = o.obj("embedding", None, null=True)
+    return {"embedding": None if emb is None else Embedding._read(emb),
+            "scores": o.choice("scores", SCORES, None)}
 
 
 def read_manifest(path: str | os.PathLike) -> ExportManifest:
@@ -597,6 +667,8 @@ class TritonMeta:
     logits_model: str | None = None
     classifier: str | None = None
     tensorrt: dict[str, Any] | None = None
+    embedding: Embedding | None = None
+    scores: str | None = None
     schema_version: int = SCHEMA_VERSION
 
     _LINKS = ("explain_model", "logits_model", "classifier")
@@ -619,6 +691,7 @@ class TritonMeta:
         out.update({k: getattr(self, k) for k in self._LINKS if getattr(self, k) is not None})
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt
+        _write_optional(out, self.embedding, self.scores)
         return out
 
     def to_json(self) -> str:
@@ -634,7 +707,7 @@ class TritonMeta:
             o.unknown({VERSION_KEY, "name", "kind", "runtime", "resolution", "patch_size", "grid", "num_classes",
                        "labels", "preprocess", "rollout", "pool", "precision", "sidecar_sha256",
                        "explain_sidecar_sha256", "onnx_sha256", "source_checkpoint_sha256", "preprocess_model",
-                       *cls._LINKS, "tensorrt"})
+                       *cls._LINKS, "tensorrt", "embedding", "scores"})
         rollout = RolloutSettings._read(o.obj("rollout"))
         pool = o.str("pool")
         if rollout.pool is None:  # schema 1 kept it beside the rollout settings
@@ -651,7 +724,7 @@ class TritonMeta:
             source_checkpoint_sha256=o.str("source_checkpoint_sha256", null=True),
             preprocess_model=o.str("preprocess_model"),
             **{k: o.str(k, None, null=True) for k in cls._LINKS},
-            tensorrt=None if trt is None else trt.data, schema_version=version,
+            tensorrt=None if trt is None else trt.data, **_read_optional(o), schema_version=version,
         )
 
     @classmethod

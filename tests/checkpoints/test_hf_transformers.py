@@ -16,12 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from vit_serve.checkpoints.converted import CheckpointError, build_model  # noqa: E402
-from vit_serve.checkpoints.hf_transformers import (  # noqa: E402
-    convert_hf,
-    hf_preprocess,
-    is_hf_layout,
-    load_hf_dir,
-)
+from vit_serve.checkpoints.hf_models import convert_hf, load_hf_dir  # noqa: E402
+from vit_serve.checkpoints.hf_transformers import hf_preprocess, is_hf_layout  # noqa: E402
 
 ID2LABEL = {
     0: "tabby cat",

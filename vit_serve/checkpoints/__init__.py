@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 from vit_serve.checkpoints.converted import CheckpointError, Converted, build_model, check_state_dict
-from vit_serve.checkpoints.hf_transformers import convert_hf, is_hf_layout, load_hf_dir
+from vit_serve.checkpoints.hf_models import convert_hf, load_hf_dir
+from vit_serve.checkpoints.hf_transformers import is_hf_layout
 from vit_serve.checkpoints.hub import download, parse_hub_id
 from vit_serve.checkpoints.io import from_ours, is_ours, read_weights, save
 from vit_serve.checkpoints.jax_npz import convert_npz, is_npz_layout
+from vit_serve.checkpoints.open_clip_state import convert_open_clip, is_open_clip_arch, is_open_clip_layout
 from vit_serve.checkpoints.timm_state import convert_timm, is_timm_layout
 from vit_serve.checkpoints.torchvision_state import convert_torchvision, is_torchvision_layout
 from vit_serve.model import VisionTransformer
 
 __all__ = ["KNOWN_FORMATS", "CheckpointError", "Converted", "build_model", "check_state_dict", "convert",
-           "convert_hf", "convert_npz", "convert_timm", "convert_torchvision", "load", "read_checkpoint", "save"]
+           "convert_hf", "convert_npz", "convert_open_clip", "convert_timm",
+           "convert_torchvision", "load", "read_checkpoint", "save"]
 
 KNOWN_FORMATS = (
     "vit-serve .safetensors (ours)",
@@ -30,6 +34,7 @@ KNOWN_FORMATS = (
     "timm state dict (.pth/.bin/.safetensors, or a timm hub folder with config.json)",
     "Hugging Face transformers ViT (folder with config.json and weights)",
     "torchvision vit_* state dict (.pth)",
+    "open_clip state dict (.pth/.bin/.safetensors, with --arch open_clip:NAME)",
     "hub ids: timm/<name>, google/vit-*, hf-hub:<repo>",
 )
 
@@ -62,7 +67,8 @@ def read_checkpoint(src: str | os.PathLike, arch: str | None = None, **overrides
 
     Args:
         src: a file (.safetensors, .npz, .pth, .bin), a folder (transformers or timm hub layout), or a hub id.
-        arch: a preset / timm / torchvision architecture name, for formats that do not record the head count.
+        arch: a preset / timm / torchvision architecture name, for formats that do not record the head count;
+            "open_clip:NAME" for open_clip state dicts (NAME as open_clip.list_models()).
         overrides: ViTConfig fields to replace (e.g. layer_norm_eps) — not applied to our own format.
     """
     if isinstance(src, str) and (repo := parse_hub_id(src)):
@@ -75,6 +81,12 @@ def read_checkpoint(src: str | os.PathLike, arch: str | None = None, **overrides
         return from_ours(weights, meta, str(path))
     if path.suffix.lower() == ".npz" or is_npz_layout(weights):
         return convert_npz(weights, **overrides)
+    if is_open_clip_arch(arch) or is_open_clip_layout(weights):
+        if not is_open_clip_arch(arch):
+            raise CheckpointError(f"{path} is an open_clip state dict: name its model config with --arch "
+                                  "open_clip:NAME (e.g. open_clip:ViT-B-32, open_clip:ViT-B-32-quickgelu for "
+                                  "OpenAI's weights)")
+        return convert_open_clip(weights, arch, **overrides)
     if is_timm_layout(weights):
         hub_cfg = path.parent / "config.json"
         cfg = json.loads(hub_cfg.read_text()) if hub_cfg.is_file() else None
@@ -97,14 +109,39 @@ def load(src: str | os.PathLike, arch: str | None = None, **overrides: Any) -> V
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int] | None = None,
             num_classes: int | None = None, arch: str | None = None, resample_mode: str | None = None,
-            overwrite: bool = False) -> VisionTransformer:
-    """Convert any supported checkpoint to our format, optionally at a new resolution or with a new head."""
+            overwrite: bool = False, zero_shot: list[str] | None = None,
+            templates: list[str] | None = None) -> VisionTransformer:
+    """Convert any supported checkpoint to our format, optionally at a new resolution or with a new head.
+
+    A text tower in `src` (open_clip, CLIPModel / SiglipModel, ours) is kept (`text.*`); `zero_shot` labels
+    build a zero-shot head with it (vit_serve.zeroshot; `templates` default "a photo of a {}.").
+    """
+    from vit_serve import text, zeroshot  # they build on this package: imported when used
+
+    if zero_shot is not None:  # bad labels / templates fail before any weights are read
+        zero_shot = zeroshot.check_labels(zero_shot)
+        templates = zeroshot.check_templates(templates or zeroshot.DEFAULT_TEMPLATES)
+    if Path(dst).exists() and not overwrite:  # before the work; the same message as atomic_write's
+        raise FileExistsError(f"{dst} exists; pass overwrite=True (CLI: --force) to replace it")
     model = load(src, arch=arch)
+    try:
+        bundle = text.read_text_tower(src, arch=arch)
+    except text.TokenizerError as e:
+        if zero_shot is not None:
+            raise
+        warnings.warn(f"text tower not kept: {e}", stacklevel=2)  # the image model converts without it
+        bundle = None
+    if zero_shot is not None and bundle is None:
+        raise zeroshot.ZeroShotError(f"{src} has no text tower: --zero-shot needs a CLIP or SigLIP checkpoint with "
+                                     "its text tower (open_clip state dict, CLIPModel / SiglipModel folder)")
     if resample_mode:
         model.cfg = model.cfg.replace(resample_mode=resample_mode)
     if res:
         model.set_resolution(*res)
-    if num_classes is not None and num_classes != model.cfg.num_classes:
+    if zero_shot is not None:
+        zeroshot.zero_shot_classifier(model, bundle, zero_shot, templates)
+    elif num_classes is not None and num_classes != model.cfg.num_classes:
         model.reset_head(num_classes)
-    save(model, dst, overwrite=overwrite)
+    tensors, meta = text.text_payload(bundle) if bundle is not None else (None, None)
+    save(model, dst, overwrite=overwrite, extra_metadata=meta, extra_tensors=tensors)
     return model

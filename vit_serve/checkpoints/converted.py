@@ -114,7 +114,8 @@ def resample_to(state_dict: dict[str, torch.Tensor], native: ViTConfig, cfg: ViT
     if cfg.img_size == native.img_size:
         return state_dict
     pos = resample_pos_embed(
-        state_dict["pos_embed"], native.grid_size, cfg.grid_size, native.num_prefix_tokens, cfg.resample_mode
+        state_dict["pos_embed"], native.grid_size, cfg.grid_size, native.num_pos_prefix_tokens,
+        cfg.resample_mode
     )
     return {**state_dict, "pos_embed": pos.contiguous()}
 

@@ -1,4 +1,9 @@
-"""Hugging Face transformers ViT (`ViTForImageClassification`, `ViTModel`) -> our layout.
+"""Hugging Face transformers ViT (`ViTForImageClassification`, `ViTModel`) -> our layout; the folder reader and
+the model_type dispatch for every transformers family, and the steps their converters share.
+
+Families (one module each, built from the steps below): hf_dinov2 (dinov2, dinov2_with_registers), hf_clip
+(clip_vision_model, clip), hf_siglip (siglip_vision_model, siglip). Other model types are refused in one line
+naming what they need (BEiT's relative position bias, DINOv3's RoPE, ...).
 
 Reference reproduced: `transformers.models.vit.modeling_vit` (transformers 5.x, read at 5.24). Its forward is
 the paper's pre-LN ViT, so the conversion is a renaming plus one fusion (separate q, k, v -> one qkv):
@@ -35,7 +40,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping
@@ -55,9 +59,12 @@ from vit_serve.checkpoints.converted import (
 )
 from vit_serve.checkpoints.io import read_weights
 from vit_serve.config import ViTConfig
+from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig
 
-__all__ = ["HF_ACTIVATIONS", "convert_hf", "hf_preprocess", "is_hf_layout", "load_hf_dir"]
+__all__ = ["FAMILY_ACTIVATIONS", "HF_ACTIVATIONS", "Taker", "check_consumed", "convert_hf_vit", "family_preprocess",
+           "finish", "fused_qkv", "hf_activation", "hf_int", "hf_pair", "hf_preprocess", "is_hf_layout",
+           "read_hf_weights", "read_json", "strip_prefix"]
 
 # config.json `hidden_act` -> our ViTConfig.gelu
 HF_ACTIVATIONS: dict[str, str] = {
@@ -66,6 +73,8 @@ HF_ACTIVATIONS: dict[str, str] = {
     "gelu_pytorch_tanh": "tanh",
     "gelu_new": "tanh",
 }
+# The families' converters also read "quick_gelu" (x * sigmoid(1.702 x), OpenAI CLIP's weights).
+FAMILY_ACTIVATIONS: dict[str, str] = {**HF_ACTIVATIONS, "quick_gelu": "quick"}
 
 # PIL resample codes as stored in preprocessor_config.json -> PreprocessConfig.interpolation
 _PIL_RESAMPLE: dict[int, str] = {
@@ -106,7 +115,7 @@ def is_hf_layout(keys: Iterable[str]) -> bool:
     return False
 
 
-def _pair(value: Any, name: str) -> tuple[int, int]:
+def hf_pair(value: Any, name: str) -> tuple[int, int]:
     if isinstance(value, bool):
         raise CheckpointError(f"config.json {name}={value!r} is not a size")
     if isinstance(value, int):
@@ -126,7 +135,7 @@ def _strip_vit_prefix(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-class _Taker:
+class Taker:
     """Pops tensors by name, remembering what was missing and converting to contiguous float32."""
 
     def __init__(self, sd: dict[str, torch.Tensor]) -> None:
@@ -316,11 +325,11 @@ def _config_fields(config: Mapping[str, Any], num_classes: int) -> dict[str, Any
         )
     if not isinstance(config.get("qkv_bias", True), bool):
         raise CheckpointError(f"config.json qkv_bias={config.get('qkv_bias')!r} is not a boolean")
-    ph, pw = _pair(config.get("patch_size", 16), "patch_size")
+    ph, pw = hf_pair(config.get("patch_size", 16), "patch_size")
     if ph != pw:
         raise CheckpointError(f"config.json patch_size={ph}x{pw}: only square patches are supported")
     fields: dict[str, Any] = {
-        "img_size": _pair(config.get("image_size", 224), "image_size"),
+        "img_size": hf_pair(config.get("image_size", 224), "image_size"),
         "patch_size": ph,
         "in_chans": config.get("num_channels", 3),
         "num_classes": num_classes,
@@ -356,7 +365,7 @@ def _fused(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(parts, dim=0) if all(t is not None for t in parts) else None  # type: ignore[arg-type]
 
 
-def _block(take: _Taker, i: int, style: int, qkv_bias: bool, source: str) -> dict[str, torch.Tensor | None]:
+def _block(take: Taker, i: int, style: int, qkv_bias: bool, source: str) -> dict[str, torch.Tensor | None]:
     """Layer `i` under our names `blocks.{i}.*`: plain renames plus the q, k, v fusion."""
     pre = f"{_LAYER_PREFIX[style]}{i}."
     out: dict[str, torch.Tensor | None] = {}
@@ -375,7 +384,7 @@ def _block(take: _Taker, i: int, style: int, qkv_bias: bool, source: str) -> dic
     return out
 
 
-def _renamed(take: _Taker, cfg: ViTConfig, style: int, classifier_w: torch.Tensor | None, source: str
+def _renamed(take: Taker, cfg: ViTConfig, style: int, classifier_w: torch.Tensor | None, source: str
              ) -> dict[str, torch.Tensor | None]:
     """Every tensor of a transformers ViT of `cfg` under our names (None where the checkpoint lacks it)."""
     out: dict[str, torch.Tensor | None] = {
@@ -394,7 +403,7 @@ def _renamed(take: _Taker, cfg: ViTConfig, style: int, classifier_w: torch.Tenso
     return out
 
 
-def _check_consumed(take: _Taker, weights: Mapping[str, torch.Tensor], depth: int, source: str) -> None:
+def _check_consumed(take: Taker, weights: Mapping[str, torch.Tensor], depth: int, source: str) -> None:
     """CheckpointError listing what was missing or left over, named as the checkpoint spells them."""
     prefixed = any(k.startswith("vit.") for k in weights)  # then name keys with the `vit.` prefix
 
@@ -412,8 +421,95 @@ def _check_consumed(take: _Taker, weights: Mapping[str, torch.Tensor], depth: in
             f"{depth} layers): {describe_keys(unexpected)}"
         )
 
+# -- steps shared with the families' converters (hf_dinov2, hf_clip, hf_siglip) ------------------------------
+def hf_int(config: Mapping[str, Any], name: str, default: int) -> int:
+    """A positive integer field of config.json (`default` when absent); CheckpointError otherwise."""
+    value = config.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise CheckpointError(f"config.json gives {name}={value!r}; expected a positive integer")
+    return value
 
-def convert_hf(
+
+def hf_activation(config: Mapping[str, Any], default: str) -> str:
+    """config.json `hidden_act` -> ViTConfig.gelu (FAMILY_ACTIVATIONS), refusing activations we do not have."""
+    act = config.get("hidden_act", default)
+    if act not in FAMILY_ACTIVATIONS:
+        raise CheckpointError(
+            f"config.json hidden_act={act!r} is not supported; expected one of {', '.join(FAMILY_ACTIVATIONS)}"
+        )
+    return FAMILY_ACTIVATIONS[act]
+
+
+def strip_prefix(weights: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """`weights` with `prefix` removed from the keys that carry it (a wrapper's attribute name)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in weights.items():
+        name = k[len(prefix) :] if k.startswith(prefix) else k
+        if name in out:
+            raise CheckpointError(f"transformers checkpoint holds both {name!r} and {prefix + name!r}")
+        out[name] = v
+    return out
+
+
+def fused_qkv(take: Taker, names: tuple[str, str, str], out: str, bias: bool = True) -> dict[str, torch.Tensor | None]:
+    """Separate q, k, v Linears (`names`, prefixes without .weight) -> `{out}.weight` [3D, D] (and `.bias`
+    [3D]), rows concatenated in q, k, v order: how our fused qkv is split. None where a part is missing."""
+    res = {f"{out}.weight": _fused([take(f"{n}.weight") for n in names])}
+    if bias:
+        res[f"{out}.bias"] = _fused([take(f"{n}.bias") for n in names])
+    return res
+
+
+def check_consumed(take: Taker, source: str, what: str, dropped: re.Pattern[str] | None = None) -> None:
+    """CheckpointError listing missing keys, then keys neither used nor matched by `dropped` (on purpose)."""
+    if take.missing:
+        raise CheckpointError(f"{source}: missing keys: {describe_keys(take.missing)}")
+    unexpected = sorted(k for k in take.sd if k not in take.used and not (dropped and dropped.match(k)))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected keys (not part of {what}): {describe_keys(unexpected)}")
+
+
+def family_preprocess(preprocessor: Mapping[str, Any] | None, defaults: Mapping[str, Any],
+                      image_size: tuple[int, int], default_to_square: bool) -> PreprocessConfig:
+    """`hf_preprocess` for a family's image processor: its class defaults (`defaults`) under the file's keys.
+
+    With `default_to_square=False` (CLIPImageProcessor, BitImageProcessor) an integer `size` means the
+    shortest edge, as transformers' `get_size_dict` reads it; `crop_size` integers are square.
+    """
+    p = {**defaults, **(preprocessor or {})}
+    if not default_to_square and isinstance(p.get("size"), int) and not isinstance(p.get("size"), bool):
+        p["size"] = {"shortest_edge": p["size"]}
+    return hf_preprocess(p, image_size)
+
+
+def finish(native: ViTConfig, cfg: ViTConfig, state: dict[str, torch.Tensor | None], source: str,
+           preprocess: PreprocessConfig) -> Converted:
+    """Check names and shapes against our model of `native`, resample `pos_embed` to `cfg`'s grid (patch
+    rows only when `no_embed_class`) with `cfg.resample_mode`, and wrap it up (no labels: base models)."""
+    sd = {k: v for k, v in state.items() if v is not None}
+    check_against_model(native, sd, f"{source} (as described by its config.json)")
+    if cfg.img_size != native.img_size:
+        pos = resample_pos_embed(sd["pos_embed"], native.grid_size, cfg.grid_size, native.num_pos_prefix_tokens,
+                                 cfg.resample_mode)
+        sd["pos_embed"] = pos.contiguous()
+    return Converted(cfg, sd, source=source, labels=None, preprocess=preprocess.with_size(*cfg.img_size))
+
+
+# model_type -> what our model lacks for it (refused in one line).
+UNSUPPORTED: dict[str, str] = {
+    "beit": "relative position bias (BEiT)",
+    "data2vec-vision": "relative position bias (data2vec-vision is BEiT's architecture)",
+    "dinov3_vit": "RoPE position embeddings (DINOv3)",
+    "siglip2": "NaFlex variable-resolution patches (SigLIP 2)",
+    "siglip2_vision_model": "NaFlex variable-resolution patches (SigLIP 2)",
+    "clip_text_model": "a vision tower (this folder is a CLIP text tower alone)",
+    "siglip_text_model": "a vision tower (this folder is a SigLIP text tower alone)",
+    "deit": "the transformers DeiT layout (convert timm's deit_* weights instead)",
+    "swin": "shifted-window attention (Swin)",
+}
+
+
+def convert_hf_vit(
     config: Mapping[str, Any],
     weights: Mapping[str, torch.Tensor],
     preprocessor: Mapping[str, Any] | None = None,
@@ -422,6 +518,8 @@ def convert_hf(
     **overrides: Any,
 ) -> Converted:
     """Convert a transformers `ViTForImageClassification` / `ViTModel` checkpoint to our layout (pure).
+
+    `vit_serve.checkpoints.hf_models.convert_hf` sends every model_type to its converter; this is "vit"'s.
 
     Args:
         config: the checkpoint's config.json as a dict (hidden_size, num_hidden_layers, num_attention_heads,
@@ -449,7 +547,7 @@ def convert_hf(
     source = source or "transformers ViT checkpoint"
     sd = _strip_vit_prefix(weights)
     style = _style(sd, source)
-    take = _Taker(sd)
+    take = Taker(sd)
     classifier_w = take("classifier.weight", required=False)
     num_classes = int(classifier_w.shape[0]) if classifier_w is not None else 0
     native, cfg = make_config(_config_fields(config, num_classes), overrides, source)
@@ -463,7 +561,7 @@ def convert_hf(
     return Converted(cfg, state, source=source, labels=labels, preprocess=pre_cfg)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -473,14 +571,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     for single in ("model.safetensors", "pytorch_model.bin"):
         if (folder / single).is_file():
             weights, _ = read_weights(folder / single)
             return weights
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (folder / index).is_file():
-            weight_map = _read_json(folder / index).get("weight_map")
+            weight_map = read_json(folder / index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{folder / index} has no weight_map")
             merged: dict[str, torch.Tensor] = {}
@@ -491,22 +589,3 @@ def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(
         f"{folder} has no model.safetensors, pytorch_model.bin or sharded index next to its config.json"
     )
-
-
-def load_hf_dir(path: str | os.PathLike, **overrides: Any) -> Converted:
-    """Read a transformers model folder (e.g. what `save_pretrained` writes) and convert it.
-
-    The folder holds config.json, the weights (model.safetensors, else pytorch_model.bin read with
-    `torch.load(weights_only=True)`, or a sharded `*.index.json`) and optionally preprocessor_config.json.
-    Unreadable or truncated files raise CheckpointError with a one-line message.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"no such transformers model folder: {folder}")
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{folder} has no config.json")
-    config = _read_json(folder / "config.json")
-    pre_file = folder / "preprocessor_config.json"
-    preprocessor = _read_json(pre_file) if pre_file.is_file() else None
-    weights = _read_hf_weights(folder)
-    return convert_hf(config, weights, preprocessor, source=f"transformers folder {folder}", **overrides)

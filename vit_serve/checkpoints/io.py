@@ -22,12 +22,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line
+from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.config import ViTConfig
 from vit_serve.preprocess import PreprocessConfig
 
 FORMAT_NAME = "vit-serve"
 FORMAT_VERSION = "1"
-
+# Tensors under this prefix (and metadata keys starting "text_") belong to the text tower (vit_serve.text);
+# the image-model loader leaves them out.
+TEXT_PREFIX = "text."
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -49,8 +52,29 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(f"cannot read {path}: truncated or corrupt .npz file ({one_line(e)})") from e
 
 
+def is_torchscript_archive(path: Path) -> bool:
+    """A TorchScript archive (torch.jit.save: a zip with `constants.pkl` and `code/`), e.g. OpenAI's CLIP release."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+    return any(n.endswith("/constants.pkl") or n == "constants.pkl" for n in names) and any(
+        "/code/" in n or n.startswith("code/") for n in names)
+
+
+TORCHSCRIPT_HINT = ("a TorchScript archive (OpenAI's original CLIP release) is not read, it would run its code; "
+                    "convert it with open_clip first: model = open_clip.openai.load_openai_model(PATH); "
+                    "torch.save(model.state_dict(), 'weights.pth'); then `vit-serve convert weights.pth DST "
+                    "--arch open_clip:ViT-B-32-quickgelu` (the matching -quickgelu config)")
+
+
 def read_torch(path: Path) -> dict[str, torch.Tensor]:
-    """A PyTorch state dict (.pth/.pt/.bin) with weights_only=True; unwraps {"state_dict"|"model": ...}."""
+    """A PyTorch state dict (.pth/.pt/.bin) with weights_only=True; unwraps {"state_dict"|"model": ...}.
+
+    TorchScript archives are refused before anything is unpickled."""
+    if is_torchscript_archive(path):
+        raise UnsupportedCheckpoint(f"cannot read {path}: {TORCHSCRIPT_HINT}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for bad pickles, zips and disallowed globals
@@ -110,7 +134,8 @@ def from_ours(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], sou
         pre = PreprocessConfig.from_dict(json.loads(metadata["preprocess"]))
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{source}: bad vit-serve metadata ({one_line(e)})") from e
-    return Converted(cfg, tensors, source=f"vit-serve file {source}", labels=labels, preprocess=pre)
+    image = {k: v for k, v in tensors.items() if not k.startswith(TEXT_PREFIX)}
+    return Converted(cfg, image, source=f"vit-serve file {source}", labels=labels, preprocess=pre)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | Callable[[str], None], overwrite: bool = False) -> Path:
@@ -145,9 +170,17 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[str], None], o
 
 
 def save(model: torch.nn.Module, path: str | os.PathLike, overwrite: bool = False,
-         extra_metadata: Mapping[str, Any] | None = None) -> Path:
-    """Save a VisionTransformer (weights, config, labels, preprocessing contract) as one .safetensors file."""
+         extra_metadata: Mapping[str, Any] | None = None,
+         extra_tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Save a VisionTransformer (weights, config, labels, preprocessing contract) as one .safetensors file.
+
+    `extra_tensors` (names under `text.`: a text tower, vit_serve.text.text_payload) travel beside the model's.
+    """
     pre = getattr(model, "preprocess_cfg", None) or PreprocessConfig(input_size=model.cfg.img_size)
     meta = to_metadata(model.cfg, getattr(model, "labels", None), pre, extra_metadata)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    for k, v in (extra_tensors or {}).items():
+        if not k.startswith(TEXT_PREFIX) or k in tensors:
+            raise ValueError(f"extra tensor {k!r} must be named {TEXT_PREFIX}* and not clash with the model's")
+        tensors[k] = v.detach().to("cpu").contiguous()
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta), overwrite=overwrite)

@@ -6,7 +6,8 @@
   a hub id), an exported `NAME.onnx` (with its manifest `NAME.json`) or a TensorRT engine: a repository of one
   model, version 1;
 * a folder of such files (what `vit-export --out DIR` writes): model NAME (the file's stem), version 1 each;
-  `NAME_explain.onnx` and the JSON manifests are the exports' companions, not models;
+  `NAME_explain.onnx`, the text tower `NAME_text.onnx` (`vit-export --text-tower`, with its tokenizer folder) and
+  the JSON manifests are the exports' companions, not models;
 * a Triton-style folder, `NAME/VERSION/<one of those files>`: versions are positive integers, as in Triton, and
   `NAME/config.pbtxt` (Triton's model configuration, read with Triton's own schema from tritonclient) may set
   the model's `version_policy`, `max_batch_size` and `dynamic_batching` limits.
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from vit_serve.manifest import TRITON_ONNX, TritonMeta, find_manifest
+from vit_serve.text.manifest import TEXT_SUFFIX, text_manifest_path, text_path_of
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -166,8 +168,8 @@ class TritonConfig:
 def backend_for(path: Path) -> Literal["torch", "onnxruntime", "tensorrt"] | None:
     """Which backend serves this file (None: not a model file)."""
     suffix = path.suffix.lower()
-    if suffix == ".onnx":
-        return None if path.stem.endswith(EXPLAIN_SUFFIX) else "onnxruntime"
+    if suffix == ".onnx":  # the explain graph and the text tower are companions of NAME.onnx, not models
+        return None if path.stem.endswith((EXPLAIN_SUFFIX, TEXT_SUFFIX)) else "onnxruntime"
     if suffix in ENGINE_SUFFIXES:
         return "tensorrt"
     if suffix in CHECKPOINT_SUFFIXES:
@@ -335,8 +337,10 @@ def _write_skip_reasons(entries: dict[str, ModelEntry]) -> None:
 
 
 def _one_file(name: str, path: Path, backend: Literal["torch", "onnxruntime", "tensorrt"]) -> ModelEntry:
-    """Model `name`, version 1: the file, fingerprinted with its manifest and explain twin."""
-    companions = [path, path.with_suffix(".json"), path.with_name(f"{path.stem}{EXPLAIN_SUFFIX}.onnx")]
+    """Model `name`, version 1: the file, fingerprinted with its manifest, explain twin and text tower."""
+    text = text_path_of(path)
+    companions = [path, path.with_suffix(".json"), path.with_name(f"{path.stem}{EXPLAIN_SUFFIX}.onnx"), text,
+                  text_manifest_path(text)]
     return ModelEntry(name, {1: VersionSource(name, 1, path, backend, fingerprint(companions))})
 
 

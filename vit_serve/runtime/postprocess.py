@@ -14,24 +14,36 @@ if TYPE_CHECKING:
     from vit_serve.manifest import RolloutSettings
     from vit_serve.runtime.backends.base import ModelInfo
 
-__all__ = ["l2_normalize", "normalize_embedding", "rollout_payload", "rollout_query", "top_k"]
+__all__ = ["l2_normalize", "normalize_embedding", "rollout_payload", "rollout_query", "scores", "top_k"]
+
+
+def scores(logits: np.ndarray, kind: str = "softmax") -> np.ndarray:
+    """logits [K] -> float64 scores [K]: softmax (one label per image), or the element-wise sigmoid
+    1 / (1 + exp(-z)) of SigLIP's heads (each label on its own; big_vision / open_clip's SigLIP zero-shot)."""
+    z = logits.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if kind == "sigmoid":
+            return 0.5 * (1.0 + np.tanh(0.5 * z))  # = sigmoid(z), without exp overflow
+        p = np.exp(z - z.max())
+        return p / p.sum()
 
 
 def top_k(logits: np.ndarray, k: int, info: ModelInfo) -> list[dict[str, Any]]:
-    """logits [K] -> the k best classes as {"label", "index", "score" (softmax)}, best first (by logit: ties by
-    index, NaN last). Non-finite logits give NaN scores, which the JSON encoder writes as null."""
+    """logits [K] -> the k best classes as {"label", "index", "score" (softmax, or sigmoid when `info.scores`
+    says so)}, best first (by logit: ties by index, NaN last). Non-finite logits give NaN scores, which the JSON
+    encoder writes as null."""
     z = logits.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        p = np.exp(z - z.max())
-        p /= p.sum()
+    p = scores(z, info.scores)
     best = np.argsort(-z, kind="stable")[:min(k, z.shape[0])]
     return [{"label": info.label(int(i)), "index": int(i), "score": float(p[i])} for i in best]
 
 
 def rollout_query(pool: str) -> str:
-    """Which rows of the rollout a map is read from: "cls" for token-pooled models, "patch-mean" for GAP ones
-    (as `vit_serve.explain.rollout_to_map`)."""
-    return "cls" if pool == "token" else "patch-mean"
+    """Which rows of the rollout a map is read from: "cls" for token-pooled models, "patch-mean" for GAP ones,
+    "map-probe" for attention-pooled ones (SigLIP), as `vit_serve.explain.QUERIES`."""
+    from vit_serve.explain import QUERIES
+
+    return QUERIES.get(pool, "patch-mean")
 
 
 def rollout_payload(method: str, rollout: RolloutSettings | None, heat: np.ndarray, info: ModelInfo

@@ -51,7 +51,8 @@ class Gateway:
         self.decode_pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="vit-serve-decode")
         s = self.settings
         self.repository = ModelRepository(LoadSpec.of(s), s.repository, self.metrics, self.decode_pool, self.store,
-                                          max_pixels=s.max_pixels, gpu_decode=s.gpu_decode)
+                                          max_pixels=s.max_pixels, gpu_decode=s.gpu_decode,
+                                          label_limits=s.label_limits)
         await self.repository.start()
         self.started = True
 

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -35,6 +35,8 @@ from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.gpu_decode import GpuDecoder
 from vit_serve.runtime.task import EMBED, Task
+from vit_serve.runtime.text_tower import TextTower
+from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.runner import Arrival, Result, Runner
@@ -67,6 +69,10 @@ class ModelVersion:
         self.warm = False
         self.error: str | None = None
         self.crops = Namespaced(store, contract_key(backend.info))  # this contract's crops
+        self.text: TextTower | None = None  # its text tower (NAME_text.onnx beside it): POST /classify?labels=
+        self.text_error: str | None = None  # why the text tower beside it could not be loaded
+        self.label_cache_counter: Callable[[str, int], None] | None = None  # ("hit" | "miss", count) -> metrics
+        self.label_limits = LabelLimits()  # the gateway's (`repository.ModelRepository`)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -173,6 +179,8 @@ class ModelVersion:
         except Exception:
             log.exception("closing %s", self.label)
         self.thread.shutdown(wait=False, cancel_futures=True)
+        if self.text is not None:
+            self.text.close()
         if self.gpu is not None:
             self.gpu.close()
             self.gpu = None
@@ -266,6 +274,53 @@ class ModelVersion:
             raise BadRequestError(f"{self.name} has no embedding output: re-export it with vit-export --outputs "
                                   f"logits,embedding (or serve its checkpoint with the torch backend)")
         return EMBED
+
+    def parse_labels(self, value: str | list[str], what: str = "labels") -> list[str]:
+        """A request's labels within the limits (`label_limits`); 400 naming `what` beyond them."""
+        try:
+            return self.label_limits.parse(value)
+        except ValueError as e:
+            raise BadRequestError(f"{what}: {e}") from None
+
+    def zero_shot_task(self) -> Task:
+        """The Task of a request with labels (the image embedding, which the text tower's label embeddings are
+        compared with), or 400 saying why this model cannot take labels."""
+        if self.text is None:
+            why = (f"its text tower could not be loaded ({self.text_error})" if self.text_error else
+                   "it has no text tower (vit-export --text-tower writes NAME_text.onnx beside NAME.onnx)")
+            raise BadRequestError(f"{self.name} cannot classify by labels: {why}")
+        if self.info.embedding_dim != self.text.manifest.embedding_dim:
+            raise BadRequestError(f"{self.name} cannot classify by labels: its image embedding has "
+                                  f"{self.info.embedding_dim or 'no'} dimensions, its text tower's "
+                                  f"{self.text.manifest.embedding_dim} (export it with vit-export --text-tower, "
+                                  f"which adds the embedding output)")
+        return EMBED
+
+    async def label_logits(self, labels: list[str], image_embeds: np.ndarray) -> tuple[np.ndarray, float]:
+        """Image embeddings [B, E] -> (zero-shot logits [B, n] over `labels`, ms spent), in the text tower's
+        thread (its label cache first)."""
+        text = self.text
+        assert text is not None  # `zero_shot_task` checked it
+        t0 = time.perf_counter()
+
+        def run() -> tuple[np.ndarray, int, int]:  # one at a time in the tower's thread: the counts are ours
+            hits, misses = text.cache.stats.hits, text.cache.stats.misses
+            logits = text.logits(image_embeds, text.classes(labels))
+            return logits, text.cache.stats.hits - hits, text.cache.stats.misses - misses
+
+        logits, hits, misses = await asyncio.get_running_loop().run_in_executor(text.executor, run)
+        if self.label_cache_counter is not None:
+            self.label_cache_counter("hit", hits)
+            self.label_cache_counter("miss", misses)
+        return logits, (time.perf_counter() - t0) * 1e3
+
+    def text_info(self) -> dict | None:
+        """What clients need to know of the text tower (model metadata), None without one."""
+        if self.text is None:
+            return None
+        m = self.text.manifest
+        return {"scores": m.scores, "templates": list(m.templates), "embedding_dim": m.embedding_dim,
+                "tokenizer": m.tokenizer.kind, "context_length": m.tokenizer.context_length}
 
     def arriving(self) -> Arrival:
         """Announce a request to the runner before reading and decoding it (`with version.arriving() as a:`)."""

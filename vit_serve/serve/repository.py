@@ -33,17 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from prometheus_client import Counter
+
 from vit_serve.runtime.backends import Backend, load
 from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan, select_versions
 from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
+from vit_serve.runtime.metrics import MODEL
 from vit_serve.runtime.settings import RepositorySettings, RunnerLimits
 from vit_serve.runtime.spec import LoadSpec
+from vit_serve.runtime.text_tower import TextTower, text_tower_of
+from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import runner_for
-from vit_serve.serve.settings import available_cpus
+from vit_serve.serve.settings import DEFAULT_LABELS, available_cpus
 from vit_serve.serve.stores import CropStore
 
 log = logging.getLogger("vit_serve.serve")
@@ -86,9 +91,14 @@ class ModelRepository:
     gpu_decode: how each version decodes uploads (`ModelVersion`)."""
 
     def __init__(self, spec: LoadSpec, config: RepositorySettings, metrics: GatewayMetrics,
-                 pool: ThreadPoolExecutor, store: CropStore, *, max_pixels: int, gpu_decode: bool) -> None:
+                 pool: ThreadPoolExecutor, store: CropStore, *, max_pixels: int, gpu_decode: bool,
+                 label_limits: LabelLimits = DEFAULT_LABELS) -> None:
         self.spec, self.config, self.metrics, self.pool, self.store = spec, config, metrics, pool, store
         self.max_pixels, self.gpu_decode = max_pixels, gpu_decode
+        self.label_limits = label_limits  # requests with labels, and each text tower's cache
+        self.label_cache = Counter("vit_serve_label_cache", "labels of POST /classify?labels= (and the v2 labels "
+                                   "parameter) found in the text tower's LRU cache (hit) or encoded (miss)",
+                                   ["result", *MODEL], registry=metrics.registry)
         self.policy = VersionPolicy.parse(config.version_policy)
         self.served: dict[str, dict[int, ModelVersion]] = {}  # what requests are routed to
         self.entries: dict[str, ModelEntry] = {}  # the last scan
@@ -316,6 +326,8 @@ class ModelRepository:
                                  lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
             version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, self.pool,
                                    self.store, self.max_pixels, gpu, off, source.fingerprint)
+            version.label_limits = self.label_limits
+            await self._attach_text_tower(version, source, spec)
             if not warm_first:
                 version.warm_up_soon()
             elif not await version.warm_up():
@@ -330,6 +342,26 @@ class ModelRepository:
             return version
         finally:
             self._loading.discard(key)
+
+    async def _attach_text_tower(self, version: ModelVersion, source: VersionSource, spec: LoadSpec) -> None:
+        """Load the text tower beside the version's file (`NAME_text.onnx`), if there is one, in the version's
+        model thread. One that fails leaves the version serving images, its reason kept (`text_error`, in the
+        400 answers to requests with labels)."""
+        path = text_tower_of(source.path) if source.backend != "triton" else None
+        if path is None:
+            return
+        device = "cpu" if version.info.device in ("cpu", "remote") else spec.device
+        try:
+            version.text = await asyncio.get_running_loop().run_in_executor(
+                version.thread, lambda: TextTower(path, self.label_limits.cache_size, device, spec.threads))
+        except Exception as e:
+            version.text_error = f"{path.name}: {' '.join(str(e).split()) or type(e).__name__}"
+            log.warning("%s: its text tower is not served: %s", version.label, version.text_error)
+            return
+        labels = (source.name, str(source.version))
+        version.label_cache_counter = lambda result, n: self.label_cache.labels(result, *labels).inc(n)
+        log.info("%s: text tower %s (%s scores, labels cached: %d)", version.label, path.name,
+                 version.text.scores, self.label_limits.cache_size)
 
     def _refuse(self, source: VersionSource, thread: ThreadPoolExecutor | None, reason: str) -> None:
         if thread is not None:

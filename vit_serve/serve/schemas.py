@@ -52,9 +52,9 @@ class Timing(BaseModel):
 
 
 # The map's fields, shared by the rollout in a classify answer and GET /explain's answer.
-MapQuery = Annotated[Literal["cls", "patch-mean"], Field(
+MapQuery = Annotated[Literal["cls", "patch-mean", "map-probe"], Field(
     description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows for "
-                "GAP models")]
+                "GAP models")]  # and "map-probe": the attention-pool probe's row, for MAP models (SigLIP)
 MapGrid = Annotated[tuple[int, int], Field(description="(gh, gw) = (H / P, W / P)")]
 RelevanceMap = Annotated[list[list[float | None]], Field(
     description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")]

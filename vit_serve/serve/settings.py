@@ -30,15 +30,17 @@ from vit_serve.runtime.settings import (
     available_cpus,
     default_decode_workers,
 )
+from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.keys import key_hash
 from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
+DEFAULT_LABELS = LabelLimits()
 
-__all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "BackendName", "RepositorySettings", "RunnerLimits",
-           "SecuritySettings", "ServeSettings", "StoreSettings", "TritonClientSettings", "available_cpus",
-           "default_decode_workers"]
+__all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "BackendName",
+           "RepositorySettings", "RunnerLimits", "SecuritySettings", "ServeSettings", "StoreSettings",
+           "TritonClientSettings", "available_cpus", "default_decode_workers"]
 
 class SecuritySettings(BaseSettings):
     """Who may call: API keys (kept as sha256 hashes only), admin keys, open probes, TLS, browsers of other
@@ -204,6 +206,13 @@ class ServeSettings(BaseSettings):
     # Untrusted input.
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="largest request body (413 beyond)")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+    # Zero-shot labels (POST /classify?labels=, the v2 `labels` parameter) on models served with a text tower.
+    max_labels: int = Field(DEFAULT_LABELS.max_labels, ge=1, description="most labels in one request with labels "
+                            "(400 beyond)")
+    max_label_chars: int = Field(DEFAULT_LABELS.max_label_chars, ge=1, description="longest label of a request, in "
+                                 "characters (400 beyond)")
+    label_cache_size: int = Field(DEFAULT_LABELS.cache_size, ge=0, description="labels whose text embeddings each "
+                                  "text tower keeps (LRU); 0 encodes every label every time")
 
     threads: Annotated[int | None, Flag("intra-op threads of the model runtime (default: its own)")] = Field(
         None, ge=1, description="intra-op threads of the model runtime (default: its own)")
@@ -284,6 +293,11 @@ class ServeSettings(BaseSettings):
         if self.decode_workers == 0:
             self.decode_workers = default_decode_workers(available_cpus(), self.threads, self.device)
         return self
+
+    @property
+    def label_limits(self) -> LabelLimits:
+        """The limits and cache size of requests with labels (max_labels, max_label_chars, label_cache_size)."""
+        return LabelLimits(self.max_labels, self.max_label_chars, self.label_cache_size)
 
     def __getattr__(self, name: str) -> Any:
         group = FLAT.get(name)

@@ -2,7 +2,8 @@
 
 Metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (a request sends one), outputs `logits`
 FP32 [-1, K], when the backend can explain `rollout` FP32 [-1, gh, gw], and when the model has one `embedding`
-FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`). `infer` runs a parsed request
+FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`); a model served with its text tower takes the
+request parameter `labels` (logits over those labels, zero-shot). `infer` runs a parsed request
 (`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and answers its
 outputs (`classification = k` on an output: Triton's classification extension).
 
@@ -82,7 +83,8 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
                    {"name": IMAGE, "datatype": "BYTES", "shape": [-1]}],
         "outputs": outputs,
         "parameters": {"input": f"send {PIXEL_VALUES} or {IMAGE}, not both",
-                       "preprocess": info.preprocess.to_dict(), "labels": info.labels},
+                       "preprocess": info.preprocess.to_dict(), "labels": info.labels,
+                       "text_tower": mv.text_info()},
     }
 
 
@@ -138,14 +140,29 @@ async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int
     return await decode_images(mv, list(t.data), window)
 
 
-def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any]) -> list[Task]:
+def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any], zero_shot: bool
+           ) -> list[Task]:
     """The passes the outputs asked for need: explain (with the request's head_fusion / discard_ratio) for the
-    rollout, embed for the embedding (both: two passes), else classify."""
+    rollout, embed for the embedding (both: two passes), else classify; with labels (`zero_shot`) the embed pass
+    gives the logits too."""
     names = {out["name"] for out in wanted}
     tasks = [_explain_task(mv, parameters)] if ROLLOUT in names else []
-    if EMBEDDING in names:
+    if zero_shot and (LOGITS in names or EMBEDDING in names):
+        tasks.append(mv.zero_shot_task())
+    elif EMBEDDING in names:
         tasks.append(mv.embed_task())
     return tasks or [CLASSIFY]
+
+
+def request_labels(mv: ModelVersion, parameters: dict[str, Any]) -> list[str] | None:
+    """The request's `labels` parameter (a comma-separated string, or in JSON a list of strings) within the
+    gateway's limits (`ModelVersion.parse_labels`), the model able to take them (`zero_shot_task`); None without
+    one; 400 beyond."""
+    value = parameters.get("labels")
+    if value is None:
+        return None
+    mv.zero_shot_task()
+    return mv.parse_labels(value, "parameters.labels")
 
 
 def _explain_task(mv: ModelVersion, parameters: dict[str, Any]) -> Task:
@@ -157,27 +174,35 @@ def _explain_task(mv: ModelVersion, parameters: dict[str, Any]) -> Task:
     return mv.explain_task("rollout", hf, dr)
 
 
-def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, info: ModelInfo) -> OutputTensor:
-    """One requested output: the FP32 tensor, or its classification (labels on the logits only)."""
+def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, labels: list[str] | None) -> OutputTensor:
+    """One requested output: the FP32 tensor, or its classification (`labels` on the logits only)."""
     k = InferRequest.class_count(out)
     if k == 0:
         return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
-    shape, items = classify(arr, k, info.labels if out["name"] == LOGITS else None)
+    shape, items = classify(arr, k, labels if out["name"] == LOGITS else None)
     return OutputTensor(out["name"], "BYTES", shape, items, binary)
 
 
 async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int) -> list[OutputTensor]:
     """Run `req` (parsed within `request_bounds`) on the version (held by the caller, announced as `arrival`),
     its images decoded `decode_window` at a time (the settings' decode_workers): its outputs, in the order asked
-    (all of them when it names none); 400 for an output the model does not have."""
+    (all of them when it names none); 400 for an output the model does not have.
+
+    With the request parameter `labels` (a model served with its text tower) `logits` is [B, n] over those labels,
+    zero-shot (`vit_serve.runtime.zero_shot`), and its classification names them; at most VIT_SERVE_MAX_LABELS
+    labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond)."""
     available = [o["name"] for o in output_specs(mv.info)]
     wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
     for out in wanted:
         if out["name"] not in available:
             raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
-    tasks = _tasks(mv, wanted, req.parameters)
+    labels = request_labels(mv, req.parameters)
+    tasks = _tasks(mv, wanted, req.parameters, labels is not None)
     x = await pixels(mv, req.inputs, decode_window)
     outputs: dict[str, np.ndarray] = {}
     for i, task in enumerate(tasks):  # the arrival announced one request: the first pass takes it
         outputs.update((await mv.infer(task, x, arrival if i == 0 else None)).outputs)
-    return [_output(o, outputs[o["name"]], req.binary_output(o), mv.info) for o in wanted]
+    if labels is not None and EMBEDDING in outputs:
+        outputs[LOGITS], _ = await mv.label_logits(labels, outputs[EMBEDDING])
+    names = labels if labels is not None else mv.info.labels
+    return [_output(o, outputs[o["name"]], req.binary_output(o), names) for o in wanted]

@@ -22,6 +22,13 @@ OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("cosine", "linear")
 DEVICES = ("auto", "cpu", "cuda", "xla")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DISTILL_TYPES = ("hard", "soft")  # DeiT's distillation through the distillation token
+
+
+class OptionError(ValueError):
+    """Options that do not fit the model or each other: a usage error (the CLI exits 2), nothing written."""
+
+    exit_code = 2
 
 # The embedded default: a ViT small enough to train on the digits set in about a minute on 2 CPU cores.
 DIGITS_MODEL: dict[str, Any] = dict(img_size=16, patch_size=2, embed_dim=96, depth=4, num_heads=4, mlp_dim=192)
@@ -101,6 +108,12 @@ class TrainConfig:
     attn_dropout: float = 0.0
     drop_path: float = 0.0
     representation_size: int | None = None  # pretrain: the head's Dense+tanh pre-logits layer
+    layer_decay: float | None = None  # layer-wise lr decay R (timm, MAE): lr x R^(depth + 1 - layer id)
+    ema_decay: float | None = None  # an EMA of the weights (timm ModelEmaV3), evaluated and saved beside them
+    teacher: str | None = None  # DeiT distillation: a teacher checkpoint (any supported format) or .onnx export
+    distill: str | None = None  # hard | soft; default hard with --teacher
+    distill_alpha: float = 0.5  # DeiT: (1 - alpha) x CE(cls, y) + alpha x distillation loss
+    distill_tau: float = 1.0  # DeiT: the soft distillation temperature
 
     inception_crop: bool | None = None
     flip: bool | None = None
@@ -152,6 +165,25 @@ class TrainConfig:
             raise ValueError("steps, batch_size and accum_steps must be positive")
         if self.batch_size % self.accum_steps:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by accum_steps {self.accum_steps}")
+        self._check_finetune_options()
+
+    def _check_finetune_options(self) -> None:
+        """--layer-decay, --ema-decay, --teacher / --distill: ranges, and the distillation default."""
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise OptionError(f"--layer-decay must be in (0, 1], got {self.layer_decay}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise OptionError(f"--ema-decay must be in (0, 1), got {self.ema_decay}")
+        if self.distill is not None and self.distill not in DISTILL_TYPES:
+            raise OptionError(f"--distill {self.distill!r}; expected one of {', '.join(DISTILL_TYPES)}")
+        if self.distill is not None and not self.teacher:
+            raise OptionError("--distill needs --teacher CHECKPOINT_OR_EXPORT")
+        if self.teacher:
+            if self.objective != "classify":
+                raise OptionError("--teacher distils a classifier; it does not combine with --objective mpp")
+            self.distill = self.distill or "hard"
+        if not 0 <= self.distill_alpha <= 1 or self.distill_tau <= 0:
+            raise OptionError(f"--distill-alpha must be in [0, 1] and --distill-tau positive, got "
+                              f"{self.distill_alpha} and {self.distill_tau}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

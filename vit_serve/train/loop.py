@@ -34,7 +34,9 @@ from vit_serve.model import VisionTransformer
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.train import distributed, xla
 from vit_serve.train.augment import MixupCutmix, eval_transform, soft_target_cross_entropy, train_transform
-from vit_serve.train.config import TrainConfig, data_recipe, model_preset
+from vit_serve.train.config import OptionError, TrainConfig, data_recipe, model_preset
+from vit_serve.train.distill import Teacher, distillation_loss, load_teacher
+from vit_serve.train.ema import ModelEMA
 from vit_serve.train.eval_checkpoint import few_shot_on
 from vit_serve.train.evaluate import EvalResult, evaluate, save_confusion_png
 from vit_serve.train.mpp import MPPModel, denormalize, mpp_targets
@@ -120,6 +122,7 @@ class RunState:
     epoch: int = 0
     index: int = 0  # micro-batches of `epoch` consumed
     best: float = -1.0  # best validation top-1 so far
+    best_ema: float = -1.0  # the EMA weights' best validation top-1 so far
     skipped: int = 0  # unreadable training images skipped by this process
     images_since_log: int = 0  # across processes
     images_total: int = 0
@@ -181,6 +184,21 @@ class Trainer:
                 raise TrainingError(str(e)) from None
         self.model = model.to(self.device)
         self.pre = model.preprocess_cfg
+        self.teacher = self._build_teacher()
+
+    def _build_teacher(self) -> Teacher | None:
+        """DeiT distillation: the frozen teacher, checked against the student (which must have a dist token)."""
+        cfg, model = self.cfg, self.model
+        if not cfg.teacher:
+            return None
+        if model.head_dist is None:
+            raise OptionError(f"--teacher distils through the distillation token, and {cfg.init or cfg.model} has "
+                              "none (a DeiT *_distilled checkpoint, or --model-args dist_token=true)")
+        teacher = load_teacher(cfg.teacher, self.device)
+        teacher.fit_student(self.num_classes, self.train_base.classes, model.cfg.img_size, self.pre.mean,
+                            self.pre.std)
+        model.distilled_training = True  # forward in train mode: (cls logits, dist logits)
+        return teacher
 
     def _build_loaders(self) -> None:
         cfg, micro = self.cfg, self.micro
@@ -206,7 +224,9 @@ class Trainer:
         cfg = self.cfg
         mpp = cfg.objective == "mpp"
         self.net: torch.nn.Module = MPPModel(self.model, ratio=cfg.mpp_ratio).to(self.device) if mpp else self.model
-        self.optimizer = build_optimizer(self.net, cfg)
+        self.optimizer = build_optimizer(self.net, cfg, depth=self.model.cfg.depth)
+        self.ema = ModelEMA(self.model, cfg.ema_decay) if cfg.ema_decay else None
+        self.ema_res: EvalResult | None = None
         self.schedule = build_schedule(self.optimizer, cfg)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         if self.amp_dtype is not None and self.device.type != "cuda":
@@ -225,6 +245,11 @@ class Trainer:
             self.schedule.load_state_dict(st["schedule"])
             self.scaler.load_state_dict(st["scaler"])
             s.step, s.epoch, s.index, s.best = st["step"], st["epoch"], st["index_in_epoch"], st["best"]
+            if self.ema is not None:
+                if "ema" not in st:
+                    raise TrainingError(f"--ema-decay, but the run at {self.state_path} was started without it")
+                self.ema.load_state_dict(st["ema"])
+                s.best_ema = st.get("best_ema", -1.0)
             set_rng_state(st["rng"])
             if self.is_main:
                 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -304,6 +329,8 @@ class Trainer:
                 raise TrainingError(f"loss is {loss_value} at step {s.step + 1}; stopping. The last good checkpoint "
                                     f"is intact: {self.state_path if self.state_path.exists() else 'none yet'}")
         self._apply_gradients()
+        if self.ema is not None:
+            self.ema.update(self.model)
         s.step += 1
         return loss_sum
 
@@ -317,14 +344,22 @@ class Trainer:
         return x.to(self.device, non_blocking=self.pin), y.to(self.device, non_blocking=self.pin)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The objective on one micro-batch x [B, 3, H, W], y [B]: MPP, mixed soft targets, or cross-entropy."""
-        if self.cfg.objective == "mpp":
+        """The objective on one micro-batch x [B, 3, H, W], y [B]: MPP, mixed soft targets, or cross-entropy;
+        with a teacher, DeiT's distillation loss around it (the teacher sees the mixed batch, as in DeiT)."""
+        cfg = self.cfg
+        if cfg.objective == "mpp":
             targets = mpp_targets(denormalize(x, self.pre.mean, self.pre.std), self.model.cfg.patch_size)
             return self.trunk(x, targets)
         if self.mix is not None:
             x, y_soft = self.mix(x, y)
-            return soft_target_cross_entropy(self.trunk(x), y_soft)
-        return F.cross_entropy(self.trunk(x), y, label_smoothing=self.cfg.label_smoothing)
+            out = self.trunk(x)
+            base = soft_target_cross_entropy(out[0] if self.teacher else out, y_soft)
+        else:
+            out = self.trunk(x)
+            base = F.cross_entropy(out[0] if self.teacher else out, y, label_smoothing=cfg.label_smoothing)
+        if self.teacher is None:
+            return base
+        return distillation_loss(base, out[1], self.teacher(x), cfg.distill, cfg.distill_alpha, cfg.distill_tau)
 
     def _apply_gradients(self) -> None:
         """Clip (after XLA's all-reduce, as DDP's precedes it), step the optimizer and the schedule."""
@@ -350,7 +385,8 @@ class Trainer:
         now = time.perf_counter()
         ips = s.images_since_log / max(now - self.t_log, 1e-9)
         s.images_total += s.images_since_log
-        lr = self.optimizer.param_groups[0]["lr"]
+        group = self.optimizer.param_groups[0]
+        lr = group["lr"] / group.get("lr_scale", 1.0)  # the base lr (layer decay scales each group's)
         skipped_all = int(distributed.sum_across(torch.tensor(s.skipped, device=self.device)).item())
         self.log_file.write({"step": s.step, "epoch": s.epoch, "loss": loss_value, "lr": lr, "images_per_s": ips,
                              "skipped": skipped_all})
@@ -359,27 +395,39 @@ class Trainer:
         self.t_log, s.images_since_log = now, 0
 
     def evaluate(self) -> EvalResult:
-        """Every rank scores its shard; the counts are summed, so every rank gets the whole set's result."""
-        res = evaluate(self.model, self.val_loader, device=self.device, amp_dtype=self.amp_dtype,
-                       num_classes=self.num_classes, reduce=distributed.sum_across)
-        self.log_file.write({"step": self.state.step, "val_top1": res.top1, "val_top5": res.top5,
-                             "val_loss": res.loss})
+        """Every rank scores its shard; the counts are summed, so every rank gets the whole set's result. With
+        --ema-decay the EMA weights are scored too (`self.ema_res`, logged as val_*_ema)."""
+        def score(model: torch.nn.Module) -> EvalResult:
+            return evaluate(model, self.val_loader, device=self.device, amp_dtype=self.amp_dtype,
+                            num_classes=self.num_classes, reduce=distributed.sum_across)
+
+        res = score(self.model)
+        record = {"step": self.state.step, "val_top1": res.top1, "val_top5": res.top5, "val_loss": res.loss}
+        if self.ema is not None:
+            self.ema_res = e = score(self.ema.module)
+            record.update(val_top1_ema=e.top1, val_top5_ema=e.top5, val_loss_ema=e.loss)
+        self.log_file.write(record)
         return res
 
     def keep_if_best(self, res: EvalResult) -> None:
-        """A new best validation top-1: remember it and write best.safetensors."""
+        """A new best validation top-1: remember it and write best.safetensors (the EMA's: best_ema)."""
         if res.top1 > self.state.best:
             self.state.best = res.top1
             if self.is_main:
                 vit_serve.save(self.model, self.out / "best.safetensors", overwrite=True)
+        if self.ema_res is not None and self.ema_res.top1 > self.state.best_ema:
+            self.state.best_ema = self.ema_res.top1
+            if self.is_main:
+                vit_serve.save(self.ema.module, self.out / "best_ema.safetensors", overwrite=True)
 
     def checkpoint(self) -> None:
         """The whole state, atomically, by the main process; every process waits for it."""
         s = self.state
         if self.is_main:
+            ema = {"ema": self.ema.state_dict(), "best_ema": s.best_ema} if self.ema is not None else {}
             save_state(self.state_path, model=self.net.state_dict(), optimizer=self.optimizer.state_dict(),
                        schedule=self.schedule.state_dict(), scaler=self.scaler.state_dict(), step=s.step,
-                       epoch=s.epoch, index_in_epoch=s.index, best=s.best, config=self.cfg.to_dict())
+                       epoch=s.epoch, index_in_epoch=s.index, best=s.best, config=self.cfg.to_dict(), **ema)
         distributed.barrier()
 
     # ---- the end ----
@@ -394,6 +442,8 @@ class Trainer:
         if cfg.objective == "classify":
             res = self.evaluate()
             summary.update(top1=res.top1, top5=res.top5, val_loss=res.loss, val_images=res.n)
+            if self.ema_res is not None:
+                summary.update(top1_ema=self.ema_res.top1, top5_ema=self.ema_res.top5, val_loss_ema=self.ema_res.loss)
         if self.is_main:
             self._write_outputs(summary, res)
             print(summary_table(self._summary_rows(summary, wall)), flush=True)
@@ -414,12 +464,20 @@ class Trainer:
             summary["few_shot"] = few_shot_on(self.model, cfg.data, cfg.few_shot, cfg.seed, self.device)
         vit_serve.save(self.model, out / "model.safetensors", overwrite=True,
                        extra_metadata={"train_config": cfg.to_dict(), "summary": summary})
+        if self.ema is not None:  # the EMA weights beside the raw ones
+            if self.ema_res is not None and self.ema_res.top1 > self.state.best_ema:
+                vit_serve.save(self.ema.module, out / "best_ema.safetensors", overwrite=True)
+            vit_serve.save(self.ema.module, out / "model_ema.safetensors", overwrite=True,
+                           extra_metadata={"train_config": cfg.to_dict(), "summary": summary,
+                                           "ema_decay": cfg.ema_decay})
         plot_curves(read_metrics(self.log_file.path), out / "curves.png", f"{cfg.mode} on {cfg.data}")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
     def _summary_rows(self, summary: dict[str, Any], wall: float) -> dict[str, str]:
         rows = {"top-1": f"{100 * summary['top1']:.2f}%", "top-5": f"{100 * summary['top5']:.2f}%"} \
             if "top1" in summary else {}
+        if "top1_ema" in summary:
+            rows["top-1 (EMA)"] = f"{100 * summary['top1_ema']:.2f}%"
         rows.update({"images/s": f"{summary['images_per_s']:.1f}", "wall time": f"{wall:.1f} s",
                      "steps": str(self.state.step), "skipped images": str(self.state.skipped),
                      "model": str(self.out / "model.safetensors")})
@@ -430,7 +488,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the training `cfg` describes on this process (one of a torchrun job, or alone).
 
     Writes into `cfg.out`: config.json, metrics.jsonl (and TensorBoard), checkpoints/last.pt (every `ckpt_every`
-    steps and at the end), best.safetensors, model.safetensors, confusion.png, curves.png, summary.json.
+    steps and at the end), best.safetensors, model.safetensors, confusion.png, curves.png, summary.json; with
+    --ema-decay also model_ema.safetensors and best_ema.safetensors (the EMA weights; last.pt holds them too).
     Returns the summary: steps, wall_s, images_per_s, skipped, world_size (and for classification top1, top5,
     val_loss, val_images; few_shot when asked for).
     """

@@ -1,30 +1,78 @@
-"""The paper's optimisers and learning-rate schedules, as small pure builders."""
+"""The paper's optimisers and learning-rate schedules, as small pure builders; layer-wise lr decay (timm's
+`param_groups_layer_decay`, MAE's `param_groups_lrd`)."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
 from vit_serve.train.config import TrainConfig
 
+_TOKENS = ("pos_embed", "cls_token", "dist_token", "reg_token")  # timm's VisionTransformer.no_weight_decay()
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay only weight matrices and conv kernels (big_vision decays '.*/kernel'); never biases, norms,
-    position embeddings, the [class] or [mask] tokens."""
+    position embeddings, the [class], [dist], register or [mask] tokens."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_kernel = p.ndim >= 2 and not any(t in name for t in ("pos_embed", "cls_token", "mask_token"))
+        is_kernel = p.ndim >= 2 and not any(t in name for t in (*_TOKENS, "mask_token"))
         (decay if is_kernel else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+_STEM = re.compile(r"^(patch_embed\.|norm_pre\.|mask_token$|(pos_embed|cls_token|dist_token|reg_token)$)")
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+def layer_id(name: str, depth: int) -> int:
+    """The layer of parameter `name` (timm's names, relative to the VisionTransformer) for lr decay, as timm's
+    `group_matcher` and MAE's `get_layer_id_for_vit`: 0 for the embeddings (patch_embed, [class], [dist],
+    registers, pos_embed, norm_pre; MPP's [mask]), i + 1 for blocks.i, depth + 1 for everything after the
+    encoder (norm, attn_pool, pre_logits, proj, head, head_dist; MPP's head)."""
+    if _STEM.match(name):
+        return 0
+    if m := _BLOCK.match(name):
+        return int(m[1]) + 1
+    return depth + 1
+
+
+def layer_decay_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float, depth: int) -> list[dict]:
+    """Parameter groups with layer-wise lr decay, as timm's `param_groups_layer_decay` (BEiT, MAE): one group
+    per (layer, decay or not), lr_scale = layer_decay^(depth + 1 - layer id); no weight decay on 1-D
+    parameters (biases, norms, LayerScale gammas) and the tokens and position embeddings. Names under an
+    MPPModel (`vit.`) count as the ViT's."""
+    groups: dict[str, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = name.removeprefix("vit.")
+        layer = layer_id(plain, depth)
+        no_decay = p.ndim <= 1 or plain in _TOKENS or plain == "mask_token"
+        key = f"layer_{layer}_{'no_decay' if no_decay else 'decay'}"
+        if key not in groups:
+            groups[key] = {"params": [], "weight_decay": 0.0 if no_decay else weight_decay,
+                           "lr_scale": layer_decay ** (depth + 1 - layer)}
+        groups[key]["params"].append(p)
+    return list(groups.values())
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, depth: int | None = None) -> torch.optim.Optimizer:
     """adam (pretrain default): Adam(0.9, 0.999) with decoupled weight decay (AdamW); sgd (finetune
-    default): SGD with momentum 0.9."""
-    groups = param_groups(model, cfg.weight_decay)
+    default): SGD with momentum 0.9. With `cfg.layer_decay` (needs the encoder's `depth`), each group's lr is
+    cfg.lr x its `lr_scale` (the schedule multiplies every group's alike)."""
+    if cfg.layer_decay is not None:
+        if depth is None:
+            raise ValueError("layer-wise lr decay needs the model's depth")
+        groups = layer_decay_groups(model, cfg.weight_decay, cfg.layer_decay, depth)
+        for g in groups:
+            g["lr"] = cfg.lr * g["lr_scale"]
+    else:
+        groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adam":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)

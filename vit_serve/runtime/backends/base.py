@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, RolloutSettings
+from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.task import Outputs, Task
 
@@ -36,7 +36,9 @@ class ModelInfo:
     server); pool: "token" or "gap" (what a rollout map is queried from); precision: the weights' ("fp32",
     "fp16", "bf16", "int8"); dynamic_resolution: an export that takes any multiple of the patch size (served at
     `resolution`). providers: onnxruntime's execution providers. Triton only: runtime (what runs the model in
-    Triton), explain_model (its explain model's name), max_batch_size (the config's).
+    Triton), explain_model (its explain model's name), max_batch_size (the config's). scores: how logits become
+    scores ("softmax", or "sigmoid" for SigLIP heads); embedding: which image embedding the model gives and
+    whether it is meant to be L2-normalised (None: an export from before the manifest said).
     """
 
     name: str
@@ -58,6 +60,8 @@ class ModelInfo:
     explain_model: str | None = None
     max_batch_size: int = 0
     embedding_dim: int = 0
+    scores: str = "softmax"
+    embedding: Embedding | None = None
 
     @property
     def grid(self) -> tuple[int, int]:

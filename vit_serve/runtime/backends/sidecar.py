@@ -95,4 +95,6 @@ def model_info(path: Path, side: ExportManifest, name: str | None, explain_side:
         precision=side.precision,
         dynamic_resolution=side.dynamic_resolution,
         embedding_dim=side.embedding_dim,
+        scores=side.score_fn,
+        embedding=side.embedding,
     )

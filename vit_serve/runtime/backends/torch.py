@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from vit_serve.explain import grad_rollout, rollout
-from vit_serve.manifest import RolloutSettings
+from vit_serve.manifest import RolloutSettings, embedding_of
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
 
@@ -54,6 +54,8 @@ class TorchBackend(LocalBackend):
             device=str(self.device),
             pool=cfg.pool,
             embedding_dim=self.model.num_features,
+            scores=cfg.scores,
+            embedding=embedding_of(cfg),
             precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(next(self.model.parameters()).dtype, "fp32"),
         )
 

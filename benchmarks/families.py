@@ -1,0 +1,175 @@
+"""Forward throughput of each deployed ViT family: timm's own model against ours with the same weights, one run.
+
+For each family (DeiT distilled, DINOv2, DINOv2 with registers, CLIP, SigLIP) at its real size, timm's model
+(`timm.create_model(name, pretrained=False)`, seeded) and a `vit_serve.model.VisionTransformer` built from a
+`ViTConfig` with the family's options (`FAMILIES`), loaded with timm's state dict (strict: the same parameter
+names). CPU, fp32, eager, `torch.inference_mode`; 2 warm-up rounds, then `--rounds` timed rounds of `--iters`
+forwards each, timm and ours taking turns so that machine noise hits both alike; images/s from the median round.
+Target (issue 21): ours >= 0.97x timm for every family. max |diff| is the largest logit (or, for the headless
+DINOv2 / SigLIP towers, pooled-feature) difference on the benchmark batch: a sanity column, 0 expected.
+
+    python benchmarks/families.py                          # every family at 224, DINOv2 also at 518 (~15 min, 2 cores)
+    python benchmarks/families.py --only dinov2 --res 518  # one family at one resolution
+    python benchmarks/families.py --tiny --rounds 1 --iters 1   # a smoke run (seconds): tiny widths, same code
+
+Exit status: 0 when every ratio meets the target, 1 when one does not (the table is printed either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vit_serve.config import ViTConfig
+from vit_serve.model import VisionTransformer
+
+TARGET = 0.97
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row: timm's architecture name, the resolutions it is timed at, and our ViTConfig options for it."""
+
+    key: str
+    timm_name: str
+    resolutions: tuple[int, ...]
+    options: dict[str, Any]
+
+
+# The family options of ViTConfig (vit_serve/config.py) that reproduce each timm architecture.
+FAMILIES: tuple[Family, ...] = (
+    Family("deit", "deit_small_distilled_patch16_224", (224,), dict(dist_token=True, family="deit")),
+    Family("dinov2", "vit_small_patch14_dinov2", (224, 518), dict(init_values=1e-5, family="dinov2")),
+    Family("dinov2_reg4", "vit_small_patch14_reg4_dinov2", (224,),
+           dict(init_values=1e-5, reg_tokens=4, no_embed_class=True, family="dinov2")),
+    Family("clip", "vit_base_patch16_clip_224", (224,),
+           dict(norm_pre=True, patch_bias=False, layer_norm_eps=1e-5, family="clip")),
+    Family("siglip", "vit_base_patch16_siglip_224", (224,),
+           dict(class_token=False, pool="map", no_embed_class=True, family="siglip")),
+)
+# --tiny: the same architectures at smoke-test widths (timm accepts these keyword arguments).
+TINY = dict(embed_dim=32, depth=2, num_heads=2)
+
+
+def config_for(ref: torch.nn.Module, options: dict[str, Any]) -> ViTConfig:
+    """Our ViTConfig for a timm VisionTransformer: its sizes read off the module, the family's options given."""
+    attn, fc1 = ref.blocks[0].attn, ref.blocks[0].mlp.fc1
+    return ViTConfig(img_size=tuple(ref.patch_embed.img_size), patch_size=ref.patch_embed.patch_size[0],
+                     embed_dim=ref.embed_dim, depth=len(ref.blocks), num_heads=attn.num_heads,
+                     mlp_dim=fc1.out_features, num_classes=ref.num_classes, **options)
+
+
+def build_pair(fam: Family, res: int, tiny: bool = False) -> tuple[torch.nn.Module, VisionTransformer]:
+    """timm's model (seed 0, random weights) and ours with its state dict loaded strictly; both in eval mode."""
+    import timm
+
+    torch.manual_seed(0)
+    kw = {**TINY, "img_size": res} if tiny else {"img_size": res}
+    ref = timm.create_model(fam.timm_name, pretrained=False, **kw).eval()
+    ours = VisionTransformer(config_for(ref, fam.options))
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ref, ours.eval()
+
+
+def time_pair(nets: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, rounds: int, iters: int,
+              warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per forward of each net, one entry per round; the nets take turns within every round."""
+    times: dict[str, list[float]] = {k: [] for k in nets}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for net in nets.values():
+                net(x)
+        for _ in range(rounds):
+            for k, net in nets.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    net(x)
+                times[k].append((time.perf_counter() - t0) / iters)
+    return times
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str
+    timm_name: str
+    res: int
+    timm_ips: float
+    ours_ips: float
+    max_diff: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_ips / self.timm_ips
+
+
+def measure(fam: Family, res: int, batch: int, rounds: int, iters: int, tiny: bool = False) -> Row:
+    """One family at one resolution: both models' images/s (median round) and their max |diff| on the batch."""
+    ref, ours = build_pair(fam, res, tiny)
+    torch.manual_seed(1)
+    x = torch.randn(batch, 3, res, res)
+    with torch.inference_mode():
+        diff = float((ours(x) - ref(x)).abs().max())
+    times = time_pair({"timm": ref, "ours": ours}, x, rounds, iters)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return Row(fam.key, fam.timm_name, res, batch / med["timm"], batch / med["ours"], diff)
+
+
+def table(rows: list[Row]) -> str:
+    """The markdown table: one line per (family, resolution)."""
+    lines = ["| family | timm model | res | timm img/s | ours img/s | ours / timm | max abs diff |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.family} | {r.timm_name} | {r.res} | {r.timm_ips:.2f} | {r.ours_ips:.2f} | "
+                     f"{r.ratio:.3f}x{'' if r.ratio >= TARGET else ' (below)'} | {r.max_diff:.1e} |")
+    return "\n".join(lines)
+
+
+def plan(only: list[str] | None, res: int | None, tiny: bool) -> list[tuple[Family, int]]:
+    """(family, resolution) pairs to run: the families asked for, at `res` or their own resolutions."""
+    fams = [f for f in FAMILIES if not only or f.key in only]
+    if only and len(fams) != len(set(only)):
+        raise SystemExit(f"--only: unknown family; expected some of {', '.join(f.key for f in FAMILIES)}")
+    out = []
+    for f in fams:
+        patch = 14 if "patch14" in f.timm_name else 16
+        sizes = (res,) if res else f.resolutions
+        out += [(f, 2 * patch if tiny else s) for s in (sizes[:1] if tiny else sizes)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", metavar="FAMILY", help=f"some of {', '.join(f.key for f in FAMILIES)}")
+    p.add_argument("--res", type=int, help="one resolution for every family (default: each family's own)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--tiny", action="store_true", help="smoke run: tiny widths, 2 x 2 patch grids")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for fam, res in plan(args.only, args.res, args.tiny):
+        rows.append(measure(fam, res, args.batch, args.rounds, args.iters, args.tiny))
+        r = rows[-1]
+        print(f"{r.family} at {res}: timm {r.timm_ips:.2f}, ours {r.ours_ips:.2f} img/s ({r.ratio:.3f}x)",
+              file=sys.stderr)
+    import timm
+
+    print(f"\nForward, batch {args.batch}, fp32, eager, inference_mode, CPU x{torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, timm {timm.__version__}; median of {args.rounds} rounds x {args.iters} "
+          f"forwards, timm and ours taking turns\n")
+    print(table(rows))
+    return 0 if all(r.ratio >= TARGET for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Smoke runs of benchmarks/families.py (timm's own models against ours, every family) and
+benchmarks/embed_dinov2.py (the gateway's POST /embed against predict --embeddings) at tiny sizes: the tables
+come out with every row. Reference: timm (random weights, `pretrained=False`); no timing asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name: str):
+    sys.path.insert(0, str(BENCH))  # the scripts import their siblings
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_families_prints_a_row_per_family_and_ours_equals_timm(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = _script("families")
+    m.main(["--tiny", "--batch", "2", "--rounds", "1", "--iters", "1"])
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "timm model" not in ln]
+    assert [r.split(" | ")[1] for r in rows] == [f.timm_name for f in m.FAMILIES]
+    assert all(r.endswith("| 0.0e+00 |") for r in rows), rows  # bit-exact: timm's state dict, our model
+
+
+def test_embed_dinov2_prints_the_gateway_the_offline_rate_and_their_ratio(capsys, tmp_path):
+    m = _script("embed_dinov2")
+    assert m.main(["--tiny", "--corpus", "small", "--images", "4", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for row in ("| gateway POST /embed, c=16", "| predict --embeddings over 4 files", "| ratio /embed / predict"):
+        assert row in out, out
+    assert "dim 32," in out  # the tiny tower's width: /embed and predict both answered with the embedding

@@ -1,0 +1,93 @@
+"""Zero-shot classification over labels given at request time (POST /classify?labels=, the v2 `labels` parameter):
+open_clip's recipe, in numpy. Pure functions, no I/O.
+
+    class embedding  = normalise(mean_t normalise(text_embeds(template_t(label))))   (open_clip
+                       zero_shot_classifier.build_zero_shot_classifier)
+    logits           = normalise(image embedding) . class embeddingsᵀ x exp(logit_scale) (+ logit_bias)
+    scores           = softmax over the labels (CLIP) or sigmoid of each (SigLIP)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from vit_serve.embedding import l2_normalize
+
+MAX_LABELS_SETTING = "VIT_SERVE_MAX_LABELS"
+MAX_LABEL_CHARS_SETTING = "VIT_SERVE_MAX_LABEL_CHARS"
+
+
+@dataclass(frozen=True)
+class LabelLimits:
+    """Requests with labels: at most `max_labels` labels of `max_label_chars` characters each; each text tower
+    caches the class embeddings of `cache_size` labels (LRU). The gateway's settings of the same names."""
+
+    max_labels: int = 64
+    max_label_chars: int = 100
+    cache_size: int = 1024
+
+    def parse(self, value: str | list[str]) -> list[str]:
+        """`parse_labels` within these limits."""
+        return parse_labels(value, self.max_labels, self.max_label_chars)
+
+
+def class_embeddings(prompt_embeds: np.ndarray, num_templates: int) -> np.ndarray:
+    """Text embeddings [n * T, E] of n labels' T prompts (label-major) -> class embeddings [n, E]: each label's
+    L2-normalised prompt embeddings averaged and normalised again."""
+    e = l2_normalize(prompt_embeds.astype(np.float32, copy=False))
+    e = e.reshape(-1, num_templates, e.shape[-1]).mean(axis=1)
+    return l2_normalize(e)
+
+
+def label_logits(image_embeds: np.ndarray, classes: np.ndarray, logit_scale: float,
+                 logit_bias: float | None) -> np.ndarray:
+    """Image embeddings [B, E] (not normalised) and class embeddings [n, E] (normalised) -> logits [B, n]."""
+    img = l2_normalize(image_embeds.astype(np.float32, copy=False))
+    logits = (img @ classes.T) * np.float32(math.exp(logit_scale))
+    if logit_bias is not None:
+        logits = logits + np.float32(logit_bias)
+    return logits.astype(np.float32, copy=False)
+
+
+def label_scores(logits: np.ndarray, kind: str) -> np.ndarray:
+    """Logits [..., n] -> scores: softmax over the last axis, or the sigmoid of each (float64)."""
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if kind == "sigmoid":
+            return 1.0 / (1.0 + np.exp(-z))
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        return p / p.sum(axis=-1, keepdims=True)
+
+
+def prompts(labels: list[str], templates: tuple[str, ...]) -> list[str]:
+    """Each label in each template, label-major: [t0(l0), t1(l0), ..., t0(l1), ...]."""
+    return [t.replace("{}", label) for label in labels for t in templates]
+
+
+def parse_labels(value: str | list[str], max_labels: int, max_chars: int) -> list[str]:
+    """"cat, dog" or ["cat", "dog"] -> the labels (stripped, empty ones dropped; duplicates refused); ValueError
+    naming the limit (`max_labels` labels, `max_chars` characters each) or the fault."""
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = value
+    else:
+        raise ValueError("labels must be a comma-separated string or a list of strings")
+    labels = [v.strip() for v in items if v.strip()]
+    if not labels:
+        raise ValueError("labels is empty: give at least one label (labels=cat,dog)")
+    if len(labels) > max_labels:
+        raise ValueError(f"{len(labels)} labels, over the limit of {max_labels} ({MAX_LABELS_SETTING})")
+    long = next((v for v in labels if len(v) > max_chars), None)
+    if long is not None:
+        raise ValueError(f"label {long[:24]!r}... has {len(long)} characters, over the limit of {max_chars} "
+                         f"({MAX_LABEL_CHARS_SETTING})")
+    seen: set[str] = set()
+    for v in labels:
+        if v in seen:
+            raise ValueError(f"label {v!r} is given twice")
+        seen.add(v)
+    return labels

@@ -1,0 +1,21 @@
+"""Text towers and tokenizers for zero-shot heads (CLIP, SigLIP); nothing is downloaded.
+
+    bundle = read_text_tower("open_clip.pth", arch="open_clip:ViT-B-32")   # or a CLIPModel / SiglipModel folder
+    bundle = load_text_tower("model.safetensors")                           # our checkpoint (None: no tower)
+    ids = bundle.tokenize(["a photo of a cat."])    # LongTensor [K, L]
+    emb = bundle.encode(["a photo of a cat."])      # [K, E], unnormalised (open_clip encode_text)
+    bundle.tower(ids)                               # the nn.Module: ids [K, L] int64 -> [K, E] (exportable)
+    bundle.logit_scale, bundle.logit_bias           # the log scale (logits use exp), SigLIP's bias or None
+
+Our checkpoint carries the tower as `text.*` tensors and `text_*` metadata (text_payload), which the
+image-model loader ignores.
+"""
+
+from vit_serve.text.bundle import TextBundle, bundle_from_checkpoint, text_payload
+from vit_serve.text.read import load_text_tower, read_text_tower
+from vit_serve.text.tokenizer import HFTokenizer, OpenClipTokenizer, Tokenizer, TokenizerError, tokenizer_from_spec
+from vit_serve.text.tower import TextConfig, TextTransformer
+
+__all__ = ["HFTokenizer", "OpenClipTokenizer", "TextBundle", "TextConfig", "TextTransformer", "Tokenizer",
+           "TokenizerError", "bundle_from_checkpoint", "load_text_tower", "read_text_tower", "text_payload",
+           "tokenizer_from_spec"]
