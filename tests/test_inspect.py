@@ -126,6 +126,35 @@ def test_gap_model_reads_patch_mean(tmp_path, randomize):
     assert_not_blank(tmp_path / "gap" / "rollout.png")
 
 
+def test_register_model_shows_class_and_register_attention(tmp_path, randomize, run):
+    """Darcet et al. 2024 ("Vision Transformers Need Registers"), Figure 1: the last layer's head-mean attention of
+    [class] and of each register over the patches. Reference: the model's own attentions (timm token order
+    [cls, reg1..reg4, patches]); a model without registers says why there is no figure."""
+    assert run[2]["registers"] == {"skipped": "the model has no register tokens"}
+    assert "registers.png" not in run[2]["files"]
+    model = tiny(randomize, reg_tokens=4, no_embed_class=True)
+    out = tmp_path / "reg"
+    result = inspect_model(model, photos(), out, names=NAMES)
+    assert "registers.png" in result["files"] and result["files"][-1] == "inspect.json"
+    img = Image.open(out / "registers.png")
+    assert img.format == "PNG" and img.width > img.height  # one row per image, a column per token
+    assert_not_blank(out / "registers.png")
+    reg = json.loads((out / "inspect.json").read_text())["registers"]
+    assert reg["file"] == "registers.png" and reg["layer"] == 2 and reg["head_fusion"] == "mean"
+    assert reg["tokens"] == ["class", "reg1", "reg2", "reg3", "reg4"]
+    cfg = PreprocessConfig(input_size=(64, 64))
+    for photo, entry in zip(photos(), reg["images"], strict=True):
+        maps = np.array(entry["maps"])
+        assert entry["grid"] == [4, 4] and maps.shape == (5, 4, 4)  # 1 + R maps of the grid's shape
+        with torch.no_grad():
+            _, attn = model(preprocess(photo, cfg)[None], return_attention=True)
+        last = attn[-1][0].double().mean(dim=0)  # [N, N], N = 1 + 4 + 16
+        assert last.shape == (21, 21)
+        for row in range(5):  # [class] is token 0, the registers 1..4; the patches start at 5
+            np.testing.assert_allclose(maps[row], last[row, 5:].reshape(4, 4).numpy(), rtol=1e-5, atol=1e-7)
+        assert not np.allclose(maps[0], maps[1])
+
+
 def test_hybrid_skips_filters_with_a_reason(tmp_path, randomize):
     model = tiny(randomize, resnet_layers=(1,), resnet_width=32, patch_size=16)
     out = tmp_path / "hybrid"

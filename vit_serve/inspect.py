@@ -9,6 +9,8 @@ writes into `inspect_out/`:
 * ``pos_embed_similarity.png`` (Figure 7 centre): cosine similarity of each position embedding to all others;
 * ``mean_attention_distance.png`` (Figure 7 right): mean attention distance per head against depth;
 * ``rollout.png`` (Figure 6) and one ``rollout_<name>.png`` per image: attention rollout over the input crop;
+* ``registers.png`` (models with register tokens; Darcet et al. 2024, "Vision Transformers Need Registers",
+  Figure 1): the last layer's head-mean attention of [class] and of each register over the patch grid;
 * ``inspect.json``: the numbers of all of the above, the model's config and the settings used.
 
 The math lives in :mod:`vit_serve.explain`, the colour overlays in :mod:`vit_serve.overlay`; this module only
@@ -317,6 +319,7 @@ class InspectResult(TypedDict):
     pos_embed_similarity: dict[str, Any]
     mean_attention_distance: dict[str, Any]
     rollout: dict[str, Any]
+    registers: dict[str, Any]
 
 
 @dataclass
@@ -328,6 +331,26 @@ class _Pass:
     tops: list[list[dict[str, Any]]]  # per image the top-5 (empty without a classifier head)
     mad_px: np.ndarray  # [L, heads] mean attention distance in pixels, averaged over the images
     query: str  # "cls", or "patch-mean" for GAP models
+    registers: list[torch.Tensor]  # per image [len(tokens), gh, gw] (register models; else empty), float64
+    tokens: list[str]  # the query tokens of `registers`: "class" (if any), then "reg1" .. "regR"
+
+
+def register_queries(cfg: Any) -> tuple[list[str], list[int]]:
+    """(names, token indices) of the [class] token (if any) and each register, in timm's order
+    [cls, dist, reg..., patches]; empty without registers."""
+    if not cfg.reg_tokens:
+        return [], []
+    first = int(cfg.class_token) + int(cfg.dist_token)
+    names = (["class"] if cfg.class_token else []) + [f"reg{r + 1}" for r in range(cfg.reg_tokens)]
+    return names, ([0] if cfg.class_token else []) + list(range(first, first + cfg.reg_tokens))
+
+
+def register_maps(last: torch.Tensor, rows: Sequence[int], grid: tuple[int, int], num_prefix_tokens: int
+                  ) -> torch.Tensor:
+    """The last layer's attention [B, heads, N, N] -> the head-mean rows `rows` over the patches [B, R, gh, gw]
+    (raw probabilities: the prefix columns' share is left out, not renormalised)."""
+    a = last.mean(dim=1)[:, list(rows), num_prefix_tokens:]
+    return a.reshape(a.shape[0], len(rows), grid[0], grid[1])
 
 
 def _resolve_images(images: Sequence[ImageInput] | str | os.PathLike | None) -> list[ImageInput]:
@@ -358,6 +381,8 @@ def _forward(
     tops: list[list[dict[str, Any]]] = []
     mad_sum = None
     query = "cls"
+    tokens, rows = register_queries(cfg)
+    registers: list[torch.Tensor] = []
     was_training = model.training
     model.eval()
     try:
@@ -372,11 +397,13 @@ def _forward(
             encoder = explain.split_probe(attentions, cfg.pool)[0]  # a MAP model's probe is not a layer
             mad = explain.mean_attention_distance(encoder, grid, cfg.patch_size, prefix) * len(chunk)
             mad_sum = mad if mad_sum is None else mad_sum + mad
+            if rows:
+                registers.extend(register_maps(encoder[-1], rows, grid, prefix).double().cpu())
             tops.extend(_top_k(logits, model.labels) if cfg.num_classes else [[] for _ in chunk])
     finally:
         model.train(was_training)
     crops = [resize_and_crop(im, pcfg) for im in decoded]
-    return _Pass(crops, maps, tops, (mad_sum / len(decoded)).numpy(), query)
+    return _Pass(crops, maps, tops, (mad_sum / len(decoded)).numpy(), query, registers, tokens)
 
 
 def _model_section(model: torch.nn.Module, pcfg: PreprocessConfig) -> dict[str, Any]:
@@ -428,7 +455,8 @@ def _write_filters(model: torch.nn.Module, out: Path) -> dict[str, Any]:
 def _write_similarity(model: torch.nn.Module, out: Path) -> dict[str, Any]:
     """Figure 7 centre (``pos_embed_similarity.png``): [gh, gw, gh, gw] cosine similarities."""
     pos = model.pos_embed.detach().cpu()
-    sim = explain.pos_embed_similarity(pos, model.grid_size, model.num_prefix_tokens).numpy()
+    # no_embed_class models (DINOv2 with registers) have no position embeddings for the prefix tokens
+    sim = explain.pos_embed_similarity(pos, model.grid_size, model.cfg.num_pos_prefix_tokens).numpy()
     shown = _similarity_figure(sim, out / "pos_embed_similarity.png")
     return {
         "file": "pos_embed_similarity.png",
@@ -495,6 +523,44 @@ def _write_rollout(
     }
 
 
+def _registers_figure(crops: list[Image.Image], maps: list[np.ndarray], names: list[str], tokens: list[str],
+                      path: Path) -> None:
+    """Per image (a row): the input crop, then each query token's map [gh, gw] (one cell per patch), min-max per
+    panel, as in Darcet et al.'s Figure 1."""
+    cols = 1 + len(tokens)
+    w, h = crops[0].size
+    fig = _figure(cols * 1.6 + 0.8, len(crops) * (1.6 * h / w + 0.35) + 0.6)
+    axes = fig.subplots(len(crops), cols, squeeze=False)
+    for r, (crop, m, name) in enumerate(zip(crops, maps, names, strict=True)):
+        axes[r, 0].imshow(np.asarray(crop))
+        axes[r, 0].set_title(_short(name, 18), fontsize=8)
+        for c, token in enumerate(tokens):
+            axes[r, c + 1].imshow(m[c], cmap="viridis", interpolation="nearest")  # one cell per patch
+            axes[r, c + 1].set_title(f"[{token}]", fontsize=8)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    sm = ScalarMappable(norm=Normalize(0.0, 1.0), cmap=matplotlib.colormaps["viridis"])
+    fig.colorbar(sm, ax=axes, shrink=0.8, fraction=0.03, label="attention (min-max per map)")
+    fig.suptitle("Last layer's attention over the patches (mean over heads): [class] and registers", fontsize=10)
+    _save(fig, path)
+
+
+def _write_registers(names: list[str], seen: _Pass, layer: int, out: Path) -> dict[str, Any]:
+    """``registers.png`` and its maps (register models), or the reason it is skipped."""
+    if not seen.registers:
+        return {"skipped": "the model has no register tokens"}
+    maps = [m.numpy() for m in seen.registers]
+    _registers_figure(seen.crops, maps, names, seen.tokens, out / "registers.png")
+    return {
+        "file": "registers.png",
+        "layer": layer,
+        "head_fusion": "mean",
+        "tokens": seen.tokens,
+        "images": [{"name": n, "grid": list(m.shape[1:]), "maps": m.tolist()}
+                   for n, m in zip(names, maps, strict=True)],
+    }
+
+
 @torch.no_grad()
 def inspect_model(
     model: torch.nn.Module,
@@ -526,7 +592,9 @@ def inspect_model(
     ``skipped`` with the reason), ``pos_embed_similarity`` ([gh, gw, gh, gw] nested lists),
     ``mean_attention_distance`` ([L, heads] in pixels, averaged over the images) and ``rollout`` (per image:
     name, source path, the raw [gh, gw] map, its ``query`` ("cls", or "patch-mean" for GAP models) and the
-    top-5 labels and softmax scores).
+    top-5 labels and softmax scores) and ``registers`` (models with register tokens: per image the last layer's
+    head-mean attention [1 + R, gh, gw] of [class] and each register over the patches, raw probabilities; else
+    ``skipped`` with the reason).
     """
     check_settings(head_fusion, discard_ratio)
     if batch_size < 1:
@@ -544,12 +612,14 @@ def inspect_model(
     similarity = _write_similarity(model, out)
     distance = _write_distance(seen.mad_px, len(decoded), pcfg, model.cfg.patch_size, out)
     rollout = _write_rollout(images, image_names, seen, head_fusion, discard_ratio, out)
+    registers = _write_registers(image_names, seen, model.cfg.depth, out)
     files = [
         *([filters["file"]] if "file" in filters else []),
         "pos_embed_similarity.png",
         "mean_attention_distance.png",
         rollout["file"],
         *(im["file"] for im in rollout["images"]),
+        *([registers["file"]] if "file" in registers else []),
         "inspect.json",
     ]
     result = InspectResult(
@@ -560,6 +630,7 @@ def inspect_model(
         pos_embed_similarity=similarity,
         mean_attention_distance=distance,
         rollout=rollout,
+        registers=registers,
     )
     (out / "inspect.json").write_text(json.dumps(result, default=str) + "\n")
     return result

@@ -107,5 +107,5 @@ def test_unsupported_models_are_refused_in_one_line(case, tmp_path):
     dst = tmp_path / "out.safetensors"
     argv = [sys.executable, "-m", "vit_serve", "convert", str(src), str(dst)] + (["--arch", arch] if arch else [])
     r = subprocess.run(argv, capture_output=True, text=True)
-    assert r.returncode != 0 and what in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.returncode == 2 and what in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not dst.exists()

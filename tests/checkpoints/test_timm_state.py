@@ -122,10 +122,14 @@ def test_unknown_width_needs_arch(randomize):
         convert_timm(ref.state_dict())
 
 
-def test_layer_scale_keys_are_reported_as_unexpected():
-    """timm features this project does not implement fail loudly, listing the keys."""
-    ref = timm.create_model("vit_tiny_patch16_224", num_classes=3, depth=1, init_values=1e-5)
-    with pytest.raises(
-        CheckpointError, match=r"unexpected keys: blocks\.0\.ls1\.gamma, blocks\.0\.ls2\.gamma"
-    ):
-        vit_serve.checkpoints.build_model(convert_timm(ref.state_dict(), "vit_tiny_patch16_224"))
+def test_layer_scale_is_read_from_its_keys():
+    """timm's LayerScale (`init_values`, blocks.i.ls1/ls2.gamma) is one of our options: same logits as timm."""
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", num_classes=3, depth=1, init_values=1e-5).eval()
+    for p in ref.parameters():
+        p.data.normal_(0, 0.2)
+    model = vit_serve.checkpoints.build_model(convert_timm(ref.state_dict(), "vit_tiny_patch16_224"))
+    assert model.cfg.init_values is not None
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-5

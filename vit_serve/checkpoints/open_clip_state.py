@@ -124,16 +124,23 @@ def _vision_fields(cfg: Mapping[str, Any], sd: Mapping[str, torch.Tensor]) -> di
     )
 
 
+def block_key(key: str) -> str | None:
+    """open_clip's `transformer.resblocks.{i}.<name>` -> our `blocks.{i}.<name>` (both towers); None for others."""
+    if not (m := _BLOCK.match(key)):
+        return None
+    rest = m[2]
+    for src, dst in _BLOCK_NAMES.items():
+        if rest == src or rest.startswith(src + "."):
+            rest = dst + rest[len(src):]
+            break
+    return f"blocks.{m[1]}.{rest}"
+
+
 def _rename(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k, t in sd.items():
-        if m := _BLOCK.match(k):
-            rest = m[2]
-            for src, dst in _BLOCK_NAMES.items():
-                if rest == src or rest.startswith(src + "."):
-                    rest = dst + rest[len(src):]
-                    break
-            out[f"blocks.{m[1]}.{rest}"] = t
+        if name := block_key(k):
+            out[name] = t
         elif k == "conv1.weight":
             out["patch_embed.proj.weight"] = t
         elif k == "class_embedding":

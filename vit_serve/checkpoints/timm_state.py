@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from vit_serve.checkpoints.converted import CheckpointError, Converted, strip_prefixes
+from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.config import HEADS_BY_WIDTH, ViTConfig, backbone_stride, get_config, unsupported_reason
 from vit_serve.preprocess import PreprocessConfig
 
@@ -197,7 +198,7 @@ def convert_timm(
     hub_config = hub_config or {}
     arch = arch or hub_config.get("architecture")
     if missing := _missing_pieces(sd, arch):
-        raise CheckpointError(missing)
+        raise UnsupportedCheckpoint(missing)
     try:
         cfg = _infer_config(sd, arch, hub_config.get("model_args", {}))
         cfg = cfg.replace(**overrides) if overrides else cfg

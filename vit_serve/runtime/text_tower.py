@@ -86,17 +86,12 @@ class TextTower:
                  threads: int | None = None) -> None:
         import onnxruntime as ort
 
-        from vit_serve.runtime.backends.onnxruntime import session_providers
+        from vit_serve.runtime.backends.onnxruntime import session_options, session_providers
 
         self.path = Path(onnx_path)
         self.manifest = TextTowerManifest.read(self.path)
         self.tokenizer = _tokenizer(self.manifest, self.path)
-        opts = ort.SessionOptions()
-        if threads is not None:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts = session_options(threads)
         try:
             self.session = ort.InferenceSession(str(self.path), opts, providers=session_providers(device))
         except Exception as e:  # onnxruntime's own exception types

@@ -2,7 +2,7 @@
 
 CLIP keeps the text tower at the top level (token_embedding, positional_embedding, transformer.resblocks.*,
 ln_final, text_projection [W, E]); CustomTextCLIP (SigLIP configs) under `text.` (text_projection a Linear
-with bias). Blocks map as the image tower's (open_clip_state._BLOCK_NAMES). The tokenizer: open_clip's
+with bias). Blocks map as the image tower's (open_clip_state.block_key). The tokenizer: open_clip's
 SimpleTokenizer, or for configs naming a Hugging Face tokenizer (`hf_tokenizer_name`) a tokenizer.json found
 beside the weights (never downloaded).
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from vit_serve.checkpoints.converted import CheckpointError, strip_prefixes
-from vit_serve.checkpoints.open_clip_state import _BLOCK, _BLOCK_NAMES, model_config
+from vit_serve.checkpoints.open_clip_state import _BLOCK, block_key, model_config
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.text.bundle import TextBundle, bundle_from_state
 from vit_serve.text.tokenizer import TOKENIZER_FILE, HFTokenizer, OpenClipTokenizer, Tokenizer, TokenizerError
@@ -60,13 +60,8 @@ def _config(cfg: Mapping[str, Any], sd: Mapping[str, torch.Tensor]) -> TextConfi
 def _rename(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
-        if m := _BLOCK.match(k):
-            rest = m[2]
-            for src, dst in _BLOCK_NAMES.items():
-                if rest == src or rest.startswith(src + "."):
-                    rest = dst + rest[len(src):]
-                    break
-            out[f"blocks.{m[1]}.{rest}"] = v
+        if name := block_key(k):
+            out[name] = v
         elif k == "text_projection":
             out["proj.weight"] = v.t().contiguous()
         elif k.startswith("text_projection."):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,22 @@ def session_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+
+def session_options(threads: int | None) -> Any:
+    """The gateway's onnxruntime session options: `threads` intra-op threads, one inter-op, quiet, no spinning."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads is not None:
+        opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    # onnxruntime's intra-op threads spin between runs by default, burning the cores the gateway's decode
+    # threads need: on 2 cores with unique 12 MP uploads, spinning off cut the model's CPU per image by a
+    # third and raised throughput 15-25% (benchmarks/serve_load.py), small photos no slower.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return opts
+
 class OnnxRuntimeBackend(LocalBackend):
     name = "onnxruntime"
 
@@ -40,15 +57,7 @@ class OnnxRuntimeBackend(LocalBackend):
         path = Path(onnx_path)
         self.info, explain = read_export(path, model_name, self.name, "graph")
 
-        opts = ort.SessionOptions()
-        if threads is not None:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        # onnxruntime's intra-op threads spin between runs by default, burning the cores the gateway's decode
-        # threads need: on 2 cores with unique 12 MP uploads, spinning off cut the model's CPU per image by a
-        # third and raised throughput 15-25% (benchmarks/serve_load.py), small photos no slower.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts = session_options(threads)
         providers = session_providers(device)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
