@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vit_serve.config import GELUS, check_fields
-from vit_serve.model import make_act
+from vit_serve.model import LayerScale, Mlp
 
 POOLINGS = ("argmax", "eos", "last")
 
@@ -96,25 +96,13 @@ class TextBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attn = TextAttention(d, cfg.heads)
         self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.mlp = nn.Sequential()
-        self.mlp.add_module("fc1", nn.Linear(d, cfg.mlp_dim))
-        self.mlp.add_module("act", make_act(cfg.gelu))
-        self.mlp.add_module("fc2", nn.Linear(cfg.mlp_dim, d))
-        self.ls1 = _LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
-        self.ls2 = _LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
+        self.mlp = Mlp(d, cfg.mlp_dim, cfg.gelu)
+        self.ls1 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
+        self.ls2 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.ls1(self.attn(self.norm1(x), mask))
         return x + self.ls2(self.mlp(self.norm2(x)))
-
-
-class _LayerScale(nn.Module):
-    def __init__(self, dim: int, init_values: float) -> None:
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
 
 
 class TextTransformer(nn.Module):
