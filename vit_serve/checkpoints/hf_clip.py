@@ -37,12 +37,11 @@ from vit_serve.checkpoints.hf_dinov2 import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, s
 from vit_serve.checkpoints.hf_transformers import (
     Taker,
     check_consumed,
+    encoder_fields,
     family_preprocess,
     finish,
     fused_qkv,
     hf_activation,
-    hf_int,
-    hf_pair,
     strip_prefix,
 )
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
@@ -90,12 +89,7 @@ def encoder_layer(take: Taker, i: int) -> dict[str, torch.Tensor | None]:
 def _fields(vcfg: Mapping[str, Any], proj_dim: int | None) -> dict[str, Any]:
     """CLIPVisionConfig fields (HF defaults where absent) -> ViTConfig fields."""
     return {
-        "img_size": hf_pair(vcfg.get("image_size", 224), "image_size"),
-        "patch_size": hf_int(vcfg, "patch_size", 32), "in_chans": hf_int(vcfg, "num_channels", 3),
-        "num_classes": 0, "embed_dim": hf_int(vcfg, "hidden_size", 768),
-        "depth": hf_int(vcfg, "num_hidden_layers", 12), "num_heads": hf_int(vcfg, "num_attention_heads", 12),
-        "mlp_dim": hf_int(vcfg, "intermediate_size", 3072), "qkv_bias": True,
-        "layer_norm_eps": float(vcfg.get("layer_norm_eps", 1e-5)), "gelu": hf_activation(vcfg, "quick_gelu"),
+        **encoder_fields(vcfg, patch=32, eps=1e-5), "gelu": hf_activation(vcfg, "quick_gelu"),
         "norm_pre": True, "patch_bias": False, "proj_dim": proj_dim, "resample_mode": "hf", "family": "clip",
     }
 

@@ -37,11 +37,10 @@ from vit_serve.checkpoints.hf_clip import encoder_layer, split_towers, vision_co
 from vit_serve.checkpoints.hf_transformers import (
     Taker,
     check_consumed,
+    encoder_fields,
     family_preprocess,
     finish,
     hf_activation,
-    hf_int,
-    hf_pair,
     strip_prefix,
 )
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
@@ -60,12 +59,7 @@ def _fields(vcfg: Mapping[str, Any]) -> dict[str, Any]:
         raise UnsupportedCheckpoint("config.json vision_use_head=false: this SigLIP tower has no attention-pool head, "
                               "so there is no pooled embedding to reproduce")
     return {
-        "img_size": hf_pair(vcfg.get("image_size", 224), "image_size"),
-        "patch_size": hf_int(vcfg, "patch_size", 16), "in_chans": hf_int(vcfg, "num_channels", 3),
-        "num_classes": 0, "embed_dim": hf_int(vcfg, "hidden_size", 768),
-        "depth": hf_int(vcfg, "num_hidden_layers", 12), "num_heads": hf_int(vcfg, "num_attention_heads", 12),
-        "mlp_dim": hf_int(vcfg, "intermediate_size", 3072), "qkv_bias": True,
-        "layer_norm_eps": float(vcfg.get("layer_norm_eps", 1e-6)),
+        **encoder_fields(vcfg, patch=16, eps=1e-6),
         "gelu": hf_activation(vcfg, "gelu_pytorch_tanh"), "class_token": False, "pool": "map",
         "no_embed_class": True, "resample_mode": "hf", "family": "siglip",
     }

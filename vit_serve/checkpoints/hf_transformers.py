@@ -62,9 +62,9 @@ from vit_serve.config import ViTConfig
 from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig
 
-__all__ = ["FAMILY_ACTIVATIONS", "HF_ACTIVATIONS", "Taker", "check_consumed", "convert_hf_vit", "family_preprocess",
-           "finish", "fused_qkv", "hf_activation", "hf_int", "hf_pair", "hf_preprocess", "is_hf_layout",
-           "read_hf_weights", "read_json", "strip_prefix"]
+__all__ = ["FAMILY_ACTIVATIONS", "HF_ACTIVATIONS", "Taker", "check_consumed", "convert_hf_vit", "encoder_fields",
+           "family_preprocess", "finish", "fused_qkv", "hf_activation", "hf_int", "hf_pair", "hf_preprocess",
+           "is_hf_layout", "read_hf_weights", "read_json", "strip_prefix"]
 
 # config.json `hidden_act` -> our ViTConfig.gelu
 HF_ACTIVATIONS: dict[str, str] = {
@@ -428,6 +428,19 @@ def hf_int(config: Mapping[str, Any], name: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise CheckpointError(f"config.json gives {name}={value!r}; expected a positive integer")
     return value
+
+
+def encoder_fields(vcfg: Mapping[str, Any], patch: int, eps: float) -> dict[str, Any]:
+    """The encoder's shape from a transformers vision config (HF defaults where absent; `patch` and `eps` are the
+    family's defaults) -> ViTConfig fields, no head."""
+    return {
+        "img_size": hf_pair(vcfg.get("image_size", 224), "image_size"),
+        "patch_size": hf_int(vcfg, "patch_size", patch), "in_chans": hf_int(vcfg, "num_channels", 3),
+        "num_classes": 0, "embed_dim": hf_int(vcfg, "hidden_size", 768),
+        "depth": hf_int(vcfg, "num_hidden_layers", 12), "num_heads": hf_int(vcfg, "num_attention_heads", 12),
+        "mlp_dim": hf_int(vcfg, "intermediate_size", 3072), "qkv_bias": True,
+        "layer_norm_eps": float(vcfg.get("layer_norm_eps", eps)),
+    }
 
 
 def hf_activation(config: Mapping[str, Any], default: str) -> str:
