@@ -47,6 +47,13 @@ images/s beside the abuse >= 0.8x alone (medians); the server's peak RSS (VmHWM)
 request answered 400 (413 for a body over the limit). Each abusive request is also sent alone first, five times:
 its server CPU per request is in the table.
 
+`--mode lifecycle` (benchmarks/serve_lifecycle.py, its own flags and defaults: ViT-S/16 at 224 on the torch
+backend, max batch 8): every request accounted for, against today's gateway (commit 60e39d4) in the same run: 48
+clients hanging up 0.3 s after their upload (images the model still ran for them, vit_serve_cancelled_total by
+stage), a retry storm at 4x capacity (clients with a 1 s timeout sending X-Request-Timeout-Ms, retrying at once:
+goodput / capacity), two API keys at priorities 1 and 2 (the urgent key's p99 beside the other at 2x capacity /
+alone) and a shadow version at 100% (primary p50 with headroom, images/s and shadow copies dropped at overload).
+
 Unique images cost nothing in the measured window: a JPEG is made unique by a numbered comment segment (COM)
 inserted after its APPn segments (`unique_jpeg`), which leaves its pixels and its decode cost as they are; each
 level's payloads are built before its clock starts and freed after it (at most requests + warm-up of them, e.g.
@@ -69,6 +76,8 @@ with `vit_export.export` into `--out` (or an existing export reused with `--expo
     python benchmarks/serve_load.py --mode uploads --corpus phone --repeats 8 --out /tmp/serve_repeats
     # on a GPU (onnxruntime's CUDA provider):
     python benchmarks/serve_load.py --mode batching --device cuda --requests 2048 --out /tmp/serve_load_cuda
+    # hang-ups, retry storm, priorities per key, shadow traffic, against commit 60e39d4 (about 15 minutes):
+    python benchmarks/serve_load.py --mode lifecycle --out /tmp/serve_lifecycle
     # a smoke run (a minute on two cores):
     python benchmarks/serve_load.py --model Ti/16 --res 64 --requests 40 --concurrency 1,16 --out /tmp/smoke
 
@@ -1063,13 +1072,23 @@ def run_abuse(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--mode")
+    if pre.parse_known_args(argv)[0].mode == "lifecycle":  # its own flags (serve_lifecycle.py --help)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import serve_lifecycle
+
+        return serve_lifecycle.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security", "abuse"), default="uploads",
+    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security", "abuse", "lifecycle"),
+                    default="uploads",
                     help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off; "
                          "routing: a three-model repository against the single-model gateway; security: API "
                          "keys and request ids on against off; abuse: normal traffic beside abusive requests "
-                         "against alone")
+                         "against alone; lifecycle: hang-ups, a retry storm, priorities per key and shadow "
+                         "traffic against today's gateway (benchmarks/serve_lifecycle.py, its own flags)")
     ap.add_argument("--rounds", type=int, help="routing, security, abuse: rounds of turns (default 5; abuse 2)")
     ap.add_argument("--abusers", type=int, default=4,
                     help="abuse: concurrent clients sending the abusive requests (default 4)")

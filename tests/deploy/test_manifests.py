@@ -274,6 +274,29 @@ def test_deployment_arguments_parse_and_its_ports_are_the_gateways():
     assert _env(container)["VIT_SERVE_STORE"] == f"redis://vit-serve-redis:{redis_service['spec']['ports'][0]['port']}/0"
 
 
+def test_termination_grace_covers_prestop_drain_grace_and_margin():
+    """terminationGracePeriodSeconds (counted from the start of preStop) >= preStop's sleep + the gateway's drain
+    + grace + margin, with the drain and grace the pod's own settings (ServeSettings from its environment)."""
+    from vit_serve.serve.settings import ServeSettings
+    from vit_serve.serve.shutdown import MARGIN_S, graceful_timeout
+
+    pod = _doc("Deployment", "vit-serve")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = _env(container)
+    settings = ServeSettings(**_settings_kwargs(env))
+    assert {"VIT_SERVE_SHUTDOWN_DRAIN_S", "VIT_SERVE_SHUTDOWN_GRACE_S"} <= env.keys()  # set, not left to defaults
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    pre_stop = float(command[1])
+    needed = pre_stop + settings.shutdown_drain_s + graceful_timeout(settings.shutdown_grace_s)
+    assert needed == pre_stop + settings.shutdown_drain_s + settings.shutdown_grace_s + MARGIN_S
+    assert pod["terminationGracePeriodSeconds"] >= needed, (pod["terminationGracePeriodSeconds"], needed)
+    # At least one readiness probe falls within the drain (the pod has left the endpoints already: this is for
+    # balancers that probe /readyz themselves).
+    probe = container["readinessProbe"]
+    assert settings.shutdown_drain_s >= probe["periodSeconds"], (settings.shutdown_drain_s, probe)
+
+
 def pod_labels(deployment: dict) -> dict[str, str]:
     return deployment["spec"]["template"]["metadata"]["labels"]
 

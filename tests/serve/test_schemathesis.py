@@ -48,6 +48,7 @@ KNOWN_FAILURES: set[tuple[str, str, str]] = set()
 
 MODEL_NAME = "tiny"
 RES = 32
+DEADLINE_MS = 60_000  # what a generated timeout_ms / X-Request-Timeout-Ms becomes (see flatmap_query)
 
 
 def _png(seed: int, size: tuple[int, int]) -> bytes:
@@ -66,6 +67,7 @@ IMAGES.append(_buf.getvalue())
 
 MODEL_NAME = "tiny"
 RES = 32
+DEADLINE_MS = 60_000  # what a generated timeout_ms / X-Request-Timeout-Ms becomes (see flatmap_query)
 
 
 def _v2_bodies() -> st.SearchStrategy[dict]:
@@ -156,7 +158,9 @@ def _config(headers: dict[str, str]) -> SchemathesisConfig:
         "workers": 1,
         "generation": {"mode": "all", "max-examples": MAX_EXAMPLES, "database": "none"},
         "phases": {"examples": {"enabled": True}, "coverage": {"enabled": True}, "fuzzing": {"enabled": True},
-                   "stateful": {"enabled": True, "max-steps": STATEFUL_STEPS}},
+                   # the spec's own links only: links inferred from GET /models to every {name} route would
+                   # take the steps (the model-named routes are reached anyway: flatmap_path_parameters)
+                   "stateful": {"enabled": True, "max-steps": STATEFUL_STEPS, "inference": {"algorithms": []}}},
         "checks": {"enabled": False, **{name: {"enabled": True} for name in CHECKS}},
         "request-timeout": 60,
     })
@@ -216,12 +220,23 @@ def api(app):
 
     @schema.hook
     def flatmap_query(context, query):
-        """Two thirds of the GET /explain cases ask for an image the server has."""
+        """Two thirds of the GET /explain cases ask for an image the server has. A generated deadline is made
+        generous: one the request cannot meet is answered 504 by design (tests/serve/test_priorities.py)."""
         op = context.operation
+        if isinstance(query, dict) and "timeout_ms" in query:
+            query = {**query, "timeout_ms": DEADLINE_MS}
         if op is None or (op.method.upper(), op.path) != ("GET", "/explain") or not isinstance(query, dict):
             return st.just(query)
         known = {**query, "id": known_id}
         return st.one_of(st.just(known), st.just(known), st.just(query))
+
+    @schema.hook
+    def map_headers(context, headers):
+        """As the query's timeout_ms: X-Request-Timeout-Ms, when generated, is generous."""
+        if isinstance(headers, dict):
+            for name in [k for k in headers if k.lower() == "x-request-timeout-ms"]:
+                headers[name] = str(DEADLINE_MS)
+        return headers
 
     @schema.hook
     def flatmap_path_parameters(context, params):
@@ -294,10 +309,18 @@ def run(api) -> Run:
     return result
 
 
+def _refused_for_its_deadline(f: Failure) -> bool:
+    """A 504 the spec documents for a generated deadline (timeout_ms, X-Request-Timeout-Ms) the request could not
+    meet, e.g. the coverage phase's 0: refused by design, not a server error (the hooks make the other phases'
+    deadlines generous)."""
+    return f.check == "not_a_server_error" and f.response.startswith("504") and "deadline has passed" in f.response
+
+
 def test_no_server_error_and_every_answer_conforms(run):
     """Each of CHECKS held for every request of every phase, apart from KNOWN_FAILURES (routes fixed elsewhere)."""
     assert not run.errors, "schemathesis reported errors:\n" + "\n".join(run.errors)
-    new = [f for f in run.failures if (f.check, f.operation, f.title) not in KNOWN_FAILURES]
+    new = [f for f in run.failures if (f.check, f.operation, f.title) not in KNOWN_FAILURES
+           and not _refused_for_its_deadline(f)]
     seen = {(f.check, f.operation, f.title) for f in run.failures}
     for gone in sorted(KNOWN_FAILURES - seen):
         warnings.warn(f"known schemathesis failure no longer seen, remove it from KNOWN_FAILURES: {gone}",

@@ -10,7 +10,9 @@
   the JSON manifests are the exports' companions, not models;
 * a Triton-style folder, `NAME/VERSION/<one of those files>`: versions are positive integers, as in Triton, and
   `NAME/config.pbtxt` (Triton's model configuration, read with Triton's own schema from tritonclient) may set
-  the model's `version_policy`, `max_batch_size` and `dynamic_batching` limits.
+  the model's `version_policy`, `max_batch_size` and `dynamic_batching` limits, and its traffic split between
+  versions: `parameters { key: "traffic" value { string_value: "1:90,2:10" } }` and `shadow` ("3" or "3:25"),
+  in the forms of `parse_weights` and `parse_shadow` (`--traffic` / `--shadow` win over them).
 
 The Triton repository `vit-export --format triton` writes is one of these: NAME_onnx/VERSION/model.onnx with its
 manifest `sidecar.json` is served (with its explain graph NAME_explain_onnx, named by its config's "vit_serve"
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
@@ -96,6 +99,69 @@ class VersionPolicy:
         return "all" if self.kind == "all" else "specific:" + ",".join(map(str, self.versions))
 
 
+def check_weights(weights: Mapping[int, float]) -> dict[int, float]:
+    """A traffic split's weights by version, checked: versions integers >= 1, weights finite numbers >= 0 with a
+    sum > 0; ValueError saying what is wrong."""
+    out: dict[int, float] = {}
+    for v, w in weights.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"version {v!r}: versions are integers >= 1")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"version {v}: the weight {w!r} is not a number >= 0")
+        out[v] = float(w)
+    if weights and sum(out.values()) <= 0:
+        raise ValueError("the weights add up to 0: at least one version must take traffic")
+    return out
+
+
+def check_share(share: float) -> float:
+    """A shadow's share of requests in percent, 0 < share <= 100; ValueError otherwise."""
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 100:
+        raise ValueError(f"the shadow share {share!r} is not a percentage in (0, 100]")
+    return float(share)
+
+
+def parse_weights(text: str) -> dict[int, float]:
+    """A traffic split: "1:90,2:10" (version:weight, weights relative: they need not add up to 100) or one
+    version, "2" (all of it) -> {version: weight}; ValueError naming the form."""
+    form = 'expected VERSION:WEIGHT,... (e.g. "1:90,2:10") or one VERSION'
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise ValueError(f"traffic {text!r}: {form}")
+    weights: dict[int, float] = {}
+    for part in parts:
+        v, sep, w = part.partition(":")
+        if not sep and len(parts) > 1:
+            raise ValueError(f"traffic {text!r}: {part!r} has no weight ({form})")
+        try:
+            version, weight = int(v), float(w) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"traffic {text!r}: {part!r} is not VERSION:WEIGHT ({form})") from None
+        if version in weights:
+            raise ValueError(f"traffic {text!r}: version {version} is named twice")
+        weights[version] = weight
+    try:
+        return check_weights(weights)
+    except ValueError as e:
+        raise ValueError(f"traffic {text!r}: {e}") from None
+
+
+def parse_shadow(text: str) -> tuple[int, float]:
+    """A shadow version: "3" (every request copied) or "3:25" (a 25 % sample) -> (version, share in percent);
+    ValueError naming the form."""
+    v, sep, share = text.strip().partition(":")
+    try:
+        version, percent = int(v), float(share) if sep else 100.0
+    except ValueError:
+        raise ValueError(f"shadow {text!r}: expected VERSION or VERSION:SHARE (SHARE in percent, e.g. 3:25)") from None
+    if version < 1:
+        raise ValueError(f"shadow {text!r}: versions are integers >= 1")
+    try:
+        return version, check_share(percent)
+    except ValueError as e:
+        raise ValueError(f"shadow {text!r}: {e}") from None
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """Batching limits a model's own configuration sets (None: the gateway's settings)."""
@@ -142,6 +208,8 @@ class ModelEntry:
     # candidate for the default model.
     skipped: SkipKind | None = None
     meta: TritonMeta | None = None  # its config.pbtxt's "vit_serve" parameter, when it has one
+    traffic: dict[int, float] | None = None  # its config.pbtxt's "traffic" parameter (`parse_weights`)
+    shadow: tuple[int, float] | None = None  # its config.pbtxt's "shadow" parameter (`parse_shadow`)
 
 
 def select_versions(entry: ModelEntry, default: VersionPolicy, refused: Collection[int] = ()) -> list[int]:
@@ -163,6 +231,8 @@ class TritonConfig:
     platform: str = ""
     backend: str = ""
     meta: TritonMeta | None = None  # the "vit_serve" parameter of a vit-export model
+    traffic: dict[int, float] | None = None  # the "traffic" parameter: weights by version
+    shadow: tuple[int, float] | None = None  # the "shadow" parameter: (version, share in percent)
 
 
 def backend_for(path: Path) -> Literal["torch", "onnxruntime", "tensorrt"] | None:
@@ -229,7 +299,13 @@ def read_triton_config(path: Path) -> TritonConfig:
         as_json: dict[str, Any] = {"parameters": {"vit_serve": {
             "string_value": config.parameters["vit_serve"].string_value}}}
         meta = TritonMeta.from_config(as_json, config.name or path.parent.name)
-    return TritonConfig(policy, limits, config.platform, config.backend, meta)
+    try:
+        traffic = parse_weights(config.parameters["traffic"].string_value) if "traffic" in config.parameters \
+            else None
+        shadow = parse_shadow(config.parameters["shadow"].string_value) if "shadow" in config.parameters else None
+    except ValueError as e:
+        raise ValueError(f"{path}: parameter {e}") from None
+    return TritonConfig(policy, limits, config.platform, config.backend, meta, traffic, shadow)
 
 
 def _skip_kind(folder: Path, config: TritonConfig) -> SkipKind | None:
@@ -312,6 +388,7 @@ def _triton_style(folder: Path) -> ModelEntry | None:
             entry.error = str(e)
             return entry
     entry.policy, entry.limits, entry.meta = config.policy, config.limits, config.meta
+    entry.traffic, entry.shadow = config.traffic, config.shadow
     skip = _skip_kind(folder, config)
     if skip is not None:
         entry.skipped = skip  # its reason (`error`) is written once every model is known (`scan`)

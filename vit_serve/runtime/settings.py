@@ -9,14 +9,15 @@ fields that `vit-serve serve` has a flag for (`vit_serve.flags`). Also the defau
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from vit_serve.flags import Flag
-from vit_serve.runtime.discovery import VersionPolicy
+from vit_serve.runtime.discovery import VersionPolicy, parse_shadow, parse_weights
 
 # At most this many decode threads by default: each holds one full-size decode at a time, so this (with
 # max_pixels) bounds the gateway's decode memory whatever the core count.
@@ -130,7 +131,57 @@ class RepositorySettings(BaseSettings):
         "answer 403 on POST /v2/repository/... (index, load, unload)", after="otel")] = Field(
         True, description="serve the repository API (POST /v2/repository/...); off: those routes answer 403")
 
+    traffic: Annotated[list[str], NoDecode, Flag(
+        "NAME=V:W,...: split NAME's requests between its versions by weight, e.g. vit=1:90,2:10 (repeatable; "
+        "sticky per X-Session-Id; ?version= still wins; over the model's config.pbtxt)", name="--traffic",
+        metavar="NAME=V:W,...")] = Field(
+        default_factory=list, description="traffic splits, NAME=V:W,... each (VIT_SERVE_TRAFFIC: a JSON list, or "
+        "entries separated by ';'): the versions named are loaded too, and requests naming no version go to one "
+        "of them by weight (sticky per X-Session-Id)")
+    shadow: Annotated[list[str], NoDecode, Flag(
+        "NAME=V[:SHARE]: copy SHARE %% (default 100) of NAME's primary answers to version V as shadow work, "
+        "compared, never answered (repeatable)", name="--shadow", metavar="NAME=V[:SHARE]")] = Field(
+        default_factory=list, description="shadow versions, NAME=V[:SHARE] each (VIT_SERVE_SHADOW as for "
+        "traffic): a sampled share (percent, default 100) of the primary's requests also runs on V, off the "
+        "answer's path and shed first; the pairs are compared (GET /models/NAME/compare)")
+    compare_window: int = Field(1000, ge=1, description="request pairs (primary and shadow / canary) kept per "
+                                "model and version for the agreement numbers (GET /models/NAME/compare)")
+
     @field_validator("version_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
         return str(VersionPolicy.parse(v))
+
+    @field_validator("traffic", "shadow", mode="before")
+    @classmethod
+    def _entries(cls, v: object) -> object:
+        if isinstance(v, str):  # the environment: a JSON list, or NAME=... entries separated by ';'
+            if v.lstrip().startswith("["):
+                return json.loads(v)
+            return [p.strip() for p in v.split(";") if p.strip()]
+        return v
+
+    @field_validator("traffic", "shadow")
+    @classmethod
+    def _named(cls, v: list[str], info: object) -> list[str]:
+        what = getattr(info, "field_name", "traffic")
+        names: set[str] = set()
+        for item in v:
+            name, sep, spec = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"--{what} {item!r}: expected NAME={'V:W,...' if what == 'traffic' else 'V[:SHARE]'}")
+            if name.strip() in names:
+                raise ValueError(f"--{what}: model {name.strip()!r} is named twice")
+            names.add(name.strip())
+            (parse_weights if what == "traffic" else parse_shadow)(spec)
+        return v
+
+    @property
+    def traffic_weights(self) -> dict[str, dict[int, float]]:
+        """--traffic by model: {name: {version: weight}}."""
+        return {n.strip(): parse_weights(spec) for n, _, spec in (t.partition("=") for t in self.traffic)}
+
+    @property
+    def shadows(self) -> dict[str, tuple[int, float]]:
+        """--shadow by model: {name: (version, share in percent)}."""
+        return {n.strip(): parse_shadow(spec) for n, _, spec in (t.partition("=") for t in self.shadow)}

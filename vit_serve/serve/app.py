@@ -6,7 +6,9 @@ up in the background; /readyz answers 200 once that is done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -18,6 +20,7 @@ from vit_serve import __version__
 from vit_serve.serve.errors import install_error_handlers
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.grpc import GrpcServer
+from vit_serve.serve.hangup import HangUp
 from vit_serve.serve.middleware import (
     BodyLimit,
     ErrorBoundary,
@@ -50,7 +53,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
     app.state.grpc = None  # the GrpcServer (its `port`) when grpc_port is set
     s = gateway.settings
-    ring = KeyRing.from_settings(s.security, s.repository.repository_api)
+    ring: KeyRing = app.state.keyring  # create_app's: one set of rate buckets for HTTP and gRPC
     if s.security.allow_any_key_admin and s.repository.repository_api and not ring.admin:
         log.warning("--allow-any-key-admin: %s may load and unload models (POST /v2/repository/models/NAME/load, "
                     "unload; gRPC RepositoryModelLoad, RepositoryModelUnload)",
@@ -58,7 +61,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         await gateway.start()
         if gateway.settings.grpc_port is not None:
-            app.state.grpc = GrpcServer(gateway, getattr(app.state, "tracer_provider", None))
+            app.state.grpc = GrpcServer(gateway, getattr(app.state, "tracer_provider", None), ring)
             await app.state.grpc.start()
     except Exception as e:
         log.error("cannot serve %s: %s", gateway.settings.model, " ".join(str(e).split()))
@@ -67,7 +70,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if app.state.grpc is not None:
+        if (stopping := getattr(app.state, "grpc_stopping", None)) is not None:
+            await stopping  # the drain's stop(grace), started when the listeners closed (vit_serve.serve.shutdown)
+        elif app.state.grpc is not None:
             await app.state.grpc.stop()
         await gateway.stop()
 
@@ -86,19 +91,22 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # Outermost last: RequestId -> CORS -> RequestMetrics -> ApiKeys -> ErrorBoundary -> BodyLimit -> routes.
+    # Outermost last: HangUp -> RequestId -> CORS -> RequestMetrics -> ApiKeys -> ErrorBoundary -> BodyLimit -> routes.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ErrorBoundary)
     security = settings.security
-    app.add_middleware(ApiKeys, ring=KeyRing.from_settings(security, settings.repository.repository_api))
+    app.state.keyring = KeyRing.from_settings(security, settings.repository.repository_api)  # ValueError: a bad file
+    app.add_middleware(ApiKeys, ring=app.state.keyring, metrics=gateway.metrics)
     app.add_middleware(RequestMetrics, metrics=gateway.metrics)
     if security.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=security.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
                            expose_headers=["X-Request-ID", "X-Image-Id", "X-Model", "X-Model-Version",
-                                           "Server-Timing"], max_age=600)
+                                           "Server-Timing", "Retry-After", "RateLimit-Limit", "RateLimit-Remaining",
+                                           "RateLimit-Reset", "RateLimit-Policy"], max_age=600)
     if settings.request_ids:
         app.add_middleware(RequestId)
+    app.add_middleware(HangUp, metrics=gateway.metrics)  # each request's Admission; hang-ups cancel inference
     instrument(app, settings)  # OpenTelemetry's server span outside them all, when settings.otel
     return app
 
@@ -130,11 +138,22 @@ def run(settings: ServeSettings) -> None:
     that cannot be served ends the process with exit code 3 and one logged line."""
     import uvicorn
 
+    from vit_serve.serve.shutdown import DrainingServer, graceful_timeout
+
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
     logging.getLogger("uvicorn.access").addFilter(QueryRedaction())  # its lines would carry explain ids
-    uvicorn.run(OneLineStartupFailure(create_app(settings)), host=settings.host, port=settings.port,
-                log_level="info", timeout_graceful_shutdown=10, ssl_certfile=settings.security.ssl_certfile,
-                ssl_keyfile=settings.security.ssl_keyfile, root_path=settings.root_path)
+    app = create_app(settings)
+    # SIGTERM / SIGINT: drain, close, grace, then 503 what still waits (vit_serve.serve.shutdown); uvicorn's own
+    # timeout only cancels what is left a margin after the grace, once those 503s have gone out.
+    config = uvicorn.Config(OneLineStartupFailure(app), host=settings.host, port=settings.port, log_level="info",
+                            timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s),
+                            ssl_certfile=settings.security.ssl_certfile, ssl_keyfile=settings.security.ssl_keyfile,
+                            root_path=settings.root_path)
+    server = DrainingServer(config, app)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:  # as uvicorn.run: the lifespan failed (its one line is logged)
+        sys.exit(uvicorn.config.STARTUP_FAILURE)

@@ -4,17 +4,21 @@ Everything here runs on the event loop (async dependencies: FastAPI runs plain o
 holding a version would race the loop). A route with a body takes a `ModelChoice` and chooses the version once
 the body is read, so that a slow upload never keeps a replaced version (and its weights) alive; a route without
 one may take the version at once (`ModelDep`).
+
+With a traffic split (`traffic`), a request naming no version is routed by its draw, sticky per `X-Session-Id`;
+the version drawn when it is announced is the one that answers (unless it left service meanwhile).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Header, Query, Request
 
+from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import Announcement, ModelVersion
 
@@ -26,7 +30,12 @@ def get_gateway(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 ModelQuery = Annotated[str | None, Query(description="the model to ask (GET /models lists them; default: the "
                                                      "gateway's default model)")]
-VersionQuery = Annotated[str | None, Query(description="its version (default: the newest in service)")]
+VersionQuery = Annotated[str | None, Query(description="its version (default: the model's traffic split's draw, "
+                                                       "else the newest in service)")]
+SESSION_HEADER = "x-session-id"
+SessionHeader = Annotated[str | None, Header(
+    alias=SESSION_HEADER, description="the client's session: with a traffic split between versions, requests of "
+    "one session go to one version (a stable hash of model and session)")]
 
 
 @dataclass(frozen=True)
@@ -37,28 +46,41 @@ class ModelChoice:
     gateway: Gateway
     name: str | None = None
     version: str | int | None = None
+    session: str | None = None  # X-Session-Id: the client's session, for sticky traffic splits
+    # the version drawn by `announce` (a traffic split's random draw is made once per request)
+    _drawn: list[int] = field(default_factory=list, compare=False, repr=False)
 
     def announce(self, check: Callable[[ModelVersion], object] | None = None) -> Announcement:
         """Before the body is read: 404 / 400 / 503 now if nothing would answer (and `check`'s 400 for the version
         that would); that version counts the request as coming (`with choice.announce(): read the body`)."""
-        mv = self.gateway.model(self.name, self.version)
+        mv = self.gateway.model(self.name, self.version, self.session)
         if check is not None:
             check(mv)
+        if self.version is None:
+            self._drawn[:] = [mv.version]
         return mv.announce()
+
+    def _resolve(self) -> ModelVersion:
+        if self.version is None and self._drawn:
+            try:
+                return self.gateway.model(self.name, self._drawn[0], self.session)
+            except NotFoundError:  # it left service while the body was read: draw again
+                pass
+        return self.gateway.model(self.name, self.version, self.session)
 
     @contextlib.contextmanager
     def use(self) -> Iterator[ModelVersion]:
-        """The version that answers, chosen now, held until the block ends (an unload waits for it, at most
-        unload_grace_s)."""
-        mv = self.gateway.model(self.name, self.version)
+        """The version that answers, chosen now (the one announced, if still in service), held until the block
+        ends (an unload waits for it, at most unload_grace_s)."""
+        mv = self._resolve()
         with mv.using():
             yield mv
 
 
 async def get_model_choice(gateway: GatewayDep, model: ModelQuery = None,
-                           version: VersionQuery = None) -> ModelChoice:
-    """`?model=&version=`, chosen among the versions in service later (`ModelChoice.use`)."""
-    return ModelChoice(gateway, model, version)
+                           version: VersionQuery = None, session: SessionHeader = None) -> ModelChoice:
+    """`?model=&version=` and `X-Session-Id`, chosen among the versions in service later (`ModelChoice.use`)."""
+    return ModelChoice(gateway, model, version, session or None)
 
 
 ModelChoiceDep = Annotated[ModelChoice, Depends(get_model_choice)]

@@ -87,6 +87,10 @@ class QueueFullError(GatewayError, runtime.QueueFullError):
     pass
 
 
+class RateLimitedError(GatewayError):
+    """An API key over its rate (`rate_limit`): 429 with Retry-After, gRPC RESOURCE_EXHAUSTED."""
+
+
 class NotReadyError(GatewayError, runtime.NotReadyError):
     pass
 
@@ -104,6 +108,7 @@ STATUSES: dict[type[BaseException], int] = {
     runtime.UnsupportedMediaError: 415,
     runtime.UnreadableImageError: 422,
     runtime.InvalidValueError: 422,
+    RateLimitedError: 429,
     runtime.NotReadyError: 503,
     runtime.QueueFullError: 503,
     runtime.BackendUnavailableError: 503,
@@ -118,6 +123,7 @@ GRPC_CODES: dict[int, str] = {
     413: "RESOURCE_EXHAUSTED",
     415: "INVALID_ARGUMENT",
     422: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 }

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from PIL import Image
 
 from vit_serve.runtime.spec import LoadSpec
+from vit_serve.serve.errors import GatewayError, NotReadyError
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
@@ -38,6 +39,11 @@ class Gateway:
         self.repository: ModelRepository | None = None
         self._pil_limit: int | None = None
         self.started = False
+        # Graceful shutdown (vit_serve.serve.shutdown): `draining` turns the readiness probes 503 while every
+        # request is still served; `closing` (the grace is over) refuses new requests, as `refuse_waiting` does
+        # the waiting ones.
+        self.draining = False
+        self.closing = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -67,18 +73,37 @@ class Gateway:
 
     # ---- what routes ask --------------------------------------------------------------------------------
 
-    def model(self, name: str | None = None, version: str | int | None = None) -> ModelVersion:
-        """The loaded version a request is routed to (404 / 503 / 400 when there is none); hold it with
-        `with version.using():` for the request."""
+    def model(self, name: str | None = None, version: str | int | None = None,
+              session: str | None = None) -> ModelVersion:
+        """The loaded version a request is routed to (404 / 503 / 400 when there is none; `session`: the client's
+        X-Session-Id, for sticky traffic splits); hold it with `with version.using():` for the request."""
+        if self.closing:
+            raise self.shutting_down()
         if self.repository is None:
-            from vit_serve.serve.errors import NotReadyError
-
             raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
-        return self.repository.get(name, version)
+        return self.repository.get(name, version, session)
+
+    def shutting_down(self) -> NotReadyError:
+        """The answer to a request that the server will not run because it is stopping (503 + Retry-After)."""
+        return NotReadyError("the server is shutting down; retry",
+                             headers={"Retry-After": str(self.settings.limits.retry_after_s)})
+
+    def refuse_waiting(self, error: GatewayError) -> int:
+        """Answer `error` to every request waiting in a loaded version's queue (the running batches finish);
+        how many there were (counted as rejected, reason "shutdown")."""
+        refused = 0
+        for v in self.repository.loaded() if self.repository is not None else []:
+            n = v.runner.refuse_waiting(error)
+            if n:
+                v.metrics.rejected("shutdown").inc(n)
+            refused += n
+        return refused
 
     async def readiness(self) -> tuple[bool, str | None]:
         """(ready, why not): the default model (or, with none, every loaded model) is loaded, warmed up and its
         backend answers. A model of the repository that failed to load does not make the gateway unready."""
+        if self.draining:
+            return False, "draining"
         repo = self.repository
         if repo is None or not self.started:
             return False, "the models are loading"

@@ -24,6 +24,7 @@ the HTTP server's certificate and key.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -37,8 +38,17 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add
 
 from vit_serve.runtime.errors import ServingError
 from vit_serve.serve import v2_model
-from vit_serve.serve.errors import BadRequestError, NotReadyError, client_message, grpc_code
+from vit_serve.serve.admission import Admission, Caller
+from vit_serve.serve.errors import (
+    BadRequestError,
+    NotReadyError,
+    RateLimitedError,
+    client_message,
+    grpc_code,
+    grpc_status_code,
+)
 from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.rate_limit import KeyCounts
 from vit_serve.serve.security import GRPC_ADMIN_METHODS, GRPC_PROBE_METHODS, KeyRing, presented_key
 from vit_serve.serve.tracing import grpc_server_span
 from vit_serve.serve.v2_protocol import (
@@ -165,8 +175,13 @@ def infer_response(model: str, version: str, request_id: str | None,
 class Servicer(GRPCInferenceServiceServicer):
     """The RPCs, on one gateway (method names are the proto's)."""
 
-    def __init__(self, gateway: Gateway, tracer: Any | None = None) -> None:
+    def __init__(self, gateway: Gateway, tracer: Any | None = None, ring: KeyRing | None = None) -> None:
         self.gateway, self.tracer = gateway, tracer
+        self.ring = ring if ring is not None else KeyRing()  # the keys (KeyCheck has checked them): `caller`
+
+    def caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The call's Caller (its key's name and priority level; anonymous without keys), for its Admission."""
+        return self.ring.caller(metadata_key(context.invocation_metadata()))
 
     @_answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
@@ -200,10 +215,24 @@ class Servicer(GRPCInferenceServiceServicer):
 
     @_answers_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:  # noqa: N802
-        mv = self.gateway.model(request.model_name or None, request.model_version or None)
-        with mv.using(), mv.arriving() as arrival:
-            req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings.limits))
-            outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers)
+        """Inference, as /v2 infer; the call's deadline and `timeout` / `priority` parameters are the request's
+        (`admission`), and a call the client cancels (or whose deadline passes) leaves the queue."""
+        admission = Admission(caller=self.caller(context))  # the key's name and level
+        admission.within(context.time_remaining(), "the call's deadline")
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        mv = self.gateway.model(request.model_name or None, request.model_version or None,
+                                metadata.get("x-session-id"))
+        try:
+            with mv.using(), mv.arriving() as arrival:
+                admission.at("decode", mv)
+                req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings.limits))
+                admission.v2_parameters(req.parameters)
+                admission.check(mv)
+                outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers, admission)
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc.aio cancels the call
+            admission.cancelled = True
+            self.gateway.metrics.cancelled.labels(admission.stage, admission.model, admission.version).inc()
+            raise
         return infer_response(mv.name, str(mv.version), req.id, outputs)
 
     @_answers_errors
@@ -231,13 +260,21 @@ class Servicer(GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
+def metadata_key(metadata: Any) -> str | None:
+    """The key of a call's metadata (`authorization: Bearer KEY` or `x-api-key: KEY`; None without)."""
+    md = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
+    return presented_key(md.get("authorization"), md.get("x-api-key"))
+
+
 class KeyCheck(grpc.aio.ServerInterceptor):
     """API keys from the call's metadata, before its message is read: a call without the right key is answered
     by a handler that never reads the request (UNAUTHENTICATED, or PERMISSION_DENIED on load / unload), so that
-    an anonymous caller's message is neither received whole nor parsed."""
+    an anonymous caller's message is neither received whole nor parsed; so is a key over its rate (every RPC but
+    the probes counts: RESOURCE_EXHAUSTED with `retry-after` and the `ratelimit-*` numbers as trailing metadata).
+    `counts`: the per-key counts (`rate_limit.KeyCounts`)."""
 
-    def __init__(self, ring: KeyRing) -> None:
-        self.ring = ring
+    def __init__(self, ring: KeyRing, counts: KeyCounts | None = None) -> None:
+        self.ring, self.counts = ring, counts
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -245,11 +282,18 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         admin, ring = name in ADMIN_RPCS, self.ring
         if not admin and (not ring.on or (ring.open_probes and name in PROBES)):
             return await continuation(details)
-        md = {k.lower(): v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        key = presented_key(md.get("authorization"), md.get("x-api-key"))
+        key = metadata_key(details.invocation_metadata)
         verdict = ring.allows(key, admin=admin)
         if verdict:
-            return await continuation(details)
+            if not ring.on or name in PROBES:
+                return await continuation(details)
+            limit = ring.take(key)
+            if self.counts is not None:
+                self.counts.count(ring.caller(key).name, limit is None or limit.allowed)
+            if limit is None or limit.allowed:
+                return await continuation(details)
+            trailing = tuple((k.lower(), v) for k, v in limit.headers())
+            return _refusal(grpc_status_code(RateLimitedError.status), limit.message(), trailing)
         if verdict is None:
             code, message = grpc.StatusCode.UNAUTHENTICATED, (
                 "an API key is needed: send metadata authorization: Bearer KEY or x-api-key: KEY" if key is None
@@ -259,11 +303,13 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         return _refusal(code, message)
 
 
-def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler that ends the call with `code` without reading its message (a request stream left unread:
-    no deserializer, nothing received beyond gRPC's flow-control window)."""
+def _refusal(code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str], ...] = ()) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with `code` (and `trailing` metadata) without reading its message (a request
+    stream left unread: no deserializer, nothing received beyond gRPC's flow-control window)."""
 
     async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        if trailing:
+            context.set_trailing_metadata(trailing)
         await context.abort(code, message)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
@@ -278,8 +324,9 @@ class GrpcServer:
     one; TLS with ssl_certfile / ssl_keyfile), `await stop()` lets the calls in flight finish (up to `grace`
     seconds)."""
 
-    def __init__(self, gateway: Gateway, tracer_provider: Any | None = None) -> None:
+    def __init__(self, gateway: Gateway, tracer_provider: Any | None = None, ring: KeyRing | None = None) -> None:
         self.gateway = gateway
+        self.ring = ring  # the app's (its rate buckets shared with HTTP); None: from the settings at start
         # With tracing on (vit_serve.serve.tracing), each call is a span of the app's own provider.
         self.tracer = None if tracer_provider is None else tracer_provider.get_tracer("vit_serve.serve.grpc")
         self.port: int | None = None
@@ -294,13 +341,14 @@ class GrpcServer:
         if s.grpc_port is None:
             raise ValueError("grpc_port is not set")
         limit = s.grpc_max_message_bytes
-        ring, tls = KeyRing.from_settings(s.security, s.repository.repository_api), s.security
-        server = grpc.aio.server(interceptors=[KeyCheck(ring)],
+        ring, tls = self.ring or KeyRing.from_settings(s.security, s.repository.repository_api), s.security
+        counts = KeyCounts.on(self.gateway.metrics.registry)
+        server = grpc.aio.server(interceptors=[KeyCheck(ring, counts)],
                                  maximum_concurrent_rpcs=s.grpc_max_concurrent_calls,
                                  options=[("grpc.max_send_message_length", limit),
                                           ("grpc.max_receive_message_length", limit),
                                           ("grpc.so_reuseport", 0)])
-        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, self.tracer), server)
+        add_GRPCInferenceServiceServicer_to_server(Servicer(self.gateway, self.tracer, ring), server)
         address = _address(s.host, s.grpc_port)
         try:
             if tls.ssl_certfile and tls.ssl_keyfile:

@@ -36,8 +36,12 @@ class GatewayMetrics:
                                     MODEL, buckets=LATENCY_BUCKETS, registry=r)
         self.inference = Histogram("vit_serve_inference_seconds", "model run time per batch", ["task", *MODEL],
                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.rejected = Counter("vit_serve_rejected", "requests refused by the batcher", ["reason", *MODEL],
+        self.rejected = Counter("vit_serve_rejected", "requests refused by the batcher: queue_full, shed (for a "
+                                "more urgent one), deadline (passed, or not to be met), timeout", ["reason", *MODEL],
                                 registry=r)
+        self.cancelled = Counter("vit_serve_cancelled", "requests whose client went away (HTTP hang-up, gRPC cancel) "
+                                 "by the stage they had reached: read, decode, queue (dropped, not run), infer (its "
+                                 "batch had started)", ["stage", *MODEL], registry=r)
         self.gpu_decode_fallbacks = Counter("vit_serve_gpu_decode_fallbacks",
                                             "uploads decoded on the CPU although GPU decoding is on, by reason",
                                             ["reason"], registry=r)
@@ -120,6 +124,9 @@ class ModelMetrics:
 
     def rejected(self, reason: str) -> Counter:
         return self._m.rejected.labels(reason, *self.labels)
+
+    def cancelled(self, stage: str) -> Counter:
+        return self._m.cancelled.labels(stage, *self.labels)
 
     def remove(self) -> None:
         """Drop this version's gauges (unloaded: it no longer has a queue or memory) unless another version of the

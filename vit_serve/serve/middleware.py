@@ -1,9 +1,9 @@
 """Pure ASGI middleware (no per-request task or body copy): request ids, request metrics, the 500 boundary, the
 body limit.
 
-Order, outermost first: RequestId -> CORS -> RequestMetrics -> ApiKeys (security.py) -> ErrorBoundary ->
-BodyLimit -> FastAPI's exception handlers -> routes. RequestMetrics sits outside ApiKeys so that the 401s it
-answers are counted too (before routing: endpoint "unmatched", like a 404 of an unknown path).
+Order, outermost first: HangUp (hangup.py) -> RequestId -> CORS -> RequestMetrics -> ApiKeys (security.py) ->
+ErrorBoundary -> BodyLimit -> FastAPI's exception handlers -> routes. RequestMetrics sits outside ApiKeys so that
+the 401s it answers are counted too (before routing: endpoint "unmatched", like a 404 of an unknown path).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vit_serve.serve.errors import BodyTooLargeError, body_limit_message, envelope
+from vit_serve.serve.hangup import CLIENT_CLOSED, cancelled
 from vit_serve.serve.metrics import GatewayMetrics
 
 log = logging.getLogger("vit_serve.serve")
@@ -35,10 +36,15 @@ class _Answer:
     def __init__(self, send: Send, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self._send, self._headers = send, headers
         self.status = 500
+        self.started = False
+
+    def final(self, scope: Scope) -> int:
+        """The status to log and count: 499 for a request whose client went away before its answer (`hangup`)."""
+        return CLIENT_CLOSED if not self.started and cancelled(scope) else self.status
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
-            self.status = message["status"]
+            self.status, self.started = message["status"], True
             if self._headers:
                 message = {**message, "headers": [*message.get("headers", []), *self._headers]}
         await self._send(message)
@@ -64,7 +70,7 @@ class RequestId:
         try:
             await self.app(scope, receive, answer.send)
         finally:
-            access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], answer.status,
+            access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], answer.final(scope),
                         (time.perf_counter() - t0) * 1e3)
             request_id.reset(token)
 
@@ -113,7 +119,7 @@ class RequestMetrics:
             await self.app(scope, receive, answer.send)
         finally:
             endpoint = _endpoint(scope)
-            self.metrics.requests.labels(endpoint, scope["method"], str(answer.status)).inc()
+            self.metrics.requests.labels(endpoint, scope["method"], str(answer.final(scope))).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 

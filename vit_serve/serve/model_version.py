@@ -37,6 +37,7 @@ from vit_serve.runtime.gpu_decode import GpuDecoder
 from vit_serve.runtime.task import EMBED, Task
 from vit_serve.runtime.text_tower import TextTower
 from vit_serve.runtime.zero_shot import LabelLimits
+from vit_serve.serve.admission import Admission
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.runner import Arrival, Result, Runner
@@ -73,6 +74,9 @@ class ModelVersion:
         self.text_error: str | None = None  # why the text tower beside it could not be loaded
         self.label_cache_counter: Callable[[str, int], None] | None = None  # ("hit" | "miss", count) -> metrics
         self.label_limits = LabelLimits()  # the gateway's (`repository.ModelRepository`)
+        # (task, x, result, admission) -> None: a copy of each answered request for shadow / canary comparison
+        # (`traffic`); it only schedules work
+        self.mirror: Callable[[Task, np.ndarray, Result, Admission | None], None] | None = None
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -326,16 +330,21 @@ class ModelVersion:
         """Announce a request to the runner before reading and decoding it (`with version.arriving() as a:`)."""
         return self.runner.arriving()
 
-    async def infer(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
-        """Run `task` on x [n, 3, H, W] through the runner; 503 once this version is unloaded."""
+    async def infer(self, task: Task, x: np.ndarray, arrival: Arrival | None = None,
+                    admission: Admission | None = None) -> Result:
+        """Run `task` on x [n, 3, H, W] through the runner (with the request's `admission`: its level and
+        deadline); 503 once this version is unloaded. A primary answer is handed to `mirror` (shadow traffic and
+        canary pairs, `traffic`), which schedules its own work and returns at once."""
         if self._stopped:
             if arrival is not None:
                 arrival.done()
             raise self._unloaded()
-        waiting = asyncio.ensure_future(self.runner.submit(task, x, arrival))
+        if admission is not None:
+            admission.at("queue", self)
+        waiting = asyncio.ensure_future(self.runner.submit(task, x, arrival, admission))
         self._answering.add(waiting)
         try:
-            return await waiting
+            result = await waiting
         except NotImplementedError as e:  # the backend cannot do this task
             raise BadRequestError(str(e)) from e
         except (NotReadyError, asyncio.CancelledError):
@@ -345,6 +354,12 @@ class ModelVersion:
             raise
         finally:
             self._answering.discard(waiting)
+        if self.mirror is not None and not (admission is not None and admission.shadow):
+            try:
+                self.mirror(task, x, result, admission)
+            except Exception:  # a shadow's trouble is never the answer's
+                log.exception("%s: mirroring a request", self.label)
+        return result
 
 
 class Announcement:
@@ -356,6 +371,11 @@ class Announcement:
         arrival = version.arriving()
         version._announced.add(arrival)
         self._version, self._arrival = weakref.ref(version), weakref.ref(arrival)
+
+    @property
+    def version(self) -> ModelVersion | None:
+        """The version announced to (None once it is gone)."""
+        return self._version()
 
     def done(self) -> None:
         version, arrival = self._version(), self._arrival()

@@ -20,6 +20,12 @@ Each loaded version has its own model thread and runner (`runner.runner_for`) wi
 or those of the model's Triton config; the model threads share the machine: unless `--threads` is set, a
 repository of n models gives each model max(1, cores // n) intra-op threads (one model keeps its runtime's
 default).
+
+Traffic between versions (`traffic`): each model's `TrafficPolicy` (`--traffic` / `--shadow` over its
+config.pbtxt's, replaced as a whole by `set_traffic`, the repository API) routes the requests that name no
+version, and the versions it names are loaded too (beside its version policy's, when they are on disk). Every
+loaded version hands its answers to the repository's `Mirror`, which copies those the policy says to the shadow
+or primary and compares the pairs (`compare`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,12 +51,15 @@ from vit_serve.runtime.settings import RepositorySettings, RunnerLimits
 from vit_serve.runtime.spec import LoadSpec
 from vit_serve.runtime.text_tower import TextTower, text_tower_of
 from vit_serve.runtime.zero_shot import LabelLimits
+from vit_serve.serve.compare import Compare
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import runner_for
+from vit_serve.serve.schemas import TrafficSpec
 from vit_serve.serve.settings import DEFAULT_LABELS, available_cpus
 from vit_serve.serve.stores import CropStore
+from vit_serve.serve.traffic import Mirror, TrafficPolicy
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -111,6 +121,12 @@ class ModelRepository:
         self.one_file = False
         self._wanted: set[str] = set()  # models to keep loaded (all, or explicit mode's)
         self._attempted: set[str] = set()  # models ever asked to load (the index shows the others by name only)
+        self.traffic: dict[str, TrafficPolicy] = {}  # each model's split; replaced whole, never changed in place
+        self._traffic_set: set[str] = set()  # models whose policy the repository API set (it wins until unload)
+        self.rng = random.Random()
+        self.compare = Compare(metrics.registry, config.compare_window)
+        self.mirror = Mirror(self.traffic.get, lambda name: self.served.get(name, {}), self.compare,
+                             metrics.registry, self.rng)
 
     # ---- start and stop --------------------------------------------------------------------------------
 
@@ -149,6 +165,9 @@ class ModelRepository:
             (name,) = self.entries
             if not self.served.get(name):
                 raise RuntimeError(self.why_not(name))
+        for flag, names in (("--traffic", config.traffic_weights), ("--shadow", config.shadows)):
+            if unknown := sorted(set(names) - set(self.entries)):
+                log.warning("%s %s: not in %s", flag, ", ".join(unknown), root)
         if config.default_model is not None and config.default_model not in self.entries:
             raise ValueError(f"--default-model {config.default_model!r} is not a model of {spec.path} (it has "
                              f"{', '.join(sorted(self.entries)) or 'none'})")
@@ -160,6 +179,7 @@ class ModelRepository:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        await self.mirror.stop()
         for versions in self.served.values():
             for v in versions.values():
                 await v.close()
@@ -231,6 +251,7 @@ class ModelRepository:
             if name not in self.entries and name not in self.served:
                 raise BadRequestError(f"failed to unload {name!r}: no such model")
             self._wanted.discard(name)
+            self._traffic_set.discard(name)  # a model loaded again starts from its flags and config
             await self._sync(name)
 
     # ---- bringing one model in line ---------------------------------------------------------------------
@@ -243,12 +264,15 @@ class ModelRepository:
         wanted: list[int] = []
         if entry is not None and entry.error is None and name in self._wanted:
             self._attempted.add(name)
+            self._configure_traffic(name, entry)
+            named = self.traffic[name].versions if name in self.traffic else frozenset()
             # refused before and unchanged since: not tried again (a version rewritten in place is)
             excluded = {v for v, src in entry.versions.items()
                         if self._failed.get((name, v), ("", ""))[0] == src.fingerprint != ""}
             kept: set[int] = set()  # rewritten in place but refused: the loaded one serves on
             while True:  # a refused version leaves the policy to choose among the others (the old ones)
-                wanted = select_versions(entry, self.policy, excluded)
+                wanted = sorted(set(select_versions(entry, self.policy, excluded))
+                                | {v for v in named if v in entry.versions and v not in excluded})
                 todo = [v for v in wanted if v not in kept and (
                     v not in served or served[v].fingerprint != entry.versions[v].fingerprint)]
                 if not todo:
@@ -258,14 +282,53 @@ class ModelRepository:
                     if new is None:
                         (kept if v in served else excluded).add(v)
                         continue
+                    self.mirror.attach(new)
                     current, served[v] = served.get(v), new  # switched in: requests are routed to it from here
                     new.metrics.publish()  # the gauges of (name, v) are the new one's, even if `current` had them
                     if current is not None:
                         self._retire(current)
         for v in [v for v in served if v not in wanted]:
             self._retire(served.pop(v))
+            self.compare.forget(name, v)
         if not served:
             self.served.pop(name, None)
+            self.compare.forget(name)
+
+    def _configure_traffic(self, name: str, entry: ModelEntry) -> None:
+        """The model's policy from --traffic / --shadow over its config.pbtxt (unless the API set one)."""
+        if name in self._traffic_set:
+            return
+        weights = self.config.traffic_weights.get(name, entry.traffic)
+        shadow = self.config.shadows.get(name, entry.shadow)
+        policy = TrafficPolicy.of(name, weights, shadow)  # both checked already (settings, discovery)
+        if policy.empty:
+            self.traffic.pop(name, None)
+        else:
+            self.traffic[name] = policy
+
+    def set_traffic(self, name: str, spec: TrafficSpec) -> TrafficPolicy:
+        """Replace `name`'s policy (the repository API): every version it names must be in service. 400 saying
+        what is wrong; the new policy takes the next request (one object swapped), and the compare windows of
+        the model start again."""
+        served = self.served.get(name)
+        if not served:
+            if name not in self.entries:
+                raise NotFoundError(f"unknown model {name!r}; this gateway serves "
+                                    f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
+            raise BadRequestError(f"model {name!r} is not loaded: {self.why_not(name)}")
+        try:
+            policy = TrafficPolicy.from_spec(name, spec)
+        except ValueError as e:
+            raise BadRequestError(f"traffic for {name!r}: {e}") from None
+        missing = sorted(policy.versions - set(served))
+        if missing:
+            raise BadRequestError(f"traffic for {name!r}: version {', '.join(map(str, missing))} is not in service "
+                                  f"(it serves {', '.join(map(str, sorted(served)))}); load it first")
+        self.traffic[name] = policy
+        self._traffic_set.add(name)
+        self.compare.forget(name)  # a new policy starts new windows: its pairs are not mixed with the old ones'
+        log.info("traffic of %s: %s", name, policy)
+        return policy
 
     def _retire(self, version: ModelVersion) -> None:
         """Stop routing to `version`; it closes in the background once its requests are done (or the unload
@@ -389,9 +452,11 @@ class ModelRepository:
         served = self.served.get(name) if name is not None else None
         return served[max(served)] if served else None
 
-    def get(self, name: str | None = None, version: str | int | None = None) -> ModelVersion:
-        """The version a request is routed to: `name` (None: the default model) at `version` (None: its newest
-        loaded version). 404 naming what exists; 503 while the model is loading or unloaded."""
+    def get(self, name: str | None = None, version: str | int | None = None,
+            session: str | None = None) -> ModelVersion:
+        """The version a request is routed to: `name` (None: the default model) at `version` (None: its traffic
+        split's draw, sticky per `session` (X-Session-Id); without a split, its newest loaded version). 404 naming
+        what exists; 503 while the model is loading or unloaded."""
         if name is None:
             name = self.default_name
             if name is None:
@@ -405,6 +470,9 @@ class ModelRepository:
                                     f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
             raise NotReadyError(f"model {name!r} is not loaded: {self.why_not(name)}", headers={"Retry-After": "1"})
         if version is None:
+            policy = self.traffic.get(name)  # read once: a policy swapped meanwhile takes the next request
+            if policy is not None and policy.weights:
+                return served[policy.choose(served, session, self.rng)]
             return served[max(served)]  # `newest`, with the 404 / 503 above
         try:
             v = int(version)

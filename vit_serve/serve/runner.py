@@ -15,6 +15,16 @@ rows are dropped if they have not started.
 `DirectRunner` (Triton, whose server batches): each request is sent as it comes, in the same parts of at most
 `max_batch` rows, with the same limits (at most `max_queue` parts outstanding, the same timeout).
 
+Every request comes with its `Admission` (`vit_serve.serve.admission`: priority level, deadline, caller). The
+batching runner takes the most urgent level first, and within a level the earliest deadline (a request without
+one has its queueing time + `request_timeout_s`, so that equal requests keep their arrival order). A request
+whose deadline has passed, or that cannot finish in time by the batches ahead of it (the measured run time of
+recent batches), is refused with `GatewayTimeoutError` (504) at the queue, and one that reaches its deadline
+while waiting is dropped before its batch starts, instead of being run late. A full queue sheds its least
+urgent, newest request (503 + Retry-After) for a more urgent one; shadow copies (`admission.SHADOW`) are below
+every level. A request whose caller went away (its task cancelled: `hangup`, a gRPC cancel) leaves the queue
+and any batch that has not started.
+
 Both take the same `RunnerLimits` (`vit_serve.runtime.settings`: the gateway's, or those of the model's own
 config) and report to the version's `ModelMetrics`.
 """
@@ -24,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +47,8 @@ import numpy as np
 from vit_serve.runtime.backends.base import Backend, LocalBackend, RemoteBackend
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import Outputs, Task
-from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
+from vit_serve.serve.admission import Admission, deadline_exceeded
+from vit_serve.serve.errors import GatewayError, GatewayTimeoutError, NotReadyError, QueueFullError
 from vit_serve.serve.metrics import ModelMetrics
 
 log = logging.getLogger("vit_serve.serve")
@@ -97,11 +109,18 @@ class _Item:
     task: Task
     x: np.ndarray  # [n, 3, H, W]
     future: asyncio.Future[Result]
+    admission: Admission
+    deadline: float  # perf_counter seconds: the admission's, else queued + request_timeout_s
     t0: float = field(default_factory=time.perf_counter)
 
     @property
     def rows(self) -> int:
         return self.x.shape[0]
+
+    @property
+    def order(self) -> tuple[int, float, float]:
+        """The most urgent level first, then the earliest deadline, then the oldest."""
+        return self.admission.priority, self.deadline, self.t0
 
 
 class _Runner:
@@ -139,9 +158,30 @@ class _Runner:
         self.metrics.rejected("queue_full").inc()
         return QueueFullError(f"{what}; retry later", headers={"Retry-After": self.retry_after})
 
-    def _timed_out(self) -> GatewayTimeoutError:
+    def _timed_out(self, admission: Admission | None = None) -> GatewayTimeoutError:
+        if admission is not None and admission.deadline is not None and \
+                admission.deadline <= admission.arrived + self.timeout_s:
+            self.metrics.rejected("deadline").inc()
+            return deadline_exceeded("while it waited for the model")
         self.metrics.rejected("timeout").inc()
         return GatewayTimeoutError(f"no answer within {self.timeout_s:g} s (VIT_SERVE_REQUEST_TIMEOUT_S)")
+
+    def _admit(self, admission: Admission | None, arrival: Arrival | None) -> Admission:
+        """The request's admission (a default one: no deadline, the default level), refused with 504 here if its
+        deadline has already passed."""
+        admission = admission or Admission()
+        left = admission.remaining()
+        if left is not None and left <= 0:
+            if arrival is not None:
+                arrival.done()
+            self.metrics.rejected("deadline").inc()
+            raise deadline_exceeded(f"before it reached the queue, {-left * 1e3:.0f} ms after it")
+        return admission
+
+    def _wait_s(self, admission: Admission) -> float:
+        """How long the request may wait for its answer: the request timeout, or less to its deadline."""
+        left = admission.remaining()
+        return self.timeout_s if left is None else max(0.0, min(self.timeout_s, left))
 
 
 class DirectRunner(_Runner):
@@ -168,7 +208,9 @@ class DirectRunner(_Runner):
     def running(self) -> int:
         return self._outstanding
 
-    async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
+    async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None,
+                     admission: Admission | None = None) -> Result:
+        admission = self._admit(admission, arrival)
         if arrival is not None:
             arrival.done()
         parts = self.parts(x)
@@ -176,11 +218,17 @@ class DirectRunner(_Runner):
             raise self._full(f"{self.limits.max_queue} requests outstanding")
         self._outstanding += len(parts)
         self.metrics.queue_depth.set(self._outstanding)
+        admission.at("infer")  # sent: the server has it (a cancel closes the call: the Triton backend)
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p) for p in parts)), self.timeout_s)
+            results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p) for p in parts)),
+                                             self._wait_s(admission))
         except TimeoutError:
-            raise self._timed_out() from None
+            raise self._timed_out(admission) from None
         return Result.joined(list(results))
+
+    def refuse_waiting(self, error: GatewayError) -> int:
+        """Nothing waits here: the server queues (0)."""
+        return 0
 
     async def _send(self, task: Task, x: np.ndarray) -> Result:
         t0 = time.perf_counter()
@@ -209,6 +257,8 @@ class BatchingRunner(_Runner):
         self._rows: dict[Task, int] = {}  # waiting rows per task
         self._collector: asyncio.Task[None] | None = None
         self._running: list[_Item] = []  # the batch the model is running
+        self._run_started = 0.0
+        self._batch_s: dict[str, float] = {}  # recent batch run time per task kind (an EWMA), for deadlines
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -230,6 +280,15 @@ class BatchingRunner(_Runner):
         self._rows.clear()
         self.metrics.queue_depth.set(0)
 
+    def refuse_waiting(self, error: GatewayError) -> int:
+        """Answer every request still waiting (not in the running batch) with `error`; how many there were."""
+        waiting = list(self._pending)
+        self._drop(*waiting)
+        for item in waiting:
+            if not item.future.done():
+                item.future.set_exception(error)
+        return len(waiting)
+
     @property
     def depth(self) -> int:
         """Requests waiting (not yet in a running batch)."""
@@ -242,33 +301,87 @@ class BatchingRunner(_Runner):
 
     # ---- requests --------------------------------------------------------------------------------------
 
-    async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None) -> Result:
+    async def submit(self, task: Task, x: np.ndarray, arrival: Arrival | None = None,
+                     admission: Admission | None = None) -> Result:
         """x [n, 3, H, W] float32 -> this request's outputs (in parts of at most max_batch rows); QueueFullError
         (503) / GatewayTimeoutError (504)."""
+        admission = self._admit(admission, arrival)
         parts = self.parts(x)
-        if len(self._pending) + len(parts) > self.max_queue:
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        deadline = min(admission.deadline or math.inf, now + self.timeout_s)
+        items = [_Item(task, part, loop.create_future(), admission, deadline, now) for part in parts]
+        try:
+            self._make_room(items)
+            self._refuse_late(items, now)
+        except GatewayError:
             if arrival is not None:
                 arrival.done()
-            raise self._full(f"queue full ({self.max_queue} requests waiting)")
-        loop = asyncio.get_running_loop()
-        items = [_Item(task, part, loop.create_future()) for part in parts]
+            raise
         self._pending.extend(items)
         self._rows[task] = self._rows.get(task, 0) + x.shape[0]
         self.metrics.queue_depth.set(len(self._pending))
+        admission.at("queue")
         if arrival is not None:
             arrival.done()
         self._arrival.set()
         try:
+            wait = self._wait_s(admission)
             if len(items) == 1:
-                return await asyncio.wait_for(items[0].future, self.timeout_s)
-            results = await asyncio.wait_for(asyncio.gather(*(item.future for item in items)), self.timeout_s)
+                return await asyncio.wait_for(items[0].future, wait)
+            results = await asyncio.wait_for(asyncio.gather(*(item.future for item in items)), wait)
         except TimeoutError:
             self._drop(*items)
-            raise self._timed_out() from None
+            raise self._timed_out(admission) from None
         except BaseException:  # a part failed (the others not started are dropped), or the client went away
             self._drop(*items)
             raise
         return Result.joined(list(results))
+
+    def _make_room(self, items: list[_Item]) -> None:
+        """Room in the queue for `items`: shed the least urgent, newest requests waiting at a level below theirs
+        (each answered 503 + Retry-After), or refuse `items` (503) when that is not enough."""
+        over = len(self._pending) + len(items) - self.max_queue
+        if over <= 0:
+            return
+        level = items[0].admission.priority
+        below = sorted((i for i in self._pending if i.admission.priority > level),
+                       key=lambda i: (-i.admission.priority, -i.t0))
+        if len(below) < over:
+            raise self._full(f"queue full ({self.max_queue} requests waiting)")
+        shed = below[:over]
+        self._drop(*shed)
+        for item in shed:
+            self.metrics.rejected("shed").inc()
+            if not item.future.done():
+                item.future.set_exception(QueueFullError(
+                    "shed for more urgent requests (the queue is full); retry later",
+                    headers={"Retry-After": self.retry_after}))
+
+    def _estimate_s(self, task: Task) -> float | None:
+        """How long a batch of `task` takes, by recent ones (None before the first)."""
+        return self._batch_s.get(task.kind)
+
+    def _margin_s(self, item: _Item) -> float:
+        """The time before its deadline a waiting request is given up: one batch's, for a deadline of its own
+        (it could not finish), none for the request timeout alone."""
+        return (self._estimate_s(item.task) or 0.0) if item.admission.deadline is not None else 0.0
+
+    def _refuse_late(self, items: list[_Item], now: float) -> None:
+        """504 now for a request with a deadline that the batches ahead of it leave no time to meet (by the run
+        time of recent batches; nothing is predicted before the first batch of its task)."""
+        first = items[0]
+        per_batch = self._estimate_s(first.task)
+        if first.admission.deadline is None or per_batch is None:
+            return
+        ahead = sum(i.rows for i in self._pending if i.task == first.task and i.order < first.order)
+        rows = sum(i.rows for i in items)
+        busy = max(0.0, per_batch - (now - self._run_started)) if self._running else 0.0
+        finish = now + busy + math.ceil((ahead + rows) / self.max_batch) * per_batch
+        if finish > first.admission.deadline:
+            self.metrics.rejected("deadline").inc()
+            raise deadline_exceeded(f"{(first.admission.deadline - now) * 1e3:.0f} ms left, and the batches "
+                                    f"ahead of it need about {(finish - now) * 1e3:.0f} ms")
 
     def _drop(self, *items: _Item) -> None:
         for item in items:
@@ -288,12 +401,24 @@ class BatchingRunner(_Runner):
             except Exception:  # a bug here must not stall every later request
                 log.exception("batcher error")
 
+    def _expire(self) -> None:
+        """Drop the requests waiting past their deadline, or too close to it for one more batch (504)."""
+        now = time.perf_counter()
+        late = [i for i in self._pending if i.deadline <= now + self._margin_s(i)]
+        if not late:
+            return
+        self._drop(*late)
+        for item in late:
+            if not item.future.done():
+                item.future.set_exception(self._timed_out(item.admission))
+
     async def _next_batch(self) -> None:
+        self._expire()
         if not self._pending:
             self._arrival.clear()
             await self._arrival.wait()
             return
-        first = self._pending[0]
+        first = min(self._pending, key=lambda i: i.order)
         if self.max_batch > 1 and self._rows[first.task] < self.max_batch:
             deadline = first.t0 + self.delay_s
             while self._incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
@@ -302,40 +427,48 @@ class BatchingRunner(_Runner):
                     await asyncio.wait_for(self._arrival.wait(), remaining)
                 except TimeoutError:
                     break
-                if not self._pending or self._pending[0] is not first:
-                    return  # the oldest request timed out or left: start over from the new oldest
+                if first not in self._pending or min(self._pending, key=lambda i: i.order) is not first:
+                    return  # the first request left, or a more urgent one came: start over
                 if self._rows[first.task] >= self.max_batch:
                     break
         batch = self._take(first.task)
         await self._run(first.task, batch)
 
     def _take(self, task: Task) -> list[_Item]:
-        """Remove and return the oldest items of `task` (the first always; others while they fit)."""
+        """Remove and return the most urgent items of `task` (the first always; others while they fit)."""
         batch: list[_Item] = []
-        rest: deque[_Item] = deque()
         rows = 0
-        for item in self._pending:
-            if item.task == task and (not batch or rows + item.rows <= self.max_batch):
+        for item in sorted((i for i in self._pending if i.task == task), key=lambda i: i.order):
+            if not batch or rows + item.rows <= self.max_batch:
                 batch.append(item)
                 rows += item.rows
-            else:
-                rest.append(item)
-        self._pending = rest
+        taken = set(map(id, batch))
+        self._pending = deque(i for i in self._pending if id(i) not in taken)
         self._rows[task] -= rows
-        self.metrics.queue_depth.set(len(rest))
+        self.metrics.queue_depth.set(len(self._pending))
         return batch
 
+    def _timed_run(self, task: Task, x: np.ndarray) -> tuple[Outputs, float]:
+        """The backend's run in the model thread, and its own time (not the wait for the thread)."""
+        t0 = time.perf_counter()
+        outputs = self.local.run(task, x)
+        return outputs, time.perf_counter() - t0
+
     async def _run(self, task: Task, batch: list[_Item]) -> None:
+        batch = [item for item in batch if not item.future.done()]  # left since they were taken
+        if not batch:
+            return
         x = batch[0].x if len(batch) == 1 else np.concatenate([item.x for item in batch])
         rows = x.shape[0]
         start = time.perf_counter()
         for item in batch:
             self.metrics.queue_wait.observe(start - item.t0)
+            item.admission.at("infer")
         self.metrics.batch_size(task.kind).observe(rows)
         self.metrics.in_flight.set(rows)
-        self._running = batch
+        self._running, self._run_started = batch, start
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.local.run, task, x)
+            outputs, run_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_run, task, x)
         except Exception as e:
             for item in batch:
                 if not item.future.done():
@@ -346,6 +479,8 @@ class BatchingRunner(_Runner):
             self.metrics.in_flight.set(0)
         end = time.perf_counter()
         self.metrics.inference(task.kind).observe(end - start)
+        last = self._batch_s.get(task.kind)
+        self._batch_s[task.kind] = run_s if last is None else 0.7 * last + 0.3 * run_s
         offset = 0
         for item in batch:
             if not item.future.done():  # not timed out meanwhile

@@ -130,10 +130,29 @@ class VersionInfo(BaseModel):
     in_flight: int | None = Field(None, description="requests holding it now")
 
 
+class ShadowSpec(BaseModel):
+    """A shadow version as the API shows it."""
+
+    version: int = Field(description="the version that runs the copies")
+    share: float = Field(100.0, description="percent of the primary's answers copied to it, (0, 100]")
+
+
+class TrafficSpec(BaseModel):
+    """A traffic policy as the API takes and shows it (`POST /v2/repository/models/NAME/traffic`)."""
+
+    traffic: dict[str, float] = Field(default_factory=dict, description="weights by version (relative); empty: "
+                                      "the newest version in service takes every request")
+    shadow: ShadowSpec | None = Field(None, description="the shadow version, or null")
+    primary: int | None = Field(None, description="the version the split treats as primary now (the largest "
+                                "weight in service; answers only, ignored in a request)")
+
+
 class ModelEntryInfo(BaseModel):
     name: str
     default: bool = Field(description="whether requests naming no model get this one")
     versions: list[VersionInfo]
+    traffic: TrafficSpec | None = Field(None, description="its traffic policy between versions (weights, shadow, "
+                                        "the primary now; null: none)")
 
 
 class ModelsResponse(BaseModel):

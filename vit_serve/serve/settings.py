@@ -54,8 +54,11 @@ class SecuritySettings(BaseSettings):
         default_factory=list, description="keys a client sends as Authorization: Bearer KEY or X-API-Key "
         "(VIT_SERVE_API_KEYS: a JSON list or comma-separated; sha256:HEX entries are taken as hashes); none: no "
         "key needed")
-    api_keys_file: Annotated[str | None, Flag("keys (or sha256:HEX hashes), one a line", metavar="FILE")] = Field(
-        None, description="a file of keys (or sha256:HEX hashes), one a line")
+    api_keys_file: Annotated[str | None, Flag(
+        "keys (or sha256:HEX hashes), one a line, each optionally with name=, priority=, rate=, burst=",
+        metavar="FILE")] = Field(
+        None, description="a file of keys (or sha256:HEX hashes), one a line, each optionally followed by name=NAME "
+        "priority=LEVEL rate=R burst=B (security.KeyRing)")
     admin_api_keys: Annotated[list[str], NoDecode, Flag(
         "a key that may also load and unload models (repeatable)", name="--admin-api-key", metavar="KEY")] = Field(
         default_factory=list, description="keys that may also load and unload models (the repository API); "
@@ -201,6 +204,16 @@ class ServeSettings(BaseSettings):
         "the URL prefix a proxy serves the gateway under (e.g. /vit; uvicorn's root_path)")] = Field(
         "", pattern=r"^(/[^/?#\s]+)*$", description="the URL prefix a proxy serves the gateway under (uvicorn's "
         "root_path, e.g. /vit): routes and key checks see the path without it")
+    # Graceful shutdown (vit_serve.serve.shutdown): on SIGTERM / SIGINT, drain, then grace, then 503 the rest.
+    shutdown_drain_s: Annotated[float, Flag(
+        "on SIGTERM, seconds /readyz answers 503 while requests are still served, before the listener closes "
+        "(default {default})")] = Field(5.0, ge=0, description="on SIGTERM / SIGINT: seconds the readiness "
+        "probes answer 503 (draining) while the server still accepts and answers, so that a load balancer "
+        "stops sending before the listener closes")
+    shutdown_grace_s: Annotated[float, Flag(
+        "then, seconds the queued and running requests have to finish; those still waiting get 503 "
+        "(default {default})")] = Field(20.0, ge=0, description="after the drain: seconds the queued and "
+        "running requests have to finish; the requests still waiting then are answered 503 + Retry-After")
     limits: RunnerLimits = Field(default_factory=RunnerLimits)
 
     # Untrusted input.

@@ -27,6 +27,7 @@ from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT
 from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import CLASSIFY, Task
+from vit_serve.serve.admission import Admission
 from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
@@ -183,14 +184,16 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, labels: list[str
     return OutputTensor(out["name"], "BYTES", shape, items, binary)
 
 
-async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int) -> list[OutputTensor]:
+async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int,
+                admission: Admission | None = None) -> list[OutputTensor]:
     """Run `req` (parsed within `request_bounds`) on the version (held by the caller, announced as `arrival`),
     its images decoded `decode_window` at a time (the settings' decode_workers): its outputs, in the order asked
     (all of them when it names none); 400 for an output the model does not have.
 
     With the request parameter `labels` (a model served with its text tower) `logits` is [B, n] over those labels,
     zero-shot (`vit_serve.runtime.zero_shot`), and its classification names them; at most VIT_SERVE_MAX_LABELS
-    labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond)."""
+    labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond). `admission`: the request's level and deadline
+    (`parameters.priority`, `parameters.timeout`, a gRPC deadline)."""
     available = [o["name"] for o in output_specs(mv.info)]
     wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
     for out in wanted:
@@ -201,7 +204,7 @@ async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_wi
     x = await pixels(mv, req.inputs, decode_window)
     outputs: dict[str, np.ndarray] = {}
     for i, task in enumerate(tasks):  # the arrival announced one request: the first pass takes it
-        outputs.update((await mv.infer(task, x, arrival if i == 0 else None)).outputs)
+        outputs.update((await mv.infer(task, x, arrival if i == 0 else None, admission)).outputs)
     if labels is not None and EMBEDDING in outputs:
         outputs[LOGITS], _ = await mv.label_logits(labels, outputs[EMBEDDING])
     names = labels if labels is not None else mv.info.labels

@@ -16,7 +16,7 @@ from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep
 from vit_serve.serve.errors import BadRequestError
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, infer_upload
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
 from vit_serve.serve.schemas import ClassifyResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -34,6 +34,7 @@ async def classify(
     response: Response,
     choice: ModelChoiceDep,
     scope: ScopeDep,
+    admission: AdmissionDep,
     top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
     explain: Annotated[bool, Query(description="also return the attention rollout of the same forward pass "
                                                "(models with an explain graph)")] = False,
@@ -85,7 +86,7 @@ async def classify(
         return mv.explain_task("rollout", None, None) if explain else CLASSIFY
 
     text_ms = 0.0
-    async with infer_upload(request, choice, scope, task_of) as done:
+    async with infer_upload(request, choice, scope, task_of, admission) as done:
         mv, decoded, result = done.mv, done.decoded, done.result
         if names is not None:
             logits, text_ms = await mv.label_logits(names, result.outputs[EMBEDDING])

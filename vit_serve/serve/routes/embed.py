@@ -12,7 +12,7 @@ from vit_serve.runtime.postprocess import normalize_embedding
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, infer_upload
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
 from vit_serve.serve.schemas import EmbedResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -28,6 +28,7 @@ async def embed(
     request: Request,
     choice: ModelChoiceDep,
     scope: ScopeDep,
+    admission: AdmissionDep,
     normalize: Annotated[bool, Query(description="L2-normalise the embedding (cosine similarity is then the "
                                                  "dot product)")] = False,
 ) -> dict:
@@ -39,7 +40,7 @@ async def embed(
     answer 400). The image is kept like /classify's, so `GET /explain?id=` works on it too.
     """
     t0 = time.perf_counter()
-    async with infer_upload(request, choice, scope, ModelVersion.embed_task) as done:
+    async with infer_upload(request, choice, scope, ModelVersion.embed_task, admission) as done:
         mv, decoded, result = done.mv, done.decoded, done.result
     vector = normalize_embedding(result.outputs[EMBEDDING][0], normalize)
     info = mv.info

@@ -25,7 +25,7 @@ from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep, ModelDep
 from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, infer_upload
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
 from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
@@ -102,6 +102,7 @@ async def explain_by_id(
     mv: ModelDep,
     params: ParamsDep,
     scope: ScopeDep,
+    admission: AdmissionDep,
     id: Annotated[str, Query(pattern="^[0-9a-f]{64}$",
                              description="the `id` POST /classify returned to the same API key")],
 ) -> Response | dict:
@@ -122,19 +123,21 @@ async def explain_by_id(
         raise NotFoundError(f"no image with id {id} here for model {mv.name!r} (never sent to it, expired or "
                             f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
                             f"image/* body)")
+    admission.check(mv)
     with mv.arriving() as arrival:
+        admission.at("decode", mv)
         x = await mv.tensor_of(crop)
-        result = await mv.infer(task, x, arrival)
+        result = await mv.infer(task, x, arrival, admission)
         return await _answer(mv, task, id, crop, result, params, t0, 0.0)
 
 
 @router.post("/explain", response_model=ExplainResponse, responses={200: {**PNG, **BY_ID_LINK}, **ERRORS},
              openapi_extra=IMAGE_REQUEST_BODY)
-async def explain_upload(request: Request, choice: ModelChoiceDep, params: ParamsDep, scope: ScopeDep
-                         ) -> Response | dict:
+async def explain_upload(request: Request, choice: ModelChoiceDep, params: ParamsDep, scope: ScopeDep,
+                         admission: AdmissionDep) -> Response | dict:
     """Explain an uploaded image (same body as POST /classify, same parameters and answers as GET /explain)."""
     t0 = time.perf_counter()
-    async with infer_upload(request, choice, scope, lambda mv: _task(mv, params)) as done:
+    async with infer_upload(request, choice, scope, lambda mv: _task(mv, params), admission) as done:
         decoded = done.decoded  # the overlay is drawn while the version is still held
         return await _answer(done.mv, done.task, decoded.id, decoded.crop, done.result, params, t0,
                              decoded.decode_ms)

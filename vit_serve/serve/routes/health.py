@@ -34,6 +34,8 @@ def _version_state(v: ModelVersion) -> str:
 
 def public_reason(gateway: Gateway) -> str:
     """Why the gateway is not ready, in words fit for anyone: states and model names only."""
+    if gateway.draining:
+        return "draining"  # shutting down (vit_serve.serve.shutdown): still answering, taking no new traffic
     repo = gateway.repository
     if repo is None or not gateway.started:
         return "the models are loading"
@@ -52,7 +54,8 @@ def public_reason(gateway: Gateway) -> str:
 async def readyz(request: Request, gateway: GatewayDep) -> StrictJSONResponse:
     """Readiness: 200 `{"ready": true, "model", "backend"}` once the default model (or, when there is none, every
     loaded model) is loaded and warmed up and its backend answers; 503 `{"ready": false, "reason"}` before that
-    (or while a Triton server is unreachable), the reason a short state (GET /models has the details). A model
+    (or while a Triton server is unreachable, or `"draining"` once the server is shutting down: it still answers
+    for `shutdown_drain_s`), the reason a short state (GET /models has the details). A model
     of the repository that failed to load is shown by GET /models and does not make the gateway unready."""
     ok, detail = await gateway.readiness()
     state = request.app.state

@@ -1,6 +1,6 @@
 """What the routes that take an image (POST /classify, /embed, /explain) share: their documented errors and links,
-and one upload through a model (`infer_upload`: read -> choose the version -> decode, kept for GET /explain ->
-infer).
+the request's deadline (`AdmissionDep`: `?timeout_ms=` / `X-Request-Timeout-Ms`), and one upload through a model
+(`infer_upload`: read -> choose the version -> decode, kept for GET /explain -> infer).
 """
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Annotated
 
+from fastapi import Depends, Header, Query
 from starlette.requests import Request
 
 from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.task import Task
+from vit_serve.serve.admission import Admission, admission_of
 from vit_serve.serve.deps import ModelChoice
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Result
@@ -31,9 +34,30 @@ ERRORS = {
     413: {"model": ErrorBody, "description": "body over the size limit, or image over the pixel limit"},
     415: {"model": ErrorBody, "description": "not an image (or not a format PIL reads)"},
     422: {"description": "corrupt / truncated / empty image, or bad query parameters"},
-    503: {"model": ErrorBody, "description": "queue full (Retry-After), or the model is loading or unloaded"},
-    504: {"model": ErrorBody, "description": "no answer within the request timeout"},
+    429: {"model": ErrorBody, "description": "the API key is over its rate (Retry-After, RateLimit-* headers)"},
+    503: {"model": ErrorBody, "description": "queue full or shed for more urgent requests (Retry-After), or the "
+                                             "model is loading or unloaded"},
+    504: {"model": ErrorBody, "description": "no answer within the request timeout, or the request's deadline "
+                                             "(timeout_ms) passed or could not be met: it was not run"},
 }
+
+
+async def get_admission(
+    request: Request,
+    timeout_ms: Annotated[float | None, Query(ge=0, description="answer within this many milliseconds of the "
+                                                              "request's arrival, or 504 without running it (the "
+                                                              "smaller of this and X-Request-Timeout-Ms)")] = None,
+    x_request_timeout_ms: Annotated[float | None, Header(ge=0, description="as timeout_ms")] = None,
+) -> Admission:
+    """The request's Admission (`hangup.HangUp` made it; the key check named its caller) with its deadline
+    (checked once the version that would answer is known: `infer_upload`)."""
+    admission = admission_of(request.scope)
+    for value, what in ((timeout_ms, "timeout_ms"), (x_request_timeout_ms, "X-Request-Timeout-Ms")):
+        admission.within(None if value is None else value / 1e3, what)
+    return admission
+
+
+AdmissionDep = Annotated[Admission, Depends(get_admission)]
 
 
 @dataclass(frozen=True)
@@ -51,19 +75,23 @@ class Inferred:
 
 
 @contextlib.asynccontextmanager
-async def infer_upload(request: Request, choice: ModelChoice, scope: str,
-                       task_of: Callable[[ModelVersion], Task]) -> AsyncIterator[Inferred]:
+async def infer_upload(request: Request, choice: ModelChoice, scope: str, task_of: Callable[[ModelVersion], Task],
+                       admission: Admission) -> AsyncIterator[Inferred]:
     """Read the request's image, then run `task_of(version)` on it: 404 / 400 before the body is read (for the
     version that would answer), the version chosen once it is; the version is held until the block ends (an
-    answer that still uses it, e.g. a PNG overlay, is made inside the block)."""
-    with choice.announce(task_of):
+    answer that still uses it, e.g. a PNG overlay, is made inside the block). `admission` follows it through
+    (its stage, for a client that hangs up; its deadline and level, for the queue)."""
+    with choice.announce(task_of) as announced:
+        admission.at("read", announced.version)
+        admission.check(announced.version)  # a deadline past on arrival: 504 before the body is read
         upload = await read_image(request)
     t_read = time.perf_counter()
     with choice.use() as mv, mv.arriving() as arrival:
+        admission.at("decode", mv)
         task = task_of(mv)
         decoded = await decode_kept(mv, upload, scope)
         t_decoded = time.perf_counter()
-        result = await mv.infer(task, decoded.x, arrival)
+        result = await mv.infer(task, decoded.x, arrival, admission)
         yield Inferred(mv, task, decoded, result, t_read, t_decoded)
 
 

@@ -1,14 +1,60 @@
-"""GET /models: the repository's models, their versions and states, for people and for the web page."""
+"""GET /models: the repository's models, their versions and states, for people and for the web page; GET
+/models/{name}/compare: the live agreement of its primary with its shadow and canaries (`compare`)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import dataclasses
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, Field
 
 from vit_serve.serve.deps import GatewayDep
-from vit_serve.serve.errors import NotReadyError
-from vit_serve.serve.schemas import ModelsResponse
+from vit_serve.serve.errors import NotFoundError, NotReadyError
+from vit_serve.serve.repository import ModelRepository
+from vit_serve.serve.schemas import ModelsResponse, TrafficSpec
 
 router = APIRouter(tags=["models"])
+NameDep = Annotated[str, Path(description="a model of the repository (GET /models lists them)")]
+
+
+class LatencyInfo(BaseModel):
+    p50_ms: float
+    p99_ms: float
+
+
+class AgreementInfo(BaseModel):
+    version: int = Field(description="the shadow or canary version")
+    primary: int = Field(description="the primary version it is compared with")
+    role: str = Field(description="shadow or canary")
+    pairs: int = Field(description="request pairs in the window")
+    images: int = Field(description="images of those pairs")
+    top1_agreement: float | None = Field(description="share of images with the same top-1 class")
+    logit_abs_delta: float | None = Field(description="mean over images of mean |logit delta| (null: class "
+                                          "counts differ)")
+    embedding_cosine: float | None = Field(description="mean cosine of the embeddings (embed requests; else null)")
+    primary_latency: LatencyInfo | None = Field(description="queue wait + model run of the primary's side")
+    other_latency: LatencyInfo | None = Field(description="the same, of this version's side")
+
+
+class CompareResponse(BaseModel):
+    model: str
+    window: int = Field(description="request pairs kept per version (compare_window)")
+    policy: TrafficSpec | None = Field(description="the traffic policy in force (null: none)")
+    versions: list[AgreementInfo]
+
+
+def _repository(gateway: GatewayDep) -> ModelRepository:
+    repo = gateway.repository
+    if repo is None:
+        raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
+    return repo
+
+
+def policy_of(repo: ModelRepository, name: str) -> TrafficSpec | None:
+    """The model's traffic policy as the API shows it (None: none)."""
+    policy = repo.traffic.get(name)
+    return None if policy is None else policy.to_spec(repo.served.get(name, {}))
 
 
 @router.get("/models", response_model=ModelsResponse)
@@ -16,14 +62,14 @@ async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain",
     "memory_bytes", "in_flight"}]}]}`. States are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its
-    reason); a model never loaded has one entry with version and state null."""
-    repo = gateway.repository
-    if repo is None:
-        raise NotReadyError("the models are loading", headers={"Retry-After": "1"})
+    reason); a model never loaded has one entry with version and state null. `traffic`: its traffic policy
+    (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one)."""
+    repo = _repository(gateway)
     default = repo.default_name
     out: dict[str, dict] = {}
     for row in repo.index():
-        entry = out.setdefault(row.name, {"name": row.name, "default": row.name == default, "versions": []})
+        entry = out.setdefault(row.name, {"name": row.name, "default": row.name == default, "versions": [],
+                                          "traffic": policy_of(repo, row.name)})
         version = {"version": row.version, "state": row.state, "reason": row.reason}
         mv = repo.served.get(row.name, {}).get(row.version) if row.version is not None else None
         if mv is not None:
@@ -33,3 +79,16 @@ async def models(gateway: GatewayDep) -> dict:
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
             "models": list(out.values())}
+
+
+@router.get("/models/{name}/compare", response_model=CompareResponse, responses={404: {"description": "unknown model"}})
+async def compare(name: NameDep, gateway: GatewayDep) -> CompareResponse:
+    """The live agreement of `name`'s primary with each shadow / canary version over the last `compare_window`
+    request pairs (top-1 agreement, mean |logit delta|, embedding cosine, each side's latency p50 / p99), and its
+    traffic policy. A version without pairs yet is not listed."""
+    repo = _repository(gateway)
+    if name not in repo.entries and name not in repo.served:
+        raise NotFoundError(f"unknown model {name!r}; this gateway serves "
+                            f"{', '.join(repr(n) for n in repo.names()) or 'no model'}")
+    versions = [AgreementInfo.model_validate(dataclasses.asdict(a)) for a in repo.compare.summaries(name)]
+    return CompareResponse(model=name, window=repo.compare.size, policy=policy_of(repo, name), versions=versions)

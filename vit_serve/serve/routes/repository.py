@@ -6,6 +6,11 @@ its folder: new versions in, removed ones out) and `.../unload` unloads it. Load
 `--model-control explicit` (Triton's rule; otherwise 400 saying so); tritonclient's
 `get_model_repository_index`, `load_model` and `unload_model` work against these routes. `--no-repository-api`
 (VIT_SERVE_REPOSITORY_API=false) answers 403 on all three.
+
+`POST /v2/repository/models/{name}/traffic` (admin keys only, in any model control mode) replaces the model's
+traffic split: `{"traffic": {"1": 90, "2": 10}, "shadow": {"version": 3, "share": 25} | null}` (weights relative;
+`{}` / null: the newest version takes every request). Every version named must be in service; the new policy is
+swapped in as one object and answered back with the primary it gives (`traffic`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
+from pydantic import ValidationError
 
 from vit_serve.serve.deps import GatewayDep
 from vit_serve.serve.errors import V2, BadRequestError
 from vit_serve.serve.repository import ModelRepository
-from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.schemas import StrictJSONResponse, TrafficSpec
 from vit_serve.serve.v2_model import repository_of
 from vit_serve.serve.v2_protocol import load_json
 
@@ -86,3 +92,28 @@ async def unload(name: NameDep, request: Request, repo: RepositoryDep) -> Strict
     await _body(request)
     await repo.unload(name)
     return StrictJSONResponse({})
+
+
+TRAFFIC_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/TrafficSpec"}}}}}
+
+
+@router.post("/models/{name}/traffic", responses={**ERRORS, 404: V2_ERROR}, response_model=TrafficSpec,
+             openapi_extra=TRAFFIC_BODY)
+async def traffic(name: NameDep, request: Request, repo: RepositoryDep) -> StrictJSONResponse:
+    """Replace `name`'s traffic split: `{"traffic": {"VERSION": weight, ...}, "shadow": {"version", "share"} |
+    null}`; answers the policy now in force with its `primary`. 400 naming what is wrong (a version not in
+    service, a negative weight, weights adding up to 0, a share outside (0, 100])."""
+    body = await _body(request)
+    unknown = sorted(set(body) - {"traffic", "shadow", "primary"})
+    if unknown:
+        raise BadRequestError(f"unknown field {', '.join(map(repr, unknown))} (the body has 'traffic' and 'shadow')")
+    try:
+        spec = TrafficSpec.model_validate({"traffic": body.get("traffic") or {}, "shadow": body.get("shadow")},
+                                          strict=False)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadRequestError(f"{where}: {first['msg']}") from None
+    policy = repo.set_traffic(name, spec)
+    return StrictJSONResponse(policy.to_spec(repo.served.get(name, {})).model_dump())

@@ -24,7 +24,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from vit_serve.serve import v2_model
-from vit_serve.serve.deps import GatewayDep, ModelChoice
+from vit_serve.serve.admission import Admission, admission_of
+from vit_serve.serve.deps import SESSION_HEADER, GatewayDep, ModelChoice
 from vit_serve.serve.errors import V2, BadRequestError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
@@ -83,7 +84,7 @@ async def live() -> dict:
 @protocol.get("/health/ready", response_model=ServerReady, responses={503: {"model": ServerReady}})
 async def ready(gateway: GatewayDep) -> StrictJSONResponse:
     """200 `{"ready": true}` once the model is loaded, warmed up and its backend answers; 503 `{"ready": false,
-    "error": why}` before."""
+    "error": why}` before, and `"error": "draining"` once the server is shutting down (vit_serve.serve.shutdown)."""
     ok, why = await gateway.readiness()
     return StrictJSONResponse({"ready": True} if ok else {"ready": False, "error": why}, 200 if ok else 503)
 
@@ -155,12 +156,15 @@ INFER_DOC = {
 async def infer(name: NameDep, request: Request, gateway: GatewayDep) -> Response:
     """Inference: `{"id"?, "inputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}],
     "outputs"?: [{"name", "parameters": {"binary_data", "classification"}}], "parameters"?:
-    {"binary_data_output", "head_fusion", "discard_ratio"}}` -> `{"model_name", "model_version", "id"?,
+    {"binary_data_output", "head_fusion", "discard_ratio", "timeout" (µs, Triton's: 0 none), "priority" (Triton's
+    levels: 1 first; it may lower the API key's level, never raise it)}}` -> `{"model_name", "model_version", "id"?,
     "outputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}]}` (+ raw tensors after the
     JSON, with the `Inference-Header-Content-Length` header, when any output is binary). `classification: k`
     answers BYTES [B, k] of "logit:index:label" (Triton's classification extension); NaN / inf in JSON data
-    are null. The model's newest version in service answers (`model_version` says which)."""
-    return await _infer(request, gateway, ModelChoice(gateway, name))
+    are null. The model's newest version in service answers, or its traffic split's draw (sticky per
+    `X-Session-Id`; `model_version` says which)."""
+    session = request.headers.get(SESSION_HEADER) or None  # sticky traffic splits (deps.SessionHeader)
+    return await _infer(request, gateway, ModelChoice(gateway, name, None, session))
 
 
 @protocol.post("/models/{name}/versions/{version}/infer", **INFER_DOC, include_in_schema=False)  # Triton's alias
@@ -170,18 +174,24 @@ async def version_infer(name: NameDep, version: VersionDep, request: Request, ga
 
 
 async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Response:
-    with choice.announce():  # 404 / 503 before the body is read; the version is chosen once it is
+    admission = admission_of(request.scope)
+    with choice.announce() as announced:  # 404 / 503 before the body is read; the version is chosen once it is
+        admission.at("read", announced.version)
         raw = await request.body()
     with choice.use() as mv, mv.arriving() as arrival:
-        return await _infer_on(raw, request, gateway, mv, arrival)
+        return await _infer_on(raw, request, gateway, mv, arrival, admission)
 
 
-async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival) -> Response:
+async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival,
+                    admission: Admission) -> Response:
+    admission.at("decode", mv)
     body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
                        gateway.settings.max_body_bytes)
     bounds = v2_model.request_bounds(mv, gateway.settings.limits)
     req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
-    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers)
+    admission.v2_parameters(req.parameters)  # parameters.timeout (µs), parameters.priority
+    admission.check(mv)
+    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers, admission)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
 

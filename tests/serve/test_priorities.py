@@ -1,0 +1,199 @@
+"""The batcher's order and refusals with the real gateway and model: the most urgent level runs first, a full queue
+sheds the least urgent newest request for a more urgent one, and a request that cannot meet its deadline is
+refused at the queue or dropped before its batch (504), never run late.
+
+As in test_batching, requests are held in the queue by occupying the version's single model thread with a task
+that waits on an event: nothing runs until it is released, so the order the model takes them in is the order
+the batcher chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+from gateway_helpers import metric, run, serving, settings_for
+
+from vit_serve.runtime.task import CLASSIFY
+from vit_serve.serve.admission import SHADOW, Admission
+from vit_serve.serve.errors import GatewayTimeoutError, QueueFullError
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def _x(mv, i: int) -> np.ndarray:
+    h, w = mv.info.resolution
+    return np.random.default_rng(i).standard_normal((1, 3, h, w)).astype(np.float32)
+
+
+async def _hold(mv) -> tuple[threading.Event, asyncio.Task]:
+    """Occupy the model thread, and put one request in the batch waiting for it: what is submitted afterwards
+    waits in the queue until the event is set."""
+    gate = threading.Event()
+    mv.thread.submit(gate.wait)
+    blocker = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 99), None, Admission()))
+    await _until(lambda: mv.runner.running == 1)
+    return gate, blocker
+
+
+def test_the_most_urgent_level_runs_first_and_arrival_order_within_a_level(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=1)) as (_, app):
+            mv = app.state.gateway.model()
+            gate, blocker = await _hold(mv)
+            done: list[str] = []
+
+            async def one(name: str, level: int) -> None:
+                await mv.infer(CLASSIFY, _x(mv, len(done)), None, Admission(priority=level))
+                done.append(name)
+
+            tasks = []
+            for name, level in [("low-1", 3), ("mid-1", 2), ("low-2", 3), ("top-1", 1), ("mid-2", 2), ("top-2", 1)]:
+                tasks.append(asyncio.create_task(one(name, level)))
+                n = len(tasks)
+                await _until(lambda n=n: mv.runner.depth == n)
+            gate.set()
+            await asyncio.gather(blocker, *tasks)
+            return done
+
+    assert run(scenario()) == ["top-1", "top-2", "mid-1", "mid-2", "low-1", "low-2"]
+
+
+def test_a_full_queue_sheds_the_least_urgent_newest_for_a_more_urgent_request(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=1, max_queue=3)) as (client, app):
+            mv = app.state.gateway.model()
+            gate, blocker = await _hold(mv)
+            jobs = {"blocker": blocker}
+            for name, level in [("a", 2), ("shadow", SHADOW), ("b", 2)]:
+                jobs[name] = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 0), None, Admission(priority=level)))
+                n = len(jobs) - 1
+                await _until(lambda n=n: mv.runner.depth == n)
+            jobs["urgent"] = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 1), None, Admission(priority=1)))
+            await _until(lambda: jobs["shadow"].done())
+            jobs["c"] = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 2), None, Admission(priority=1)))
+            await _until(lambda: jobs["b"].done())
+            jobs["d"] = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 3), None, Admission(priority=2)))
+            await _until(lambda: jobs["d"].done())
+            gate.set()
+            outcomes = {}
+            for name, job in jobs.items():
+                try:
+                    await job
+                    outcomes[name] = "ok"
+                except QueueFullError as e:
+                    outcomes[name] = f"503 {e.retry_after}"
+            return outcomes, (await client.get("/metrics")).text
+
+    outcomes, text = run(scenario())
+    # the shadow copy went first (below every level), then the newest of level 2; an equal level is refused
+    assert outcomes == {"blocker": "ok", "a": "ok", "shadow": "503 1", "b": "503 1", "urgent": "ok", "c": "ok",
+                        "d": "503 1"}
+    assert metric(text, "vit_serve_rejected_total", reason="shed") == 2
+    assert metric(text, "vit_serve_rejected_total", reason="queue_full") == 1
+
+
+def test_deadlines_refuse_at_the_queue_and_drop_before_the_batch(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=1)) as (client, app):
+            mv = app.state.gateway.model()
+            for i in range(3):  # the batcher learns how long a batch takes
+                await mv.infer(CLASSIFY, _x(mv, i), None, Admission())
+            per_batch = mv.runner._batch_s["classify"]
+            gate, blocker = await _hold(mv)
+            queued = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission())) for i in range(6)]
+            await _until(lambda: mv.runner.depth == 6)
+            outcome = {}
+            # at a lower level, six batches ahead and time for two: refused now, not queued
+            short = Admission(deadline=time.perf_counter() + 2 * per_batch, priority=2)
+            try:
+                await mv.infer(CLASSIFY, _x(mv, 9), None, short)
+            except GatewayTimeoutError as e:
+                outcome["predicted"] = str(e)
+            outcome["depth"] = mv.runner.depth
+            # 0.3 s left, the earliest deadline of its level: first in line, admitted; the model stays busy
+            urgent = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 10), None,
+                                                  Admission(deadline=time.perf_counter() + 0.3)))
+            await _until(lambda: mv.runner.depth == 7)
+            past = Admission(deadline=time.perf_counter() - 0.001)
+            try:
+                await mv.infer(CLASSIFY, _x(mv, 11), None, past)
+            except GatewayTimeoutError as e:
+                outcome["past"] = str(e)
+            try:
+                await urgent
+            except GatewayTimeoutError as e:
+                outcome["expired"] = str(e)
+            before = metric((await client.get("/metrics")).text, "vit_serve_batch_size_sum", task="classify")
+            gate.set()
+            await asyncio.gather(blocker, *queued)
+            after = metric((await client.get("/metrics")).text, "vit_serve_batch_size_sum", task="classify")
+            return outcome, before, after, (await client.get("/metrics")).text
+
+    outcome, before, after, text = run(scenario())
+    assert "batches ahead of it need" in outcome["predicted"] and outcome["depth"] == 6
+    assert "before it reached the queue" in outcome["past"]
+    assert "while it waited" in outcome["expired"]
+    assert after - before == 6  # the six queued ran; the three refused never did (the blocker was counted before)
+    assert metric(text, "vit_serve_rejected_total", reason="deadline") == 3
+
+
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_a_bad_timeout_is_422(tiny_ckpt, photos, value):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (client, _):
+            return (await client.post("/classify", content=photos["coffee.jpg"],
+                                      headers={"Content-Type": "image/jpeg", "X-Request-Timeout-Ms": value}),
+                    await client.post(f"/classify?timeout_ms={value}", content=photos["coffee.jpg"],
+                                      headers={"Content-Type": "image/jpeg"}))
+
+    for r in run(scenario()):
+        assert r.status_code == 422 and "timeout" in r.text.lower()
+
+
+def test_keys_priority_levels_order_the_queue_over_http(tiny_ckpt, photos, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("gold-key name=gold priority=1\nbronze-key name=bronze priority=3\n")
+    jpeg = {"Content-Type": "image/jpeg"}
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=1, api_keys_file=str(keys))) as (client, app):
+            mv = app.state.gateway.model()
+            gate, blocker = await _hold(mv)
+            order: list[str] = []
+
+            async def one(who: str, level: int | None = None) -> int:
+                path = "/classify" if level is None else "/v2/models/tiny/infer"
+                headers = {"X-API-Key": f"{who}-key", **jpeg}
+                if level is None:
+                    r = await client.post(path, content=photos["coffee.jpg"], headers=headers)
+                else:  # a gold request lowering itself to level 5: behind bronze
+                    shape = [1, 3, *mv.info.resolution]
+                    body = {"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": shape,
+                                        "data": _x(mv, 0).ravel().tolist()}], "parameters": {"priority": level}}
+                    r = await client.post(path, json=body, headers={"X-API-Key": f"{who}-key"})
+                order.append(who if level is None else f"{who}@{level}")
+                return r.status_code
+
+            jobs = []
+            for who, level in [("bronze", None), ("gold", 5), ("bronze", None), ("gold", None), ("gold", None)]:
+                jobs.append(asyncio.create_task(one(who, level)))
+                n = len(jobs)
+                await _until(lambda n=n: mv.runner.depth == n)
+            gate.set()
+            codes = await asyncio.gather(*jobs)
+            await blocker
+            return order, codes
+
+    order, codes = run(scenario())
+    assert codes == [200] * 5
+    assert order == ["gold", "gold", "bronze", "bronze", "gold@5"]

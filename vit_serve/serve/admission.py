@@ -1,0 +1,144 @@
+"""One request's terms with the queue: who sent it, how urgent it is, when it must be answered by, which session
+it belongs to, and where it is now (`Admission`).
+
+Priority levels are Triton's: 1 is the most urgent and a larger number waits behind a smaller one. A key's level
+comes from the keys file (`security.KeyRing`); a request may lower its own (`/v2` `parameters.priority`, gRPC's
+`priority` parameter) but never raise it (`lowered`). Shadow copies (`traffic`) run at `SHADOW`, below every
+level: they are the first work shed.
+
+Deadlines: `?timeout_ms=` or `X-Request-Timeout-Ms` (HTTP routes), `parameters.timeout` in microseconds (`/v2`
+and gRPC, Triton's meaning: 0 is no timeout), and the gRPC call's own deadline; the earliest wins, counted from
+the request's arrival. A request whose deadline has passed, or that the batcher predicts it cannot answer in
+time, is refused with 504 / DEADLINE_EXCEEDED instead of being run late (`runner`).
+
+Stages, for `vit_serve_cancelled_total{stage}` (a client that hung up, `hangup`): read (its body), decode, queue,
+infer (its batch had started: the answer is thrown away).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from starlette.types import Scope
+
+from vit_serve.serve.errors import GatewayTimeoutError, InvalidValueError
+
+Stage = Literal["read", "decode", "queue", "infer"]
+STAGES: tuple[Stage, ...] = ("read", "decode", "queue", "infer")
+DEFAULT_PRIORITY = 1  # Triton's most urgent level; a key without a level has this one
+SHADOW = 1 << 30  # below every level a key may have
+ANONYMOUS = "anonymous"  # the caller's name without API keys
+TIMEOUT_HEADER = "x-request-timeout-ms"
+SCOPE_KEY = "vit_serve.admission"  # where an HTTP request's Admission lives in its ASGI scope
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the queue sees it: the key's name (metrics are labelled by it, never by the key)
+    and its priority level."""
+
+    name: str = ANONYMOUS
+    priority: int = DEFAULT_PRIORITY
+
+
+@dataclass(eq=False)
+class Admission:
+    """A request's terms (set as it arrives) and its progress (updated as it goes), one object per request."""
+
+    arrived: float = field(default_factory=time.perf_counter)  # perf_counter seconds
+    deadline: float | None = None  # perf_counter seconds; None: the runner's request_timeout_s alone
+    caller: Caller = field(default_factory=Caller)
+    priority: int = DEFAULT_PRIORITY
+    session: str | None = None  # X-Session-Id: sticky canary routing (`traffic`)
+    shadow: bool = False  # a shadow copy (`traffic`): nobody waits for its answer
+    stage: Stage = "read"
+    model: str = ""
+    version: str = ""
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.priority = max(self.priority, self.caller.priority)
+
+    # ---- terms ------------------------------------------------------------------------------------------
+
+    def identify(self, caller: Caller) -> None:
+        """The request comes from `caller` (the key check knows): its level is at most as urgent as the key's."""
+        self.caller = caller
+        self.priority = max(self.priority, caller.priority)
+
+    def within(self, seconds: float | None, what: str) -> None:
+        """Tighten the deadline to `seconds` after arrival (None: no change); 422 for a negative value."""
+        if seconds is None:
+            return
+        if seconds < 0 or seconds != seconds:
+            raise InvalidValueError(f"{what} must be a number >= 0")
+        deadline = self.arrived + seconds
+        self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
+
+    def lowered(self, level: Any) -> None:
+        """Apply a request's own priority level: it may lower (a larger number) but never raise the key's; 0 or
+        None keeps it (Triton's default)."""
+        if level is None or level == 0:
+            return
+        if isinstance(level, bool) or not isinstance(level, int) or level < 0:
+            raise InvalidValueError("priority must be an integer >= 0 (1 is the most urgent; 0: the key's level)")
+        self.priority = max(self.priority, level, self.caller.priority)
+
+    def v2_parameters(self, parameters: dict[str, Any]) -> None:
+        """`parameters.timeout` (microseconds; 0: none) and `parameters.priority` of a /v2 or gRPC request."""
+        timeout = parameters.get("timeout")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+                raise InvalidValueError("parameters.timeout is in microseconds: a number >= 0 (0: no timeout)")
+            if timeout > 0:
+                self.within(timeout / 1e6, "parameters.timeout")
+        self.lowered(parameters.get("priority"))
+
+    # ---- progress ---------------------------------------------------------------------------------------
+
+    def remaining(self, now: float | None = None) -> float | None:
+        """Seconds left before the deadline (None: no deadline; <= 0: past)."""
+        if self.deadline is None:
+            return None
+        return self.deadline - (time.perf_counter() if now is None else now)
+
+    def check(self, mv: Any = None, where: str = "on arrival") -> None:
+        """504 now if the deadline has already passed (counted as `mv`'s, a ModelVersion, refusal)."""
+        left = self.remaining()
+        if left is not None and left <= 0:
+            if mv is not None:
+                mv.metrics.rejected("deadline").inc()
+            raise deadline_exceeded(f"{where}, {-left * 1e3:.0f} ms after it")
+
+    def at(self, stage: Stage, mv: Any = None) -> None:
+        """The request has reached `stage` (on `mv`, a ModelVersion, once known)."""
+        self.stage = stage
+        if mv is not None:
+            self.model, self.version = mv.name, str(mv.version)
+
+
+def deadline_exceeded(detail: str) -> GatewayTimeoutError:
+    """The 504 / DEADLINE_EXCEEDED of a request refused for its deadline."""
+    return GatewayTimeoutError(f"the request's deadline has passed ({detail}); it was not run")
+
+
+def admission_of(scope: Scope) -> Admission:
+    """The HTTP request's Admission (`hangup.HangUp` makes it as the request arrives; made here when a request
+    came another way)."""
+    found = scope.get(SCOPE_KEY)
+    if found is None:
+        found = scope[SCOPE_KEY] = Admission()
+    return found
+
+
+def header_timeout_ms(scope: Scope) -> float | None:
+    """`X-Request-Timeout-Ms` (None when absent); 422 when it is not a number."""
+    for k, v in scope.get("headers", ()):
+        if k.lower() == TIMEOUT_HEADER.encode():
+            try:
+                return float(v.decode("latin-1"))
+            except ValueError:
+                raise InvalidValueError("X-Request-Timeout-Ms must be a number of milliseconds") from None
+    return None
