@@ -73,3 +73,15 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def phone_jpeg() -> bytes:
+    """A 12 MP (4032x3024) JPEG as a good phone camera writes it: scikit-image's astronaut resized, with
+    sensor-like grain, quality 95 (about 5 MiB: over gRPC's own 4 MiB default, kserve#3717)."""
+    data = pytest.importorskip("skimage.data")
+    img = Image.fromarray(data.astronaut()).resize((4032, 3024), Image.Resampling.BICUBIC)
+    a = np.asarray(img, np.float32) + np.random.default_rng(1).normal(0.0, 8.0, (3024, 4032, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
+    return buf.getvalue()

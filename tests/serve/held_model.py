@@ -7,10 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import httpx
-from gateway_helpers import metric
+from gateway_helpers import live_app, metric, settings_for
+
+
+class Live(NamedTuple):
+    url: str
+    grpc: str
+    mv: Any  # the served ModelVersion
+
+
+def live_held(ckpt: Path) -> Iterator[Live]:
+    """A real uvicorn (and gRPC on a free port) serving the tiny torch checkpoint, batches of up to 4."""
+    with live_app(settings_for(ckpt, max_batch=4, grpc_port=0, request_timeout_s=60)) as (url, app):
+        yield Live(url, app.state.grpc.address, app.state.gateway.model())
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

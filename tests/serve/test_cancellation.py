@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from gateway_helpers import live_app, settings_for
-from held_model import Counts, Gate, until
+from held_model import Counts, Gate, Live, live_held, until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc.aio as grpcaio  # noqa: E402
@@ -27,17 +26,9 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 JPEG = {"Content-Type": "image/jpeg"}
 
 
-class Live(NamedTuple):
-    url: str
-    grpc: str
-    mv: Any  # the served ModelVersion
-
-
 @pytest.fixture(scope="module")
 def live(tiny_ckpt) -> Iterator[Live]:
-    """The tiny torch checkpoint, batches of up to 4, gRPC on a free port."""
-    with live_app(settings_for(tiny_ckpt, max_batch=4, grpc_port=0, request_timeout_s=60)) as (url, app):
-        yield Live(url, app.state.grpc.address, app.state.gateway.model())
+    yield from live_held(tiny_ckpt)
 
 
 def _pixels(live: Live, seed: int) -> np.ndarray:

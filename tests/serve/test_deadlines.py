@@ -10,16 +10,13 @@ bad values are 422 / INVALID_ARGUMENT with a message. What the model ran: the ba
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from gateway_helpers import live_app, settings_for
-from held_model import Counts, Gate, until
-from PIL import Image
+from held_model import Counts, Gate, Live, live_held, until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import tritonclient.http as httpclient  # noqa: E402
@@ -29,28 +26,9 @@ JPEG = {"Content-Type": "image/jpeg"}
 ROUTES = ("/classify", "/embed", "/explain?format=json")
 
 
-class Live(NamedTuple):
-    url: str
-    grpc: str
-    mv: Any  # the served ModelVersion
-
-
 @pytest.fixture(scope="module")
 def live(tiny_ckpt) -> Iterator[Live]:
-    """The tiny torch checkpoint, batches of up to 4, gRPC on a free port."""
-    with live_app(settings_for(tiny_ckpt, max_batch=4, grpc_port=0, request_timeout_s=60)) as (url, app):
-        yield Live(url, app.state.grpc.address, app.state.gateway.model())
-
-
-@pytest.fixture(scope="module")
-def phone_jpeg() -> bytes:
-    """A 12 MP (4032x3024) JPEG, quality 95, with grain (about 5 MiB): its read and decode take far over 1 ms."""
-    data = pytest.importorskip("skimage.data")
-    img = Image.fromarray(data.astronaut()).resize((4032, 3024), Image.Resampling.BICUBIC)
-    a = np.asarray(img, np.float32) + np.random.default_rng(1).normal(0.0, 8.0, (3024, 4032, 3)).astype(np.float32)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
-    return buf.getvalue()
+    yield from live_held(tiny_ckpt)
 
 
 def _url(base: str, route: str, **query: Any) -> str:

@@ -81,18 +81,6 @@ def restricted(tiny_onnx) -> Iterator[Live]:
         yield live
 
 
-@pytest.fixture(scope="module")
-def phone_jpeg() -> bytes:
-    """A 12 MP (4032x3024) JPEG as a good phone camera writes it: scikit-image's astronaut resized, with
-    sensor-like grain, quality 95 (about 5 MiB: over gRPC's own 4 MiB default, kserve#3717)."""
-    data = pytest.importorskip("skimage.data")
-    img = Image.fromarray(data.astronaut()).resize((4032, 3024), Image.Resampling.BICUBIC)
-    a = np.asarray(img, np.float32) + np.random.default_rng(1).normal(0.0, 8.0, (3024, 4032, 3)).astype(np.float32)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
-    return buf.getvalue()
-
-
 def _input(name: str, datatype: str, array: np.ndarray):
     inp = grpcclient.InferInput(name, list(array.shape), datatype)
     inp.set_data_from_numpy(array)

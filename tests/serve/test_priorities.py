@@ -108,7 +108,7 @@ def test_deadlines_refuse_at_the_queue_and_drop_before_the_batch(tiny_ckpt):
             mv = app.state.gateway.model()
             for i in range(3):  # the batcher learns how long a batch takes
                 await mv.infer(CLASSIFY, _x(mv, i), None, Admission())
-            per_batch = mv.runner._batch_s["classify"]
+            per_batch = mv.runner._row_s["classify"]  # batches of one: a batch's time
             gate, blocker = await _hold(mv)
             queued = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission())) for i in range(6)]
             await _until(lambda: mv.runner.depth == 6)
@@ -197,3 +197,31 @@ def test_keys_priority_levels_order_the_queue_over_http(tiny_ckpt, photos, tmp_p
     order, codes = run(scenario())
     assert codes == [200] * 5
     assert order == ["gold", "gold", "bronze", "bronze", "gold@5"]
+
+
+def test_a_batch_holds_one_level_and_no_more_rows_than_its_deadline_allows(tiny_ckpt):
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=8)) as (_, app):
+            mv = app.state.gateway.model()
+            gate, blocker = await _hold(mv)
+            jobs = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission(priority=level)))
+                    for i, level in enumerate([2, 1, 2, 1, 2])]
+            await _until(lambda: mv.runner.depth == 5)
+            gate.set()
+            sizes = [r.batch_size for r in await asyncio.gather(blocker, *jobs)]
+            # the batcher taken to need 0.1 s an image (0.07 s once the blocker's fast batch is blended in): a
+            # first request with 0.25 s left leads a batch of three, not four
+            gate, blocker = await _hold(mv)
+            mv.runner._row_s["classify"] = 0.1
+            timed = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission())) for i in range(4)]
+            await _until(lambda: mv.runner.depth == 4)
+            first = mv.runner._pending[0]
+            first.deadline = first.admission.deadline = time.perf_counter() + 0.25
+            gate.set()
+            timed_sizes = [r.batch_size for r in await asyncio.gather(*timed)]
+            await blocker
+            return sizes, timed_sizes
+
+    sizes, timed_sizes = run(scenario())
+    assert sizes == [1, 3, 2, 3, 2, 3]  # the blocker; level 1's two together, then level 2's three together
+    assert timed_sizes == [3, 3, 3, 1]  # the first's deadline: three rows; then the last one

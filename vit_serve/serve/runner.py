@@ -18,12 +18,13 @@ rows are dropped if they have not started.
 Every request comes with its `Admission` (`vit_serve.serve.admission`: priority level, deadline, caller). The
 batching runner takes the most urgent level first, and within a level the earliest deadline (a request without
 one has its queueing time + `request_timeout_s`, so that equal requests keep their arrival order). A request
-whose deadline has passed, or that cannot finish in time by the batches ahead of it (the measured run time of
-recent batches), is refused with `GatewayTimeoutError` (504) at the queue, and one that reaches its deadline
-while waiting is dropped before its batch starts, instead of being run late. A full queue sheds its least
-urgent, newest request (503 + Retry-After) for a more urgent one; shadow copies (`admission.SHADOW`) are below
-every level. A request whose caller went away (its task cancelled: `hangup`, a gRPC cancel) leaves the queue
-and any batch that has not started.
+whose deadline has passed, or that cannot finish in time behind the work ahead of it (by the measured run time
+per image of recent batches), is refused with `GatewayTimeoutError` (504) at the queue, and one that reaches its
+deadline while waiting is dropped before its batch starts, instead of being run late. A batch holds one level
+only (urgent work never waits for less urgent rows topping up its batch), and no more rows than its first
+request's deadline leaves time for. A full queue sheds its least urgent, newest request (503 + Retry-After) for
+a more urgent one; shadow copies (`admission.SHADOW`) are below every level. A request whose caller went away
+(its task cancelled: `hangup`, a gRPC cancel) leaves the queue and any batch that has not started.
 
 Both take the same `RunnerLimits` (`vit_serve.runtime.settings`: the gateway's, or those of the model's own
 config) and report to the version's `ModelMetrics`.
@@ -179,9 +180,12 @@ class _Runner:
         return admission
 
     def _wait_s(self, admission: Admission) -> float:
-        """How long the request may wait for its answer: the request timeout, or less to its deadline."""
+        """How long the request may wait for its answer: the request timeout, or less to its deadline, a little
+        before it (at most 10 ms) so that the 504 leaves before the client's own clock, and a gRPC call's, runs out."""
         left = admission.remaining()
-        return self.timeout_s if left is None else max(0.0, min(self.timeout_s, left))
+        if left is None:
+            return self.timeout_s
+        return max(0.0, min(self.timeout_s, left - min(0.01, 0.05 * left)))
 
 
 class DirectRunner(_Runner):
@@ -258,7 +262,7 @@ class BatchingRunner(_Runner):
         self._collector: asyncio.Task[None] | None = None
         self._running: list[_Item] = []  # the batch the model is running
         self._run_started = 0.0
-        self._batch_s: dict[str, float] = {}  # recent batch run time per task kind (an EWMA), for deadlines
+        self._row_s: dict[str, float] = {}  # recent run time per image, per task kind (an EWMA), for deadlines
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -358,30 +362,44 @@ class BatchingRunner(_Runner):
                     "shed for more urgent requests (the queue is full); retry later",
                     headers={"Retry-After": self.retry_after}))
 
-    def _estimate_s(self, task: Task) -> float | None:
-        """How long a batch of `task` takes, by recent ones (None before the first)."""
-        return self._batch_s.get(task.kind)
+    def _estimate_s(self, task: Task, rows: int) -> float | None:
+        """How long `rows` images of `task` take, by the recent batches' time per image (None before the first;
+        on a CPU a batch's time grows with its rows, so this does not count on batching gains)."""
+        per_row = self._row_s.get(task.kind)
+        return None if per_row is None else per_row * rows
 
     def _margin_s(self, item: _Item) -> float:
-        """The time before its deadline a waiting request is given up: one batch's, for a deadline of its own
-        (it could not finish), none for the request timeout alone."""
-        return (self._estimate_s(item.task) or 0.0) if item.admission.deadline is not None else 0.0
+        """The time before its deadline a waiting request is given up: its own rows' run time, for a deadline of
+        its own (it could not finish), none for the request timeout alone."""
+        if item.admission.deadline is None:
+            return 0.0
+        return self._estimate_s(item.task, item.rows) or 0.0
 
     def _refuse_late(self, items: list[_Item], now: float) -> None:
         """504 now for a request with a deadline that the batches ahead of it leave no time to meet (by the run
         time of recent batches; nothing is predicted before the first batch of its task)."""
         first = items[0]
-        per_batch = self._estimate_s(first.task)
-        if first.admission.deadline is None or per_batch is None:
-            return
         ahead = sum(i.rows for i in self._pending if i.task == first.task and i.order < first.order)
         rows = sum(i.rows for i in items)
-        busy = max(0.0, per_batch - (now - self._run_started)) if self._running else 0.0
-        finish = now + busy + math.ceil((ahead + rows) / self.max_batch) * per_batch
+        work = self._estimate_s(first.task, ahead + rows)
+        if first.admission.deadline is None or work is None or not (self._running or self._pending):
+            return  # nothing to predict from, or nothing ahead: run it (and learn)
+        running = self._estimate_s(self._running[0].task, self.running) if self._running else None
+        busy = max(0.0, (running or 0.0) - (now - self._run_started))
+        finish = now + busy + work
         if finish > first.admission.deadline:
             self.metrics.rejected("deadline").inc()
             raise deadline_exceeded(f"{(first.admission.deadline - now) * 1e3:.0f} ms left, and the batches "
                                     f"ahead of it need about {(finish - now) * 1e3:.0f} ms")
+
+    def _rows_in_time(self, first: _Item) -> int:
+        """The most rows a batch led by `first` may hold and still end before its deadline (max_batch without a
+        deadline or an estimate; at least its own)."""
+        per_row = self._row_s.get(first.task.kind)
+        if first.admission.deadline is None or not per_row:
+            return self.max_batch
+        fits = int((first.deadline - time.perf_counter()) / per_row)
+        return max(first.rows, min(self.max_batch, fits))
 
     def _drop(self, *items: _Item) -> None:
         for item in items:
@@ -435,11 +453,15 @@ class BatchingRunner(_Runner):
         await self._run(first.task, batch)
 
     def _take(self, task: Task) -> list[_Item]:
-        """Remove and return the most urgent items of `task` (the first always; others while they fit)."""
+        """Remove and return the most urgent items of `task`: the first always, then others of its level while
+        they fit (a batch is not topped up with less urgent work, which would make the urgent wait for it), and
+        no more rows than the first's deadline leaves time for."""
         batch: list[_Item] = []
         rows = 0
-        for item in sorted((i for i in self._pending if i.task == task), key=lambda i: i.order):
-            if not batch or rows + item.rows <= self.max_batch:
+        ordered = sorted((i for i in self._pending if i.task == task), key=lambda i: i.order)
+        level, limit = ordered[0].admission.priority, self._rows_in_time(ordered[0])
+        for item in ordered:
+            if not batch or (item.admission.priority == level and rows + item.rows <= limit):
                 batch.append(item)
                 rows += item.rows
         taken = set(map(id, batch))
@@ -479,8 +501,8 @@ class BatchingRunner(_Runner):
             self.metrics.in_flight.set(0)
         end = time.perf_counter()
         self.metrics.inference(task.kind).observe(end - start)
-        last = self._batch_s.get(task.kind)
-        self._batch_s[task.kind] = run_s if last is None else 0.7 * last + 0.3 * run_s
+        last, per_row = self._row_s.get(task.kind), run_s / rows
+        self._row_s[task.kind] = per_row if last is None else 0.7 * last + 0.3 * per_row
         offset = 0
         for item in batch:
             if not item.future.done():  # not timed out meanwhile
