@@ -72,3 +72,13 @@ class Counts:
         out.update({f"cancelled_{s}": v - before.cancelled[s] for s, v in self.cancelled.items()
                     if v != before.cancelled[s]})
         return out
+
+
+async def hold(live: Live, client: httpx.AsyncClient, image: bytes) -> tuple[Gate, asyncio.Task]:
+    """Hold the model thread and put one request (kept) in the running batch: later ones wait in the queue."""
+    gate = Gate(live.mv)
+    gate.close()
+    keeper = asyncio.create_task(client.post(f"{live.url}/classify", content=image,
+                                             headers={"Content-Type": "image/jpeg"}))
+    await until(lambda: live.mv.runner.running == 1)
+    return gate, keeper

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from held_model import Counts, Gate, Live, live_held, until
+from held_model import Counts, Live, hold, live_held, until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc.aio as grpcaio  # noqa: E402
@@ -36,15 +36,6 @@ def _pixels(live: Live, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 3, h, w)).astype(np.float32)
 
 
-async def _hold(live: Live, client: httpx.AsyncClient, image: bytes) -> tuple[Gate, asyncio.Task]:
-    """Hold the model thread and put one request (kept) in the running batch: later ones wait in the queue."""
-    gate = Gate(live.mv)
-    gate.close()
-    keeper = asyncio.create_task(client.post(f"{live.url}/classify", content=image, headers=JPEG))
-    await until(lambda: live.mv.runner.running == 1)
-    return gate, keeper
-
-
 def test_httpx_clients_hanging_up_in_the_queue_are_dropped_and_counted(live, photos):
     """httpx: 6 of 10 queued clients cancel their requests (httpx closes their connections)."""
     leave_n, stay_n = 6, 4
@@ -54,7 +45,7 @@ def test_httpx_clients_hanging_up_in_the_queue_are_dropped_and_counted(live, pho
         before = await Counts.of(live.url)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            gate, keeper = await _hold(live, client, image)
+            gate, keeper = await hold(live, client, image)
             leaving, staying = [], []
             for i in range(leave_n + stay_n):  # interleaved, so that the stayers are spread through the queue
                 task = asyncio.create_task(client.post(f"{live.url}/classify", content=image, headers=JPEG))
@@ -101,7 +92,7 @@ def test_tritonclient_grpc_cancel_while_queued(live, photos):
 
         try:
             async with httpx.AsyncClient(timeout=60) as client:
-                gate, keeper = await _hold(live, client, photos["coffee.jpg"])
+                gate, keeper = await hold(live, client, photos["coffee.jpg"])
                 call = sync.async_infer("tiny", callback=callback, **inputs(grpcclient, 1))
                 await until(lambda: live.mv.runner.depth == 1)
                 aio_call = asyncio.create_task(aio.infer("tiny", **inputs(grpcaio, 2)))
@@ -142,7 +133,7 @@ def test_tritonclient_http_network_timeout_hangs_up(live, photos):
         inp.set_data_from_numpy(_pixels(live, 4), binary_data=True)
         try:
             async with httpx.AsyncClient(timeout=60) as client:
-                gate, keeper = await _hold(live, client, photos["coffee.jpg"])
+                gate, keeper = await hold(live, client, photos["coffee.jpg"])
                 kept = asyncio.create_task(client.post(f"{live.url}/classify", content=photos["chelsea.jpg"],
                                                        headers=JPEG))
                 await until(lambda: live.mv.runner.depth == 1)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from held_model import Counts, Gate, Live, live_held, until
+from held_model import Counts, Live, hold, live_held, until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import tritonclient.http as httpclient  # noqa: E402
@@ -44,15 +44,6 @@ def _logits_request(module, live: Live, seed: int, **binary: bool) -> dict[str, 
     return {"inputs": [inp], "outputs": [module.InferRequestedOutput("logits", **binary)]}
 
 
-async def _hold(live: Live, client: httpx.AsyncClient, image: bytes) -> tuple[Gate, asyncio.Task]:
-    """Hold the model thread and put one request (kept) in the running batch: later ones wait in the queue."""
-    gate = Gate(live.mv)
-    gate.close()
-    keeper = asyncio.create_task(client.post(f"{live.url}/classify", content=image, headers=JPEG))
-    await until(lambda: live.mv.runner.running == 1)
-    return gate, keeper
-
-
 def test_http_deadlines_pass_while_queued(live, photos):
     """httpx: on each route one request with X-Request-Timeout-Ms: 300 and one with ?timeout_ms=300 wait behind
     the held model and are answered 504 at their deadline; a request without one, queued among them, is run."""
@@ -62,7 +53,7 @@ def test_http_deadlines_pass_while_queued(live, photos):
         before = await Counts.of(live.url)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            gate, keeper = await _hold(live, client, image)
+            gate, keeper = await hold(live, client, image)
             timed = []
             for route in ROUTES:
                 timed.append(asyncio.create_task(client.post(_url(live.url, route), content=image,
@@ -137,7 +128,7 @@ def test_v2_parameters_timeout_in_microseconds(live, photos):
     async def scenario():
         before = await Counts.of(live.url)
         async with httpx.AsyncClient(timeout=60) as client:
-            gate, keeper = await _hold(live, client, photos["coffee.jpg"])
+            gate, keeper = await hold(live, client, photos["coffee.jpg"])
             unbounded = asyncio.create_task(asyncio.to_thread(infer, 0, 1))
             await until(lambda: live.mv.runner.depth == 1)
             refused = await asyncio.to_thread(infer, 300_000, 2)
@@ -183,7 +174,7 @@ def test_grpc_deadlines_pass_while_queued(live, photos):
 
         try:
             async with httpx.AsyncClient(timeout=60) as client:
-                gate, keeper = await _hold(live, client, photos["coffee.jpg"])
+                gate, keeper = await hold(live, client, photos["coffee.jpg"])
                 patient = asyncio.create_task(asyncio.to_thread(infer, 1))
                 await until(lambda: live.mv.runner.depth == 1)
                 refused = await asyncio.gather(asyncio.to_thread(infer, 2, client_timeout=0.3),
