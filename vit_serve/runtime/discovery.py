@@ -99,13 +99,19 @@ class VersionPolicy:
         return "all" if self.kind == "all" else "specific:" + ",".join(map(str, self.versions))
 
 
+def check_version(v: object, what: str = "version") -> int:
+    """A version: an integer >= 1 (not a bool); ValueError naming `what` otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{what} {v!r}: versions are integers >= 1")
+    return v
+
+
 def check_weights(weights: Mapping[int, float]) -> dict[int, float]:
     """A traffic split's weights by version, checked: versions integers >= 1, weights finite numbers >= 0 with a
     sum > 0; ValueError saying what is wrong."""
     out: dict[int, float] = {}
     for v, w in weights.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"version {v!r}: versions are integers >= 1")
+        check_version(v)
         if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
             raise ValueError(f"version {v}: the weight {w!r} is not a number >= 0")
         out[v] = float(w)
@@ -154,10 +160,8 @@ def parse_shadow(text: str) -> tuple[int, float]:
         version, percent = int(v), float(share) if sep else 100.0
     except ValueError:
         raise ValueError(f"shadow {text!r}: expected VERSION or VERSION:SHARE (SHARE in percent, e.g. 3:25)") from None
-    if version < 1:
-        raise ValueError(f"shadow {text!r}: versions are integers >= 1")
     try:
-        return version, check_share(percent)
+        return check_version(version), check_share(percent)
     except ValueError as e:
         raise ValueError(f"shadow {text!r}: {e}") from None
 

@@ -50,6 +50,16 @@ def default_decode_workers(cpus: int, threads: int | None, device: str) -> int:
     return max(DECODE_WORKERS_MIN, min(DECODE_WORKERS_CAP, cpus - model))
 
 
+def env_list(v: object, sep: str = ",") -> object:
+    """A list setting from the environment: a JSON list, or entries separated by `sep` (blanks dropped); any
+    other value as it is."""
+    if isinstance(v, str):
+        if v.lstrip().startswith("["):
+            return json.loads(v)
+        return [p.strip() for p in v.split(sep) if p.strip()]
+    return v
+
+
 # Every group: VIT_SERVE_<FIELD>, no unknown names, fields may start with model_.
 GROUP_CONFIG = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
 
@@ -155,11 +165,7 @@ class RepositorySettings(BaseSettings):
     @field_validator("traffic", "shadow", mode="before")
     @classmethod
     def _entries(cls, v: object) -> object:
-        if isinstance(v, str):  # the environment: a JSON list, or NAME=... entries separated by ';'
-            if v.lstrip().startswith("["):
-                return json.loads(v)
-            return [p.strip() for p in v.split(";") if p.strip()]
-        return v
+        return env_list(v, ";")  # the entries hold commas themselves
 
     @field_validator("traffic", "shadow")
     @classmethod

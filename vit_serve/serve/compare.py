@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from vit_serve.manifest import EMBEDDING, LOGITS
 from vit_serve.runtime.metrics import LATENCY_BUCKETS, MODEL
 from vit_serve.serve.runner import Result
 
@@ -48,12 +49,12 @@ class Pair:
 
 def pair_of(primary: Result, other: Result) -> Pair:
     """The comparison of two answers to one input (logits [B, K] each, embeddings [B, D] when present)."""
-    a = np.asarray(primary.outputs["logits"], dtype=np.float64)
-    b = np.asarray(other.outputs["logits"], dtype=np.float64)
+    a = np.asarray(primary.outputs[LOGITS], dtype=np.float64)
+    b = np.asarray(other.outputs[LOGITS], dtype=np.float64)
     agree = int((a.argmax(axis=1) == b.argmax(axis=1)).sum())
     delta = float(np.abs(a - b).mean(axis=1).sum()) if a.shape == b.shape else None
     cosine = None
-    ea, eb = primary.outputs.get("embedding"), other.outputs.get("embedding")
+    ea, eb = primary.outputs.get(EMBEDDING), other.outputs.get(EMBEDDING)
     if ea is not None and eb is not None and ea.shape == eb.shape:
         ea, eb = np.asarray(ea, dtype=np.float64), np.asarray(eb, dtype=np.float64)
         norms = np.linalg.norm(ea, axis=1) * np.linalg.norm(eb, axis=1)

@@ -69,7 +69,8 @@ class ModelVersion:
         self.state: State = "LOADING"
         self.warm = False
         self.error: str | None = None
-        self.crops = Namespaced(store, contract_key(backend.info))  # this contract's crops
+        self.contract = contract_key(backend.info)  # its preprocessing contract's digest
+        self.crops = Namespaced(store, self.contract)  # this contract's crops
         self.text: TextTower | None = None  # its text tower (NAME_text.onnx beside it): POST /classify?labels=
         self.text_error: str | None = None  # why the text tower beside it could not be loaded
         self.label_cache_counter: Callable[[str, int], None] | None = None  # ("hit" | "miss", count) -> metrics

@@ -313,8 +313,7 @@ class ModelRepository:
         served = self.served.get(name)
         if not served:
             if name not in self.entries:
-                raise NotFoundError(f"unknown model {name!r}; this gateway serves "
-                                    f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
+                raise self.unknown(name)
             raise BadRequestError(f"model {name!r} is not loaded: {self.why_not(name)}")
         try:
             policy = TrafficPolicy.from_spec(name, spec)
@@ -444,6 +443,11 @@ class ModelRepository:
         names = {n for n, e in self.entries.items() if not e.skipped} | set(self.served)
         return next(iter(names)) if len(names) == 1 else None
 
+    def unknown(self, name: str) -> NotFoundError:
+        """The 404 of a model the repository does not have, naming those it has."""
+        return NotFoundError(f"unknown model {name!r}; this gateway serves "
+                             f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
+
     def names(self) -> list[str]:
         return sorted(set(self.entries) | set(self.served))
 
@@ -466,8 +470,7 @@ class ModelRepository:
         served = self.served.get(name)
         if not served:
             if name not in self.entries:
-                raise NotFoundError(f"unknown model {name!r}; this gateway serves "
-                                    f"{', '.join(repr(n) for n in self.names()) or 'no model'}")
+                raise self.unknown(name)
             raise NotReadyError(f"model {name!r} is not loaded: {self.why_not(name)}", headers={"Retry-After": "1"})
         if version is None:
             policy = self.traffic.get(name)  # read once: a policy swapped meanwhile takes the next request

@@ -12,7 +12,6 @@ flat everywhere: every field of every group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MA
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
@@ -29,6 +28,7 @@ from vit_serve.runtime.settings import (
     TritonClientSettings,
     available_cpus,
     default_decode_workers,
+    env_list,
 )
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.keys import key_hash
@@ -85,11 +85,7 @@ class SecuritySettings(BaseSettings):
     @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
     @classmethod
     def _comma_list(cls, v: object) -> object:
-        if isinstance(v, str):  # VIT_SERVE_API_KEYS=a,b as well as a JSON list
-            if v.lstrip().startswith("["):
-                return json.loads(v)
-            return [p.strip() for p in v.split(",") if p.strip()]
-        return v
+        return env_list(v)  # VIT_SERVE_API_KEYS=a,b as well as a JSON list
 
     @field_validator("api_keys", "admin_api_keys")
     @classmethod

@@ -36,13 +36,13 @@ from typing import Protocol
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
-from vit_serve.runtime.discovery import check_share, check_weights
+from vit_serve.runtime.discovery import check_share, check_version, check_weights, parse_shadow, parse_weights
 from vit_serve.runtime.metrics import MODEL
 from vit_serve.runtime.task import Task
 from vit_serve.serve.admission import SHADOW, Admission
 from vit_serve.serve.compare import Compare, Role
 from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
-from vit_serve.serve.model_version import ModelVersion, contract_key
+from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ShadowSpec, TrafficSpec
 
@@ -84,16 +84,12 @@ class TrafficPolicy:
         sh = None
         if shadow is not None:
             v, share = shadow
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"shadow version {v!r}: versions are integers >= 1")
-            sh = Shadow(v, check_share(share))
+            sh = Shadow(check_version(v, "shadow version"), check_share(share))
         return cls(model, tuple(sorted(checked.items())), sh)
 
     @classmethod
     def parse(cls, model: str, traffic: str | None = None, shadow: str | None = None) -> TrafficPolicy:
         """From the flags' forms: "1:90,2:10" (or "2") and "3" / "3:25"; ValueError naming the form."""
-        from vit_serve.runtime.discovery import parse_shadow, parse_weights
-
         return cls.of(model, parse_weights(traffic) if traffic else None, parse_shadow(shadow) if shadow else None)
 
     @property
@@ -211,9 +207,8 @@ class Mirror:
 
     def answered(self, mv: ModelVersion, task: Task, x: np.ndarray, result: Result,
                  admission: Admission | None) -> None:
-        """`mv` answered `task` on x: schedule its copy, or count why not (never blocks)."""
-        if admission is not None and admission.shadow:
-            return
+        """`mv` answered `task` on x (a primary answer: ModelVersion.infer hands shadow answers to nobody):
+        schedule its copy, or count why not (never blocks)."""
         copy = self.plan(mv, task)
         if copy is None:
             return
@@ -226,7 +221,7 @@ class Mirror:
         t.add_done_callback(self._tasks.discard)
 
     def _refusal(self, copy: Copy) -> str | None:
-        if contract_key(copy.source.info) != contract_key(copy.target.info):
+        if copy.source.contract != copy.target.contract:
             return "contract"
         if copy.target.runner.depth > 0 or copy.source.runner.depth > 0:
             return "busy"

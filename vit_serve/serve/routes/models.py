@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
 
 from vit_serve.serve.deps import GatewayDep
-from vit_serve.serve.errors import NotFoundError, NotReadyError
+from vit_serve.serve.errors import NotReadyError
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.schemas import ModelsResponse, TrafficSpec
 
@@ -88,7 +88,6 @@ async def compare(name: NameDep, gateway: GatewayDep) -> CompareResponse:
     traffic policy. A version without pairs yet is not listed."""
     repo = _repository(gateway)
     if name not in repo.entries and name not in repo.served:
-        raise NotFoundError(f"unknown model {name!r}; this gateway serves "
-                            f"{', '.join(repr(n) for n in repo.names()) or 'no model'}")
+        raise repo.unknown(name)
     versions = [AgreementInfo.model_validate(dataclasses.asdict(a)) for a in repo.compare.summaries(name)]
     return CompareResponse(model=name, window=repo.compare.size, policy=policy_of(repo, name), versions=versions)
