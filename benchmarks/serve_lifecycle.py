@@ -741,14 +741,9 @@ def main(argv: list[str] | None = None) -> int:
           f"today's gateway: commit {args.baseline}, the same venv")
     print("\n".join(lines))
     serve_load.print_checks(checks)
-    results = {"mode": "lifecycle", "model": args.model, "res": args.res, "backend": "torch",
-               "args": {k: str(v) for k, v in vars(args).items()}, **results,
-               "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]}
-    from vit_serve.checkpoints.io import atomic_write
-
-    atomic_write(results_path, json.dumps(results, indent=2).encode())
-    print(f"\nresults: {results_path}")
-    return 0 if all(ok for *_, ok in checks) else 1
+    return serve_load.save_results(results_path, {
+        "mode": "lifecycle", "model": args.model, "res": args.res, "backend": "torch",
+        "args": {k: str(v) for k, v in vars(args).items()}, **results}, checks)
 
 
 if __name__ == "__main__":

@@ -1156,13 +1156,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} cores; {rows[0]}\n")
     print("\n".join(rows[2:]))
     print_checks(checks)
-    results = {"mode": args.mode, "onnx": str(onnx), "model": None if args.export else args.model,
-               "res": None if args.export else args.res, "device": args.device, "repeats": args.repeats, **results,
-               "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]}
+    return save_results(results_path, {
+        "mode": args.mode, "onnx": str(onnx), "model": None if args.export else args.model,
+        "res": None if args.export else args.res, "device": args.device, "repeats": args.repeats, **results}, checks)
+
+
+def save_results(path: Path, results: dict, checks: list[tuple[str, str, str, bool]]) -> int:
+    """Write `results` with the checks to `path` (atomically) and say where; the exit code: 0 when every check
+    passed, else 1."""
     from vit_serve.checkpoints.io import atomic_write
 
-    atomic_write(results_path, json.dumps(results, indent=2).encode())
-    print(f"\nresults: {results_path}")
+    results = {**results, "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]}
+    atomic_write(path, json.dumps(results, indent=2).encode())
+    print(f"\nresults: {path}")
     return 0 if all(ok for *_, ok in checks) else 1
 
 
