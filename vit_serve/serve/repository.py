@@ -87,6 +87,21 @@ def rss_bytes() -> int | None:
     return None
 
 
+def load_memory(rss0: int | None, rss1: int | None, source: VersionSource, remote: bool) -> int | None:
+    """What a version took to load: the process's RSS growth over the load and warm-up, but never less than its
+    weights file when the model runs in this process. The floor matters because RSS growth alone reads 0 when the
+    allocator reuses pages freed by an earlier model, or is split oddly when several versions load at once."""
+    if rss0 is None or rss1 is None:
+        return None
+    grown = max(0, rss1 - rss0)
+    if remote:  # the server holds the weights
+        return grown
+    try:
+        return max(grown, source.path.stat().st_size)
+    except OSError:
+        return grown
+
+
 def model_device(backend: Backend) -> str:
     """Where a backend's model runs: "cpu", "cuda[:i]", or (a remote server) "the <backend> server"."""
     device = backend.info.device
@@ -395,9 +410,8 @@ class ModelRepository:
             elif not await version.warm_up():
                 await version.close()
                 return self._refuse(source, None, version.error or "warm-up failed")
-            rss1 = rss_bytes()
-            if rss0 is not None and rss1 is not None:
-                version.memory_bytes = max(0, rss1 - rss0)
+            version.memory_bytes = load_memory(rss0, rss_bytes(), source, info.device == "remote")
+            if version.memory_bytes is not None:
                 metrics.memory.set(version.memory_bytes)
             self._failed.pop(key, None)
             log.info("%s in service after %.2f s", version.label, time.perf_counter() - t0)
