@@ -130,20 +130,23 @@ def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = 
 @dataclass
 class Counts:
     """A server's counters at one moment: images the model ran (by version), cancelled requests (by stage),
-    refusals (by reason), shadow copies dropped (by reason)."""
+    refusals (by reason), shadow copies dropped (by reason), the batches run and the model's seconds in them."""
 
     images: Counter[str] = field(default_factory=Counter)
     cancelled: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
     has_cancelled: bool = False  # whether the server has vit_serve_cancelled_total at all
+    batches: float = 0.0
+    model_s: float = 0.0
 
     def __sub__(self, before: Counts) -> Counts:
         def minus(a: Counter[str], b: Counter[str]) -> Counter[str]:
             return Counter({k: a[k] - b[k] for k in a if a[k] - b[k]})
 
         return Counts(minus(self.images, before.images), minus(self.cancelled, before.cancelled),
-                      minus(self.rejected, before.rejected), minus(self.dropped, before.dropped), self.has_cancelled)
+                      minus(self.rejected, before.rejected), minus(self.dropped, before.dropped), self.has_cancelled,
+                      self.batches - before.batches, self.model_s - before.model_s)
 
     @property
     def images_run(self) -> float:
@@ -166,6 +169,10 @@ def counts_of(text: str) -> Counts:
         for s in family.samples:
             if s.name == "vit_serve_batch_size_sum":
                 c.images[s.labels.get("version", "")] += s.value
+            elif s.name == "vit_serve_batch_size_count":
+                c.batches += s.value
+            elif s.name == "vit_serve_inference_seconds_sum":
+                c.model_s += s.value
             elif s.name == "vit_serve_cancelled_total":
                 c.cancelled[s.labels["stage"]] += s.value
             elif s.name == "vit_serve_rejected_total":
@@ -303,11 +310,70 @@ async def closed_loop(url: str, clients: int, seconds: float, images: Images, pa
     return w
 
 
-def retry_after(r: httpx.Response) -> float:
+def retry_after(r: httpx.Response | Answer) -> float:
     try:
         return float(r.headers.get("retry-after", 0)) if r.status_code in (429, 503) else 0.0
     except ValueError:
         return 0.0
+
+
+KEEP_IDLE_S = 3.0  # reuse a keep-alive connection idle for less than this (uvicorn's own limit is 5 s)
+
+
+@dataclass(frozen=True)
+class Answer:
+    status_code: int
+    headers: dict[str, str]  # lower-case names
+
+
+class LeanClient:
+    """A minimal HTTP/1.1 client over asyncio streams, keep-alive connections reused, for the open-loop clients:
+    on this 2-core machine the load generator shares the server's cores, and httpx's CPU per attempt (about 5 ms,
+    half a core at a storm's 100 attempts/s) starves the model's intra-op threads, measuring the client rather
+    than the gateway (wrk and vegeta are lean for the same reason). A cancelled request (the client's timeout)
+    closes its connection: the hang-up the gateway sees."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        u = httpx.URL(url)
+        self.host, self.port = u.host, u.port or 80
+        self.head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{self.host}:{self.port}", **headers}.items())
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+
+    async def post(self, path: str, body: bytes, content_type: str) -> Answer:
+        while self.idle:  # the newest idle connection still open (uvicorn closes one idle for 5 s)
+            reader, writer, since = self.idle.pop()
+            if time.monotonic() - since < KEEP_IDLE_S and not reader.at_eof():
+                return await self._post(reader, writer, path, body, content_type)
+            writer.close()
+        return await self._post(*await asyncio.open_connection(self.host, self.port), path, body, content_type)
+
+    async def _post(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str, body: bytes,
+                    content_type: str) -> Answer:
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\n{self.head}Content-Type: {content_type}\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            status = int(head[0].split()[1])
+            headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in head[1:] if ":" in ln)}
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                    await reader.readexactly(size + 2)
+                await reader.readuntil(b"\r\n")
+            else:
+                await reader.readexactly(int(headers.get("content-length", 0)))
+        except BaseException:  # a timeout (cancelled), a reset: this connection is done
+            writer.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self.idle.append((reader, writer, time.monotonic()))
+        return Answer(status, headers)
+
+    async def aclose(self) -> None:
+        for _, writer, _ in self.idle:
+            writer.close()
+        self.idle.clear()
 
 
 @dataclass(frozen=True)
@@ -333,8 +399,8 @@ async def open_loop(url: str, clients: Clients, seconds: float, images: Images, 
     """`clients` for `seconds`: the answers delivered before their timeout (within the window, unless drained)."""
     w = Window(seconds=seconds)
     rng = np.random.default_rng(clients.seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None, headers=clients.headers()) as client:
+    client = LeanClient(url, clients.headers())
+    try:
         start = time.perf_counter()
         end = start + seconds
 
@@ -343,11 +409,12 @@ async def open_loop(url: str, clients: Clients, seconds: float, images: Images, 
                 t0 = time.perf_counter()
                 w.attempts += 1
                 try:
-                    r = await asyncio.wait_for(post(client, path, next(images)), clients.timeout_s)
+                    r = await asyncio.wait_for(client.post(path, form(next(images)), MULTIPART["content-type"]),
+                                               clients.timeout_s)
                 except TimeoutError:
                     w.outcomes["timeout"] += 1
                     continue
-                except httpx.TransportError as e:
+                except (OSError, asyncio.IncompleteReadError, ValueError) as e:
                     w.outcomes[type(e).__name__] += 1
                     continue
                 if not clients.drain and time.perf_counter() > end:
@@ -374,6 +441,8 @@ async def open_loop(url: str, clients: Clients, seconds: float, images: Images, 
         for t in pending:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await client.aclose()
     if not w.outcomes["unfinished at the end"]:
         del w.outcomes["unfinished at the end"]
     return w
@@ -459,8 +528,8 @@ def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Serve
         print(f"  capacity, {name}: {caps[name].goodput:.1f} images/s", file=sys.stderr)
     rows = ["| gateway | capacity (images/s, closed loop) | its p50 ms | offered (new requests/s) | attempts | goodput "
             "(answers in time /s) | goodput / capacity | outcomes of the attempts | images run in the storm | "
-            "run for nobody | refused by the gateway | cancelled by stage |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]
+            "run for nobody | model busy | mean batch | refused by the gateway | cancelled by stage |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|"]
     checks, results = [], {}
     for i, (name, server) in enumerate(servers.items()):
         clients = Clients(rate=args.storm_load * caps[name].goodput, timeout_s=args.storm_timeout_s,
@@ -473,10 +542,12 @@ def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Serve
         rows.append(f"| {name} | {caps[name].goodput:.1f} | {caps[name].p(50):.0f} | {clients.rate:.1f} | "
                     f"{w.attempts} | {w.goodput:.1f} | "
                     f"{ratio:.2f} | {reasons(w.outcomes)} | {d.images_run:.0f} | {wasted:.0f} | "
+                    f"{d.model_s / args.storm_s:.0%} | {d.images_run / max(d.batches, 1):.1f} | "
                     f"{reasons(d.rejected)} | {stages(d)} |")
         results[name] = {"capacity": caps[name].goodput, "capacity_p50_ms": caps[name].p(50), "offered": clients.rate,
                          "attempts": w.attempts, "goodput": w.goodput, "ratio": ratio, "outcomes": dict(w.outcomes),
-                         "images_run": d.images_run, "rejected": dict(d.rejected), "cancelled": dict(d.cancelled)}
+                         "images_run": d.images_run, "batches": d.batches,
+                         "model_s": d.model_s, "rejected": dict(d.rejected), "cancelled": dict(d.cancelled)}
         print(f"  storm, {name}: goodput {w.goodput:.1f}/s ({ratio:.2f}x capacity)", file=sys.stderr)
         if i == 0:
             checks.append((f"retry storm at {args.storm_load:g}x capacity, {args.storm_s:g} s: new gateway's goodput / "
@@ -488,7 +559,8 @@ def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Serve
     rows += ["", f"Every attempt sends X-Request-Timeout-Ms: {round(args.storm_timeout_s * 1e3)} (the client's own "
              f"timeout), which today's gateway ignores; a client hangs up at {args.storm_timeout_s:g} s and retries at "
              f"once (after Retry-After on 503 / 429), at most {args.storm_retries} retries. \"run for nobody\": images "
-             f"the model ran in the storm minus the answers delivered in time."]
+             f"the model ran in the storm minus the answers delivered in time; \"model busy\": the model's run "
+             f"time in the storm / its length."]
     slow = [n for n, w in caps.items() if w.p(50) > args.storm_timeout_s * 1e3]
     if slow:
         rows.append(f"At capacity ({args.capacity_clients} clients) the p50 of {', '.join(slow)} is above the "

@@ -97,6 +97,48 @@ def test_http_deadline_past_on_arrival(live, phone_jpeg, route):
     assert after.since(before) == {"rows": 0, "deadline": 2, "cancelled": 0}
 
 
+def test_http_deadline_the_work_ahead_cannot_meet_is_refused_before_the_body(live, photos):
+    """A raw HTTP/1.1 client sends the headers of a /classify upload with ?timeout_ms=300 and none of its body,
+    while the held model has three requests queued and a run time of 0.2 s an image: 504 comes back at once,
+    naming the work ahead, so the body was never waited for; nothing of it runs once the gate opens."""
+    image = photos["coffee.jpg"]
+    host, port = live.url.removeprefix("http://").split(":")
+
+    async def scenario():
+        before = await Counts.of(live.url)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            gate, keeper = await hold(live, client, image)
+            saved = dict(live.mv.runner._row_s)
+            live.mv.runner._row_s["classify"] = 0.2
+            try:
+                patient = [asyncio.create_task(client.post(f"{live.url}/classify", content=image, headers=JPEG))
+                           for _ in range(3)]
+                await until(lambda: live.mv.runner.depth == 3)
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"POST /classify?timeout_ms=300 HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                             f"image/jpeg\r\nContent-Length: {len(image)}\r\n\r\n".encode())
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                length = int(next(ln.split(":")[1] for ln in head.decode().split("\r\n")
+                                  if ln.lower().startswith("content-length")))
+                refused = (head, await reader.readexactly(length))
+                writer.close()
+                late = await Counts.of(live.url)
+            finally:
+                gate.open()
+                live.mv.runner._row_s.clear()
+                live.mv.runner._row_s.update(saved)
+            answered = [await keeper, *await asyncio.gather(*patient)]
+        return before, refused, late, answered, await Counts.of(live.url)
+
+    before, (head, body), late, answered, after = asyncio.run(scenario())
+    assert head.startswith(b"HTTP/1.1 504"), head
+    assert b"the batches ahead of it need about" in body and b"not run" in body
+    assert [r.status_code for r in answered] == [200] * 4
+    assert late.since(before) == {"rows": 1, "deadline": 1, "cancelled": 0}
+    assert after.since(before) == {"rows": 4, "deadline": 1, "cancelled": 0}
+
+
 @pytest.mark.parametrize("route", ROUTES[1:])  # /classify: test_priorities
 @pytest.mark.parametrize("value", ["-1", "soon", "nan"])
 def test_http_bad_timeouts_are_422(live, photos, route, value):

@@ -18,6 +18,7 @@ import pytest
 from gateway_helpers import metric, run, serving, settings_for
 
 from vit_serve.runtime.task import CLASSIFY
+from vit_serve.serve import runner
 from vit_serve.serve.admission import SHADOW, Admission
 from vit_serve.serve.errors import GatewayTimeoutError, QueueFullError
 
@@ -200,15 +201,24 @@ def test_keys_priority_levels_order_the_queue_over_http(tiny_ckpt, photos, tmp_p
 
 
 def test_a_batch_holds_one_level_and_no_more_rows_than_its_deadline_allows(tiny_ckpt):
+    async def levels(mv, order: list[int], quiet: bool = False) -> list[int]:
+        gate, blocker = await _hold(mv)
+        jobs = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission(priority=level)))
+                for i, level in enumerate(order)]
+        await _until(lambda: mv.runner.depth == len(order))
+        if quiet:  # the more urgent levels last seen ACTIVE_S ago
+            mv.runner._seen = {lv: t - runner.ACTIVE_S for lv, t in mv.runner._seen.items()}
+        gate.set()
+        return [r.batch_size for r in await asyncio.gather(blocker, *jobs)]
+
     async def scenario():
         async with serving(settings_for(tiny_ckpt, max_batch=8)) as (_, app):
             mv = app.state.gateway.model()
-            gate, blocker = await _hold(mv)
-            jobs = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission(priority=level)))
-                    for i, level in enumerate([2, 1, 2, 1, 2])]
-            await _until(lambda: mv.runner.depth == 5)
-            gate.set()
-            sizes = [r.batch_size for r in await asyncio.gather(blocker, *jobs)]
+            # level 1 has traffic: level 2 runs one image a batch (level 1's next request waits behind no more)
+            sizes = await levels(mv, [2, 1, 2, 1, 2])
+            # level 1 quiet for ACTIVE_S: level 2 batches together again
+            quiet = await levels(mv, [2, 2, 2], quiet=True)
+            mv.runner._seen.clear()
             # the batcher taken to need 0.1 s an image (0.07 s once the blocker's fast batch is blended in): a
             # first request with 0.25 s left leads a batch of three, not four
             gate, blocker = await _hold(mv)
@@ -220,8 +230,9 @@ def test_a_batch_holds_one_level_and_no_more_rows_than_its_deadline_allows(tiny_
             gate.set()
             timed_sizes = [r.batch_size for r in await asyncio.gather(*timed)]
             await blocker
-            return sizes, timed_sizes
+            return sizes, quiet, timed_sizes
 
-    sizes, timed_sizes = run(scenario())
-    assert sizes == [1, 3, 2, 3, 2, 3]  # the blocker; level 1's two together, then level 2's three together
+    sizes, quiet, timed_sizes = run(scenario())
+    assert sizes == [1, 1, 2, 1, 2, 1]  # the blocker; level 1's two together, then level 2's one by one
+    assert quiet == [1, 3, 3, 3]  # the blocker, then level 2's three together
     assert timed_sizes == [3, 3, 3, 1]  # the first's deadline: three rows; then the last one

@@ -23,7 +23,7 @@ def keys_required(s: SecuritySettings) -> bool:
     return bool(s.api_keys or s.admin_api_keys or s.api_keys_file or s.admin_api_keys_file)
 
 
-def caller_scope(request: Request) -> str:
+async def caller_scope(request: Request) -> str:
     """The request's scope: its key's hash when the gateway takes keys, else `SHARED`."""
     if not keys_required(request.app.state.gateway.settings.security):
         return SHARED

@@ -23,7 +23,7 @@ from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import Announcement, ModelVersion
 
 
-def get_gateway(request: Request) -> Gateway:
+async def get_gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 

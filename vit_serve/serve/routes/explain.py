@@ -52,7 +52,7 @@ class ExplainParams:
     colormap: str
 
 
-def explain_params(
+async def explain_params(
     method: Annotated[Literal["rollout", "grad_rollout"], Query(description="grad_rollout: torch backend only")
                       ] = "rollout",
     head_fusion: Annotated[Literal[HEAD_FUSIONS] | None, Query(

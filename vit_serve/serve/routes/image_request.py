@@ -84,6 +84,8 @@ async def infer_upload(request: Request, choice: ModelChoice, scope: str, task_o
     with choice.announce(task_of) as announced:
         admission.at("read", announced.version)
         admission.check(announced.version)  # a deadline past on arrival: 504 before the body is read
+        if (mv := announced.version) is not None:  # or one the work ahead leaves no time for
+            mv.runner.check_arrival(task_of(mv), admission)
         upload = await read_image(request)
     t_read = time.perf_counter()
     with choice.use() as mv, mv.arriving() as arrival:

@@ -35,7 +35,7 @@ NameDep = Annotated[str, Path(description="a model of the repository (POST /v2/r
 BODY = {"requestBody": {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}}
 
 
-def repository(gateway: GatewayDep) -> ModelRepository:
+async def repository(gateway: GatewayDep) -> ModelRepository:
     """The repository (403 with the repository API off, 503 while loading: `v2_model.repository_of`)."""
     return repository_of(gateway)
 
