@@ -148,6 +148,40 @@ def test_deadlines_refuse_at_the_queue_and_drop_before_the_batch(tiny_ckpt):
     assert metric(text, "vit_serve_rejected_total", reason="deadline") == 3
 
 
+def test_the_arrival_check_counts_what_is_coming_at_its_level_or_above(tiny_ckpt):
+    """`check_arrival` (the 504 before a body is read): behind the held model, with ten level-2 requests being
+    read and a run time of 0.1 s an image, a level-2 request with 0.3 s left is refused (ten images ahead of
+    it), a level-1 one is not (nothing of its level is coming), and neither is one without a deadline."""
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=8)) as (_, app):
+            mv = app.state.gateway.model()
+            gate, blocker = await _hold(mv)
+            mv.runner._row_s["classify"] = 0.1
+            coming = [mv.arriving(2) for _ in range(10)]
+            outcomes = {}
+            for name, admission in (("bronze", Admission(priority=2)), ("gold", Admission(priority=1)),
+                                    ("patient", Admission(priority=2))):
+                if name != "patient":
+                    admission.within(0.3, "the test's")
+                arrival = mv.arriving(admission.priority)  # announced, as the routes do before the check
+                try:
+                    mv.runner.check_arrival(CLASSIFY, admission)
+                    outcomes[name] = "admitted"
+                except GatewayTimeoutError as e:
+                    outcomes[name] = str(e)
+                finally:
+                    arrival.done()
+            for a in coming:
+                a.done()
+            gate.set()
+            await blocker
+            return outcomes
+
+    outcomes = run(scenario())
+    assert outcomes["gold"] == outcomes["patient"] == "admitted"
+    assert "the batches ahead of it need about" in outcomes["bronze"]
+
+
 @pytest.mark.parametrize("value", ["-1", "soon"])
 def test_a_bad_timeout_is_422(tiny_ckpt, photos, value):
     async def scenario():

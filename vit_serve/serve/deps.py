@@ -18,6 +18,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Query, Request
 
+from vit_serve.serve.admission import DEFAULT_PRIORITY
 from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import Announcement, ModelVersion
@@ -50,15 +51,17 @@ class ModelChoice:
     # the version drawn by `announce` (a traffic split's random draw is made once per request)
     _drawn: list[int] = field(default_factory=list, compare=False, repr=False)
 
-    def announce(self, check: Callable[[ModelVersion], object] | None = None) -> Announcement:
+    def announce(self, check: Callable[[ModelVersion], object] | None = None,
+                 priority: int = DEFAULT_PRIORITY) -> Announcement:
         """Before the body is read: 404 / 400 / 503 now if nothing would answer (and `check`'s 400 for the version
-        that would); that version counts the request as coming (`with choice.announce(): read the body`)."""
+        that would); that version counts the request (at level `priority`) as coming (`with choice.announce():
+        read the body`)."""
         mv = self.gateway.model(self.name, self.version, self.session)
         if check is not None:
             check(mv)
         if self.version is None:
             self._drawn[:] = [mv.version]
-        return mv.announce()
+        return mv.announce(priority)
 
     def _resolve(self) -> ModelVersion:
         if self.version is None and self._drawn:

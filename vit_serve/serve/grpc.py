@@ -223,7 +223,7 @@ class Servicer(GRPCInferenceServiceServicer):
         mv = self.gateway.model(request.model_name or None, request.model_version or None,
                                 metadata.get("x-session-id"))
         try:
-            with mv.using(), mv.arriving() as arrival:
+            with mv.using(), mv.arriving(admission.priority) as arrival:
                 admission.at("decode", mv)
                 req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings.limits))
                 admission.v2_parameters(req.parameters)

@@ -37,7 +37,7 @@ from vit_serve.runtime.gpu_decode import GpuDecoder
 from vit_serve.runtime.task import EMBED, Task
 from vit_serve.runtime.text_tower import TextTower
 from vit_serve.runtime.zero_shot import LabelLimits
-from vit_serve.serve.admission import Admission
+from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.runner import Arrival, Result, Runner
@@ -114,10 +114,11 @@ class ModelVersion:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def announce(self) -> Announcement:
-        """Count a request whose body is being read as coming (the batcher may wait for it), without holding this
-        version: it may be replaced and closed meanwhile, and the request then uses the version chosen after."""
-        return Announcement(self)
+    def announce(self, priority: int = DEFAULT_PRIORITY) -> Announcement:
+        """Count a request (at level `priority`) whose body is being read as coming (the batcher may wait for it),
+        without holding this version: it may be replaced and closed meanwhile, and the request then uses the
+        version chosen after."""
+        return Announcement(self, priority)
 
     async def warm_up(self) -> bool:
         """One batch through the model (in its thread); READY after it. False (and `error`) when it fails."""
@@ -327,9 +328,10 @@ class ModelVersion:
         return {"scores": m.scores, "templates": list(m.templates), "embedding_dim": m.embedding_dim,
                 "tokenizer": m.tokenizer.kind, "context_length": m.tokenizer.context_length}
 
-    def arriving(self) -> Arrival:
-        """Announce a request to the runner before reading and decoding it (`with version.arriving() as a:`)."""
-        return self.runner.arriving()
+    def arriving(self, priority: int = DEFAULT_PRIORITY) -> Arrival:
+        """Announce a request (at level `priority`) to the runner before reading and decoding it (`with
+        version.arriving() as a:`)."""
+        return self.runner.arriving(priority)
 
     async def infer(self, task: Task, x: np.ndarray, arrival: Arrival | None = None,
                     admission: Admission | None = None) -> Result:
@@ -368,8 +370,8 @@ class Announcement:
     version nor its runner: the version keeps the arrival and ends it when closed. Use as `with ...:` around the
     read; the version that answers is chosen after it."""
 
-    def __init__(self, version: ModelVersion) -> None:
-        arrival = version.arriving()
+    def __init__(self, version: ModelVersion, priority: int = DEFAULT_PRIORITY) -> None:
+        arrival = version.arriving(priority)
         version._announced.add(arrival)
         self._version, self._arrival = weakref.ref(version), weakref.ref(arrival)
 

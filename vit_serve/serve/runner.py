@@ -40,7 +40,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -51,7 +51,7 @@ import numpy as np
 from vit_serve.runtime.backends.base import Backend, LocalBackend, RemoteBackend
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import Outputs, Task
-from vit_serve.serve.admission import Admission, deadline_exceeded
+from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission, deadline_exceeded
 from vit_serve.serve.errors import GatewayError, GatewayTimeoutError, NotReadyError, QueueFullError
 from vit_serve.serve.metrics import ModelMetrics
 
@@ -93,16 +93,19 @@ class Arrival:
     """A request on its way to the queue (body being read, image being decoded): the collector may wait for it.
 
     Use as a context manager around reading + decoding + `submit(..., arrival)`; it stops counting when the
-    request is queued or when it fails before that.
+    request is queued or when it fails before that. `priority`: its level as far as known (the caller's key).
     """
 
-    def __init__(self, batcher: BatchingRunner | DirectRunner) -> None:
+    def __init__(self, batcher: BatchingRunner | DirectRunner, priority: int = DEFAULT_PRIORITY) -> None:
         self._batcher: BatchingRunner | DirectRunner | None = batcher
+        self.priority = priority
         batcher._incoming += 1
+        batcher._incoming_at[priority] += 1
 
     def done(self) -> None:
         if self._batcher is not None:
             self._batcher._incoming -= 1
+            self._batcher._incoming_at[self.priority] -= 1
             self._batcher._arrival.set()  # the collector re-checks whether to keep waiting
             self._batcher = None
 
@@ -144,10 +147,11 @@ class _Runner:
         self.retry_after = str(limits.retry_after_s)
         self._arrival = asyncio.Event()
         self._incoming = 0  # Arrivals not yet queued
+        self._incoming_at: Counter[int] = Counter()  # the same, by priority level
 
-    def arriving(self) -> Arrival:
-        """Announce a request that will be submitted once its image is decoded."""
-        return Arrival(self)
+    def arriving(self, priority: int = DEFAULT_PRIORITY) -> Arrival:
+        """Announce a request (at level `priority`) that will be submitted once its image is decoded."""
+        return Arrival(self, priority)
 
     def parts(self, x: np.ndarray) -> list[np.ndarray]:
         """x split into consecutive views of at most max_batch rows (x itself when it fits)."""
@@ -402,8 +406,10 @@ class BatchingRunner(_Runner):
         alone; without it the doomed requests are still read and decoded, on the cores the model needs."""
         if admission.deadline is None:
             return
-        ahead = sum(i.rows for i in self._pending if i.task == task and i.admission.priority <= admission.priority)
-        self._refuse_unless_in_time(task, admission, ahead + max(1, self._incoming), time.perf_counter())  # itself too
+        level = admission.priority
+        ahead = sum(i.rows for i in self._pending if i.task == task and i.admission.priority <= level)
+        coming = sum(n for lv, n in self._incoming_at.items() if lv <= level)  # itself among them
+        self._refuse_unless_in_time(task, admission, ahead + max(1, coming), time.perf_counter())
 
     def _refuse_unless_in_time(self, task: Task, admission: Admission, rows: int, now: float) -> None:
         """504 (counted `deadline`) if the batch running and `rows` images of `task` cannot end before the

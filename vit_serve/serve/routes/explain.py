@@ -124,7 +124,7 @@ async def explain_by_id(
                             f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
                             f"image/* body)")
     admission.check(mv)
-    with mv.arriving() as arrival:
+    with mv.arriving(admission.priority) as arrival:
         admission.at("decode", mv)
         x = await mv.tensor_of(crop)
         result = await mv.infer(task, x, arrival, admission)

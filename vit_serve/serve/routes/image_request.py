@@ -81,14 +81,14 @@ async def infer_upload(request: Request, choice: ModelChoice, scope: str, task_o
     version that would answer), the version chosen once it is; the version is held until the block ends (an
     answer that still uses it, e.g. a PNG overlay, is made inside the block). `admission` follows it through
     (its stage, for a client that hangs up; its deadline and level, for the queue)."""
-    with choice.announce(task_of) as announced:
+    with choice.announce(task_of, admission.priority) as announced:
         admission.at("read", announced.version)
         admission.check(announced.version)  # a deadline past on arrival: 504 before the body is read
         if (mv := announced.version) is not None:  # or one the work ahead leaves no time for
             mv.runner.check_arrival(task_of(mv), admission)
         upload = await read_image(request)
     t_read = time.perf_counter()
-    with choice.use() as mv, mv.arriving() as arrival:
+    with choice.use() as mv, mv.arriving(admission.priority) as arrival:
         admission.at("decode", mv)
         task = task_of(mv)
         decoded = await decode_kept(mv, upload, scope)

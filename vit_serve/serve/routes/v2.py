@@ -175,10 +175,11 @@ async def version_infer(name: NameDep, version: VersionDep, request: Request, ga
 
 async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Response:
     admission = admission_of(request.scope)
-    with choice.announce() as announced:  # 404 / 503 before the body is read; the version is chosen once it is
+    # 404 / 503 before the body is read; the version is chosen once it is
+    with choice.announce(priority=admission.priority) as announced:
         admission.at("read", announced.version)
         raw = await request.body()
-    with choice.use() as mv, mv.arriving() as arrival:
+    with choice.use() as mv, mv.arriving(admission.priority) as arrival:
         return await _infer_on(raw, request, gateway, mv, arrival, admission)
 
 
