@@ -1,9 +1,11 @@
 """Serving lifecycle benchmark (`serve_load.py --mode lifecycle`): every request accounted for, side by side in one
 run against today's gateway.
 
-One real uvicorn server per configuration in a subprocess (`serve_load.Server`), an asyncio + httpx client in this
-process, a different image in every request (`serve_load.unique_jpeg`: small photos, 451x300; the multipart form
-is built by hand, `form`, since the client's CPU per request is what limits a storm on a small machine). The model:
+One real uvicorn server per configuration in a subprocess (`serve_load.Server`), asyncio clients in this process
+(httpx for the closed loops; `LeanClient`, a minimal HTTP/1.1 client, for the open loops, whose attempts per second
+would otherwise spend the server's cores in httpx), a different image in every request (`serve_load.unique_jpeg`:
+small photos, 451x300; the multipart form is built by hand, `form`, since the client's CPU per request is what
+limits a storm on a small machine). The model:
 a random ViT (`--model`, default S/16 at `--res 224`, 1000 classes) on the torch backend (the issue's setting; the
 checkpoint is served as it is, no export), `--max-batch 8`, the settings' default queue (256). The baseline,
 "today's gateway", is the code at commit `--baseline` (default 60e39d4, before issue 22), extracted with `git
