@@ -35,7 +35,8 @@ WAITER = f"{NAME}_waiter_py"
 RES = 32
 # Appended to the exported model.py: the same class; while the "gate_file" parameter names a missing file an
 # execution waits (at most 2 minutes), marks "waiting", and marks "cancelled" once for each of its requests that
-# Triton reports cancelled, which it answers with an error instead of running.
+# Triton reports cancelled, which it answers with an error instead of running. Each execution first writes its
+# requests' Triton `timeout()` (µs) to "timeouts".
 WAIT_CODE = """
 
 import time
@@ -56,6 +57,8 @@ class TritonPythonModel(_Exported):
             f.write("1\\n")
 
     def execute(self, requests: list) -> list:
+        with open(os.path.join(self.marks, "timeouts"), "a") as f:  # each request's Triton timeout (µs; 0: none)
+            f.writelines(f"{request.timeout()}\\n" for request in requests)
         gone: set[int] = set()
         if not os.path.exists(self.gate):
             self._mark("waiting")
@@ -230,3 +233,23 @@ def test_a_deadline_cancels_the_triton_call(gateway, triton, photos):
     if gateway.protocol == "http" and not seen:  # as in test_a_cancel_reaches_triton (#8982)
         pytest.xfail("Triton over HTTP: the connection closed, the model never saw is_cancelled()")
     assert seen and n == 1
+
+
+def test_the_deadline_goes_to_triton_as_its_timeout(gateway, triton, photos):
+    """httpx with `?timeout_ms=8000` (under the backend's own 10 s, `triton_timeout_s`), then without one: the
+    model reads the first request's Triton `timeout` (µs) as what was left of the 8 s when the gateway sent it,
+    and the second's as 0 (none)."""
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        path = triton.marks / "timeouts"
+        before = len(path.read_text().splitlines()) if path.exists() else 0
+        async with httpx.AsyncClient(timeout=60) as client:
+            codes = [(await client.post(f"{gateway.url}/classify{q}", content=photos["astronaut.png"],
+                                        headers={"Content-Type": "image/png"})).status_code
+                     for q in ("?timeout_ms=8000", "")]
+        return codes, [int(v) for v in path.read_text().splitlines()[before:]]
+
+    codes, timeouts = asyncio.run(scenario())
+    assert codes == [200, 200]
+    assert len(timeouts) == 2, timeouts
+    assert 5e6 < timeouts[0] <= 8e6 and timeouts[1] == 0, timeouts

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from vit_serve.runtime.backends.base import Backend, LocalBackend, RemoteBackend
+from vit_serve.runtime.backends.base import Backend, CallOptions, LocalBackend, RemoteBackend
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission, deadline_exceeded
@@ -236,7 +236,9 @@ class DirectRunner(_Runner):
         self.metrics.queue_depth.set(self._outstanding)
         admission.at("infer")  # sent: the server has it (a cancel closes the call: the Triton backend)
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p) for p in parts)),
+            options = CallOptions(admission.remaining(),
+                                  0 if admission.priority == DEFAULT_PRIORITY else admission.priority)
+            results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p, options) for p in parts)),
                                              self._wait_s(admission))
         except TimeoutError:
             raise self._timed_out(admission) from None
@@ -249,10 +251,10 @@ class DirectRunner(_Runner):
         """Nothing waits here: the server queues (0)."""
         return 0
 
-    async def _send(self, task: Task, x: np.ndarray) -> Result:
+    async def _send(self, task: Task, x: np.ndarray, options: CallOptions) -> Result:
         t0 = time.perf_counter()
         try:
-            outputs = await self.remote.run(task, x)
+            outputs = await self.remote.run(task, x, options)
         finally:
             self._outstanding -= 1
             self.metrics.queue_depth.set(self._outstanding)

@@ -159,12 +159,25 @@ class LocalBackend(Backend):
         """Release sessions."""
 
 
+@dataclass(frozen=True)
+class CallOptions:
+    """What a call to a remote server carries besides its inputs: the seconds left to the request's deadline
+    (None: it has none; the backend's own timeout still holds) and its priority level (Triton's: 1 first; 0:
+    the server model's default level)."""
+
+    timeout_s: float | None = None
+    priority: int = 0
+
+
+NO_OPTIONS = CallOptions()
+
+
 class RemoteBackend(Backend):
     """A model on a server that batches concurrent requests itself; asked concurrently from the event loop."""
 
     @abc.abstractmethod
-    async def run(self, task: Task, x: np.ndarray) -> Outputs:
-        """`task` on x [B, 3, H, W] float32 -> its outputs (one request to the server)."""
+    async def run(self, task: Task, x: np.ndarray, options: CallOptions = NO_OPTIONS) -> Outputs:
+        """`task` on x [B, 3, H, W] float32 -> its outputs (one request to the server, with `options`)."""
 
     async def warmup(self) -> None:
         await self.run(Task(), self._warmup_input())

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from vit_serve.runtime.backends.base import RemoteBackend
+from vit_serve.runtime.backends.base import NO_OPTIONS, CallOptions, RemoteBackend
 from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.metrics import BATCH_BUCKETS, MODEL
 from vit_serve.runtime.spec import LoadSpec
@@ -74,7 +74,9 @@ class RayModelBackend(RemoteBackend):
         self.supports_grad_rollout = bool(described["grad_rollout"])
         self.info = dataclasses.replace(described["info"], device="remote")  # the gateway decodes on its CPU
 
-    async def run(self, task: Task, x: np.ndarray) -> Outputs:
+    async def run(self, task: Task, x: np.ndarray, options: CallOptions = NO_OPTIONS) -> Outputs:
+        """One call to the deployment (Ray Serve has no request priority; the runner's wait holds the
+        deadline)."""
         try:
             outputs, replica, rows = await self.handle.run.remote(task, x)
         except RayTaskError as e:  # what the replica raised (NotImplementedError: 400, ...)

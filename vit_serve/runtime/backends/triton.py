@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, TritonMeta
-from vit_serve.runtime.backends.base import ModelInfo, RemoteBackend
+from vit_serve.runtime.backends.base import NO_OPTIONS, CallOptions, ModelInfo, RemoteBackend
 from vit_serve.runtime.errors import BackendUnavailableError, ModelTimeoutError
 from vit_serve.runtime.settings import TritonClientSettings
 from vit_serve.runtime.task import Outputs, Task
@@ -360,44 +360,51 @@ class TritonBackend(RemoteBackend):
 
     # ---- inference -----------------------------------------------------------------------------------------
 
-    async def _infer(self, conn: _Connection, model: str, x: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
-        """x [B, 3, H, W] -> the named outputs; batches over the model's max_batch_size are split."""
+    async def _infer(self, conn: _Connection, model: str, x: np.ndarray, outputs: list[str],
+                     options: CallOptions = NO_OPTIONS) -> list[np.ndarray]:
+        """x [B, 3, H, W] -> the named outputs; batches over the model's max_batch_size are split. `options`:
+        the request's deadline goes as Triton's `timeout` parameter (µs; the model's queue policy decides
+        whether it may shorten its own) and, over gRPC, as the call's deadline; its level as `priority`."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 4 or x.shape[1:] != (3, *self.info.resolution):
             raise ValueError(f"expected a batch [B, 3, {self.info.resolution[0]}, {self.info.resolution[1]}], "
                              f"got {list(x.shape)}")
         step = self.max_batch_size or len(x)
         if len(x) > step:
-            parts = await asyncio.gather(*(self._infer(conn, model, x[i:i + step], outputs)
+            parts = await asyncio.gather(*(self._infer(conn, model, x[i:i + step], outputs, options)
                                            for i in range(0, len(x), step)))
             return [np.concatenate([p[j] for p in parts]) for j in range(len(outputs))]
         binary = {"binary_data": True} if self.protocol == "http" else {}
         inp = self._tc.InferInput(PIXEL_VALUES, list(x.shape), "FP32")
         inp.set_data_from_numpy(x, **binary)
         requested = [self._tc.InferRequestedOutput(n, **binary) for n in outputs]
+        wait = self.timeout_s if options.timeout_s is None else max(1e-3, min(self.timeout_s, options.timeout_s))
+        schedule = {"priority": options.priority}
+        if options.timeout_s is not None:
+            schedule["timeout"] = max(1, int(wait * 1e6))
         result = await self._guard(conn, f"infer {model}", conn.client.infer(
-            model, [inp], outputs=requested, headers=self._trace_headers(), **self._call_kwargs(self.timeout_s)),
-            self.timeout_s)
+            model, [inp], outputs=requested, headers=self._trace_headers(), **schedule,
+            **self._call_kwargs(wait)), wait)
         self._mark(True)
         return [result.as_numpy(n) for n in outputs]
 
-    async def run(self, task: Task, x: np.ndarray) -> Outputs:
+    async def run(self, task: Task, x: np.ndarray, options: CallOptions = NO_OPTIONS) -> Outputs:
         """x [B, 3, H, W] float32 -> logits [B, K] (classify), logits + rollout [B, gh, gw] (explain, from the
         explain model, whose rollout settings the task was resolved against) or logits + embedding [B, D] (embed):
-        one Triton request, the server batches."""
+        one Triton request with the request's deadline and level (`options`), the server batches."""
         if task.kind == "classify":
-            (logits,) = await self._infer(self._shared(), self.model, x, [LOGITS])
+            (logits,) = await self._infer(self._shared(), self.model, x, [LOGITS], options)
             return {"logits": logits}
         if task.kind == "explain":
             if not self.explain_model:
                 raise NotImplementedError(f"Triton model {self.model!r} has no explain model")
-            logits, rollout = await self._infer(self._shared(), self.explain_model, x, [LOGITS, ROLLOUT])
+            logits, rollout = await self._infer(self._shared(), self.explain_model, x, [LOGITS, ROLLOUT], options)
             return {"logits": logits, "rollout": rollout}
         if task.kind == "embed":
             if not self.info.embedding_dim:
                 raise NotImplementedError(f"Triton model {self.model!r} has no {EMBEDDING!r} output (re-export "
                                           f"with vit-export --outputs logits,embedding)")
-            logits, embedding = await self._infer(self._shared(), self.model, x, [LOGITS, EMBEDDING])
+            logits, embedding = await self._infer(self._shared(), self.model, x, [LOGITS, EMBEDDING], options)
             return {"logits": logits, "embedding": embedding}
         raise NotImplementedError(f"grad_rollout needs the torch backend; {self.model!r} runs on Triton")
 

@@ -19,7 +19,7 @@ from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.task import Task
 from vit_serve.serve.admission import Admission, admission_of
 from vit_serve.serve.deps import ModelChoice
-from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.model_version import Announcement, ModelVersion
 from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ErrorBody
 from vit_serve.serve.uploads import Upload, read_image
@@ -84,8 +84,7 @@ async def infer_upload(request: Request, choice: ModelChoice, scope: str, task_o
     with choice.announce(task_of, admission.priority) as announced:
         admission.at("read", announced.version)
         admission.check(announced.version)  # a deadline past on arrival: 504 before the body is read
-        if (mv := announced.version) is not None:  # or one the work ahead leaves no time for
-            mv.runner.check_arrival(task_of(mv), admission)
+        _check_arrival(announced, task_of, admission)  # or one the work ahead leaves no time for
         upload = await read_image(request)
     t_read = time.perf_counter()
     with choice.use() as mv, mv.arriving(admission.priority) as arrival:
@@ -95,6 +94,15 @@ async def infer_upload(request: Request, choice: ModelChoice, scope: str, task_o
         t_decoded = time.perf_counter()
         result = await mv.infer(task, decoded.x, arrival, admission)
         yield Inferred(mv, task, decoded, result, t_read, t_decoded)
+
+
+def _check_arrival(announced: Announcement, task_of: Callable[[ModelVersion], Task], admission: Admission) -> None:
+    """The runner's `check_arrival` for the version announced to. A function of its own, so that no reference
+    to the version outlives the call: while the body is read only the announcement (weak) holds it, and an
+    unload frees it."""
+    mv = announced.version
+    if mv is not None:
+        mv.runner.check_arrival(task_of(mv), admission)
 
 
 async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
