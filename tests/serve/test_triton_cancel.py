@@ -32,11 +32,13 @@ pytest.importorskip("tritonclient.http.aio")
 LABELS = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 NAME = "tiny"
 WAITER = f"{NAME}_waiter_py"
+ORDERED = f"{NAME}_ordered_py"
 RES = 32
 # Appended to the exported model.py: the same class; while the "gate_file" parameter names a missing file an
 # execution waits (at most 2 minutes), marks "waiting", and marks "cancelled" once for each of its requests that
 # Triton reports cancelled, which it answers with an error instead of running. Each execution first writes its
-# requests' Triton `timeout()` (µs) to "timeouts".
+# requests' Triton `timeout()` (µs) to "timeouts", and with an "order_file" parameter each request's mean input
+# value to that file (`ORDERED`: one request an execution, Triton's priority levels 1-3, default 2).
 WAIT_CODE = """
 
 import time
@@ -51,6 +53,7 @@ class TritonPythonModel(_Exported):
         super().initialize(args)
         config = json.loads(args["model_config"])
         self.gate, self.marks = _param(config, "gate_file", ""), _param(config, "marks_dir", "")
+        self.order = _param(config, "order_file", "")
 
     def _mark(self, what: str) -> None:
         with open(os.path.join(self.marks, what), "a") as f:
@@ -59,6 +62,10 @@ class TritonPythonModel(_Exported):
     def execute(self, requests: list) -> list:
         with open(os.path.join(self.marks, "timeouts"), "a") as f:  # each request's Triton timeout (µs; 0: none)
             f.writelines(f"{request.timeout()}\\n" for request in requests)
+        if self.order:  # each request's mean input value, in the order executed
+            with open(self.order, "a") as f:
+                f.writelines(f"{pb_utils.get_input_tensor_by_name(r, self.input).as_numpy().mean():.1f}\\n"
+                             for r in requests)
         gone: set[int] = set()
         if not os.path.exists(self.gate):
             self._mark("waiting")
@@ -81,6 +88,7 @@ class Triton(NamedTuple):
     server: TritonServer
     gate: Path  # present: executions run
     marks: Path  # the model's marker files
+    order: Path  # ORDERED's executions, a line each
 
 
 @pytest.fixture(scope="module")
@@ -92,21 +100,32 @@ def triton(tmp_path_factory, export_tiny) -> Iterator[Triton]:
     result, _ = export_tiny(d, RES, 7, LABELS, formats=("onnx", "triton"), out=d / "exports", repo=d / "repo",
                             name=NAME)
     assert result.ok
-    gate, marks = d / "open", d / "marks"
+    gate, marks, order = d / "open", d / "marks", d / "order.txt"
     gate.touch()
     marks.mkdir()
-    src, dst = d / "repo" / f"{NAME}_py", d / "repo" / WAITER
-    shutil.copytree(src, dst)
-    (dst / "1" / "model.py").write_text((src / "1" / "model.py").read_text() + WAIT_CODE)
-    cfg = parse((src / "config.pbtxt").read_text())
-    cfg.name = WAITER
-    del cfg.model_warmup[:]
-    cfg.parameters["gate_file"].string_value = str(gate)
-    cfg.parameters["marks_dir"].string_value = str(marks)
-    (dst / "config.pbtxt").write_text(to_text(cfg))
-    server = TritonServer(d / "repo", models=[WAITER, f"{NAME}_explain_py"])  # the config names it
+    src = d / "repo" / f"{NAME}_py"
+    for name in (WAITER, ORDERED):
+        dst = d / "repo" / name
+        shutil.copytree(src, dst)
+        (dst / "1" / "model.py").write_text((src / "1" / "model.py").read_text() + WAIT_CODE)
+        cfg = parse((src / "config.pbtxt").read_text())
+        cfg.name = name
+        del cfg.model_warmup[:]
+        cfg.parameters["gate_file"].string_value = str(gate)
+        cfg.parameters["marks_dir"].string_value = str(marks if name == WAITER else d / "ordered_marks")
+        if name == ORDERED:
+            (d / "ordered_marks").mkdir()
+            cfg.parameters["order_file"].string_value = str(order)
+            cfg.max_batch_size = 1
+            del cfg.dynamic_batching.preferred_batch_size[:]
+            cfg.dynamic_batching.priority_levels = 3
+            cfg.dynamic_batching.default_priority_level = 2
+            for group in cfg.instance_group:
+                group.count = 1
+        (dst / "config.pbtxt").write_text(to_text(cfg))
+    server = TritonServer(d / "repo", models=[WAITER, ORDERED, f"{NAME}_explain_py"])  # the configs name it
     server.start(timeout=90)
-    yield Triton(server, gate, marks)
+    yield Triton(server, gate, marks, order)
     gate.touch()
     server.close()
 
@@ -253,3 +272,47 @@ def test_the_deadline_goes_to_triton_as_its_timeout(gateway, triton, photos):
     assert codes == [200, 200]
     assert len(timeouts) == 2, timeouts
     assert 5e6 < timeouts[0] <= 8e6 and timeouts[1] == 0, timeouts
+
+
+def test_the_level_goes_to_triton_as_its_priority(triton):
+    """Over gRPC and HTTP to Triton: while `ORDERED` (one request an execution, levels 1-3, default 2) holds a
+    first request, /v2 sends one lowered to level 3 (`parameters.priority`), then one at the gateway's default
+    level (sent as Triton's 0: the model's default, 2). Triton runs the second before the first."""
+    h, w = RES, RES
+
+    def body(value: float, priority: int | None = None) -> dict[str, Any]:
+        req: dict[str, Any] = {"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [1, 3, h, w],
+                                           "data": [value] * (3 * h * w)}],
+                               "outputs": [{"name": "logits"}]}  # the classifier alone (not the explain model)
+        if priority is not None:
+            req["parameters"] = {"priority": priority}
+        return req
+
+    async def scenario(url: str) -> tuple[list[int], list[str]]:
+        before = len(triton.order.read_text().splitlines()) if triton.order.exists() else 0
+        triton.gate.unlink()
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                infer = f"{url}/v2/models/{ORDERED}/infer"
+                held = asyncio.create_task(client.post(infer, json=body(0.0)))
+                await until(lambda: held.done() or (triton.order.exists()
+                                                    and len(triton.order.read_text().splitlines()) > before), 30)
+                assert not held.done(), held.result().text
+                low = asyncio.create_task(client.post(infer, json=body(1.0, priority=3)))
+                await asyncio.sleep(0.5)  # in Triton's queue first
+                default = asyncio.create_task(client.post(infer, json=body(2.0)))
+                await asyncio.sleep(0.5)
+                triton.gate.touch()
+                codes = [r.status_code for r in await asyncio.gather(held, low, default)]
+        finally:
+            triton.gate.touch()
+        return codes, triton.order.read_text().splitlines()[before:]
+
+    for protocol in ("grpc", "http"):
+        url = f"grpc://{triton.server.grpc_url}" if protocol == "grpc" else triton.server.http_url
+        settings = ServeSettings(model=ORDERED, backend="triton", triton_url=url, threads=1, decode_workers=2,
+                                 request_timeout_s=60, decode="contract", grpc_port=0)
+        with live_app(settings) as (base, _):
+            codes, order = asyncio.run(scenario(base))
+        assert codes == [200, 200, 200], (protocol, codes)
+        assert order == ["0.0", "2.0", "1.0"], (protocol, order)
