@@ -336,7 +336,11 @@ def test_concurrent_requests_are_batched(exported, server):
     want = session(exported["onnx"], threads=1).run(None, {"pixel_values": x[:, 0]})[0]
     before = _metrics(server, f"{NAME}_py")
     answers = _concurrently(server, f"{NAME}_py", [{"pixel_values": xi} for xi in x])
-    after = _metrics(server, f"{NAME}_py")
+    # Triton's /metrics can trail the answers by a moment: read it until the 32 inferences show (at most 10 s)
+    deadline = time.monotonic() + 10
+    while (after := _metrics(server, f"{NAME}_py"))["nv_inference_count"] - before["nv_inference_count"] < 32 \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     got = np.concatenate([a.as_numpy("logits") for a in answers])
     count = after["nv_inference_count"] - before["nv_inference_count"]
     execs = after["nv_inference_exec_count"] - before["nv_inference_exec_count"]
