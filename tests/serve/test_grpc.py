@@ -333,7 +333,7 @@ def test_grpc_and_http_requests_share_batches(restricted, pixels, backend):
             over_http = pool.submit(httpx.post, f"{url}/v2/models/tiny/infer", content=slow_body(), timeout=60,
                                     headers={"Content-Type": "application/json"})
             deadline = time.monotonic() + 30
-            while runner._incoming < 1 and time.monotonic() < deadline:  # the HTTP request is being read
+            while runner.incoming < 1 and time.monotonic() < deadline:  # the HTTP request is being read
                 time.sleep(0.01)
             over_grpc = pool.submit(c.infer, "tiny", [_input("pixel_values", "FP32", pixels[:1])],
                                     outputs=[grpcclient.InferRequestedOutput("logits")])

@@ -99,12 +99,10 @@ class Arrival:
     def __init__(self, batcher: BatchingRunner | DirectRunner, priority: int = DEFAULT_PRIORITY) -> None:
         self._batcher: BatchingRunner | DirectRunner | None = batcher
         self.priority = priority
-        batcher._incoming += 1
         batcher._incoming_at[priority] += 1
 
     def done(self) -> None:
         if self._batcher is not None:
-            self._batcher._incoming -= 1
             self._batcher._incoming_at[self.priority] -= 1
             self._batcher._arrival.set()  # the collector re-checks whether to keep waiting
             self._batcher = None
@@ -146,8 +144,7 @@ class _Runner:
         self.timeout_s = limits.request_timeout_s
         self.retry_after = str(limits.retry_after_s)
         self._arrival = asyncio.Event()
-        self._incoming = 0  # Arrivals not yet queued
-        self._incoming_at: Counter[int] = Counter()  # the same, by priority level
+        self._incoming_at: Counter[int] = Counter()  # Arrivals not yet queued, by priority level
 
     def arriving(self, priority: int = DEFAULT_PRIORITY) -> Arrival:
         """Announce a request (at level `priority`) that will be submitted once its image is decoded."""
@@ -161,7 +158,7 @@ class _Runner:
     @property
     def incoming(self) -> int:
         """Requests announced and not yet queued."""
-        return self._incoming
+        return sum(self._incoming_at.values())
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the model thread (between batches): loading, warm-up, maintenance."""
@@ -484,7 +481,7 @@ class BatchingRunner(_Runner):
         first = min(self._pending, key=lambda i: i.order)
         if self.max_batch > 1 and self._rows[first.task] < self.max_batch:
             deadline = first.t0 + self.delay_s
-            while self._incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
+            while self.incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
                 self._arrival.clear()
                 try:
                     await asyncio.wait_for(self._arrival.wait(), remaining)
