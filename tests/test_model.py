@@ -71,8 +71,8 @@ def test_attn_at_v_reproduces_fused_output():
     attn = Attention(64, 4).eval()
     x = torch.randn(2, 10, 64)
     with torch.no_grad():
-        fused, none = attn(x)
-        _, probs = attn(x, return_attention=True)
+        fused, none, _ = attn(x)
+        _, probs, _ = attn(x, return_attention=True)
         _, _, v = attn.qkv(x).reshape(2, 10, 3, 4, 16).permute(2, 0, 3, 1, 4)
         manual = attn.proj((probs @ v).transpose(1, 2).reshape(2, 10, 64))
     assert none is None

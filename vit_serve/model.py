@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from vit_serve.config import ViTConfig, get_config
 from vit_serve.pos_embed import is_tracing, resample_pos_embed
 from vit_serve.resnet import ResNetStem
+from vit_serve.tome import MergeState, TokenMerging, parse_r, size_bias
 
 
 class PatchEmbed(nn.Module):
@@ -67,18 +68,25 @@ class Attention(nn.Module):
         # The fused kernel; swappable for an accelerator's own (e.g. Pallas flash attention on TPU).
         self.attention_fn: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, return_attention: bool = False, bias: torch.Tensor | None = None,
+                keys: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x [B, N, C] -> (out [B, N, C], probabilities [B, heads, N, N] if asked, the keys averaged over heads
+        [B, N, C / heads] if asked: token merging's similarity). `bias` [B, 1, 1, N] is added to the logits
+        (token merging's proportional attention, log of the token sizes)."""
         B, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         drop = self.attn_drop if self.training else 0.0
         probs = None
         if return_attention:
-            probs = (q * self.scale @ k.transpose(-2, -1)).softmax(dim=-1)
+            logits = q * self.scale @ k.transpose(-2, -1)
+            probs = (logits if bias is None else logits + bias).softmax(dim=-1)
             x = (F.dropout(probs, drop) if drop else probs) @ v
+        elif bias is not None:
+            x = self.attention_fn(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=drop)
         else:
             x = self.attention_fn(q, k, v, dropout_p=drop)
         x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
-        return x, probs
+        return x, probs, (k.mean(1) if keys else None)
 
 
 class QuickGELU(nn.Module):
@@ -140,9 +148,16 @@ class Block(nn.Module):
         self.ls2 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.drop_path_rate = drop_path_rate
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        y, attn = self.attn(self.norm1(x), return_attention)
+    def forward(self, x: torch.Tensor, return_attention: bool = False,
+                merging: MergeState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, N, D] -> (x, attention probabilities if asked). With `merging` (token merging), its r tokens
+        are merged between the attention and the MLP (ToMe), and the state's sizes and sources updated."""
+        r = merging.next_r() if merging is not None else 0
+        bias = size_bias(merging.size) if merging is not None and merging.prop_attn else None
+        y, attn, keys = self.attn(self.norm1(x), return_attention, bias, keys=r > 0)
         x = x + drop_path(self.ls1(y), self.drop_path_rate, self.training)
+        if r > 0:
+            x = merging.merge(x, keys, r)
         x = x + drop_path(self.ls2(self.mlp(self.norm2(x))), self.drop_path_rate, self.training)
         return x, attn
 
@@ -166,16 +181,19 @@ class AttentionPool(nn.Module):
         self.norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.mlp = Mlp(d, cfg.mlp_dim, cfg.gelu)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, return_attention: bool = False,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`bias` [B, 1, 1, N]: added to the probe's logits (token merging: log of the token sizes)."""
         B, N, C = x.shape
         q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         probs = None
         if return_attention:
-            probs = (q * self.head_dim**-0.5 @ k.transpose(-2, -1)).softmax(dim=-1)
+            logits = q * self.head_dim**-0.5 @ k.transpose(-2, -1)
+            probs = (logits if bias is None else logits + bias).softmax(dim=-1)
             y = probs @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype))
         y = self.proj(y.transpose(1, 2).reshape(B, 1, C))
         y = y + self.mlp(self.norm(y))
         return y[:, 0], probs
@@ -223,6 +241,18 @@ class VisionTransformer(nn.Module):
         # While tracing/exporting, resample even at the native grid so the graph serves any size; False bakes
         # the position embeddings in as constants (a static-resolution export).
         self.dynamic_size = True
+        self.token_merging: TokenMerging | None = None  # set_token_merging
+        self.tome_source: torch.Tensor | None = None  # the last forward's merge sources, when traced
+
+    def set_token_merging(self, r: int | list[int] | tuple[int, float], prop_attn: bool = True,
+                          trace_source: bool = False) -> None:
+        """Token merging (ToMe, Bolya et al. 2023) in every block: r tokens merged per layer (an int, a list
+        per layer, or (r, inflection) as the reference's parse_r); 0 turns it off. Class, distillation and
+        register tokens are never merged. `prop_attn`: proportional attention (for models trained without
+        ToMe); `trace_source`: keep the last forward's sources in `tome_source` [B, T, prefix + N]."""
+        schedule = parse_r(len(self.blocks), r)
+        self.token_merging = (TokenMerging(tuple(schedule), prop_attn, trace_source) if any(schedule) else None)
+        self.tome_source = None
 
     @staticmethod
     def _make_pre_logits(cfg: ViTConfig) -> nn.Module:
@@ -328,33 +358,52 @@ class VisionTransformer(nn.Module):
         return self.pos_drop(x + pos)
 
     # -- forward --------------------------------------------------------------------------------------
-    def forward_features(self, x: torch.Tensor, return_attention: bool = False):
-        """[B, C, H, W] -> tokens [B, prefix + N, D] after the final LayerNorm (and attentions if asked)."""
+    def _features(self, x: torch.Tensor, return_attention: bool = False):
+        """forward_features, and the token-merging state (None without ToMe): (tokens, attentions, state)."""
         grid = self.check_size(x.shape[-2], x.shape[-1])
         x = self.norm_pre(self._pos_embed(self.patch_embed(x), grid))
+        merging = self.token_merging.start(self.num_prefix_tokens) if self.token_merging is not None else None
         attentions = []
         for blk in self.blocks:
-            if self.grad_checkpointing and self.training and not return_attention:
+            if self.grad_checkpointing and self.training and not return_attention and merging is None:
                 x, attn = checkpoint(blk, x, use_reentrant=False)
             else:
-                x, attn = blk(x, return_attention)
+                x, attn = blk(x, return_attention, merging)
             if return_attention:
                 attentions.append(attn)
-        x = self.norm(x)
+        if merging is not None and merging.trace_source:
+            self.tome_source = merging.source
+        return self.norm(x), attentions, merging
+
+    def forward_features(self, x: torch.Tensor, return_attention: bool = False):
+        """[B, C, H, W] -> tokens [B, prefix + N, D] after the final LayerNorm (and attentions if asked); with
+        token merging [B, prefix + N', D], N' the tokens left after the merges."""
+        x, attentions, _ = self._features(x, return_attention)
         return (x, attentions) if return_attention else x
 
-    def pool(self, x: torch.Tensor, return_attention: bool = False):
+    def pool(self, x: torch.Tensor, return_attention: bool = False, size: torch.Tensor | None = None,
+             prop_attn: bool = True):
         """Tokens [B, prefix + N, D] -> [B, D]: the [class] token (DeiT: the mean of [class] and [dist]), the
         mean of the patch tokens (GAP), or the attention-pool head (MAP; with return_attention also its
-        probabilities [B, heads, 1, N])."""
+        probabilities [B, heads, 1, N]). `size` [B, prefix + N, 1]: token merging's token sizes, so that GAP
+        is the mean over the patches (size-weighted) and MAP attends proportionally (`prop_attn`)."""
         attn = None
         if self.cfg.pool == "token":
             x = (x[:, 0] + x[:, 1]) / 2 if self.cfg.dist_token else x[:, 0]
         elif self.cfg.pool == "map":
-            x, attn = self.attn_pool(x, return_attention)
+            x, attn = self.attn_pool(x, return_attention, size_bias(size) if prop_attn else None)
+        elif size is not None:
+            p = self.num_prefix_tokens
+            x = (x[:, p:] * size[:, p:]).sum(dim=1) / size[:, p:].sum(dim=1)
         else:
             x = x[:, self.num_prefix_tokens:].mean(dim=1)
         return (x, attn) if return_attention else x
+
+    def _pool(self, x: torch.Tensor, merging: MergeState | None, return_attention: bool = False):
+        """pool() with the token sizes of a forward pass with token merging."""
+        if merging is None:
+            return self.pool(x, return_attention)
+        return self.pool(x, return_attention, merging.size, merging.prop_attn)
 
     def embed(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled [B, D] -> the image embedding [B, E]: pre-logits layer, then the projection (CLIP)."""
@@ -382,20 +431,19 @@ class VisionTransformer(nn.Module):
         """[B, C, H, W] -> (logits [B, K], embedding [B, E]) from one pass: the embedding is
         `forward_head(tokens, pre_logits=True)` (each family's own: HF pooler_output for DINOv2 and SigLIP,
         image_embeds for CLIP with projection), the logits the head on it."""
-        tokens = self.forward_features(x)
-        embedding = self.embed(self.pool(tokens))
+        tokens, _, merging = self._features(x)
+        embedding = self.embed(self._pool(tokens, merging))
         return self.head_logits(tokens, embedding), embedding
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """[B, C, H, W] -> logits [B, K]; with return_attention, (logits, [attn [B, heads, N, N]] * depth), and
         for MAP models one more entry last: the pool's probe attention [B, heads, 1, N]."""
-        if return_attention:
-            feats, attentions = self.forward_features(x, return_attention=True)
-            if self.cfg.pool == "map":
-                pooled, probe = self.pool(feats, return_attention=True)
-                return self.head_logits(feats, self.embed(pooled)), [*attentions, probe]
-            return self.forward_head(feats), attentions
-        return self.forward_head(self.forward_features(x))
+        feats, attentions, merging = self._features(x, return_attention)
+        if return_attention and self.cfg.pool == "map":
+            pooled, probe = self._pool(feats, merging, return_attention=True)
+            return self.head_logits(feats, self.embed(pooled)), [*attentions, probe]
+        logits = self.head_logits(feats, self.embed(self._pool(feats, merging)))
+        return (logits, attentions) if return_attention else logits
 
 
 def create_model(name_or_cfg: str | ViTConfig = "B/16", **overrides) -> VisionTransformer:

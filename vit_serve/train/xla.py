@@ -78,14 +78,16 @@ def pallas_is_exact(seq_len: int, block: int = PALLAS_KV_BLOCK) -> bool:
 
 class PallasAttention:
     """An `Attention.attention_fn`: the Pallas kernel where it is exact, SDPA otherwise (other lengths,
-    attention dropout, which the kernel lacks)."""
+    attention dropout or an additive mask such as token merging's proportional attention, which the kernel
+    lacks)."""
 
     def __init__(self, flash_attention) -> None:
         self.flash_attention = flash_attention
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        if dropout_p or not pallas_is_exact(k.shape[-2]):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if dropout_p or attn_mask is not None or not pallas_is_exact(k.shape[-2]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         return self.flash_attention(q, k, v, causal=False, sm_scale=q.shape[-1] ** -0.5)
 
 

@@ -1,0 +1,179 @@
+"""Token merging (ToMe, "Token Merging: Your ViT But Faster", Bolya et al., ICLR 2023): pure functions.
+
+Between the attention and the MLP of a block, `r` tokens are merged into others by bipartite soft matching:
+
+    a, b = tokens[0::2], tokens[1::2]                 alternate tokens, by the keys averaged over heads
+    s_ij = cos(k_a_i, k_b_j)                          each a-token's most similar b-token and its score
+    the r a-tokens with the highest scores merge into their b-token: x = sum(size * x) / sum(size)
+    sizes add; with proportional attention, attention logits get + log(size) (a merged token counts for
+    the patches it holds); the merge "sources" (which input tokens each token holds) compose over layers.
+
+This reproduces the reference implementation (facebookresearch/ToMe: `tome/merge.py`, `tome/patch/timm.py`):
+the same split, scores, order of edges and output order, so that a model with ToMe gives the reference's
+numbers. One generalisation: the reference protects a class token and a distillation token; here the first
+`protected` tokens of any count (class, distillation and register tokens) are never merged and keep their
+places at the front.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def parse_r(depth: int, r: int | list[int] | tuple[int, float]) -> list[int]:
+    """r per layer, as the reference's `parse_r`: an int (the same r in every layer), a list (one per layer,
+    padded with 0), or (r, inflection) with inflection in [-1, 1]: -1 the paper's decreasing schedule."""
+    if isinstance(r, list):
+        if len(r) > depth:
+            raise ValueError(f"token merging: {len(r)} values of r for a model of {depth} layers")
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in r):
+            raise ValueError(f"token merging: r must be whole numbers >= 0, got {r}")
+        return [*r, *[0] * (depth - len(r))]
+    inflect = 0.0
+    if isinstance(r, tuple):
+        r, inflect = r
+        if not -1.0 <= inflect <= 1.0:
+            raise ValueError(f"token merging: the inflection must be in [-1, 1], got {inflect}")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+        raise ValueError(f"token merging: r must be a whole number >= 0, got {r!r}")
+    lo = int(r * (1.0 - inflect))
+    step = (2 * r - 2 * lo) / max(depth - 1, 1)
+    return [int(lo + step * i) for i in range(depth)]
+
+
+def merged_count(tokens: int, r: int, protected: int) -> int:
+    """How many tokens one merge removes from `tokens`: r, at most half of the unprotected ones (as the
+    reference)."""
+    return max(0, min(r, (tokens - protected) // 2))
+
+
+def tokens_after(tokens: int, schedule: list[int], protected: int) -> list[int]:
+    """The token count entering each layer and after the last: [T_0, T_1, ..., T_L]."""
+    counts = [tokens]
+    for r in schedule:
+        counts.append(counts[-1] - merged_count(counts[-1], r, protected))
+    return counts
+
+
+@dataclass(frozen=True)
+class Matching:
+    """One bipartite soft matching of a [B, T, C] token set (`bipartite_soft_matching`): which a-tokens stay
+    (unm_idx [B, Ta - r, 1]), which merge (src_idx [B, r, 1]) and into which b-token (dst_idx [B, r, 1]);
+    `protected` leading tokens stay first in their order."""
+
+    unm_idx: torch.Tensor
+    src_idx: torch.Tensor
+    dst_idx: torch.Tensor
+    r: int
+    protected: int
+
+    def merge(self, x: torch.Tensor, mode: str = "mean") -> torch.Tensor:
+        """x [B, T, C] -> [B, T - r, C]: the merged a-tokens reduced into their b-tokens (`mode`: torch's
+        scatter_reduce "sum", "mean", "amax"), then [protected tokens in order, other kept a-tokens, b-tokens]."""
+        src, dst = x[..., ::2, :], x[..., 1::2, :]
+        n, t1, c = src.shape
+        unm = src.gather(dim=-2, index=self.unm_idx.expand(n, t1 - self.r, c))
+        src = src.gather(dim=-2, index=self.src_idx.expand(n, self.r, c))
+        dst = dst.scatter_reduce(-2, self.dst_idx.expand(n, self.r, c), src, reduce=mode)
+        pa, pb = (self.protected + 1) // 2, self.protected // 2  # protected tokens among a (even) and b (odd)
+        front = [t[:, i:i + 1] for i in range(pa) for t in ((unm, dst) if i < pb else (unm,))]
+        return torch.cat([*front, unm[:, pa:], dst[:, pb:]], dim=1) if front else torch.cat([unm, dst], dim=1)
+
+
+def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: int = 0) -> Matching | None:
+    """metric [B, T, C] (the keys, averaged over heads) -> the matching that merges r tokens (None when r
+    is 0 after the cap at half the unprotected tokens). The first `protected` tokens are never merged
+    and nothing merges into them. Ties break as torch's argsort does, as in the reference."""
+    t = metric.shape[1]
+    r = merged_count(t, r, protected)
+    if r <= 0:
+        return None
+    with torch.no_grad():
+        metric = metric / metric.norm(dim=-1, keepdim=True)
+        a, b = metric[..., ::2, :], metric[..., 1::2, :]
+        scores = a @ b.transpose(-1, -2)
+        pa, pb = (protected + 1) // 2, protected // 2
+        if pa:
+            scores[..., :pa, :] = -math.inf
+        if pb:
+            scores[..., :, :pb] = -math.inf
+        node_max, node_idx = scores.max(dim=-1)
+        edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
+        unm_idx = edge_idx[..., r:, :]
+        src_idx = edge_idx[..., :r, :]
+        dst_idx = node_idx[..., None].gather(dim=-2, index=src_idx)
+        if protected:  # the protected a-tokens (scores -inf) are last among the kept: sort them to the front
+            unm_idx = unm_idx.sort(dim=1)[0]
+    return Matching(unm_idx, src_idx, dst_idx, r, protected)
+
+
+def merge_wavg(m: Matching, x: torch.Tensor, size: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, C], size [B, T, 1] (None: ones) -> the size-weighted average of each merged group [B, T - r, C]
+    and the groups' sizes [B, T - r, 1] (the reference's merge_wavg)."""
+    if size is None:
+        size = torch.ones_like(x[..., 0, None])
+    x = m.merge(x * size, mode="sum")
+    size = m.merge(size, mode="sum")
+    return x / size, size
+
+
+def merge_source(m: Matching, x: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+    """Which input tokens each token holds: source [B, T, N0] (None: the identity over x's T tokens) ->
+    [B, T - r, N0], 1 where the token holds input token j (the reference's merge_source)."""
+    if source is None:
+        n, t, _ = x.shape
+        source = torch.eye(t, device=x.device, dtype=x.dtype)[None].expand(n, t, t)
+    return m.merge(source, mode="amax")
+
+
+def size_bias(size: torch.Tensor | None) -> torch.Tensor | None:
+    """Proportional attention: sizes [B, T, 1] -> the additive attention bias log(size) [B, 1, 1, T]."""
+    return None if size is None else size.log()[:, None, None, :, 0]
+
+
+@dataclass(frozen=True)
+class TokenMerging:
+    """A model's token-merging setting (`VisionTransformer.set_token_merging`): r per layer, proportional
+    attention (the reference's `prop_attn`: on for models trained without ToMe), and whether to keep the merge
+    sources of the last forward (`trace_source`, for visualisations)."""
+
+    r: tuple[int, ...]
+    prop_attn: bool = True
+    trace_source: bool = False
+
+    def start(self, protected: int) -> MergeState:
+        """The state one forward pass carries through the blocks."""
+        return MergeState(list(self.r), protected, self.prop_attn, self.trace_source)
+
+
+@dataclass
+class MergeState:
+    """What one forward pass with token merging carries from block to block: r per layer still to come, the
+    tokens' sizes [B, T, 1] and sources [B, T, N0] (when traced)."""
+
+    schedule: list[int]
+    protected: int
+    prop_attn: bool
+    trace_source: bool
+    size: torch.Tensor | None = None
+    source: torch.Tensor | None = None
+    layer: int = 0
+
+    def next_r(self) -> int:
+        """r of the next block (0 past the schedule)."""
+        r = self.schedule[self.layer] if self.layer < len(self.schedule) else 0
+        self.layer += 1
+        return r
+
+    def merge(self, x: torch.Tensor, keys: torch.Tensor, r: int) -> torch.Tensor:
+        """x [B, T, D] -> [B, T - r', D], merged by the similarity of `keys` [B, T, C]."""
+        m = bipartite_soft_matching(keys, r, self.protected)
+        if m is None:
+            return x
+        if self.trace_source:
+            self.source = merge_source(m, x, self.source)
+        x, self.size = merge_wavg(m, x, self.size)
+        return x
