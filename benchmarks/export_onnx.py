@@ -53,7 +53,7 @@ def cpu_info() -> str:
     )
 
 
-def _timed(fn, x, iters: int) -> float:
+def images_per_s(fn, x, iters: int) -> float:
     """Images per second of `fn(x)` over `iters` calls (one warm-up call before)."""
     fn(x)
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def speed_table(model_name: str, res: int, threads: int, rounds: int, work: Path
         with torch.no_grad():
             for _ in range(rounds):  # interleaved: a noisy neighbour slows every contender alike
                 for name, fn in runs.items():
-                    speeds[name].append(_timed(fn, x, iters))
+                    speeds[name].append(images_per_s(fn, x, iters))
         med = {k: statistics.median(v) for k, v in speeds.items()}
         base, ort32 = med["PyTorch eager"], med["onnxruntime fp32"]
         for name, v in med.items():

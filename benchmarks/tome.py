@@ -21,14 +21,14 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from export_onnx import images_per_s  # benchmarks/ is the script's folder, first on sys.path
 
 from vit_serve.model import create_model
-from vit_serve.tome import tokens_after
+from vit_serve.tome import parse_r, tokens_after
 
 TARGET_R, TARGET = 13, 1.5
 
@@ -48,14 +48,6 @@ def photo_crops(res: int, n: int = 48) -> torch.Tensor:
         crop = img.crop((x0, y0, x0 + s, y0 + s)).resize((res, res), Image.BICUBIC)
         out.append((np.asarray(crop, np.float32) / 255 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225])
     return torch.from_numpy(np.stack(out).astype(np.float32)).permute(0, 3, 1, 2).contiguous()
-
-
-def images_per_s(fn, x, iters: int) -> float:
-    fn(x)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn(x)
-    return iters * x.shape[0] / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
           + " | top-1 agreement with r=0 | mean abs logit delta |")
     print("|---:|---:|" + "---:|---:|" * len(cols) + "---:|---:|")
     for r in rs:
-        model.set_token_merging(r)
-        left = tokens_after(n0, list(model.token_merging.r), model.num_prefix_tokens)[-1] if r else n0
+        left = tokens_after(n0, parse_r(len(model.blocks), r), model.num_prefix_tokens)[-1]
         agree = float((logits[r].argmax(1) == logits[0].argmax(1)).float().mean())
         delta = float((logits[r] - logits[0]).abs().mean())
         print(f"| {r} | {left} | " + " | ".join(f"{med[c][r]:.1f} | {med[c][r] / med[c][0]:.2f}x" for c in cols)

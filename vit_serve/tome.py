@@ -58,6 +58,11 @@ def tokens_after(tokens: int, schedule: list[int], protected: int) -> list[int]:
     return counts
 
 
+def protected_split(protected: int) -> tuple[int, int]:
+    """How many of the leading `protected` tokens fall among the a-tokens (even indices) and the b-tokens (odd)."""
+    return (protected + 1) // 2, protected // 2
+
+
 @dataclass(frozen=True)
 class Matching:
     """One bipartite soft matching of a [B, T, C] token set (`bipartite_soft_matching`): which a-tokens stay
@@ -78,9 +83,9 @@ class Matching:
         unm = src.gather(dim=-2, index=self.unm_idx.expand(n, t1 - self.r, c))
         src = src.gather(dim=-2, index=self.src_idx.expand(n, self.r, c))
         dst = dst.scatter_reduce(-2, self.dst_idx.expand(n, self.r, c), src, reduce=mode)
-        pa, pb = (self.protected + 1) // 2, self.protected // 2  # protected tokens among a (even) and b (odd)
+        pa, pb = protected_split(self.protected)
         front = [t[:, i:i + 1] for i in range(pa) for t in ((unm, dst) if i < pb else (unm,))]
-        return torch.cat([*front, unm[:, pa:], dst[:, pb:]], dim=1) if front else torch.cat([unm, dst], dim=1)
+        return torch.cat([*front, unm[:, pa:], dst[:, pb:]], dim=1)
 
 
 def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: int = 0) -> Matching | None:
@@ -95,7 +100,7 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: int = 0) ->
         metric = metric / metric.norm(dim=-1, keepdim=True)
         a, b = metric[..., ::2, :], metric[..., 1::2, :]
         scores = a @ b.transpose(-1, -2)
-        pa, pb = (protected + 1) // 2, protected // 2
+        pa, pb = protected_split(protected)
         if pa:
             scores[..., :pa, :] = -math.inf
         if pb:
