@@ -7,7 +7,7 @@ Errors are one line and a non-zero exit.
                [--opset 18]
                [--check-images DIR] [--calibration-images DIR] [--int8-scheme dynamic|static] [--force]
                [--trt-precision fp16|bf16|fp32] [--max-batch 16] [--instances 1]
-               [--triton-ensemble onnx|trt|py] [--triton-device cpu|gpu]
+               [--triton-ensemble onnx|trt|py] [--triton-device cpu|gpu] [--tome R] [--no-tome-prop-attn]
 
 Where things go:
     <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
@@ -51,6 +51,7 @@ from vit_export.pipeline import (
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.explain import HEAD_FUSIONS
 from vit_serve.manifest import LOGITS
+from vit_serve.tome import parse_tome
 
 EXIT_NO_TENSORRT = 3
 FLAGS = {"formats": "format"}  # ExportOptions fields whose flag is not their name
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "here (everything else written).",
     )
     _add_graph_flags(p)
+    _add_tome_flags(p)
     _add_int8_flags(p)
     _add_check_flags(p)
     _add_tensorrt_flags(p)
@@ -126,6 +128,18 @@ def _add_graph_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="real images for the parity check (sub-folders named after labels give int8 accuracy)",
     )
+
+
+def _add_tome_flags(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("token merging (ToMe)")
+    t.add_argument("--tome", type=argument_type(parse_tome), metavar="R",
+                   help="merge R tokens in every layer, in the graph (13), one R per layer (13,13,8) or R with "
+                        "the schedule's inflection (16:-1); the default name gets _tome<R>; a dynamic-resolution "
+                        "graph then takes sides from the smallest grid on which every merge is whole (its "
+                        "manifest's token_merging.min_grid)")
+    t.add_argument("--no-tome-prop-attn", dest="tome_prop_attn", action="store_false",
+                   help="plain attention over merged tokens (default: proportional attention, for models "
+                        "trained without ToMe)")
 
 
 def _add_int8_flags(p: argparse.ArgumentParser) -> None:
@@ -209,7 +223,7 @@ def options(args: argparse.Namespace) -> ExportOptions:
         discard_ratio=args.discard_ratio, tol=args.tol, force=args.force, trt_precision=args.trt_precision,
         max_batch=args.max_batch, instances=args.instances, triton_ensemble=args.triton_ensemble,
         triton_device=args.triton_device, queue_delay_us=args.queue_delay_us, max_queue=args.max_queue,
-        outputs=args.outputs, text_tower=args.text_tower,
+        outputs=args.outputs, text_tower=args.text_tower, tome=args.tome, tome_prop_attn=args.tome_prop_attn,
     )
 
 

@@ -3,7 +3,7 @@
     metadata_props["vit_export"] = '{"resolution": [H, W] | "dynamic", "batch": N | "dynamic", "opset": 18,
         "precision": "fp32", "explain": false, "embedding": false, "resample_mode": ..., "patch_size": 16,
         "exporter": ..., "simplified": ..., (explain graphs: "head_fusion", "discard_ratio", "num_prefix_tokens",
-        "pool"), "checker": ...}'
+        "pool"), (`--tome`: "token_merging": {"r": [...], "prop_attn": true, "min_grid": N | null}), "checker": ...}'
 
 `GraphInfo.write(proto)` and `GraphInfo.read(proto or path)` are the one pair that writes and reads it; every
 other module of the exporter (parity, sidecar, typed graphs, the TensorRT build) takes the typed value. Graphs
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import onnx
 
-from vit_serve.manifest import RolloutSettings
+from vit_serve.manifest import RolloutSettings, TokenMergingRecord
 
 METADATA_KEY = "vit_export"
 
@@ -35,7 +35,7 @@ class GraphInfo:
     resolution: static (H, W) or "dynamic" (None: not recorded); batch: a fixed N or "dynamic"; precision: the
     graph's compute ("fp32", "fp16", "bf16"); explain: the explain graph (logits + rollout), whose `rollout` holds
     its settings; embedding: the logits graph has an "embedding" output; exporter / simplified / checker: what
-    produced and checked it.
+    produced and checked it. token_merging: the ToMe the graph runs (`vit-export --tome`).
     """
 
     resolution: Resolution | None = None
@@ -50,6 +50,7 @@ class GraphInfo:
     simplified: str | None = None
     rollout: RolloutSettings | None = None
     checker: str | None = None
+    token_merging: TokenMergingRecord | None = None
 
     @property
     def fixed_batch(self) -> int | None:
@@ -73,6 +74,8 @@ class GraphInfo:
                        pool=r.pool)
         if self.checker is not None:
             out["checker"] = self.checker
+        if self.token_merging is not None:
+            out["token_merging"] = self.token_merging.to_dict()
         return out
 
     @classmethod
@@ -92,7 +95,7 @@ class GraphInfo:
             explain=explain, embedding=bool(data.get("embedding", False)),
             resample_mode=data.get("resample_mode"), patch_size=data.get("patch_size"),
             exporter=data.get("exporter"), simplified=data.get("simplified"), rollout=rollout,
-            checker=data.get("checker"),
+            checker=data.get("checker"), token_merging=_token_merging(data.get("token_merging")),
         )
 
     def write(self, proto: onnx.ModelProto) -> None:
@@ -107,6 +110,13 @@ class GraphInfo:
             if prop.key == METADATA_KEY:
                 return cls.from_dict(json.loads(prop.value))
         return None
+
+
+def _token_merging(data: dict[str, Any] | None) -> TokenMergingRecord | None:
+    if not data:
+        return None
+    return TokenMergingRecord(tuple(int(v) for v in data["r"]), bool(data.get("prop_attn", True)),
+                              data.get("min_grid"))
 
 
 def load_proto(src: str | Path | onnx.ModelProto) -> onnx.ModelProto:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -34,9 +35,10 @@ from vit_export.graph_info import GraphInfo, load_proto
 from vit_export.simplify import simplify as simplify_graph
 
 from vit_serve.checkpoints.io import atomic_write
-from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, rollout
-from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, IOSpec, RolloutSettings
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, explain_forward
+from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, IOSpec, RolloutSettings, TokenMergingRecord
 from vit_serve.model import VisionTransformer
+from vit_serve.tome import fewest_patches
 
 PRECISIONS = ("fp32", "fp16")
 Res = tuple[int, int] | Literal["dynamic"] | None
@@ -61,7 +63,8 @@ class LogitsGraph(nn.Module):
 
 
 class ExplainGraph(nn.Module):
-    """pixel_values [B, 3, H, W] -> (logits [B, K], rollout [B, H/P, W/P]): `vit_serve.explain.rollout` in-graph."""
+    """pixel_values [B, 3, H, W] -> (logits [B, K], rollout [B, H/P, W/P]): `vit_serve.explain.explain_forward`
+    in-graph (with token merging set on the model, the rollout follows the merges)."""
 
     def __init__(self, model: VisionTransformer, head_fusion: str = DEFAULT_HEAD_FUSION,
                  discard_ratio: float = DEFAULT_DISCARD_RATIO) -> None:
@@ -76,18 +79,8 @@ class ExplainGraph(nn.Module):
         self.discard_ratio = discard_ratio
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.model.cfg.patch_size
-        grid = (pixel_values.shape[-2] // p, pixel_values.shape[-1] // p)
-        logits, attentions = self.model(pixel_values.to(self.dtype), return_attention=True)
-        heat = rollout(
-            [a.float() for a in attentions],
-            grid,
-            self.model.num_prefix_tokens,
-            self.model.cfg.pool,
-            self.head_fusion,
-            self.discard_ratio,
-        )
-        return logits.float(), heat.map
+        e = explain_forward(self.model, pixel_values.to(self.dtype), self.head_fusion, self.discard_ratio)
+        return e.logits.float(), e.heatmap.map
 
 
 class _FP32LayerNorm(nn.LayerNorm):
@@ -121,6 +114,16 @@ def prepare(model: VisionTransformer, res: Res) -> VisionTransformer:
     return m
 
 
+def min_grid(model: VisionTransformer) -> int:
+    """The smallest grid side (in patches) of a dynamic-resolution graph: 1, or with token merging the side
+    of the smallest square grid on which no layer's merge is capped (`vit_serve.tome.fewest_patches`). Above it
+    the graph's token counts are the schedule's at every size, so torch.export needs no guard on them (with
+    the cap left symbolic it takes minutes, not seconds)."""
+    if model.token_merging is None:
+        return 1
+    return max(1, math.isqrt(fewest_patches(list(model.token_merging.r)) - 1) + 1)
+
+
 def _dynamic_shapes(model: VisionTransformer, res: Res, batch: str | int) -> dict[str, dict[int, object]] | None:
     from torch.export import Dim
 
@@ -128,10 +131,18 @@ def _dynamic_shapes(model: VisionTransformer, res: Res, batch: str | int) -> dic
     if batch == "dynamic":
         axes[0] = Dim("batch", min=1, max=4096)
     if res == "dynamic":
-        p = model.cfg.patch_size
-        axes[2] = p * Dim("grid_h", min=1, max=1024)
-        axes[3] = p * Dim("grid_w", min=1, max=1024)
+        p, lo = model.cfg.patch_size, min_grid(model)
+        axes[2] = p * Dim("grid_h", min=lo, max=1024)
+        axes[3] = p * Dim("grid_w", min=lo, max=1024)
     return {PIXEL_VALUES: axes} if axes else None
+
+
+def token_merging_record(model: VisionTransformer, res: Res) -> TokenMergingRecord | None:
+    """What a graph of `model` exported at `res` records of its token merging (None: none)."""
+    tm = model.token_merging
+    if tm is None:
+        return None
+    return TokenMergingRecord(tuple(tm.r), tm.prop_attn, min_grid(model) if res == "dynamic" else None)
 
 
 def _torch_export(
@@ -215,6 +226,8 @@ def export_graph(
         None -> the model's own resolution, static; "dynamic" -> resampling in the graph, H and W symbolic
         multiples of the patch size. batch: "dynamic" (default) or a fixed N.
     explain: the explain graph (outputs "logits" [B, K] and "rollout" [B, gh, gw]).
+    Token merging set on the model (`set_token_merging`) runs in the graph and is recorded; a dynamic graph of
+    such a model takes sides of at least `min_grid(model)` patches.
     embedding: a second output "embedding" [B, D] of the logits graph (`LogitsGraph`); not with `explain`.
     precision: "fp32", or "fp16" (fp16 weights and compute, LayerNorm in fp32, float32 inputs and outputs).
     simplify: run onnxslim, kept only when onnxruntime's outputs are unchanged (`vit_export.simplify`).
@@ -232,6 +245,9 @@ def export_graph(
     if precision == "fp16":
         m = to_fp16(m)
     h, w = m.cfg.img_size
+    if res == "dynamic":  # the example input must lie in the exported range
+        lo = min_grid(m) * m.cfg.patch_size
+        h, w = max(h, lo), max(w, lo)
     graph = ExplainGraph(m, head_fusion, discard_ratio) if explain else LogitsGraph(m, embedding)
     outputs = [LOGITS, ROLLOUT] if explain else [LOGITS, EMBEDDING] if embedding else [LOGITS]
     # An example batch of 2 keeps a dynamic batch axis from being specialised to 1.
@@ -243,7 +259,8 @@ def export_graph(
         proto, simplified = simplify_graph(proto, tuple(x.shape))
     rollout = RolloutSettings(head_fusion, discard_ratio, m.cfg.pool, m.num_prefix_tokens) if explain else None
     info = GraphInfo("dynamic" if res == "dynamic" else (h, w), batch, opset, precision, explain, embedding,
-                     m.cfg.resample_mode, m.cfg.patch_size, exporter, simplified, rollout)
+                     m.cfg.resample_mode, m.cfg.patch_size, exporter, simplified, rollout,
+                     token_merging=token_merging_record(m, res))
     info = info.replace(checker=check(proto))
     info.write(proto)
     atomic_write(path, partial(onnx.save, proto), overwrite=overwrite)

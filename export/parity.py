@@ -3,7 +3,8 @@
 Reference: the PyTorch model at the same input size (position embeddings resampled with its own mode, which is
 what a static export bakes in). Inputs: random N(0, 1) batches and real images preprocessed with the model's
 contract (`vit_serve.preprocess`). For an explain graph, its rollout map is also compared with
-`vit_serve.explain.rollout` on the PyTorch attentions.
+`vit_serve.explain.rollout` on the PyTorch attentions (`vit_serve.explain.explain_forward`: with token merging,
+through the PyTorch pass's merges).
 
 The rollout map is a discontinuous function of the attention weights: each layer zeroes the weights below a
 threshold (the discard ratio's quantile), so a weight within rounding of that threshold may be kept by one
@@ -25,10 +26,11 @@ import numpy as np
 import torch
 from vit_export.graph_info import GraphInfo
 
-from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, rollout
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, explain_forward, rollout
 from vit_serve.manifest import PIXEL_VALUES, RolloutSettings
 from vit_serve.model import VisionTransformer
 from vit_serve.preprocess import PreprocessConfig, preprocess_batch
+from vit_serve.tome import LayerMerge
 
 FP16_MIN_COSINE = 0.9999
 ROLLOUT_TOL = 1e-5
@@ -195,13 +197,17 @@ def judge_logits(ref: np.ndarray, got: np.ndarray, *, zero_max_abs: float, max_a
 
 
 def default_resolutions(model: VisionTransformer, info: GraphInfo | None) -> list[tuple[int, int]]:
-    """Static graphs: their own resolution. Dynamic (or unrecorded): the model's, and 1.5x and a non-square size."""
+    """Static graphs: their own resolution. Dynamic (or unrecorded): the model's, and 1.5x and a non-square size
+    (sides raised to a token-merging graph's `min_grid`)."""
     res = None if info is None else info.resolution
     if res not in (None, "dynamic"):
         return [(res[0], res[1])]
     h, w = model.cfg.img_size
     p = model.cfg.patch_size
-    return [(h, w), (h * 3 // 2 // p * p, w * 3 // 2 // p * p), (h, max(p, w * 3 // 4 // p * p))]
+    tm = None if info is None else info.token_merging
+    lo = p * (tm.min_grid or 1) if tm is not None else p
+    sizes = [(h, w), (h * 3 // 2 // p * p, w * 3 // 2 // p * p), (h, w * 3 // 4 // p * p)]
+    return list(dict.fromkeys((max(lo, a), max(lo, b)) for a, b in sizes))
 
 
 @torch.no_grad()
@@ -213,6 +219,7 @@ def rollout_envelope(
     discard_ratio: float = DEFAULT_DISCARD_RATIO,
     near_rel: float = NEAR_THRESHOLD_REL,
     images: Sequence[int] | None = None,
+    merges: Sequence[LayerMerge] | None = None,
 ) -> tuple[list[int], torch.Tensor]:
     """How far rounding at the discard thresholds can move `vit_serve.explain.rollout`'s map, per image and cell.
 
@@ -227,19 +234,26 @@ def rollout_envelope(
     magnitudes over all near-threshold weights: any subset of flips moves each cell by at most that, to first
     order. images: the batch indices that need an envelope (default all; the others get zeros).
 
+    With token merges (`merges`, as `rollout` takes them), layer l's attention is [B, heads, T_l, T_l] and its
+    merge the row-stochastic matrix M_l [T_{l+1}, T_l] (each group's size-weighted average): F_l = M_l Â_l F_{l-1},
+    b_l^T = q^T M_L Â_L ... Â_{l+1} M_l, and the move's F_l[i] is (Â_l F_{l-1})[i], before the merge; q then
+    weighs the final tokens (GAP: by size).
+
     Returns (near-threshold weight count per image, envelope [B, gh * gw] float64).
     """
-    from vit_serve.explain import discard_lowest, fuse_heads, probe_query, split_probe
+    from vit_serve.explain import discard_lowest, final_sizes, fuse_heads, probe_query, split_probe
+    from vit_serve.tome import merge_wavg
 
     attentions, probe = split_probe(attentions, pool)
-    p, batch, n = num_prefix_tokens, attentions[0].shape[0], attentions[0].shape[-1]
+    p, batch, n0 = num_prefix_tokens, attentions[0].shape[0], attentions[0].shape[-1]
     fused = [fuse_heads(a.float(), head_fusion) for a in attentions]  # exactly what rollout thresholds
     kept = [discard_lowest(f, discard_ratio, p > 0) for f in fused] if discard_ratio > 0 else fused
-    not_first = torch.ones(n * n, dtype=torch.bool)
-    if p > 0:
-        not_first[0] = False  # [0, 0] is never discarded: no threshold applies to it
-    near: list[torch.Tensor] = []  # per layer [B, N*N] bool
+    near: list[torch.Tensor] = []  # per layer [B, T_l * T_l] bool
     for f, k in zip(fused, kept, strict=True):
+        n = f.shape[-1]
+        not_first = torch.ones(n * n, dtype=torch.bool)
+        if p > 0:
+            not_first[0] = False  # [0, 0] is never discarded: no threshold applies to it
         flat, kflat = f.reshape(batch, -1), k.reshape(batch, -1)
         dropped = (kflat == 0) & (flat != 0)
         candidates = torch.where(~dropped & not_first, flat, torch.full_like(flat, float("inf")))
@@ -247,33 +261,49 @@ def rollout_envelope(
         m = ((flat - threshold).abs() <= near_rel * threshold) & not_first
         near.append(m & dropped.any(dim=-1, keepdim=True))  # a layer that dropped nothing has no threshold
     counts = [int(sum(int(m[b].sum()) for m in near)) for b in range(batch)]
-    envelope = torch.zeros(batch, n - p, dtype=torch.float64)
-    eye = torch.eye(n, dtype=torch.float64)
+    mats: list[torch.Tensor | None] = []  # per layer M_l [B, T_{l+1}, T_l], None where nothing merged
+    for f, merge in zip(fused, merges or [None] * len(fused), strict=True):
+        if merge is None or merge.matching is None:
+            mats.append(None)
+            continue
+        n = f.shape[-1]
+        size = None if merge.size is None else merge.size.double()
+        mats.append(merge_wavg(merge.matching, torch.eye(n, dtype=torch.float64).expand(batch, n, n), size)[0])
+    sizes = final_sizes(attentions, merges)
+    envelope = torch.zeros(batch, n0 - p, dtype=torch.float64)
     for b in range(batch) if images is None else images:
         if counts[b] == 0:
             continue
-        rows = [k[b].double() + eye for k in kept]
+        rows = [k[b].double() + torch.eye(k.shape[-1], dtype=torch.float64) for k in kept]
         sums = [r.sum(dim=-1) for r in rows]
         hat = [r / s[:, None] for r, s in zip(rows, sums, strict=True)]
-        forward = [eye]  # F_0 .. F_L
-        for a in hat:
-            forward.append(a @ forward[-1])
-        q = torch.zeros(n, dtype=torch.float64)
+        forward = [torch.eye(n0, dtype=torch.float64)]  # F_0 .. F_L, each after its layer's merge
+        before = []  # Â_l F_{l-1}: layer l's rows before its merge
+        for a, mat in zip(hat, mats, strict=True):
+            before.append(a @ forward[-1])
+            forward.append(before[-1] if mat is None else mat[b] @ before[-1])
+        t = forward[-1].shape[0]
+        q = torch.zeros(t, dtype=torch.float64)
         if pool == "token":
             q[0] = 1.0
         elif probe is not None:
             q = probe_query(probe[b:b + 1].float(), head_fusion)[0].double()
+        elif sizes is not None:
+            q[p:] = sizes[b, p:, 0].double() / sizes[b, p:, 0].double().sum()
         else:
-            q[p:] = 1.0 / (n - p)
-        back = q  # b_L = q; b_{l-1} = b_l Â_l
+            q[p:] = 1.0 / (t - p)
+        back = q  # b_L = q (M_L); b_{l-1} = b_l Â_l (M_{l-1})
         for layer in reversed(range(len(hat))):
+            if mats[layer] is not None:
+                back = back @ mats[layer][b]
+            n = hat[layer].shape[-1]
             idx = near[layer][b].nonzero()[:, 0]
             if len(idx):
                 i, j = idx // n, idx % n
                 w = fused[layer][b].reshape(-1)[idx].double()
                 sigma = torch.where(kept[layer][b].reshape(-1)[idx] != 0, -1.0, 1.0).double()
                 coeff = (back[i] * w / (sums[layer][i] + sigma * w)).abs()
-                moves = (forward[layer][j, p:] - forward[layer + 1][i, p:]).abs()
+                moves = (forward[layer][j, p:] - before[layer][i, p:]).abs()
                 envelope[b] += (coeff[:, None] * moves).sum(dim=0)
             back = back @ hat[layer]
     return counts, envelope
@@ -357,18 +387,21 @@ def compare_rollout(
     pool: str = "token",
     head_fusion: str = DEFAULT_HEAD_FUSION,
     discard_ratio: float = DEFAULT_DISCARD_RATIO,
+    merges: Sequence[LayerMerge] | None = None,
 ) -> RolloutComparison:
-    """A runtime's rollout map `got` [B, gh, gw] against `vit_serve.explain.rollout` on PyTorch's `attentions`.
+    """A runtime's rollout map `got` [B, gh, gw] against `vit_serve.explain.rollout` on PyTorch's `attentions`
+    (and, with token merging, the same pass's `merges`: `vit_serve.explain.explain_forward`).
 
     beyond: the largest max(|Δ| - 2 x envelope, 0) over images and cells, where the envelope (see
     `rollout_envelope`) is computed only for images whose |Δ| exceeds 1e-5 (elsewhere it is not needed).
     """
-    ref = rollout(attentions, grid, num_prefix_tokens, pool, head_fusion, discard_ratio).map.numpy()
+    ref = rollout(attentions, grid, num_prefix_tokens, pool, head_fusion, discard_ratio, merges).map.numpy()
     batch = ref.shape[0]
     got, ref = got.reshape(batch, -1), ref.reshape(batch, -1)
     diff = np.abs(got.astype(np.float64) - ref)
     over = [b for b in range(batch) if diff[b].max() > ROLLOUT_TOL]
-    counts, envelope = rollout_envelope(attentions, num_prefix_tokens, pool, head_fusion, discard_ratio, images=over)
+    counts, envelope = rollout_envelope(attentions, num_prefix_tokens, pool, head_fusion, discard_ratio, images=over,
+                                        merges=merges)
     beyond = np.maximum(diff - ENVELOPE_SLACK * envelope.numpy(), 0.0)
     return RolloutComparison(float(diff.max()), sum(counts), float(beyond.max()), _cosine(got, ref),
                              _top_agreement(got, ref))
@@ -389,17 +422,19 @@ def compare_outputs(
         emb_abs = float(np.abs(outs[1] - embedding.numpy()).max())
         emb_cos = _cosine(outs[1], embedding.numpy())
     elif info.explain:
-        ref_t, attentions = model(x, return_attention=True)
-        p = model.cfg.patch_size
         settings = info.rollout or RolloutSettings()
+        e = explain_forward(model, x, settings.head_fusion, settings.discard_ratio)
+        ref_t = e.logits
+        p = model.cfg.patch_size
         ro = compare_rollout(
             outs[1],
-            attentions,
+            e.attentions,
             (x.shape[-2] // p, x.shape[-1] // p),
             model.num_prefix_tokens,
             model.cfg.pool,
             settings.head_fusion,
             settings.discard_ratio,
+            e.merges,
         )
     else:
         ref_t = model(x)

@@ -31,6 +31,7 @@ from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_F
 from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
 from vit_serve.resolution import parse_resolution
+from vit_serve.tome import parse_r, parse_tome
 
 if TYPE_CHECKING:
     from vit_export.onnx_export import ExportedGraph
@@ -146,6 +147,9 @@ class ExportOptions:
     text_tower: also write the checkpoint's text tower (`NAME_text.onnx`, its tokenizer and manifest,
     `vit_export.text_tower`), for POST /classify?labels=; the logits graph then has the embedding output too.
     force: replace existing ONNX files and engines (never a repository's versions: a re-export adds one).
+    tome: token merging in the graphs (ToMe, `VisionTransformer.set_token_merging`): r merged per layer (an int),
+    one r per layer (a list), (r, inflection), or the CLI's text ("13", "13,13,8", "16:-1"); the default name
+    gets "_tome<r>". tome_prop_attn: proportional attention (on: for models trained without ToMe).
     trt_precision: engine precision; max_batch: every Triton model's max_batch_size and the engine's largest
     batch; instances, triton_ensemble (the classifier the ensemble calls), triton_device, queue_delay_us,
     max_queue: the Triton models' settings.
@@ -175,6 +179,8 @@ class ExportOptions:
     max_queue: int = 128
     outputs: tuple[str, ...] | str = (LOGITS,)
     text_tower: bool = False
+    tome: int | list[int] | tuple[int, float] | str | None = None
+    tome_prop_attn: bool = True
 
     def __post_init__(self) -> None:
         def norm(name: str, value: Any) -> None:
@@ -185,6 +191,11 @@ class ExportOptions:
         norm("formats", parse_formats(self.formats))
         norm("batch", parse_batch(self.batch))
         norm("outputs", parse_outputs(self.outputs))
+        if isinstance(self.tome, str):
+            try:
+                norm("tome", parse_tome(self.tome))
+            except ValueError as e:
+                raise OptionError("tome", f"<tome>: {e}") from None
         if self.text_tower and EMBEDDING not in self.outputs:  # labels are compared with the image embedding
             norm("outputs", (*self.outputs, EMBEDDING))
         for name in ("out", "repo", "check_images", "calibration_images"):
@@ -406,8 +417,10 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     if isinstance(opts.res, tuple):
         model.check_size(*opts.res)  # ValueError naming the nearest valid sizes
     res: Resolution = opts.res or (int(model.cfg.img_size[0]), int(model.cfg.img_size[1]))  # type: ignore[assignment]
+    if opts.tome is not None:
+        model = _with_token_merging(model, opts, checkpoint is None)
     name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{resolution_tag(res)}" + (
-        "" if opts.precision == "fp32" else f"_{opts.precision}")
+        "" if opts.precision == "fp32" else f"_{opts.precision}") + tome_tag(opts.tome)
     text = _text_bundle(model, checkpoint) if opts.text_tower else None
     job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text)
     existing = [p for t in job.targets for p in (t, manifest_path(t)) if p.exists()]
@@ -418,6 +431,33 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
     return job
+
+
+def _with_token_merging(model: VisionTransformer, opts: ExportOptions, copy: bool) -> VisionTransformer:
+    """The model with `opts.tome` set (a copy when it is the caller's object); OptionError for an r that does
+    not fit its depth."""
+    try:
+        parse_r(model.cfg.depth, opts.tome)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as e:
+        raise OptionError("tome", f"<tome>: {e}") from None
+    if copy:
+        import copy as copy_module
+
+        model = copy_module.deepcopy(model)
+    model.set_token_merging(opts.tome, prop_attn=opts.tome_prop_attn)  # type: ignore[arg-type]
+    return model
+
+
+def tome_tag(tome: int | list[int] | tuple[int, float] | str | None) -> str:
+    """The default name's token-merging part: "" (none), "_tome13", "_tome16i-1" (r with an inflection),
+    "_tome13-13-8" (per layer)."""
+    if tome is None or tome == 0:
+        return ""
+    if isinstance(tome, tuple):
+        return f"_tome{tome[0]}i{tome[1]:g}"
+    if isinstance(tome, list):
+        return "_tome" + "-".join(map(str, tome))
+    return f"_tome{tome}"
 
 
 def _text_bundle(model: VisionTransformer, checkpoint: Path | None) -> Any:

@@ -111,6 +111,7 @@ def build_sidecar(
         int8=int8,
         embedding=embedding_of(cfg),
         scores=cfg.scores,
+        token_merging=info.token_merging,
     )
 
 

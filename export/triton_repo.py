@@ -224,6 +224,7 @@ def _contract(name: str, onnx_path: Path, explain_path: Path, batching: Batching
         sidecar_sha256=side_sha, explain_sidecar_sha256=ex_sha, onnx_sha256=side.file_sha256,
         source_checkpoint_sha256=None if side.source_checkpoint is None else side.source_checkpoint.sha256,
         preprocess_model=names["preprocess"], embedding=side.embedding, scores=side.scores,
+        token_merging=side.token_merging,
     )
     return _Contract(
         names, Tensor(PIXEL_VALUES, "TYPE_FP32", pixel_dims), logits,

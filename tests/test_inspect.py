@@ -16,7 +16,7 @@ from PIL import Image
 import vit_serve
 from vit_serve import explain
 from vit_serve.cli import main
-from vit_serve.preprocess import PreprocessConfig, preprocess
+from vit_serve.preprocess import PreprocessConfig, preprocess, resize_and_crop
 
 pytest.importorskip("matplotlib")
 skdata = pytest.importorskip("skimage.data")
@@ -335,3 +335,88 @@ def test_cli_bad_input_in_a_subprocess(cli_inputs, tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"vit-serve inspect: error: no such file: {tmp_path / 'missing.safetensors'}"
     ]
+
+
+# -- token merging --------------------------------------------------------------------------------------
+
+
+def test_tome_draws_the_merged_groups_and_rolls_out_through_them(tmp_path, randomize, run):
+    """`tome=R`: per image the ToMe paper's visualisation (Bolya et al. 2023, Figure 4; facebookresearch/ToMe
+    `tome/vis.py` `make_visualization`): every final token's patches filled with their mean colour, outlined.
+    References: the model's own merge sources (`set_token_merging(R, trace_source=True)`, the argmax over tokens
+    as the reference does), the crop's pixels, and `explain_forward` with the same merging for the rollout maps;
+    the mean attention distance is the plain model's (the `run` fixture, same model and photos)."""
+    model = tiny(randomize)
+    out = tmp_path / "tome"
+    result = inspect_model(model, photos(), out, names=NAMES, tome=4)
+    assert model.token_merging is None and model.tome_source is None  # the model's own setting is restored
+    assert result["files"][-3:] == ["tome_chelsea.png", "tome_astronaut.png", "inspect.json"]
+    tm = json.loads((out / "inspect.json").read_text())["token_merging"]
+    assert tm["r"] == 4 and tm["schedule"] == [4, 4] and tm["prop_attn"] is True
+    assert tm["tokens"] == [17, 13, 9]  # [class] + 16 patches, minus 4 per layer
+    cfg = PreprocessConfig(input_size=(64, 64))
+    x = torch.stack([preprocess(p, cfg) for p in photos()])
+    model.set_token_merging(4, trace_source=True)
+    with torch.no_grad():
+        want = explain.explain_forward(model, x, "mean", 0.9)
+    groups = model.tome_source[:, :, 1:].argmax(dim=1).reshape(2, 4, 4).numpy()
+    model.set_token_merging(0)
+    for i, (entry, roll) in enumerate(zip(tm["images"], result["rollout"]["images"], strict=True)):
+        g = np.array(entry["groups"])
+        np.testing.assert_array_equal(g, groups[i])
+        assert entry["tokens"] == len(np.unique(g)) == 8  # every final patch token holds at least one patch
+        np.testing.assert_allclose(np.array(roll["map"]), want.heatmap.map[i].double().numpy(), rtol=1e-5, atol=1e-7)
+        img = np.asarray(Image.open(out / entry["file"]).convert("RGB")).astype(np.float64)
+        crop = np.asarray(resize_and_crop(photos()[i], cfg).convert("RGB")).astype(np.float64)
+        assert img.shape == crop.shape == (64, 64, 3)
+        labels = np.kron(g, np.ones((16, 16), dtype=int))
+        for gy in range(4):
+            for gx in range(4):
+                mean = crop[labels == g[gy, gx]].mean(axis=0) / 255  # the group's mean colour, at a patch centre
+                np.testing.assert_allclose(img[16 * gy + 8, 16 * gx + 8], np.floor(mean * 255), atol=1)
+        edges = (labels != np.roll(labels, 1, axis=0)) | (labels != np.roll(labels, 1, axis=1))
+        assert not np.allclose(img[edges].std(axis=0), 0)  # group borders are drawn
+    assert tm["unmerged"] == ["mean_attention_distance", "registers"]
+    assert result["mean_attention_distance"]["values"] == run[2]["mean_attention_distance"]["values"]
+    plain = run[2]["rollout"]["images"]
+    assert max(np.abs(np.array(a["map"]) - np.array(b["map"])).max()
+               for a, b in zip(plain, result["rollout"]["images"], strict=True)) > 1e-3
+    assert run[2]["token_merging"] == {"skipped": "token merging is off (CLI: --tome R)"}
+
+
+def test_tome_on_a_register_model_and_bad_r(tmp_path, randomize):
+    model = tiny(randomize, reg_tokens=4, no_embed_class=True)
+    result = inspect_model(model, photos(), tmp_path / "reg", names=NAMES, tome=[3, 2])
+    assert result["token_merging"]["tokens"] == [21, 18, 16]  # the 5 prefix tokens are never merged
+    assert all(np.array(im["groups"]).shape == (4, 4) for im in result["token_merging"]["images"])
+    assert "registers.png" in result["files"]
+    for bad, message in ((-1, "r must be a whole number >= 0"), ([1, 1, 1], "3 values of r for a model of 2 layers")):
+        with pytest.raises(ValueError, match=message):
+            inspect_model(model, photos(), tmp_path / "bad", tome=bad)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_cli_inspect_tome(cli_inputs, tmp_path, capsys):
+    _, ckpt, images = cli_inputs
+    out = tmp_path / "out"
+    assert main(["inspect", str(ckpt), "--images", str(images), "--out", str(out), "--tome", "4"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-3:] == [str(out / "tome_astronaut.png"), str(out / "tome_chelsea.png"), str(out / "inspect.json")]
+    assert (out / "tome_chelsea.png").is_file()
+    data = json.loads((out / "inspect.json").read_text())
+    assert data["token_merging"]["r"] == 4 and data["token_merging"]["schedule"] == [4, 4]
+
+
+@pytest.mark.parametrize(("tome", "message", "code"), [
+    ("--tome=-1", "token merging: r must be a whole number >= 0, got -1", 2),
+    ("--tome=4,x", "token merging: bad r '4,x'", 2),
+    ("--tome=1,1,1", "token merging: 3 values of r for a model of 2 layers", 1),
+])
+def test_cli_inspect_bad_tome_is_one_line(cli_inputs, tmp_path, capsys, tome, message, code):
+    _, ckpt, images = cli_inputs
+    rc = cli_rc(["inspect", str(ckpt), "--images", str(images), "--out", str(tmp_path / "out"), tome])
+    err = capsys.readouterr()
+    assert rc == code and err.out == ""
+    assert len(err.err.strip().splitlines()) == 1 and err.err.startswith("vit-serve inspect: error: ")
+    assert message in err.err
+    assert not (tmp_path / "out").exists()

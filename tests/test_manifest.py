@@ -249,6 +249,9 @@ _DELETE = object()
     ("io.outputs", {"name": "logits"}, "field 'io.outputs' must be a list of tensors"),
     ("parity.ok", "yes", "field 'parity.ok' must be true or false"),
     ("format", "tflite", "field 'format' must be one of onnx, tensorrt"),
+    ("token_merging", {"r": [4, -1]}, "field 'token_merging.r' must be a list of whole numbers >= 0 (one per layer)"),
+    ("token_merging", {"r": [4], "prop_attn": "yes"}, "field 'token_merging.prop_attn' must be true or false"),
+    ("token_merging", [4], "field 'token_merging' must be a JSON object"),
 ])
 def test_bad_manifests_name_the_file_and_the_field(tmp_path, field, value, message):
     from vit_serve.runtime.backends.sidecar import read_export
@@ -265,6 +268,18 @@ def test_bad_manifests_name_the_file_and_the_field(tmp_path, field, value, messa
     shutil.copy(manifest_path(graph), tmp_path / "m_explain.json")
     with pytest.raises(ValueError, match=re.escape(message)):
         read_export(graph, None, "onnxruntime", "graph")
+
+
+def test_token_merging_round_trips_and_old_files_have_none():
+    """`vit-export --tome` writes "token_merging"; files from before it read as graphs without merging."""
+    from vit_serve.manifest import ExportManifest, TokenMergingRecord
+
+    old = ExportManifest.from_dict(_valid(), "v1")
+    assert old.token_merging is None and "token_merging" not in old.to_dict()
+    tm = TokenMergingRecord((13, 13, 8), True, 13)
+    new = dataclasses.replace(old, token_merging=tm)
+    assert new.to_dict()["token_merging"] == {"r": [13, 13, 8], "prop_attn": True, "min_grid": 13}
+    assert ExportManifest.from_dict(json.loads(json.dumps(new.to_dict())), "v2").token_merging == tm
 
 
 def test_unreadable_and_missing_manifests(tmp_path):

@@ -147,6 +147,22 @@ def test_formats_read_back_and_corrupt_files_are_skipped(fmt, onnx, photos, tmp_
     assert manifest["key"]["model"] == "tiny" and manifest["labels"] == LABELS
 
 
+def test_token_merging_on_a_checkpoint(ckpt, photos, tmp_path):
+    """`--tome 1`: the rows are the library's model with `set_token_merging(1)` on the exactly decoded photos; a
+    rerun into the same OUT with another r is refused (the rows would mix)."""
+    out = tmp_path / "p.jsonl"
+    assert run(ckpt, photos, "--out", out, "--tome", "1", "--decode", "exact", "--top-k", "10") == 0
+    rows = by_path(read_rows(out))
+    model = vit_serve.load(ckpt).eval()
+    model.set_token_merging(1)
+    for g in GOOD:
+        with torch.no_grad():
+            want = model(preprocess(Image.open(photos / g), model.preprocess_cfg)[None]).softmax(-1)[0]
+        row = rows[str(photos / g)]
+        assert np.abs(np.array(row["scores"]) - want[row["indices"]].numpy()).max() <= 1e-5
+    assert run(ckpt, photos, "--out", out, "--tome", "0", "--decode", "exact", "--top-k", "10") == 1
+
+
 def test_the_formats_hold_the_same_rows(onnx, photos, tmp_path):
     got = {}
     for fmt in ("jsonl", "csv", "parquet"):

@@ -4,7 +4,8 @@
     model = vit_serve.create_model("S/16", num_classes=10)     # random init, paper presets or timm names
     model = vit_serve.load("ViT-B_16.npz")                     # any supported checkpoint, ready to run
     x = vit_serve.preprocess(image, model.preprocess_cfg)      # the one image -> tensor function
-    logits, attentions = model(x[None], return_attention=True)
+    from vit_serve.explain import explain_forward
+    e = explain_forward(model, x[None])                        # e.logits, e.heatmap.map (attention rollout)
     vit_serve.save(model, "model.safetensors")
 """
 

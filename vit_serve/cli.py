@@ -64,7 +64,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     inspect.check_out_dir(args.out, overwrite=args.force)
     model = load(args.ckpt)
     result = inspect.inspect_model(model, images, args.out, head_fusion=args.head_fusion,
-                                   discard_ratio=args.discard_ratio, overwrite=args.force)
+                                   discard_ratio=args.discard_ratio, overwrite=args.force, tome=args.tome)
     for name in result["files"]:
         print(Path(args.out) / name)
     if "skipped" in result["filters"]:
@@ -247,6 +247,8 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
 
 def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     """`vit-serve inspect`."""
+    from vit_serve.tome import parse_tome
+
     i = sub.add_parser("inspect", help="the ViT paper's Figure 6/7 inspections of a checkpoint, as PNGs + JSON",
                        description="Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
                                    "embedding similarity and mean attention distance (Figure 7) figures and "
@@ -260,6 +262,10 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--discard-ratio", type=float, default=DEFAULT_DISCARD_RATIO,
                    help="rollout: fraction of the weakest attention weights to drop per layer, in [0, 1) "
                         f"(default {DEFAULT_DISCARD_RATIO})")
+    i.add_argument("--tome", type=argument_type(parse_tome), metavar="R",
+                   help="token merging (ToMe): r tokens merged per layer (13), one per layer (13,13,8) or r and "
+                        "the schedule's inflection (16:-1); draws tome_<image>.png, the merged groups after the "
+                        "last layer, and the rollout follows the merges")
     i.add_argument("--force", action="store_true", help="write into an existing non-empty output folder")
     i.set_defaults(func=_cmd_inspect)
 

@@ -5,15 +5,25 @@ Attention rollout (Abnar & Zuidema, 2020) and gradient-weighted rollout (Chefer 
 §4.5 (Figure 7): principal components of the patch-embedding filters, position-embedding similarity and
 mean attention distance. Only torch is needed. Every tensor op in `rollout` has an ONNX counterpart, so the
 same code runs inside an exported graph (with dynamic resolution, too: no shape becomes a Python number).
+
+With token merging (ToMe, `vit_serve.tome`) the tokens shrink from layer to layer; the rollout follows them
+through the merges the forward pass records (`VisionTransformer.forward_explain`), so that its rows stay over
+the input tokens. `explain_forward` is the one place that runs a model for its rollout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch
+
+from vit_serve.tome import LayerMerge, merge_wavg
+
+if TYPE_CHECKING:
+    from vit_serve.model import VisionTransformer
 
 HEAD_FUSIONS = ("mean", "max", "min")
 # The rollout settings used when none are asked for: vit-explain's defaults (mean fusion, drop the weakest 90%).
@@ -66,8 +76,26 @@ def discard_lowest(a: torch.Tensor, discard_ratio: float, keep_first: bool = Tru
     return torch.where(drop, torch.zeros_like(flat), flat).reshape(a.shape)
 
 
+def _compose(attentions: Sequence[torch.Tensor], merges: Sequence[LayerMerge] | None,
+             step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """R_0 = I over the N_0 input tokens; per layer l, R = step(R, A_l, l) ([B, T_l, N_0]), then, where layer l
+    merged, each merged group's rows replaced by their size-weighted average (`merge_wavg` with the sizes before
+    the merge, exactly as the layer merged its tokens). Returns R [B, T_L, N_0]."""
+    if merges and len(merges) != len(attentions):
+        raise ValueError(f"{len(merges)} recorded merges for {len(attentions)} layers of attention")
+    first = attentions[0]
+    result = torch.eye(first.shape[-1], dtype=first.dtype, device=first.device).expand_as(first[:, 0])
+    for layer, attn in enumerate(attentions):
+        result = step(result, attn, layer)
+        merge = merges[layer] if merges else None
+        if merge is not None and merge.matching is not None:
+            size = None if merge.size is None else merge.size.to(result.dtype)
+            result = merge_wavg(merge.matching, result, size)[0]
+    return result
+
+
 def rollout_matrix(attentions: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0,
-                   keep_first: bool = True) -> torch.Tensor:
+                   keep_first: bool = True, merges: Sequence[LayerMerge] | None = None) -> torch.Tensor:
     """Attention rollout: R = Â_L ... Â_1 with Â = rownorm(fuse(A) + I) (Abnar & Zuidema 2020, Eq. in §3).
 
     Per layer: fuse heads, optionally discard the weakest weights, add the identity for the residual path,
@@ -75,31 +103,55 @@ def rollout_matrix(attentions: Sequence[torch.Tensor], head_fusion: str = "mean"
     script divides by a broadcast column sum instead), and multiply onto the running product.
 
     attentions: L tensors [B, heads, N, N] (softmax probabilities). Returns R [B, N, N], rows summing to 1.
+
+    Through token merges (`merges`: one `LayerMerge` per layer, `VisionTransformer.forward_explain`; None or
+    []: none), layer l's attention is [B, heads, T_l, T_l] over the tokens entering it, and R stays over the N_0
+    input tokens: R_0 = I_{N_0}; R = Â_l R ([B, T_l, N_0], Â_l with I_{T_l}); where layer l merged, the rows of
+    each merged group become their size-weighted average (ToMe's merge_wavg of the tokens themselves, Bolya et
+    al. 2023 §3, with the sizes before the merge), so rows still sum to 1. Returns R [B, T_L, N_0] (T_L: the
+    tokens after the last merge). Without merges the numbers are exactly those of the plain rollout.
     """
     if not attentions:
         raise ValueError("rollout needs at least one layer of attention")
-    first = attentions[0]
-    eye = torch.eye(first.shape[-1], dtype=first.dtype, device=first.device).expand_as(first[:, 0])
-    result = eye
-    for attn in attentions:
+
+    def step(result: torch.Tensor, attn: torch.Tensor, layer: int) -> torch.Tensor:
+        eye = torch.eye(attn.shape[-1], dtype=attn.dtype, device=attn.device).expand_as(attn[:, 0])
         a = discard_lowest(fuse_heads(attn, head_fusion), discard_ratio, keep_first) + eye
         a = a / a.sum(dim=-1, keepdim=True)
-        result = a @ result
-    return result
+        return a @ result
+
+    return _compose(attentions, merges, step)
 
 
-def grad_rollout_matrix(attentions: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+def grad_rollout_matrix(attentions: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                        merges: Sequence[LayerMerge] | None = None) -> torch.Tensor:
     """Gradient-weighted rollout, Chefer et al. 2021 ("Generic Attention-model Explainability", Eq. 5-6).
 
     R <- R + mean_h((dy_c/dA ⊙ A)^+) R, starting from R = I; the positive part is taken per head before the
     mean, as in the paper and its reference code. attentions, grads: L tensors [B, heads, N, N] -> [B, N, N].
+    Through token merges, the same composition as `rollout_matrix`'s: [B, T_l, N_0] per layer, the merged
+    groups' rows averaged by size; -> [B, T_L, N_0].
     """
-    first = attentions[0]
-    result = torch.eye(first.shape[-1], dtype=first.dtype, device=first.device).expand_as(first[:, 0])
-    for attn, grad in zip(attentions, grads, strict=True):
-        cam = (grad * attn).clamp(min=0).mean(dim=1)
-        result = result + cam @ result
-    return result
+    if len(grads) != len(attentions):
+        raise ValueError(f"{len(grads)} gradients for {len(attentions)} layers of attention")
+
+    def step(result: torch.Tensor, attn: torch.Tensor, layer: int) -> torch.Tensor:
+        cam = (grads[layer] * attn).clamp(min=0).mean(dim=1)
+        return result + cam @ result
+
+    return _compose(attentions, merges, step)
+
+
+def final_sizes(attentions: Sequence[torch.Tensor], merges: Sequence[LayerMerge] | None) -> torch.Tensor | None:
+    """The tokens' sizes after the last merge [B, T_L, 1] (None: nothing merged): the last merging layer's sizes
+    before it (1 each before any merge), summed over its groups as `merge_wavg` sums them.
+
+    attentions: the encoder's L tensors [B, heads, T_l, T_l] (for the shape of the first merge's ones)."""
+    for attn, merge in reversed(list(zip(attentions, merges or (), strict=False))):
+        if merge.matching is not None:
+            size = merge.size if merge.size is not None else torch.ones_like(attn[:, 0, :, :1])
+            return merge.matching.merge(size, mode="sum")
+    return None
 
 
 @dataclass(frozen=True)
@@ -138,13 +190,18 @@ def probe_query(probe: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
 
 
 def rollout_to_map(result: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: int = 1,
-                   pool: str = "token", probe: torch.Tensor | None = None) -> Heatmap:
+                   pool: str = "token", probe: torch.Tensor | None = None, size: torch.Tensor | None = None
+                   ) -> Heatmap:
     """[B, N, N] rollout -> Heatmap [B, gh, gw] over the patch tokens (prefix tokens: in the graph, not the map).
 
     Token-pooled models read the [class] token's row (DeiT too: its [dist] token and any registers are rows and
     columns of the graph, cut from the map); GAP models (whose output is the mean of the patch tokens) average the
     patch rows; MAP models (SigLIP) read `probe` [B, N] (`probe_query`) times the rollout: probe -> tokens -> ...
     -> patches. The Heatmap says which.
+
+    After token merges, result is [B, T_L, N_0] (rows: the final tokens; columns: the input tokens), probe
+    [B, T_L], and `size` [B, T_L, 1] the final tokens' sizes: GAP models then weight the patch rows by size, the
+    mean over the original patches, as their pool does.
     """
     p = num_prefix_tokens
     if pool == "token":
@@ -153,22 +210,55 @@ def rollout_to_map(result: torch.Tensor, grid: tuple[int, int], num_prefix_token
         if probe is None:
             raise ValueError("a MAP model's map needs the pool's probe attention")
         row = (probe[:, None, :] @ result)[:, 0, p:]
+    elif size is not None:
+        w = size[:, p:].to(result.dtype)
+        row = (result[:, p:, p:] * w).sum(dim=1) / w.sum(dim=1)
     else:
         row = result[:, p:, p:].mean(dim=1)
     return Heatmap(row.reshape(result.shape[0], grid[0], grid[1]), QUERIES.get(pool, "patch-mean"))
 
 
 def rollout(attentions: Sequence[torch.Tensor], grid: tuple[int, int], num_prefix_tokens: int = 1,
-            pool: str = "token", head_fusion: str = "mean", discard_ratio: float = 0.0) -> Heatmap:
+            pool: str = "token", head_fusion: str = "mean", discard_ratio: float = 0.0,
+            merges: Sequence[LayerMerge] | None = None) -> Heatmap:
     """Attention rollout of one forward pass as a map over the (possibly non-square) patch grid.
 
     attentions: as `VisionTransformer.forward(x, return_attention=True)` gives them: L tensors [B, heads, N, N],
     and for pool == "map" the probe [B, heads, 1, N] last. N counts every token (num_prefix_tokens = [class] +
-    [dist] + registers, first); the map [B, gh, gw] covers the patches only."""
+    [dist] + registers, first); the map [B, gh, gw] covers the patches only. With token merging: the merges of
+    the same pass (`VisionTransformer.forward_explain`), layer l's attention [B, heads, T_l, T_l], the probe
+    [B, heads, 1, T_L] (`rollout_matrix` follows the tokens back to the input patches)."""
     encoder, probe = split_probe(attentions, pool)
-    result = rollout_matrix(encoder, head_fusion, discard_ratio, keep_first=num_prefix_tokens > 0)
+    result = rollout_matrix(encoder, head_fusion, discard_ratio, keep_first=num_prefix_tokens > 0, merges=merges)
     query = probe_query(probe, head_fusion) if probe is not None else None
-    return rollout_to_map(result, grid, num_prefix_tokens, pool, query)
+    return rollout_to_map(result, grid, num_prefix_tokens, pool, query, final_sizes(encoder, merges))
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """One forward pass and its rollout (`explain_forward`): logits [B, K], the Heatmap, and what it came from:
+    the attentions (float32; a MAP model's probe last) and the token merges (one `LayerMerge` per layer; [])."""
+
+    logits: torch.Tensor
+    heatmap: Heatmap
+    attentions: list[torch.Tensor]
+    merges: list[LayerMerge]
+
+
+def explain_forward(model: VisionTransformer, x: torch.Tensor, head_fusion: str = DEFAULT_HEAD_FUSION,
+                    discard_ratio: float = DEFAULT_DISCARD_RATIO) -> Explanation:
+    """Run `model` on images x [B, C, H, W] with attention, and roll it out (through its token merges, if any)
+    into a map over the [B, H/P, W/P] patch grid: `VisionTransformer.forward_explain`, then `rollout` in float32.
+
+    Every explain path (the exported explain graph, the torch backend, `vit-serve inspect`, the export parity
+    check) calls this, so the map is computed one way. Traceable by torch.export: shapes stay symbolic and
+    nothing is written to the model."""
+    logits, attentions, merges = model.forward_explain(x)
+    attentions = [a.float() for a in attentions]
+    p = model.cfg.patch_size
+    grid = (x.shape[-2] // p, x.shape[-1] // p)
+    heat = rollout(attentions, grid, model.num_prefix_tokens, model.cfg.pool, head_fusion, discard_ratio, merges)
+    return Explanation(logits, heat, attentions, merges)
 
 
 def grad_rollout(model: torch.nn.Module, x: torch.Tensor, target: int | torch.Tensor | None = None) -> Heatmap:
@@ -176,10 +266,11 @@ def grad_rollout(model: torch.nn.Module, x: torch.Tensor, target: int | torch.Te
 
     Every family: the prefix tokens are in the graph, the map covers the patches. MAP models (SigLIP): the probe's
     gradient-weighted attention mean_h((dy_c/dP ⊙ P)^+) [B, N] (P the probe [B, heads, 1, N]; Chefer et al.'s
-    rule for a query that attends into the tokens) times the encoder's relevance R."""
+    rule for a query that attends into the tokens) times the encoder's relevance R. With token merging, R follows
+    the merges as `rollout_matrix` does (`grad_rollout_matrix`)."""
     with torch.enable_grad():
         x = x.detach()
-        logits, attentions = model(x, return_attention=True)
+        logits, attentions, merges = model.forward_explain(x)
         if target is None:
             target = logits.argmax(dim=-1)
         target = torch.as_tensor(target, device=logits.device).reshape(-1).expand(logits.shape[0])
@@ -188,12 +279,12 @@ def grad_rollout(model: torch.nn.Module, x: torch.Tensor, target: int | torch.Te
     pool = model.cfg.pool
     encoder, probe = split_probe([a.detach() for a in attentions], pool)
     enc_grads, probe_grad = split_probe(grads, pool)
-    result = grad_rollout_matrix(encoder, enc_grads)
+    result = grad_rollout_matrix(encoder, enc_grads, merges)
     query = None
     if probe is not None:
         query = (probe_grad * probe).clamp(min=0).mean(dim=1)[:, 0]
     grid = (x.shape[-2] // model.cfg.patch_size, x.shape[-1] // model.cfg.patch_size)
-    return rollout_to_map(result, grid, model.num_prefix_tokens, pool, query)
+    return rollout_to_map(result, grid, model.num_prefix_tokens, pool, query, final_sizes(encoder, merges))
 
 
 def patch_positions(grid: tuple[int, int], patch_size: int) -> torch.Tensor:

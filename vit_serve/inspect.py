@@ -11,6 +11,10 @@ writes into `inspect_out/`:
 * ``rollout.png`` (Figure 6) and one ``rollout_<name>.png`` per image: attention rollout over the input crop;
 * ``registers.png`` (models with register tokens; Darcet et al. 2024, "Vision Transformers Need Registers",
   Figure 1): the last layer's head-mean attention of [class] and of each register over the patch grid;
+* one ``tome_<name>.png`` per image with token merging (``tome=R``; Bolya et al. 2023, "Token Merging: Your ViT
+  But Faster", Figure 4 and its reference's ``tome/vis.py``): the patches each final token holds, filled with
+  their mean colour and outlined in one colour per token. The rollout then follows the merges; the mean
+  attention distance and the register maps, which need every patch's own token, come from a pass without them;
 * ``inspect.json``: the numbers of all of the above, the model's config and the settings used.
 
 The math lives in :mod:`vit_serve.explain`, the colour overlays in :mod:`vit_serve.overlay`; this module only
@@ -21,6 +25,7 @@ figure registry is touched and nothing is left open.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -37,6 +42,7 @@ from PIL import Image
 from vit_serve import explain
 from vit_serve.overlay import overlay
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, resize_and_crop
+from vit_serve.tome import parse_r, tokens_after
 
 try:
     import matplotlib
@@ -320,6 +326,7 @@ class InspectResult(TypedDict):
     mean_attention_distance: dict[str, Any]
     rollout: dict[str, Any]
     registers: dict[str, Any]
+    token_merging: dict[str, Any]
 
 
 @dataclass
@@ -333,6 +340,7 @@ class _Pass:
     query: str  # "cls", or "patch-mean" for GAP models
     registers: list[torch.Tensor]  # per image [len(tokens), gh, gw] (register models; else empty), float64
     tokens: list[str]  # the query tokens of `registers`: "class" (if any), then "reg1" .. "regR"
+    groups: list[np.ndarray]  # token merging: per image [gh, gw], the final token holding each patch; else empty
 
 
 def register_queries(cfg: Any) -> tuple[list[str], list[int]]:
@@ -351,6 +359,46 @@ def register_maps(last: torch.Tensor, rows: Sequence[int], grid: tuple[int, int]
     (raw probabilities: the prefix columns' share is left out, not renormalised)."""
     a = last.mean(dim=1)[:, list(rows), num_prefix_tokens:]
     return a.reshape(a.shape[0], len(rows), grid[0], grid[1])
+
+
+def merge_groups(source: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+    """Token merging's sources [B, T, prefix + gh * gw] (`VisionTransformer.tome_source`: 1 where token t holds
+    input token j) -> [B, gh, gw], the index of the token that holds each patch (as the reference's
+    `make_visualization`: the argmax over the tokens)."""
+    g = source[:, :, num_prefix_tokens:].argmax(dim=1)
+    return g.reshape(source.shape[0], grid[0], grid[1])
+
+
+def merge_groups_image(crop: Image.Image, groups: np.ndarray, seed: int = 0) -> Image.Image:
+    """The ToMe paper's visualisation of merged tokens (its reference's `tome/vis.py` `make_visualization`):
+    crop (the model-input crop, W x H) and groups [gh, gw] (`merge_groups`) -> an RGB image of the crop's size,
+    each token's patches filled with their mean colour and its outline (the pixels that a 4-neighbour binary
+    erosion removes, the image's edge included) drawn in the token's colour of a seeded random palette."""
+    img = np.asarray(crop.convert("RGB"), dtype=np.float64) / 255.0
+    h, w, _ = img.shape
+    gh, gw = groups.shape
+    labels = np.repeat(np.repeat(groups, h // gh, axis=0), w // gw, axis=1)
+    count = int(groups.max()) + 1
+    flat = labels.reshape(-1)
+    size = np.bincount(flat, minlength=count)
+    mean = np.stack([np.bincount(flat, img[..., c].reshape(-1), count) for c in range(3)], -1)
+    mean = mean / np.maximum(size, 1)[:, None]
+    pad = np.pad(labels, 1, constant_values=-1)
+    interior = ((pad[1:-1, 1:-1] == pad[:-2, 1:-1]) & (pad[1:-1, 1:-1] == pad[2:, 1:-1])
+                & (pad[1:-1, 1:-1] == pad[1:-1, :-2]) & (pad[1:-1, 1:-1] == pad[1:-1, 2:]))
+    palette = np.random.default_rng(seed).random((count, 3))
+    out = np.where(interior[..., None], mean[labels], palette[labels])
+    return Image.fromarray(np.uint8(out * 255))
+
+
+def _plain_attentions(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """model(x, return_attention=True)'s attentions (float32) with token merging off for the pass."""
+    tm = model.token_merging
+    model.token_merging = None
+    try:
+        return [a.float() for a in model(x, return_attention=True)[1]]
+    finally:
+        model.token_merging = tm
 
 
 def _resolve_images(images: Sequence[ImageInput] | str | os.PathLike | None) -> list[ImageInput]:
@@ -383,17 +431,21 @@ def _forward(
     query = "cls"
     tokens, rows = register_queries(cfg)
     registers: list[torch.Tensor] = []
+    groups: list[np.ndarray] = []
+    merging = model.token_merging is not None
     was_training = model.training
     model.eval()
     try:
         for start in range(0, len(decoded), batch_size):
             chunk = decoded[start : start + batch_size]
             x = torch.stack([preprocess(im, pcfg) for im in chunk]).to(param.device, param.dtype)
-            logits, attentions = model(x, return_attention=True)
-            attentions = [a.float() for a in attentions]
-            heat = explain.rollout(attentions, grid, prefix, cfg.pool, head_fusion, discard_ratio)
-            query = heat.query
-            maps.extend(heat.map.double().cpu())
+            e = explain.explain_forward(model, x, head_fusion, discard_ratio)
+            logits, attentions = e.logits, e.attentions
+            query = e.heatmap.query
+            maps.extend(e.heatmap.map.double().cpu())
+            if merging:
+                groups.extend(merge_groups(model.tome_source, grid, prefix).cpu().numpy())
+                attentions = _plain_attentions(model, x)
             encoder = explain.split_probe(attentions, cfg.pool)[0]  # a MAP model's probe is not a layer
             mad = explain.mean_attention_distance(encoder, grid, cfg.patch_size, prefix) * len(chunk)
             mad_sum = mad if mad_sum is None else mad_sum + mad
@@ -403,7 +455,7 @@ def _forward(
     finally:
         model.train(was_training)
     crops = [resize_and_crop(im, pcfg) for im in decoded]
-    return _Pass(crops, maps, tops, (mad_sum / len(decoded)).numpy(), query, registers, tokens)
+    return _Pass(crops, maps, tops, (mad_sum / len(decoded)).numpy(), query, registers, tokens, groups)
 
 
 def _model_section(model: torch.nn.Module, pcfg: PreprocessConfig) -> dict[str, Any]:
@@ -561,6 +613,29 @@ def _write_registers(names: list[str], seen: _Pass, layer: int, out: Path) -> di
     }
 
 
+def _write_tome(model: torch.nn.Module, r: Any, names: list[str], seen: _Pass, pcfg: PreprocessConfig, out: Path
+                ) -> dict[str, Any]:
+    """One ``tome_<name>.png`` per image and the merge groups (token merging on), or the reason there are none.
+    r: as asked for (None: the model's own setting, recorded as its schedule)."""
+    tm = model.token_merging
+    if tm is None:
+        return {"skipped": "token merging is off (CLI: --tome R)"}
+    grid = model.check_size(*pcfg.input_size)
+    per_image = []
+    for name, crop, g in zip(names, seen.crops, seen.groups, strict=True):
+        file = f"tome_{name}.png"
+        merge_groups_image(crop, g).save(out / file)
+        per_image.append({"name": name, "file": file, "tokens": len(np.unique(g)), "groups": g.tolist()})
+    return {
+        "r": list(tm.r) if r is None else r,
+        "schedule": list(tm.r),
+        "prop_attn": tm.prop_attn,
+        "tokens": tokens_after(model.num_prefix_tokens + grid[0] * grid[1], list(tm.r), model.num_prefix_tokens),
+        "unmerged": ["mean_attention_distance", "registers"],
+        "images": per_image,
+    }
+
+
 @torch.no_grad()
 def inspect_model(
     model: torch.nn.Module,
@@ -571,6 +646,7 @@ def inspect_model(
     names: Sequence[str] | None = None,
     overwrite: bool = False,
     batch_size: int = 8,
+    tome: int | list[int] | tuple[int, float] | None = None,
 ) -> InspectResult:
     """Run the paper's Figure 6/7 inspections of `model` on `images` and write figures + ``inspect.json``.
 
@@ -586,6 +662,10 @@ def inspect_model(
         names: one name per image for titles and ``rollout_<name>.png`` (default: file stems, image<i>).
         batch_size: images per forward pass; all attentions come from one ``model(x, return_attention=True)``
             pass per batch, under no_grad.
+        tome: token merging for the inspection (`VisionTransformer.set_token_merging`'s r: an int, one per
+            layer, or (r, inflection); 0: off; None: the model's own setting), restored after: the rollout
+            follows the merges and ``tome_<name>.png`` shows them; a bad r is a ValueError before anything is
+            written.
 
     Returns the dict written to ``inspect.json`` (:class:`InspectResult`): ``files`` (names inside out_dir),
     ``model`` (config, preprocessing, grids), ``settings``, ``filters`` (explained-variance ratios, or
@@ -594,9 +674,13 @@ def inspect_model(
     name, source path, the raw [gh, gw] map, its ``query`` ("cls", or "patch-mean" for GAP models) and the
     top-5 labels and softmax scores) and ``registers`` (models with register tokens: per image the last layer's
     head-mean attention [1 + R, gh, gw] of [class] and each register over the patches, raw probabilities; else
-    ``skipped`` with the reason).
+    ``skipped`` with the reason) and ``token_merging`` (with token merging: r as given, the schedule per layer,
+    the token count entering each layer and after the last, and per image the [gh, gw] index of the final token
+    holding each patch; else ``skipped``).
     """
     check_settings(head_fusion, discard_ratio)
+    if tome is not None:
+        parse_r(len(model.blocks), tome)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out = check_out_dir(out_dir, overwrite)
@@ -605,9 +689,18 @@ def inspect_model(
     pcfg = _preprocess_cfg(model)
     model.check_size(*pcfg.input_size)
     decoded = [load_image(im) for im in images]
-    seen = _forward(model, decoded, pcfg, head_fusion, discard_ratio, batch_size)
+    prior = model.token_merging, model.tome_source
+    try:
+        if tome is not None:
+            model.set_token_merging(tome, trace_source=True)
+        elif model.token_merging is not None:  # the model's own merging, traced for the figure
+            model.token_merging = dataclasses.replace(model.token_merging, trace_source=True)
+        seen = _forward(model, decoded, pcfg, head_fusion, discard_ratio, batch_size)
+        out.mkdir(parents=True, exist_ok=True)
+        merged = _write_tome(model, tome, image_names, seen, pcfg, out)
+    finally:
+        model.token_merging, model.tome_source = prior
 
-    out.mkdir(parents=True, exist_ok=True)
     filters = _write_filters(model, out)
     similarity = _write_similarity(model, out)
     distance = _write_distance(seen.mad_px, len(decoded), pcfg, model.cfg.patch_size, out)
@@ -620,6 +713,7 @@ def inspect_model(
         rollout["file"],
         *(im["file"] for im in rollout["images"]),
         *([registers["file"]] if "file" in registers else []),
+        *(im["file"] for im in merged.get("images", [])),
         "inspect.json",
     ]
     result = InspectResult(
@@ -631,6 +725,7 @@ def inspect_model(
         mean_attention_distance=distance,
         rollout=rollout,
         registers=registers,
+        token_merging=merged,
     )
     (out / "inspect.json").write_text(json.dumps(result, default=str) + "\n")
     return result

@@ -16,8 +16,10 @@ Schema 2 (this module) reads schema 1 files (the "sidecars" written before it) u
 Every other key and its meaning is as in 1, so a gateway of schema 1 still reads files of schema 2.
 Issue 21 added two optional keys to schema 2 (absent in older files, which read as before): "embedding" (`Embedding`:
 which image embedding the graph's "embedding" output is, its dimension, whether it is meant to be compared
-L2-normalised) and "scores" ("softmax" | "sigmoid": how the head's logits become scores). A reader older than them
-refuses such a file naming the key ("written by a newer vit-export?").
+L2-normalised) and "scores" ("softmax" | "sigmoid": how the head's logits become scores). Issue 23 added a third,
+"token_merging" (`TokenMergingRecord`: the r merged in each layer and proportional attention, for a graph exported
+with `vit-export --tome`, whose merging runs in the graph). A reader older than them refuses such a file naming
+the key ("written by a newer vit-export?").
 
 The rollout defaults are `vit_serve.explain.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`, defined once there.
 """
@@ -266,6 +268,32 @@ def embedding_of(cfg: Any) -> Embedding:
 
 
 @dataclass(frozen=True)
+class TokenMergingRecord:
+    """The token merging (ToMe) a graph runs (`vit-export --tome`): r tokens merged in each layer, one entry per
+    layer, and whether attention is proportional to the merged tokens' sizes (`vit_serve.tome`). min_grid: a
+    dynamic-resolution graph's smallest side in patches (from it up, every layer merges exactly its r, as traced:
+    `vit_serve.tome.fewest_patches`); None for a static graph."""
+
+    r: tuple[int, ...]
+    prop_attn: bool = True
+    min_grid: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.r or any(not _is_int(v) or v < 0 for v in self.r):
+            raise ValueError(f"token_merging: r must be whole numbers >= 0, one per layer, got {list(self.r)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"r": list(self.r), "prop_attn": self.prop_attn, "min_grid": self.min_grid}
+
+    @classmethod
+    def _read(cls, o: _Obj) -> TokenMergingRecord:
+        o.unknown({"r", "prop_attn", "min_grid"})
+        r = o.get("r", lambda v: isinstance(v, list) and bool(v) and all(_is_int(x) and x >= 0 for x in v),
+                  "a list of whole numbers >= 0 (one per layer)")
+        return cls(tuple(int(v) for v in r), o.bool("prop_attn", True), o.int("min_grid", None, null=True))
+
+
+@dataclass(frozen=True)
 class SourceCheckpoint:
     """The checkpoint an export was made from."""
 
@@ -440,7 +468,7 @@ class ExportManifest:
     preprocessing contract's input_size). preprocess: the contract at that resolution. io: the graph's tensors.
     rollout: the explain graph's fixed settings (None for a logits graph). parity: the check of the ONNX graph
     (for an engine: of the graph it was built from; the engine's own check is `tensorrt.parity`).
-    source_onnx / tensorrt: engines only.
+    source_onnx / tensorrt: engines only. token_merging: the ToMe the graph runs (None: none).
     """
 
     file: str
@@ -467,6 +495,7 @@ class ExportManifest:
     tensorrt: TensorRTBuild | None = None
     embedding: Embedding | None = None
     scores: str | None = None
+    token_merging: TokenMergingRecord | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -537,7 +566,7 @@ class ExportManifest:
             out["source_onnx"] = self.source_onnx
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt.to_dict()
-        _write_optional(out, self.embedding, self.scores)
+        _write_optional(out, self.embedding, self.scores, self.token_merging)
         return out
 
     @classmethod
@@ -549,7 +578,8 @@ class ExportManifest:
             o.unknown({VERSION_KEY, "file", "file_sha256", "format", "source_checkpoint", "architecture",
                        "resolution", "resample_mode", "batch", "opset", "precision", "explain", "exporter",
                        "onnx_checker", "preprocess", "labels", "io", "parity", "versions", "rollout", "int8_scheme",
-                       "int8", "parity_note", "source_onnx", "tensorrt", "embedding", "scores"})
+                       "int8", "parity_note", "source_onnx", "tensorrt", "embedding", "scores",
+                       "token_merging"})
         ckpt = o.obj("source_checkpoint", null=True)
         explain = o.bool("explain")
         rollout = o.obj("rollout", None, null=True)
@@ -591,18 +621,23 @@ class ExportManifest:
         )
 
 
-def _write_optional(out: dict[str, Any], embedding: Embedding | None, scores: str | None) -> None:
-    """The optional keys issue 21 added, written only when stated (older files read back as they were)."""
+def _write_optional(out: dict[str, Any], embedding: Embedding | None, scores: str | None,
+                    token_merging: TokenMergingRecord | None) -> None:
+    """The optional keys issues 21 and 23 added, written only when stated (older files read back as they were)."""
     if embedding is not None:
         out["embedding"] = embedding.to_dict()
     if scores is not None:
         out["scores"] = scores
+    if token_merging is not None:
+        out["token_merging"] = token_merging.to_dict()
 
 
 def _read_optional(o: _Obj) -> dict[str, Any]:
     emb = o.obj("embedding", None, null=True)
+    tome = o.obj("token_merging", None, null=True)
     return {"embedding": None if emb is None else Embedding._read(emb),
-            "scores": o.choice("scores", SCORES, None)}
+            "scores": o.choice("scores", SCORES, None),
+            "token_merging": None if tome is None else TokenMergingRecord._read(tome)}
 
 
 def read_manifest(path: str | os.PathLike) -> ExportManifest:
@@ -669,6 +704,7 @@ class TritonMeta:
     tensorrt: dict[str, Any] | None = None
     embedding: Embedding | None = None
     scores: str | None = None
+    token_merging: TokenMergingRecord | None = None
     schema_version: int = SCHEMA_VERSION
 
     _LINKS = ("explain_model", "logits_model", "classifier")
@@ -691,7 +727,7 @@ class TritonMeta:
         out.update({k: getattr(self, k) for k in self._LINKS if getattr(self, k) is not None})
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt
-        _write_optional(out, self.embedding, self.scores)
+        _write_optional(out, self.embedding, self.scores, self.token_merging)
         return out
 
     def to_json(self) -> str:
@@ -707,7 +743,7 @@ class TritonMeta:
             o.unknown({VERSION_KEY, "name", "kind", "runtime", "resolution", "patch_size", "grid", "num_classes",
                        "labels", "preprocess", "rollout", "pool", "precision", "sidecar_sha256",
                        "explain_sidecar_sha256", "onnx_sha256", "source_checkpoint_sha256", "preprocess_model",
-                       *cls._LINKS, "tensorrt", "embedding", "scores"})
+                       *cls._LINKS, "tensorrt", "embedding", "scores", "token_merging"})
         rollout = RolloutSettings._read(o.obj("rollout"))
         pool = o.str("pool")
         if rollout.pool is None:  # schema 1 kept it beside the rollout settings

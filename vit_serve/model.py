@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from vit_serve.config import ViTConfig, get_config
 from vit_serve.pos_embed import is_tracing, resample_pos_embed
 from vit_serve.resnet import ResNetStem
-from vit_serve.tome import MergeState, TokenMerging, parse_r, size_bias
+from vit_serve.tome import LayerMerge, MergeState, TokenMerging, parse_r, size_bias
 
 
 class PatchEmbed(nn.Module):
@@ -156,7 +156,7 @@ class Block(nn.Module):
         bias = size_bias(merging.size) if merging is not None and merging.prop_attn else None
         y, attn, keys = self.attn(self.norm1(x), return_attention, bias, keys=r > 0)
         x = x + drop_path(self.ls1(y), self.drop_path_rate, self.training)
-        if r > 0:
+        if merging is not None:
             x = merging.merge(x, keys, r)
         x = x + drop_path(self.ls2(self.mlp(self.norm2(x))), self.drop_path_rate, self.training)
         return x, attn
@@ -204,7 +204,8 @@ class VisionTransformer(nn.Module):
 
     API: forward_features (tokens after the final LayerNorm), pool, forward_head(pre_logits=False), forward.
     Pass return_attention=True to forward / forward_features to also get one [B, heads, N, N] attention
-    probability tensor per layer (the explicit attention path; the fused path is used otherwise).
+    probability tensor per layer (the explicit attention path; the fused path is used otherwise);
+    forward_explain also returns the token merges (with `set_token_merging`) that attention rollout follows.
     """
 
     def __init__(self, cfg: ViTConfig) -> None:
@@ -358,11 +359,13 @@ class VisionTransformer(nn.Module):
         return self.pos_drop(x + pos)
 
     # -- forward --------------------------------------------------------------------------------------
-    def _features(self, x: torch.Tensor, return_attention: bool = False):
-        """forward_features, and the token-merging state (None without ToMe): (tokens, attentions, state)."""
+    def _features(self, x: torch.Tensor, return_attention: bool = False, record: bool = False):
+        """forward_features, and the token-merging state (None without ToMe): (tokens, attentions, state);
+        `record`: the state keeps each layer's `LayerMerge`."""
         grid = self.check_size(x.shape[-2], x.shape[-1])
         x = self.norm_pre(self._pos_embed(self.patch_embed(x), grid))
-        merging = self.token_merging.start(self.num_prefix_tokens) if self.token_merging is not None else None
+        tm = self.token_merging
+        merging = tm.start(self.num_prefix_tokens, record) if tm is not None else None
         attentions = []
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and not return_attention and merging is None:
@@ -371,7 +374,7 @@ class VisionTransformer(nn.Module):
                 x, attn = blk(x, return_attention, merging)
             if return_attention:
                 attentions.append(attn)
-        if merging is not None and merging.trace_source:
+        if merging is not None and merging.trace_source and not is_tracing():  # an exported graph keeps no state
             self.tome_source = merging.source
         return self.norm(x), attentions, merging
 
@@ -437,13 +440,24 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """[B, C, H, W] -> logits [B, K]; with return_attention, (logits, [attn [B, heads, N, N]] * depth), and
-        for MAP models one more entry last: the pool's probe attention [B, heads, 1, N]."""
-        feats, attentions, merging = self._features(x, return_attention)
-        if return_attention and self.cfg.pool == "map":
+        for MAP models one more entry last: the pool's probe attention [B, heads, 1, N]. With token merging the
+        attentions shrink layer by layer ([B, heads, T_l, T_l]); `forward_explain` also says how."""
+        if not return_attention:
+            feats, _, merging = self._features(x)
+            return self.head_logits(feats, self.embed(self._pool(feats, merging)))
+        logits, attentions, _ = self.forward_explain(x)
+        return logits, attentions
+
+    def forward_explain(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[LayerMerge]]:
+        """[B, C, H, W] -> (logits [B, K], attentions as `forward(x, return_attention=True)` gives them, merges):
+        with token merging, one `LayerMerge` per layer (its matching, or None, and the token sizes before it),
+        so that attention rollout can follow the tokens (`vit_serve.explain.rollout`); without, []."""
+        feats, attentions, merging = self._features(x, True, record=True)
+        merges = merging.merges if merging is not None else []
+        if self.cfg.pool == "map":
             pooled, probe = self._pool(feats, merging, return_attention=True)
-            return self.head_logits(feats, self.embed(pooled)), [*attentions, probe]
-        logits = self.head_logits(feats, self.embed(self._pool(feats, merging)))
-        return (logits, attentions) if return_attention else logits
+            return self.head_logits(feats, self.embed(pooled)), [*attentions, probe], merges
+        return self.head_logits(feats, self.embed(self._pool(feats, merging))), attentions, merges
 
 
 def create_model(name_or_cfg: str | ViTConfig = "B/16", **overrides) -> VisionTransformer:

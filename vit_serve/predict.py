@@ -200,7 +200,7 @@ def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> di
     """What must match for a rerun to append to OUT."""
     return {"model": source.name, "version": source.version, "model_sha256": digest, "top_k": opts.top_k,
             "decode": opts.decode, "columns": list(columns_of(opts)), "normalize": opts.normalize,
-            "max_pixels": opts.max_pixels}
+            "max_pixels": opts.max_pixels, **({"tome": opts.tome} if opts.tome is not None else {})}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------

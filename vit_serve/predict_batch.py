@@ -16,6 +16,7 @@ import numpy as np
 
 from vit_serve.predict_options import PredictOptions
 from vit_serve.predict_writers import ErrorLog, RolloutFile, Row, printable
+from vit_serve.tome import parse_tome
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig
@@ -38,7 +39,8 @@ def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
     from vit_serve.runtime.backends.base import LocalBackend
 
     backend = load(LoadSpec(path=str(source.path), backend=source.backend, name=source.name, device=opts.device,
-                            threads=opts.threads, decode=opts.decode))
+                            threads=opts.threads, decode=opts.decode,
+                            tome=None if opts.tome is None else parse_tome(opts.tome)))
     if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
         raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
     return backend

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from vit_serve.flags import FLAG_KEY, Flag
 from vit_serve.predict_writers import output_format
+from vit_serve.tome import parse_tome
 
 
 def _flag(help: str, **kw: Any) -> dict[str, Flag]:
@@ -39,6 +40,9 @@ class PredictOptions:
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_flag("default {default}"))
     threads: int | None = field(default=None, metadata=_flag(
         "intra-op threads of the model runtime (default: its own)"))
+    tome: str | None = field(default=None, metadata=_flag(
+        "token merging on a checkpoint (torch backend): R per layer (13), one R per layer (13,13,8) or "
+        "R:inflection (16:-1); exports run their own (vit-export --tome)", metavar="R"))
     decode: Literal["fast", "exact", "contract"] = field(default="fast", metadata=_flag(
         "decode path, as `serve --decode` (default {default}, the gateway's default)"))
     embeddings: bool = field(default=False, metadata=_flag("add the pre-logits embedding"))
@@ -72,6 +76,8 @@ class PredictOptions:
                 raise ValueError(f"--{name} must be 0 (automatic) or more, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        if self.tome is not None:
+            parse_tome(self.tome)  # ValueError with the accepted forms
         if self.normalize and not self.embeddings:
             raise ValueError("--normalize applies to --embeddings; add --embeddings")
         for name, hint in typing.get_type_hints(PredictOptions).items():

@@ -18,7 +18,7 @@ places at the front.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -101,10 +101,10 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: int = 0) ->
         a, b = metric[..., ::2, :], metric[..., 1::2, :]
         scores = a @ b.transpose(-1, -2)
         pa, pb = protected_split(protected)
-        if pa:
-            scores[..., :pa, :] = -math.inf
-        if pb:
-            scores[..., :, :pb] = -math.inf
+        if protected:  # a mask, not an in-place slice assignment: OpenVINO misreads the ScatterND that exports
+            rows = torch.arange(scores.shape[-2], device=scores.device)[:, None] < pa
+            cols = torch.arange(scores.shape[-1], device=scores.device)[None, :] < pb
+            scores = scores.masked_fill(rows | cols, -math.inf)
         node_max, node_idx = scores.max(dim=-1)
         edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
         unm_idx = edge_idx[..., r:, :]
@@ -149,15 +149,26 @@ class TokenMerging:
     prop_attn: bool = True
     trace_source: bool = False
 
-    def start(self, protected: int) -> MergeState:
-        """The state one forward pass carries through the blocks."""
-        return MergeState(list(self.r), protected, self.prop_attn, self.trace_source)
+    def start(self, protected: int, record: bool = False) -> MergeState:
+        """The state one forward pass carries through the blocks (`record`: keep every layer's `LayerMerge`)."""
+        return MergeState(list(self.r), protected, self.prop_attn, self.trace_source, record=record)
+
+
+@dataclass(frozen=True)
+class LayerMerge:
+    """One layer's merge as a forward pass recorded it: the matching (None: the layer merged nothing) and the
+    tokens' sizes [B, T_l, 1] before it (None: all 1, no merge yet). What attention rollout needs to follow the
+    tokens through the merges (`vit_serve.explain.rollout_matrix`)."""
+
+    matching: Matching | None
+    size: torch.Tensor | None
 
 
 @dataclass
 class MergeState:
     """What one forward pass with token merging carries from block to block: r per layer still to come, the
-    tokens' sizes [B, T, 1] and sources [B, T, N0] (when traced)."""
+    tokens' sizes [B, T, 1] and sources [B, T, N0] (when traced), and with `record` one `LayerMerge` per block
+    in `merges`."""
 
     schedule: list[int]
     protected: int
@@ -166,6 +177,8 @@ class MergeState:
     size: torch.Tensor | None = None
     source: torch.Tensor | None = None
     layer: int = 0
+    record: bool = False
+    merges: list[LayerMerge] = field(default_factory=list)
 
     def next_r(self) -> int:
         """r of the next block (0 past the schedule)."""
@@ -173,12 +186,46 @@ class MergeState:
         self.layer += 1
         return r
 
-    def merge(self, x: torch.Tensor, keys: torch.Tensor, r: int) -> torch.Tensor:
-        """x [B, T, D] -> [B, T - r', D], merged by the similarity of `keys` [B, T, C]."""
-        m = bipartite_soft_matching(keys, r, self.protected)
+    def merge(self, x: torch.Tensor, keys: torch.Tensor | None, r: int) -> torch.Tensor:
+        """x [B, T, D] -> [B, T - r', D], merged by the similarity of `keys` [B, T, C] (r = 0: x itself; keys
+        may be None)."""
+        m = bipartite_soft_matching(keys, r, self.protected) if r > 0 else None
+        if self.record:
+            self.merges.append(LayerMerge(m, self.size))
         if m is None:
             return x
         if self.trace_source:
             self.source = merge_source(m, x, self.source)
         x, self.size = merge_wavg(m, x, self.size)
         return x
+
+
+def parse_tome(text: str) -> int | list[int] | tuple[int, float]:
+    """A command line's r: "13" (every layer), "13,13,8" (per layer, padded with 0) or "16:-1" (r and the
+    schedule's inflection, `parse_r`). ValueError with the accepted forms."""
+    s = text.strip()
+    try:
+        if ":" in s:
+            r, inflect = s.split(":", 1)
+            value: int | list[int] | tuple[int, float] = (int(r), float(inflect))
+        elif "," in s:
+            value = [int(v) for v in s.split(",")]
+        else:
+            value = int(s)
+    except ValueError:
+        raise ValueError(f"token merging: bad r {text!r}; use e.g. 13 (every layer), 13,13,8 (per layer) or "
+                         f"16:-1 (r and the schedule's inflection in [-1, 1])") from None
+    parse_r(1 if not isinstance(value, list) else max(len(value), 1), value)  # the sign and range checks
+    return value
+
+
+def fewest_patches(schedule: list[int]) -> int:
+    """The fewest patch tokens for which no layer's merge is capped at half the unprotected tokens: with at
+    least this many, every layer merges exactly its r (so an exported graph's token counts are the schedule's
+    at every resolution)."""
+    need, merged = 0, 0
+    for r in schedule:
+        if r:
+            need = max(need, merged + 2 * r)
+        merged += r
+    return need

@@ -91,3 +91,20 @@ def test_explain_graph(models, tmp_path):
     assert heat.shape == (2, 20, 16)
     assert np.abs(heat - ref).max() <= 1e-5  # measured 1.7e-8: no weight of this model sits at a threshold
     assert np.abs(logits - ref_logits.numpy()).max() <= LOGIT_TOL
+
+
+def test_a_token_merging_graph(models, tmp_path):
+    """Token merging (r = 16 in both blocks: 197 -> 165 -> 133 tokens at 224) in a dynamic graph: OpenVINO reads
+    the matching (argsort, gather, scatter-add of the merged tokens) as onnxruntime does, at every size."""
+    import copy
+
+    model = copy.deepcopy(models["timm"])
+    model.set_token_merging(16)
+    path = export_onnx(model, tmp_path / "tome.onnx", res="dynamic")
+    sess = OpenVINOSession(path)
+    errs = {f"{h}x{w}": _max_logit_err(model, sess, _inputs(h, w)) for h, w in SIZES}
+    print("openvino dynamic ToMe r=16: max |Δ logit|", errs)
+    assert max(errs.values()) <= LOGIT_TOL
+    with torch.no_grad():
+        x = _inputs(224, 224)
+        assert np.abs(model(x).numpy() - models["timm"](x).numpy()).max() > 1e-3  # the graph merges

@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 
 from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
 from vit_serve.runtime.settings import RunnerLimits, TritonClientSettings
+from vit_serve.tome import parse_tome
 
 BackendChoice = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 
@@ -31,7 +32,9 @@ class LoadSpec:
     contract's). triton: how the Triton backend reaches its server; limits: the queue the backend is driven with
     (the Triton backend sizes its connection pool by `max_queue`, Ray waits `request_timeout_s`). trace: pass
     the trace context on to Triton (OpenTelemetry). engine: "local" (in this process) or "ray" (a handle on
-    the model's Ray Serve deployment, from inside the gateway's Ray Serve ingress).
+    the model's Ray Serve deployment, from inside the gateway's Ray Serve ingress). tome: token merging set on
+    checkpoints the torch backend loads (`VisionTransformer.set_token_merging`'s r: an int, a list per layer or
+    (r, inflection)); exports run the merging they were exported with (`vit-export --tome`).
     """
 
     path: str
@@ -44,6 +47,7 @@ class LoadSpec:
     limits: RunnerLimits = field(default_factory=RunnerLimits)
     trace: bool = False
     engine: Literal["local", "ray"] = "local"
+    tome: int | list[int] | tuple[int, float] | None = None
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
@@ -51,7 +55,8 @@ class LoadSpec:
         device, threads, decode, triton and limits groups, otel, engine), with `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
-                   triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine)
+                   triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
+                   tome=None if settings.tome is None else parse_tome(settings.tome))
         return dataclasses.replace(spec, **changes) if changes else spec
 
     def replace(self, **changes: object) -> LoadSpec:
@@ -72,6 +77,7 @@ class SettingsLike(Protocol):
     triton: TritonClientSettings
     limits: RunnerLimits
     otel: bool
+    tome: str | None
 
 
 def resolve_backend(spec: LoadSpec) -> str:
@@ -100,6 +106,10 @@ def check(spec: LoadSpec) -> str:
     is_file = backend in ("onnxruntime", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES
     if backend != "triton" and is_file and not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
+    if spec.tome is not None and (backend != "torch" or path.suffix.lower() in (".onnx", *ENGINE_SUFFIXES)):
+        what = path.name or "a Triton model"
+        raise ValueError(f"--tome sets token merging on checkpoints (the torch backend); {what} runs the merging "
+                         "it was exported with: export it with vit-export --tome R")
     if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
         raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
     if backend == "tensorrt":

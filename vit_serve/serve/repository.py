@@ -48,7 +48,7 @@ from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.runtime.metrics import MODEL
 from vit_serve.runtime.settings import RepositorySettings, RunnerLimits
-from vit_serve.runtime.spec import LoadSpec
+from vit_serve.runtime.spec import LoadSpec, resolve_backend
 from vit_serve.runtime.text_tower import TextTower, text_tower_of
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.compare import Compare
@@ -381,6 +381,8 @@ class ModelRepository:
         thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{source.name}")
         spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
                                  threads=self._threads())
+        if not self.one_file and resolve_backend(spec) != "torch":  # --tome is for checkpoints; exports keep theirs
+            spec = spec.replace(tome=None)
         version: ModelVersion | None = None
         rss0 = rss_bytes()
         t0 = time.perf_counter()

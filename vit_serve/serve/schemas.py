@@ -117,6 +117,11 @@ class Readiness(BaseModel):
     reason: str | None = Field(None, description="why not ready")
 
 
+class TokenMergingInfo(BaseModel):
+    r: list[int] = Field(description="tokens merged in each layer")
+    prop_attn: bool = Field(description="attention proportional to the merged tokens' sizes")
+
+
 class VersionInfo(BaseModel):
     version: int | None = Field(description="the version (null: a model of the repository never loaded)")
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
@@ -128,6 +133,7 @@ class VersionInfo(BaseModel):
     explain: bool | None = Field(None, description="whether /explain can draw its attention rollout")
     memory_bytes: int | None = Field(None, description="resident memory the version took to load (RSS growth)")
     in_flight: int | None = Field(None, description="requests holding it now")
+    token_merging: TokenMergingInfo | None = Field(None, description="the token merging (ToMe) it runs (null: none)")
 
 
 class ShadowSpec(BaseModel):

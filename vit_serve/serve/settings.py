@@ -34,6 +34,7 @@ from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.keys import key_hash
 from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
+from vit_serve.tome import parse_tome
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
@@ -227,6 +228,12 @@ class ServeSettings(BaseSettings):
         None, ge=1, description="intra-op threads of the model runtime (default: its own)")
     device: Annotated[Literal["auto", "cpu", "cuda"], Flag("torch / onnxruntime device (default {default})")] = (
         Field("auto", description="torch / onnxruntime device"))
+    tome: Annotated[str | None, Flag(
+        "token merging on checkpoints served with the torch backend: R tokens merged in every layer (13), one R "
+        "per layer (13,13,8) or R:inflection (16:-1); exports run the merging they were exported with "
+        "(vit-export --tome)", metavar="R")] = Field(
+        None, description="token merging (ToMe) set on every checkpoint the torch backend loads: r per layer "
+        "(`vit_serve.tome.parse_tome`'s forms); exported models keep their own")
     repository: RepositorySettings = Field(default_factory=RepositorySettings)
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
@@ -291,6 +298,13 @@ class ServeSettings(BaseSettings):
             base = _given(given) if isinstance(given, BaseSettings) else dict(given or {})
             data[name] = base | flat
         return data
+
+    @field_validator("tome")
+    @classmethod
+    def _check_tome(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_tome(v)  # ValueError: the accepted forms
+        return v
 
     @field_validator("decode", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings
+from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.task import Outputs, Task
 
@@ -38,7 +38,8 @@ class ModelInfo:
     `resolution`). providers: onnxruntime's execution providers. Triton only: runtime (what runs the model in
     Triton), explain_model (its explain model's name), max_batch_size (the config's). scores: how logits become
     scores ("softmax", or "sigmoid" for SigLIP heads); embedding: which image embedding the model gives and
-    whether it is meant to be L2-normalised (None: an export from before the manifest said).
+    whether it is meant to be L2-normalised (None: an export from before the manifest said). token_merging: the
+    token merging (ToMe) the model runs (None: none).
     """
 
     name: str
@@ -62,6 +63,7 @@ class ModelInfo:
     embedding_dim: int = 0
     scores: str = "softmax"
     embedding: Embedding | None = None
+    token_merging: TokenMergingRecord | None = None
 
     @property
     def grid(self) -> tuple[int, int]:

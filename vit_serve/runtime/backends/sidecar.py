@@ -97,4 +97,5 @@ def model_info(path: Path, side: ExportManifest, name: str | None, explain_side:
         embedding_dim=side.embedding_dim,
         scores=side.score_fn,
         embedding=side.embedding,
+        token_merging=side.token_merging,
     )

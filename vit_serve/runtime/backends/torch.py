@@ -1,7 +1,8 @@
 """The PyTorch backend: a checkpoint (any format `vit_serve.load` reads) run in eager mode.
 
-classify in inference mode; explain from `model(x, return_attention=True)` + `vit_serve.explain.rollout` (any
-head fusion and discard ratio); grad_rollout with `vit_serve.explain.grad_rollout` (the only backend with it).
+classify in inference mode; explain with `vit_serve.explain.explain_forward` (any head fusion and discard ratio;
+through the model's token merges, if set); grad_rollout with `vit_serve.explain.grad_rollout` (the only backend
+with it).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vit_serve.explain import grad_rollout, rollout
-from vit_serve.manifest import RolloutSettings, embedding_of
+from vit_serve.explain import explain_forward, grad_rollout
+from vit_serve.manifest import RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
 
@@ -30,7 +31,7 @@ class TorchBackend(LocalBackend):
     supports_grad_rollout = True
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, tome: int | list[int] | tuple[int, float] | None = None) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -38,6 +39,12 @@ class TorchBackend(LocalBackend):
         self.device = _device(device)
         self.model = load(checkpoint).eval().to(self.device)
         cfg = self.model.cfg
+        if tome is not None:
+            try:
+                self.model.set_token_merging(tome)
+            except ValueError as e:  # an r list longer than the model is deep
+                raise ValueError(f"--tome for {Path(checkpoint).name}: {e}") from None
+        tm = self.model.token_merging
         res = (int(cfg.img_size[0]), int(cfg.img_size[1]))
         pre = self.model.preprocess_cfg or PreprocessConfig(input_size=res)
         self.info = ModelInfo(
@@ -57,6 +64,7 @@ class TorchBackend(LocalBackend):
             scores=cfg.scores,
             embedding=embedding_of(cfg),
             precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(next(self.model.parameters()).dtype, "fp32"),
+            token_merging=None if tm is None else TokenMergingRecord(tm.r, tm.prop_attn),
         )
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
@@ -82,10 +90,8 @@ class TorchBackend(LocalBackend):
         """Any head fusion and discard ratio (`rollout_settings`; None: the defaults)."""
         r = rollout_settings or self.info.resolve_rollout()
         with torch.inference_mode():
-            logits, attentions = self.model(self._input(x), return_attention=True)
-            heat = rollout(attentions, self.info.grid, self.model.num_prefix_tokens, self.model.cfg.pool,
-                           r.head_fusion, r.discard_ratio)
-        return self._out(logits), self._out(heat.map)
+            e = explain_forward(self.model, self._input(x), r.head_fusion, r.discard_ratio)
+        return self._out(e.logits), self._out(e.heatmap.map)
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         return self._out(grad_rollout(self.model, self._input(x), target).map[0])

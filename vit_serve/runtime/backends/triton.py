@@ -101,6 +101,7 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
         max_batch_size=int(config.get("max_batch_size", 0)),
         embedding_dim=0 if embedding is None else int(embedding["dims"][-1]),
         scores=meta.scores or "softmax",
+        token_merging=meta.token_merging,
         embedding=meta.embedding,
     )
 

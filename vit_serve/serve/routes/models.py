@@ -75,7 +75,9 @@ async def models(gateway: GatewayDep) -> dict:
         if mv is not None:
             info = mv.info
             version.update(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
-                           explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight)
+                           explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight,
+                           token_merging=None if info.token_merging is None else {
+                               "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn})
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
             "models": list(out.values())}
