@@ -267,8 +267,10 @@ def test_grpc_deadline_past_on_arrival(live, phone_jpeg):
     assert "deadline has passed" in errors[0].message()
     assert "parameters.timeout" in errors[2].message()
     # the 1 µs one is refused by the gateway (counted); the 50 ms call's deadline passes while its 5 MiB message
-    # is on its way in, or while it is decoded: gRPC ends it before the handler starts (not counted) or cancels
-    # the handler (counted as cancelled, at decode); it never runs either way
+    # is on its way in, or while it is decoded: gRPC ends it before the handler starts (not counted), cancels
+    # the handler (counted as cancelled, at decode), or the handler finds it past its deadline first (counted as
+    # a deadline: seen on a fast machine); it never runs, and is counted at most once
     since = after.since(before)
-    assert since["rows"] == 0 and since["deadline"] == 1
+    assert since["rows"] == 0 and since["deadline"] in (1, 2)
     assert since["cancelled"] == since.get("cancelled_decode", 0) <= 1
+    assert since["deadline"] - 1 + since["cancelled"] <= 1
