@@ -139,10 +139,7 @@ def _dynamic_shapes(model: VisionTransformer, res: Res, batch: str | int) -> dic
 
 def token_merging_record(model: VisionTransformer, res: Res) -> TokenMergingRecord | None:
     """What a graph of `model` exported at `res` records of its token merging (None: none)."""
-    tm = model.token_merging
-    if tm is None:
-        return None
-    return TokenMergingRecord(tuple(tm.r), tm.prop_attn, min_grid(model) if res == "dynamic" else None)
+    return TokenMergingRecord.of(model.token_merging, min_grid(model) if res == "dynamic" else None)
 
 
 def _torch_export(

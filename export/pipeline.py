@@ -31,7 +31,7 @@ from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_F
 from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
 from vit_serve.resolution import parse_resolution
-from vit_serve.tome import parse_r, parse_tome
+from vit_serve.tome import TomeR, parse_tome
 
 if TYPE_CHECKING:
     from vit_export.onnx_export import ExportedGraph
@@ -179,7 +179,7 @@ class ExportOptions:
     max_queue: int = 128
     outputs: tuple[str, ...] | str = (LOGITS,)
     text_tower: bool = False
-    tome: int | list[int] | tuple[int, float] | str | None = None
+    tome: TomeR | str | None = None
     tome_prop_attn: bool = True
 
     def __post_init__(self) -> None:
@@ -436,19 +436,18 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
 def _with_token_merging(model: VisionTransformer, opts: ExportOptions, copy: bool) -> VisionTransformer:
     """The model with `opts.tome` set (a copy when it is the caller's object); OptionError for an r that does
     not fit its depth."""
-    try:
-        parse_r(model.cfg.depth, opts.tome)  # type: ignore[arg-type]
-    except (ValueError, TypeError) as e:
-        raise OptionError("tome", f"<tome>: {e}") from None
     if copy:
         import copy as copy_module
 
         model = copy_module.deepcopy(model)
-    model.set_token_merging(opts.tome, prop_attn=opts.tome_prop_attn)  # type: ignore[arg-type]
+    try:
+        model.set_token_merging(opts.tome, prop_attn=opts.tome_prop_attn)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as e:
+        raise OptionError("tome", f"<tome>: {e}") from None
     return model
 
 
-def tome_tag(tome: int | list[int] | tuple[int, float] | str | None) -> str:
+def tome_tag(tome: TomeR | str | None) -> str:
     """The default name's token-merging part: "" (none), "_tome13", "_tome16i-1" (r with an inflection),
     "_tome13-13-8" (per layer)."""
     if tome is None or tome == 0:

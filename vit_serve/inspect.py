@@ -42,7 +42,7 @@ from PIL import Image
 from vit_serve import explain
 from vit_serve.overlay import overlay
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, resize_and_crop
-from vit_serve.tome import parse_r, tokens_after
+from vit_serve.tome import TomeR, parse_r, tokens_after
 
 try:
     import matplotlib
@@ -646,7 +646,7 @@ def inspect_model(
     names: Sequence[str] | None = None,
     overwrite: bool = False,
     batch_size: int = 8,
-    tome: int | list[int] | tuple[int, float] | None = None,
+    tome: TomeR | None = None,
 ) -> InspectResult:
     """Run the paper's Figure 6/7 inspections of `model` on `images` and write figures + ``inspect.json``.
 

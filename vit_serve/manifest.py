@@ -282,6 +282,12 @@ class TokenMergingRecord:
         if not self.r or any(not _is_int(v) or v < 0 for v in self.r):
             raise ValueError(f"token_merging: r must be whole numbers >= 0, one per layer, got {list(self.r)}")
 
+    @classmethod
+    def of(cls, setting: Any, min_grid: int | None = None) -> TokenMergingRecord | None:
+        """The record of a model's setting (`VisionTransformer.token_merging`, a `vit_serve.tome.TokenMerging`,
+        read by its fields; None: no merging)."""
+        return None if setting is None else cls(tuple(setting.r), bool(setting.prop_attn), min_grid)
+
     def to_dict(self) -> dict[str, Any]:
         return {"r": list(self.r), "prop_attn": self.prop_attn, "min_grid": self.min_grid}
 

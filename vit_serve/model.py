@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from vit_serve.config import ViTConfig, get_config
 from vit_serve.pos_embed import is_tracing, resample_pos_embed
 from vit_serve.resnet import ResNetStem
-from vit_serve.tome import LayerMerge, MergeState, TokenMerging, parse_r, size_bias
+from vit_serve.tome import LayerMerge, MergeState, TokenMerging, TomeR, parse_r, size_bias
 
 
 class PatchEmbed(nn.Module):
@@ -245,7 +245,7 @@ class VisionTransformer(nn.Module):
         self.token_merging: TokenMerging | None = None  # set_token_merging
         self.tome_source: torch.Tensor | None = None  # the last forward's merge sources, when traced
 
-    def set_token_merging(self, r: int | list[int] | tuple[int, float], prop_attn: bool = True,
+    def set_token_merging(self, r: TomeR, prop_attn: bool = True,
                           trace_source: bool = False) -> None:
         """Token merging (ToMe, Bolya et al. 2023) in every block: r tokens merged per layer (an int, a list
         per layer, or (r, inflection) as the reference's parse_r); 0 turns it off. Class, distillation and

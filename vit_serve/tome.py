@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# r as it is asked for: an int (every layer), a list (one per layer) or (r, inflection) (`parse_r`).
+TomeR = int | list[int] | tuple[int, float]
 
-def parse_r(depth: int, r: int | list[int] | tuple[int, float]) -> list[int]:
+
+def parse_r(depth: int, r: TomeR) -> list[int]:
     """r per layer, as the reference's `parse_r`: an int (the same r in every layer), a list (one per layer,
     padded with 0), or (r, inflection) with inflection in [-1, 1]: -1 the paper's decreasing schedule."""
     if isinstance(r, list):
@@ -200,14 +203,14 @@ class MergeState:
         return x
 
 
-def parse_tome(text: str) -> int | list[int] | tuple[int, float]:
+def parse_tome(text: str) -> TomeR:
     """A command line's r: "13" (every layer), "13,13,8" (per layer, padded with 0) or "16:-1" (r and the
     schedule's inflection, `parse_r`). ValueError with the accepted forms."""
     s = text.strip()
     try:
         if ":" in s:
             r, inflect = s.split(":", 1)
-            value: int | list[int] | tuple[int, float] = (int(r), float(inflect))
+            value: TomeR = (int(r), float(inflect))
         elif "," in s:
             value = [int(v) for v in s.split(",")]
         else:

@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 
 from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
 from vit_serve.runtime.settings import RunnerLimits, TritonClientSettings
-from vit_serve.tome import parse_tome
+from vit_serve.tome import TomeR, parse_tome
 
 BackendChoice = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 
@@ -47,7 +47,7 @@ class LoadSpec:
     limits: RunnerLimits = field(default_factory=RunnerLimits)
     trace: bool = False
     engine: Literal["local", "ray"] = "local"
-    tome: int | list[int] | tuple[int, float] | None = None
+    tome: TomeR | None = None
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:

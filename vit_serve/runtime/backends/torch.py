@@ -16,6 +16,7 @@ from vit_serve.explain import explain_forward, grad_rollout
 from vit_serve.manifest import RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+from vit_serve.tome import TomeR
 
 
 def _device(name: str) -> torch.device:
@@ -31,7 +32,7 @@ class TorchBackend(LocalBackend):
     supports_grad_rollout = True
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
-                 threads: int | None = None, tome: int | list[int] | tuple[int, float] | None = None) -> None:
+                 threads: int | None = None, tome: TomeR | None = None) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -44,7 +45,6 @@ class TorchBackend(LocalBackend):
                 self.model.set_token_merging(tome)
             except ValueError as e:  # an r list longer than the model is deep
                 raise ValueError(f"--tome for {Path(checkpoint).name}: {e}") from None
-        tm = self.model.token_merging
         res = (int(cfg.img_size[0]), int(cfg.img_size[1]))
         pre = self.model.preprocess_cfg or PreprocessConfig(input_size=res)
         self.info = ModelInfo(
@@ -64,7 +64,7 @@ class TorchBackend(LocalBackend):
             scores=cfg.scores,
             embedding=embedding_of(cfg),
             precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(next(self.model.parameters()).dtype, "fp32"),
-            token_merging=None if tm is None else TokenMergingRecord(tm.r, tm.prop_attn),
+            token_merging=TokenMergingRecord.of(self.model.token_merging),
         )
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
