@@ -1,7 +1,9 @@
-"""Exported ONNX vs PyTorch eager, both int8 schemes vs fp32, and export wall time, side by side in one run.
+"""Exported ONNX vs PyTorch eager, both int8 schemes vs fp32, export wall time, and the torch backend's eager vs
+`--compile` vs onnxruntime, side by side in one run.
 
     python benchmarks/export_onnx.py [--model S/16] [--res 224] [--threads 2] [--rounds 7]
         [--digits-ckpt runs/digits/model.safetensors] [--export-model B/16] [--export-res 384]
+        [--only speed,digits,export,torch | --skip ...]
 
 The CPU's int8 instructions decide which int8 scheme wins, so the first line names the CPU and its AVX2 /
 AVX-512 / VNNI / AMX flags: report the tables with it.
@@ -16,11 +18,19 @@ AVX-512 / VNNI / AMX flags: report the tables with it.
 3. Export wall time of `--export-model` at `--export-res` from a 224 checkpoint with non-trivial weights (a
    zero-initialised head would make every logit 0 and the parity check vacuous; the script checks the logits
    vary): the logits graph, the explain graph, and the parity check against PyTorch.
+4. The torch backend (`--only torch` runs it alone): the same ViT-S/16 at 224, batch 1 and 8, PyTorch eager vs
+   `torch.compile` (inductor, as `vit-serve serve --compile` compiles it: `compile_forward`'s batch-1 and
+   dynamic-batch graphs, checked against eager) vs onnxruntime fp32 (the `vit-export` graph), all in inference
+   mode on `--threads` threads, medians over interleaved rounds; the compile's wall time with inductor's cache
+   cold (a fresh TORCHINDUCTOR_CACHE_DIR) and warm (after `torch._dynamo.reset()`: a restart's cost), each
+   contender's max |logits - eager's|, and what the start-up probe (`vit_serve.runtime.torch_probe.measure`)
+   measures and costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -182,6 +192,64 @@ def export_time_table(model_name: str, res: int, threads: int, work: Path) -> li
     ]
 
 
+def torch_table(model_name: str, res: int, threads: int, rounds: int, work: Path) -> list[str]:
+    from vit_serve.runtime.backends.torch import compile_forward
+    from vit_serve.runtime.torch_probe import measure
+
+    torch.set_num_threads(threads)
+    model = nontrivial_weights(vit_serve.create_model(model_name, img_size=res)).eval()
+    check_nontrivial(model, res)
+    fp32 = export_onnx(model, work / "torch_section.onnx", res=(res, res))
+    ort = session(fp32, threads)
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cache")  # cold: nothing compiled before
+    try:
+        t0 = time.perf_counter()
+        compile_forward(model, (res, res), torch.device("cpu"), model_name)
+        cold = time.perf_counter() - t0
+        torch._dynamo.reset()  # the in-process graphs gone, inductor's on-disk cache kept: a restart
+        t0 = time.perf_counter()
+        compiled = compile_forward(model, (res, res), torch.device("cpu"), model_name)
+        warm = time.perf_counter() - t0
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    runs = {
+        "PyTorch eager": lambda x: model(torch.from_numpy(x)).numpy(),
+        "torch.compile (inductor)": lambda x: compiled(torch.from_numpy(x))[0].numpy(),
+        "onnxruntime fp32": lambda x: ort.run(None, {"pixel_values": x})[0],
+    }
+    rows = []
+    with torch.inference_mode():  # the mode the backend compiles and serves in (dynamo guards on it)
+        for batch, iters in ((1, 8), (8, 2)):
+            x = np.random.default_rng(0).standard_normal((batch, 3, res, res)).astype(np.float32)
+            want = runs["PyTorch eager"](x)
+            delta = {k: float(np.abs(fn(x) - want).max()) for k, fn in runs.items()}
+            speeds: dict[str, list[float]] = {k: [] for k in runs}
+            for _ in range(rounds):  # interleaved: a noisy neighbour slows every contender alike
+                for name, fn in runs.items():
+                    speeds[name].append(images_per_s(fn, x, iters))
+            med = {k: statistics.median(v) for k, v in speeds.items()}
+            base = med["PyTorch eager"]
+            for name, v in med.items():
+                d = "-" if name == "PyTorch eager" else f"{delta[name]:.1e}"
+                rows.append(f"| {model_name} {res} | {batch} | {name} | {v:.1f} | {v / base:.2f}x | {d} |")
+        probe = measure(model, torch.randn(1, 3, res, res, generator=torch.Generator().manual_seed(0)))
+    return [
+        f"\nThe torch backend ({threads} threads, median of {rounds} interleaved rounds, inference mode; "
+        f"logits std {float(np.std(want)):.2f})\n",
+        "| model | batch | runtime | images/s | vs eager | max abs logit diff vs eager |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        f"\ntorch.compile wall time (batch-1 and dynamic-batch graphs, parity-checked): {cold:.1f} s with "
+        f"inductor's cache cold, {warm:.1f} s warm (a restart)",
+        f"start-up probe (batch 1, in-memory TorchScript export): eager {probe.eager_ips:.1f} images/s, "
+        f"onnxruntime {probe.ort_ips:.1f} ({probe.ratio:.2f}x) over {probe.rounds} rounds, {probe.seconds:.1f} s",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="S/16")
@@ -191,9 +259,14 @@ def main() -> None:
     ap.add_argument("--digits-ckpt", type=Path, default=Path("runs/digits/model.safetensors"))
     ap.add_argument("--export-model", default="B/16")
     ap.add_argument("--export-res", type=int, default=384)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: speed,digits,export")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: speed,digits,export,torch")
+    ap.add_argument("--only", default="", help="comma list of the sections to run (default: all)")
     args = ap.parse_args()
-    skip = set(args.skip.split(","))
+    sections = {"speed", "digits", "export", "torch"}
+    only = set(filter(None, args.only.split(","))) or sections
+    if only - sections:
+        ap.error(f"--only: unknown sections {sorted(only - sections)} (choose from {sorted(sections)})")
+    skip = set(args.skip.split(",")) | (sections - only)
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         work = Path(tmp)
         lines: list[str] = [f"CPU: {cpu_info()}"]
@@ -203,6 +276,8 @@ def main() -> None:
             lines += digits_table(args.digits_ckpt, args.threads, work)
         if "export" not in skip:
             lines += export_time_table(args.export_model, args.export_res, args.threads, work)
+        if "torch" not in skip:
+            lines += torch_table(args.model, args.res, args.threads, args.rounds, work)
     print("\n".join(lines))
 
 

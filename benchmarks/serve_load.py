@@ -29,11 +29,13 @@ off in images/s and <= 1.02x in server CPU per image, and the two middleware mea
 and RequestId classes around an app that answers at once, the access line formatted as the server logs it) cost
 <= 2% of the server's CPU per image.
 
-`--mode batching`: dynamic batching on (max_batch 16, max_delay_ms 5) and off (max_batch 1) at concurrency 1, 4,
-16 and 64 with unique small photos, against the backend's offline throughput (`onnxruntime` `session.run` on
-preprocessed batches at batch 1 and at the batch the server reached at c=16), and explain vs classify latency
-(one client). Checks: throughput at c=16 >= 85% of offline; batching on / off >= 1.00x above c=1 and >= 0.95x at
-c=1 (nothing to batch there: the same path); p50 at c=1 on - off <= max_delay_ms; explain p50 <= 2x classify p50.
+`--mode batching` (benchmarks/serve_batching.py): dynamic batching on (max_batch 16, max_delay_ms 5, the batch
+curve measured at warm-up) and off (max_batch 1), both servers alive and taking turns for `--rounds` rounds
+(default 3) at concurrency 1, 4, 16 and 64 with unique small photos, against the backend's offline throughput
+(`onnxruntime` `session.run` on preprocessed batches at batch 1 and at the batch the server reached at c=16), the
+gateway's CPU per image by thread at c=16, and explain vs classify latency (one client). Checks: throughput at
+c=16 >= 0.90x offline; batching on / off >= 0.98x at every concurrency; p50 at c=1 on - off <= max_delay_ms;
+explain p50 <= 2x classify p50.
 
 `--mode abuse`: one gateway with its default bounds (at most max_batch images a request, the body limit), and
 normal traffic (unique small photos to /classify at concurrency 16) alone and beside `--abusers` clients (default
@@ -395,19 +397,19 @@ async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmu
 
 # ---- offline -----------------------------------------------------------------------------------------------
 
-def offline_throughput(onnx: Path, image: bytes, batch: int, threads: int, device: str, seconds: float) -> float:
-    """Images/s of `session.run` on a preprocessed [batch, 3, H, W] batch, `threads` intra-op threads."""
+def offline_throughput(onnx: Path, image: bytes, batch: int, threads: int, device: str, seconds: float,
+                       spinning: bool = False) -> float:
+    """Images/s of `session.run` on a preprocessed [batch, 3, H, W] batch, with the gateway's own session options
+    (`session_options`: `threads` intra-op threads, intra-op spinning as `spinning`)."""
     import onnxruntime as ort
 
     from vit_serve.preprocess import PreprocessConfig, preprocess
+    from vit_serve.runtime.backends.onnxruntime import session_options
 
     side = json.loads(onnx.with_suffix(".json").read_text())
     cfg = PreprocessConfig.from_dict(side["preprocess"])
     x = preprocess(image, cfg).numpy()[None].repeat(batch, 0)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts = session_options(threads, spinning)
     cuda = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers()
     if device == "cuda" and not cuda:
         raise SystemExit("--device cuda: this onnxruntime has no CUDAExecutionProvider")
@@ -424,26 +426,8 @@ def offline_throughput(onnx: Path, image: bytes, batch: int, threads: int, devic
 
 # ---- the report --------------------------------------------------------------------------------------------
 
-# At c=1 there is nothing to batch and a lone request never waits, so on and off run the same path: equal within
-# the run-to-run noise of two separate server runs (5%). With concurrent clients batching must not lose.
+# Two paths that should cost the same: equal within the run-to-run noise of two separate server runs (5%).
 SAME_PATH_SLACK = 0.95
-CONCURRENT_MIN = 1.00
-
-
-def batching_checks(on: dict[int, float], off: dict[int, float]) -> list[tuple[str, str, str, bool]]:
-    """Batching on / off throughput by concurrency -> (check, value, target, passed) rows."""
-    checks = []
-    if 1 in on:
-        r = on[1] / off[1]
-        checks.append(("batching on / off throughput at c=1 (nothing to batch: the same path)", f"{r:.2f}",
-                       f">= {SAME_PATH_SLACK:.2f} (equal within run-to-run noise)", r >= SAME_PATH_SLACK))
-    concurrent = [c for c in on if c > 1]
-    if concurrent:
-        worst, worst_c = min((on[c] / off[c], c) for c in concurrent)
-        checks.append((f"batching on / off throughput, worst of c > 1 (c={worst_c})", f"{worst:.2f}",
-                       f">= {CONCURRENT_MIN:.2f} (never slower)", worst >= CONCURRENT_MIN))
-    return checks
-
 
 # The uploads targets (issue: real uploads), all at concurrency 16.
 PHONE_FAST_OVER_EXACT = 2.5
@@ -579,76 +563,6 @@ def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[in
                   "peak_rss_mb": memory[d, co, c]}
                  for (d, co, c), lv in loads.items()],
         "idle_rss_mb": idle, "settings": settings,
-    }
-    return [head, "", *rows], checks, results
-
-
-def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tuple[list[str], list, dict]:
-    bases = [photo_jpeg()]
-    threads = args.threads or os.cpu_count() or 1
-    modes = {"on": (args.max_batch, args.max_delay_ms), "off": (1, args.max_delay_ms)}
-    loads: dict[tuple[str, int], Load] = {}
-    explain: Load | None = None
-    classify_c1: Load | None = None
-    for mode, (max_batch, delay) in modes.items():
-        with Server(onnx, threads, args.device, max_batch, delay) as server:
-            ready = server.wait_ready()
-            print(f"batching {mode}: {ready.get('model')} on {ready.get('backend')} at {server.url}", file=sys.stderr)
-            k = 0
-            for c in levels:
-                warmup, n = level_sizes(args.requests, c)
-                bodies = payloads(bases, k, warmup + n, args.repeats)
-                k += warmup + n
-                loads[mode, c] = asyncio.run(load(server.url, "/classify", bodies, c, warmup))
-                check_unique(loads[mode, c], args.repeats)
-                print(f"  c={c}: {loads[mode, c].throughput:.1f} img/s", file=sys.stderr)
-            if mode == "on":
-                warmup, n = level_sizes(max(10, args.requests // 4), 1)
-                classify_c1 = asyncio.run(load(server.url, "/classify", payloads(bases, k, warmup + n, args.repeats),
-                                               1, warmup))
-                k += warmup + n
-                explain = asyncio.run(load(server.url, "/explain?format=png",
-                                           payloads(bases, k, warmup + n, args.repeats), 1, warmup))
-
-    c16 = 16 if 16 in levels else max(levels)
-    reached = max(1, round(loads["on", c16].mean_batch))
-    offline = {b: offline_throughput(onnx, bases[0], b, threads, args.device, args.offline_seconds)
-               for b in sorted({1, reached})}
-
-    rows = ["| run | concurrency | requests | throughput (img/s) | p50 (ms) | p99 (ms) | mean batch | model ms/batch |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for (mode, c), lv in loads.items():
-        rows.append(f"| POST /classify, batching {mode} | {c} | {len(lv.latencies)} | {lv.throughput:.1f} | "
-                    f"{lv.p(50):.2f} | {lv.p(99):.2f} | {num(lv.mean_batch)} | {num(lv.mean_infer_ms)} |")
-    assert explain is not None and classify_c1 is not None
-    for name, lv in (("POST /classify", classify_c1), ("POST /explain?format=png", explain)):
-        rows.append(f"| {name}, batching on | 1 | {len(lv.latencies)} | {lv.throughput:.1f} | {lv.p(50):.2f} | "
-                    f"{lv.p(99):.2f} | {num(lv.mean_batch)} | {num(lv.mean_infer_ms)} |")
-    for b, tp in offline.items():
-        rows.append(f"| offline session.run | batch {b} | | {tp:.1f} | {b / tp * 1e3:.2f} | | {b} | "
-                    f"{b / tp * 1e3:.2f} |")
-
-    checks = []
-    ratio = loads["on", c16].throughput / offline[reached]
-    checks.append((f"server throughput at c={c16} / offline at batch {reached}", f"{ratio:.2f}", ">= 0.85",
-                   ratio >= 0.85))
-    checks += batching_checks({c: loads["on", c].throughput for c in levels},
-                              {c: loads["off", c].throughput for c in levels})
-    if 1 in levels:
-        gap = loads["on", 1].p(50) - loads["off", 1].p(50)
-        checks.append(("p50 at c=1, batching on - off (ms)", f"{gap:.2f}", f"<= {args.max_delay_ms:g}",
-                       gap <= args.max_delay_ms))
-    er = explain.p(50) / classify_c1.p(50)
-    checks.append(("explain p50 / classify p50", f"{er:.2f}", "<= 2", er <= 2.0))
-    head = f"{threads} threads; batching on: max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}"
-    results = {
-        "threads": threads,
-        "load": [{"batching": m, "concurrency": c, "requests": len(lv.latencies), "throughput": lv.throughput,
-                  "p50_ms": lv.p(50), "p99_ms": lv.p(99), "mean_batch": lv.mean_batch,
-                  "model_ms_per_batch": lv.mean_infer_ms}
-                 for (m, c), lv in loads.items()],
-        "classify_c1_p50_ms": classify_c1.p(50), "explain_c1_p50_ms": explain.p(50),
-        "offline": {str(b): tp for b, tp in offline.items()},
     }
     return [head, "", *rows], checks, results
 
@@ -1089,7 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
                          "keys and request ids on against off; abuse: normal traffic beside abusive requests "
                          "against alone; lifecycle: hang-ups, a retry storm, priorities per key and shadow "
                          "traffic against today's gateway (benchmarks/serve_lifecycle.py, its own flags)")
-    ap.add_argument("--rounds", type=int, help="routing, security, abuse: rounds of turns (default 5; abuse 2)")
+    ap.add_argument("--rounds", type=int,
+                    help="routing, security, abuse, batching: rounds of turns (default 5; abuse 2, batching 3)")
     ap.add_argument("--abusers", type=int, default=4,
                     help="abuse: concurrent clients sending the abusive requests (default 4)")
     ap.add_argument("--abuse-rate", type=float, default=20.0,
@@ -1113,9 +1028,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int,
                     help="intra-op threads of the server's runtime (default: the server's own for uploads, all cores "
                          "for batching, where the offline session uses the same)")
+    ap.add_argument("--spinning", action="store_true",
+                    help="batching: the servers (and the offline session) with onnxruntime's intra-op spinning on "
+                         "(--intra-op-spinning; default off, as the gateway)")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-delay-ms", type=float, default=5.0)
-    ap.add_argument("--offline-seconds", type=float, default=5.0, help="batching: time per offline measurement")
+    ap.add_argument("--offline-seconds", type=float, default=4.0, help="batching: time per offline measurement")
     ap.add_argument("--out", type=Path, help="folder of the checkpoint, the export, the corpus and results.json "
                                              "(default: a new temporary folder)")
     args = ap.parse_args(argv)
@@ -1126,7 +1044,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--concurrency {args.concurrency!r}: expected a comma list of integers")
     if args.rounds is None:
-        args.rounds = 2 if args.mode == "abuse" else 5
+        args.rounds = {"abuse": 2, "batching": 3}.get(args.mode, 5)
     if min(levels) < 1 or args.repeats < 1 or args.requests < 1 or args.rounds < 1 or args.abusers < 1:
         ap.error("--concurrency, --requests, --repeats, --rounds and --abusers must be at least 1")
     if set(args.decode.split(",")) - {"fast", "exact"}:
@@ -1147,7 +1065,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "abuse":
         rows, checks, results = run_abuse(args, onnx, levels)
     else:
-        rows, checks, results = run_batching(args, onnx, levels)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import serve_batching
+
+        rows, checks, results = serve_batching.run_batching(args, onnx, levels)
 
     import onnxruntime as ort
 

@@ -147,19 +147,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from vit_serve.runtime import LoadSpec, check
     from vit_serve.serve.app import run
-    from vit_serve.serve.settings import GROUPS, ServeSettings
+    from vit_serve.serve.config_file import serve_settings
+    from vit_serve.serve.settings import ServeSettings
 
-    flags = {k: getattr(args, k) for k in ServeSettings.flat_fields() if getattr(args, k, None) is not None}
-    try:
-        settings = ServeSettings(**flags)  # flags over VIT_SERVE_*
-    except ValidationError as e:
-        names = ["_".join(str(p) for p in err["loc"] if p not in GROUPS) for err in e.errors()]
-        raise ValueError("; ".join(f"--{n.replace('_', '-')} / VIT_SERVE_{n.upper()}: {err['msg']}"
-                                   for n, err in zip(names, e.errors(), strict=True))) from None
+    flags = {k: getattr(args, k, None) for k in ServeSettings.flat_fields()}
+    settings = serve_settings(args.config, flags)  # flags over VIT_SERVE_* over --config FILE
     if settings.engine == "ray":  # its replicas load the model: no TensorRT needed here
         return _serve_on_ray(args, settings)
     check(LoadSpec.of(settings))  # missing files, no TensorRT: one line here rather than a traceback from uvicorn
@@ -219,6 +213,36 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     if not args.no_serve:
         serve(paths, args.host, args.port)
     return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from vit_serve.tune.report import report_text
+    from vit_serve.tune.search import NO_WINNER_EXIT, TuneOptions, tune
+
+    result = tune(TuneOptions(model=args.model, out=args.out, images=args.images, check_images=args.check_images,
+                              p99_ms=args.p99_ms, min_agreement=args.min_agreement, budget_s=args.budget_s,
+                              concurrency=args.concurrency, trial_s=args.trial_s, device=args.device,
+                              force=args.force, progress=not args.no_progress))
+    print(report_text(result), end="")
+    for path in result.files.values():
+        print(f"wrote {path}")
+    return 0 if result.winner is not None else NO_WINNER_EXIT
+
+
+def _positive(kind: type[int] | type[float]):
+    """An argparse type: a number > 0 (kind int or float)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"expected a {'whole ' if kind is int else ''}number > 0, got {text!r}") from None
+        if not value > 0:
+            raise ValueError(f"expected a number > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return argument_type(parse)
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -299,8 +323,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve a repository of models (a folder of exports and checkpoints, or of "
                                    "NAME/VERSION/ folders), one checkpoint (torch), an exported NAME.onnx "
                                    "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
-                                   "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH); "
-                                   "flags win.")
+                                   "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH) "
+                                   "and a name in a --config file: flags win over the variables, which win over "
+                                   "the file.")
     try:
         from vit_serve.serve.settings import ServeSettings
     except ImportError as e:  # without the serve extra: `serve` takes anything and says what is missing
@@ -308,6 +333,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         s.set_defaults(func=_missing(e))
         return
     settings = pydantic_fields(ServeSettings.flat_fields())
+    s.add_argument("--config", metavar="FILE",
+                   help="settings from a .toml or .json file of setting names (max_batch = 8; paths relative to the "
+                        "file's folder); flags and VIT_SERVE_* variables win over it")
     add_flags(s, settings)
     r = s.add_argument_group("Ray Serve (--engine ray; pip install 'vit-serve[ray]')")
     add_flags(r, settings, section="ray")
@@ -349,12 +377,50 @@ def _quickstart_parser(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=_cmd_quickstart)
 
 
+def _tune_parser(sub: argparse._SubParsersAction) -> None:
+    """`vit-serve tune`."""
+    from vit_serve.tune import result as tune
+
+    t = sub.add_parser("tune", help="find the gateway settings with the most images/s within a p99 target",
+                       description="Measure the real gateway (unique uploads from concurrent clients over HTTP) "
+                                   "with its defaults, then runtimes (torch, ONNX fp32 / int8, token merging; "
+                                   "each checked for top-1 agreement), threads x decode workers, max batch and "
+                                   "max delay, within --budget-s; print the table, draw throughput against p99, "
+                                   "and write the winner's settings as OUT/serve.toml for `vit-serve serve "
+                                   "--config`. Exits 3 when no setting meets the target.")
+    t.add_argument("model", metavar="MODEL",
+                   help="a checkpoint (runtimes, precisions and token merging are swept too) or an exported "
+                        "NAME.onnx with NAME.json (its runner settings only)")
+    t.add_argument("--out", default="runs/tune", type=Path, metavar="DIR",
+                   help="outputs: serve.toml, tune.json, tune.md, tune.png, exports/, logs/ (new or empty; "
+                        "default runs/tune)")
+    t.add_argument("--images", type=Path, metavar="DIR",
+                   help="uploads: the images of DIR, each request made unique (default: built-in photos)")
+    t.add_argument("--check-images", type=Path, metavar="DIR",
+                   help="images top-1 agreement is measured on (default: views of the built-in photos)")
+    t.add_argument("--p99-ms", type=_positive(float), metavar="MS", default=tune.DEFAULT_P99_MS,
+                   help=f"the latency target (default {tune.DEFAULT_P99_MS:g})")
+    t.add_argument("--min-agreement", type=float, metavar="F", default=tune.DEFAULT_MIN_AGREEMENT,
+                   help="the floor on top-1 agreement with the fp32 model without token merging "
+                        f"(default {tune.DEFAULT_MIN_AGREEMENT:g})")
+    t.add_argument("--budget-s", type=_positive(float), metavar="S", default=tune.DEFAULT_BUDGET_S,
+                   help=f"bound on the whole run, in seconds (default {tune.DEFAULT_BUDGET_S:g})")
+    t.add_argument("--concurrency", type=_positive(int), metavar="N", default=tune.DEFAULT_CONCURRENCY,
+                   help=f"concurrent clients (default {tune.DEFAULT_CONCURRENCY})")
+    t.add_argument("--trial-s", type=_positive(float), metavar="S", default=tune.DEFAULT_TRIAL_S,
+                   help=f"seconds of load measured per trial (default {tune.DEFAULT_TRIAL_S:g})")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto")
+    t.add_argument("--force", action="store_true", help="write into a non-empty --out (exports there replaced)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    t.set_defaults(func=_cmd_tune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vit-serve {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for add in (_convert_parser, _inspect_parser, _train_parser, _eval_parser, _serve_parser, _predict_parser,
-                _quickstart_parser):
+                _quickstart_parser, _tune_parser):
         add(sub)
     return p
 

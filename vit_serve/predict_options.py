@@ -43,6 +43,8 @@ class PredictOptions:
     tome: str | None = field(default=None, metadata=_flag(
         "token merging on a checkpoint (torch backend): R per layer (13), one R per layer (13,13,8) or "
         "R:inflection (16:-1); exports run their own (vit-export --tome)", metavar="R"))
+    compile: bool = field(default=False, metadata=_flag(
+        "run a checkpoint through torch.compile (inductor), checked against eager at load (as serve --compile)"))
     decode: Literal["fast", "exact", "contract"] = field(default="fast", metadata=_flag(
         "decode path, as `serve --decode` (default {default}, the gateway's default)"))
     embeddings: bool = field(default=False, metadata=_flag("add the pre-logits embedding"))

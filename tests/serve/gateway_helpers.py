@@ -20,10 +20,13 @@ RES = (32, 48)
 
 def settings_for(model: Path | str, **kw):
     """ServeSettings for tests: one thread everywhere; uploads decoded as the model's contract says (exact for
-    every test model), so that answers compare with the library's `preprocess` and the references."""
+    every test model), so that answers compare with the library's `preprocess` and the references; batches as
+    configured (no batch curve: the tests that count batch sizes must not hang on a tiny model's measured curve
+    on a busy machine; test_runner_curve covers the curve)."""
     from vit_serve.serve.settings import ServeSettings
 
-    base = {"model": str(model), "device": "cpu", "threads": 1, "decode_workers": 2, "decode": "contract"}
+    base = {"model": str(model), "device": "cpu", "threads": 1, "decode_workers": 2, "decode": "contract",
+            "batch_curve": False}
     return ServeSettings(**{**base, **kw})
 
 

@@ -66,7 +66,8 @@ GROUP_CONFIG = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", prote
 
 class RunnerLimits(BaseSettings):
     """Dynamic batching and back-pressure: coalesce up to max_batch images or max_delay_ms (max_batch 1 or delay
-    0 turns it off), at most max_queue requests waiting, each answered within request_timeout_s."""
+    0 turns it off; with batch_curve, no more than the model's measured batch curve says pays), at most max_queue
+    requests waiting, each answered within request_timeout_s."""
 
     model_config = GROUP_CONFIG
 
@@ -84,6 +85,16 @@ class RunnerLimits(BaseSettings):
         0, ge=0, description="images one /v2 or gRPC inference request may carry (BYTES elements, or pixel_values "
         "rows), checked from the tensor's shape before anything is decoded (400 beyond); 0: the model's "
         "max_batch. Above max_batch, a request runs as several batches")
+
+    batch_curve: Annotated[bool, Flag(
+        "batch as configured, without measuring what batching buys the model at warm-up")] = Field(
+        True, description="measure the model's time per image at batch 1, 2, 4, ... max_batch when a version "
+        "warms up (vit_serve.runtime.batch_curve), then batch no larger than pays and wait for a batch to fill "
+        "only where it pays; off: max_batch and max_delay_ms as given")
+    batch_curve_budget_s: float = Field(10.0, gt=0, description="longest time the batch curve's measurement may "
+                                        "take at warm-up (three rounds of 1, 2, 4, ... max_batch images: about "
+                                        "3 s for a ViT-S/16 on 2 cores); the sizes it leaves unmeasured are not "
+                                        "batched")
 
     @property
     def batching(self) -> bool:

@@ -34,7 +34,10 @@ class LoadSpec:
     the trace context on to Triton (OpenTelemetry). engine: "local" (in this process) or "ray" (a handle on
     the model's Ray Serve deployment, from inside the gateway's Ray Serve ingress). tome: token merging set on
     checkpoints the torch backend loads (`VisionTransformer.set_token_merging`'s r: an int, a list per layer or
-    (r, inflection)); exports run the merging they were exported with (`vit-export --tome`).
+    (r, inflection)); exports run the merging they were exported with (`vit-export --tome`). compile: run the
+    checkpoint's classify / embed forward through `torch.compile` (inductor; the torch backend only), compiled
+    and checked against eager at load (`runtime.backends.torch.compile_forward`). spinning: onnxruntime's
+    intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
     """
 
     path: str
@@ -48,15 +51,19 @@ class LoadSpec:
     trace: bool = False
     engine: Literal["local", "ray"] = "local"
     tome: TomeR | None = None
+    compile: bool = False
+    spinning: bool = False
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
-        device, threads, decode, triton and limits groups, otel, engine), with `changes`."""
+        device, threads, decode, triton and limits groups, otel, engine, tome, compile, intra_op_spinning), with
+        `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
-                   tome=None if settings.tome is None else parse_tome(settings.tome))
+                   tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
+                   spinning=settings.intra_op_spinning)
         return dataclasses.replace(spec, **changes) if changes else spec
 
     def replace(self, **changes: object) -> LoadSpec:
@@ -77,7 +84,13 @@ class SettingsLike(Protocol):
     triton: TritonClientSettings
     limits: RunnerLimits
     otel: bool
+    intra_op_spinning: bool
     tome: str | None
+    compile: bool
+
+
+_COMPILE_REFUSAL = ("--compile runs checkpoints through torch.compile (the torch backend), not {what} ({backend}): "
+                    "serve it without --compile")
 
 
 def resolve_backend(spec: LoadSpec) -> str:
@@ -97,6 +110,8 @@ def check(spec: LoadSpec) -> str:
     ValueError for no model or the wrong kind of file, FileNotFoundError, OSError without TensorRT."""
     if not spec.path:
         if spec.backend == "triton":
+            if spec.compile:
+                raise ValueError(_COMPILE_REFUSAL.format(what="the Triton server's models", backend="triton"))
             return "triton"  # every ViT model of the Triton server
         raise ValueError("no model given: pass REPO (a folder of models) or MODEL (a checkpoint, NAME.onnx, an "
                          "engine; with --backend triton a model name there, or none for all) or set "
@@ -110,6 +125,8 @@ def check(spec: LoadSpec) -> str:
         what = path.name or "a Triton model"
         raise ValueError(f"--tome sets token merging on checkpoints (the torch backend); {what} runs the merging "
                          "it was exported with: export it with vit-export --tome R")
+    if spec.compile and (backend != "torch" or path.suffix.lower() in (".onnx", *ENGINE_SUFFIXES)):
+        raise ValueError(_COMPILE_REFUSAL.format(what=path.name, backend=backend))
     if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
         raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
     if backend == "tensorrt":

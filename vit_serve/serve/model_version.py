@@ -30,6 +30,7 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.runtime import batch_curve
 from vit_serve.runtime import decode as decoding
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
@@ -40,7 +41,7 @@ from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
 from vit_serve.serve.metrics import ModelMetrics
-from vit_serve.serve.runner import Arrival, Result, Runner
+from vit_serve.serve.runner import Arrival, BatchingRunner, Result, Runner
 from vit_serve.serve.stores import CropStore, Namespaced
 
 log = logging.getLogger("vit_serve.serve")
@@ -128,6 +129,7 @@ class ModelVersion:
                 await self.backend.warmup()
             else:
                 await self.runner.call(self.backend.warmup)
+            await self._measure_batch_curve()
         except Exception as e:
             self.error = f"warm-up failed: {' '.join(str(e).split()) or type(e).__name__}"
             log.warning("%s: %s", self.label, self.error)
@@ -136,6 +138,17 @@ class ModelVersion:
         self.metrics.ready.set(1)
         log.info("%s warmed up in %.2f s; ready", self.label, time.perf_counter() - t0)
         return True
+
+    async def _measure_batch_curve(self) -> None:
+        """What batching buys this version's model (its batching runner's `use_curve`), measured in its thread."""
+        runner, limits = self.runner, self.runner.limits
+        if not isinstance(runner, BatchingRunner) or runner.max_batch <= 1 or not limits.batch_curve:
+            return
+        image = np.zeros((1, 3, *self.info.resolution), np.float32)
+        curve = await runner.call(batch_curve.measure, self.backend.classify, image, runner.max_batch,
+                                  limits.batch_curve_budget_s)
+        runner.use_curve(curve)
+        log.info("%s: batch curve %s", self.label, curve.describe())
 
     def warm_up_soon(self) -> None:
         """Warm up in the background (again, if an earlier warm-up failed)."""

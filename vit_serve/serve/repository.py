@@ -381,8 +381,8 @@ class ModelRepository:
         thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{source.name}")
         spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
                                  threads=self._threads())
-        if not self.one_file and resolve_backend(spec) != "torch":  # --tome is for checkpoints; exports keep theirs
-            spec = spec.replace(tome=None)
+        if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile: for checkpoints only
+            spec = spec.replace(tome=None, compile=False)
         version: ModelVersion | None = None
         rss0 = rss_bytes()
         t0 = time.perf_counter()

@@ -7,7 +7,10 @@ the parts' outputs joined, and a part that fails or times out drops the parts no
 collector task takes the oldest request and every waiting request with the same `Task`, up to `max_batch`
 images. It waits for more at most `max_delay_ms` after the oldest one arrived, and only while more are known to
 be coming (`Arrival`: requests whose body is being read or decoded): a lone request never waits for nothing, and
-the model is never idle while requests wait (whatever queued up during a run goes straight into the next).
+the model is never idle while requests wait (whatever queued up during a run goes straight into the next). With
+the model's batch curve (`use_curve`: its time per image by batch size, measured at warm-up,
+`vit_serve.runtime.batch_curve`), a batch holds no more rows than pay, and the collector waits for a batch to
+fill only where waiting pays (on a CPU where batch 1 is as fast per image as batch 8 it never waits).
 Batches run in the version's own model thread, so the model runs one batch at a time and the event loop stays
 free. A request not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its
 rows are dropped if they have not started.
@@ -49,6 +52,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from vit_serve.runtime.backends.base import Backend, CallOptions, LocalBackend, RemoteBackend
+from vit_serve.runtime.batch_curve import BatchCurve
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import Outputs, Task
 from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission, deadline_exceeded
@@ -268,8 +272,9 @@ class BatchingRunner(_Runner):
                  executor: Executor) -> None:
         super().__init__(backend, limits, metrics, executor)
         self.local = backend
-        self.max_batch = limits.max_batch if limits.batching else 1
-        self.delay_s = limits.max_delay_ms / 1e3
+        self.max_batch = limits.max_batch if limits.batching else 1  # the largest batch run (`use_curve`)
+        self.delay_s = limits.max_delay_ms / 1e3  # 0: never wait for a batch to fill
+        self.curve: BatchCurve | None = None
         self.max_queue = limits.max_queue
         self._pending: deque[_Item] = deque()
         self._rows: dict[Task, int] = {}  # waiting rows per task
@@ -280,6 +285,14 @@ class BatchingRunner(_Runner):
         self._seen: dict[int, float] = {}  # priority level -> when its latest request was queued
 
     # ---- lifecycle -------------------------------------------------------------------------------------
+
+    def use_curve(self, curve: BatchCurve) -> None:
+        """Batch as far as the model's measured batch curve says pays (`BatchCurve.limit`), and wait for a batch
+        to fill only when it pays (`BatchCurve.worth_waiting`); the configured max_batch stays the ceiling."""
+        self.curve = curve
+        self.max_batch = min(self.max_batch, curve.limit)
+        if not curve.worth_waiting:
+            self.delay_s = 0.0
 
     def start(self) -> None:
         if self._collector is None:
@@ -479,7 +492,7 @@ class BatchingRunner(_Runner):
             await self._arrival.wait()
             return
         first = min(self._pending, key=lambda i: i.order)
-        if self.max_batch > 1 and self._rows[first.task] < self.max_batch:
+        if self.max_batch > 1 and self.delay_s > 0 and self._rows[first.task] < self.max_batch:
             deadline = first.t0 + self.delay_s
             while self.incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
                 self._arrival.clear()

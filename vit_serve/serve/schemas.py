@@ -122,6 +122,17 @@ class TokenMergingInfo(BaseModel):
     prop_attn: bool = Field(description="attention proportional to the merged tokens' sizes")
 
 
+class BatchingInfo(BaseModel):
+    """How a version's batcher batches, from its batch curve (`vit_serve.runtime.batch_curve`)."""
+
+    max_batch: int = Field(description="the largest batch it runs: the configured max_batch, or less where the "
+                           "batch curve shows larger batches are no faster per image")
+    max_delay_ms: float = Field(description="how long it waits for a batch to fill (0: never, where waiting does "
+                                "not pay)")
+    images_per_s: dict[int, float] = Field(default_factory=dict, description="the model's measured images/s by "
+                                           "batch size at warm-up (empty: not measured)")
+
+
 class VersionInfo(BaseModel):
     version: int | None = Field(description="the version (null: a model of the repository never loaded)")
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
@@ -134,6 +145,8 @@ class VersionInfo(BaseModel):
     memory_bytes: int | None = Field(None, description="resident memory the version took to load (RSS growth)")
     in_flight: int | None = Field(None, description="requests holding it now")
     token_merging: TokenMergingInfo | None = Field(None, description="the token merging (ToMe) it runs (null: none)")
+    batching: BatchingInfo | None = Field(None, description="its batcher (null: a server that batches, e.g. Triton)")
+    compiled: bool | None = Field(None, description="whether the torch backend runs it through torch.compile")
 
 
 class ShadowSpec(BaseModel):

@@ -34,11 +34,11 @@ def _load_backend(spec: LoadSpec) -> Backend:
     if backend == "torch":
         from vit_serve.runtime.backends.torch import TorchBackend
 
-        return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome)
+        return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile)
     if backend == "onnxruntime":
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-        return OnnxRuntimeBackend(spec.path, spec.name, spec.device, spec.threads)
+        return OnnxRuntimeBackend(spec.path, spec.name, spec.device, spec.threads, spec.spinning)
     if backend == "tensorrt":
         from vit_serve.runtime.backends.tensorrt import TensorRTBackend
 

@@ -39,7 +39,8 @@ class ModelInfo:
     Triton), explain_model (its explain model's name), max_batch_size (the config's). scores: how logits become
     scores ("softmax", or "sigmoid" for SigLIP heads); embedding: which image embedding the model gives and
     whether it is meant to be L2-normalised (None: an export from before the manifest said). token_merging: the
-    token merging (ToMe) the model runs (None: none).
+    token merging (ToMe) the model runs (None: none). compiled: classify / embed run a `torch.compile`d forward
+    (the torch backend's --compile).
     """
 
     name: str
@@ -64,6 +65,7 @@ class ModelInfo:
     scores: str = "softmax"
     embedding: Embedding | None = None
     token_merging: TokenMergingRecord | None = None
+    compiled: bool = False
 
     @property
     def grid(self) -> tuple[int, int]:

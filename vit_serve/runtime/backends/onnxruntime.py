@@ -32,8 +32,9 @@ def session_providers(device: str) -> list[str]:
 
 
 
-def session_options(threads: int | None) -> Any:
-    """The gateway's onnxruntime session options: `threads` intra-op threads, one inter-op, quiet, no spinning."""
+def session_options(threads: int | None, spinning: bool = False) -> Any:
+    """The gateway's onnxruntime session options: `threads` intra-op threads, one inter-op, quiet, and the
+    intra-op threads spinning between parallel sections only with `spinning`."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -43,21 +44,23 @@ def session_options(threads: int | None) -> Any:
     opts.log_severity_level = 3
     # onnxruntime's intra-op threads spin between runs by default, burning the cores the gateway's decode
     # threads need: on 2 cores with unique 12 MP uploads, spinning off cut the model's CPU per image by a
-    # third and raised throughput 15-25% (benchmarks/serve_load.py), small photos no slower.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # third and raised throughput 15-25% (benchmarks/serve_load.py). Where decoding is cheap (small photos, a
+    # model-bound server) the futex wake-up at each of the graph's parallel sections costs instead: ViT-S/16 on
+    # 2 cores ran 14-25% faster with spinning on (benchmarks/serve_batching.py), hence the setting.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return opts
 
 class OnnxRuntimeBackend(LocalBackend):
     name = "onnxruntime"
 
     def __init__(self, onnx_path: str | Path, model_name: str | None = None, device: str = "auto",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, spinning: bool = False) -> None:
         import onnxruntime as ort
 
         path = Path(onnx_path)
         self.info, explain = read_export(path, model_name, self.name, "graph")
 
-        opts = session_options(threads)
+        opts = session_options(threads, spinning)
         providers = session_providers(device)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)

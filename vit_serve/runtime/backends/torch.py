@@ -1,12 +1,19 @@
-"""The PyTorch backend: a checkpoint (any format `vit_serve.load` reads) run in eager mode.
+"""The PyTorch backend: a checkpoint (any format `vit_serve.load` reads) run in eager mode, or with `compile`
+(--compile) its classify / embed forward through `torch.compile` (`compile_forward`).
+
+On the CPU in eager mode the backend measures at load how onnxruntime compares on this CPU
+(`runtime.torch_probe`; VIT_SERVE_TORCH_PROBE=0 skips it) and logs a WARNING with the ratio and the command
+that serves the export instead when onnxruntime is clearly faster; `TorchBackend.probe` keeps the measurement.
 
 classify in inference mode; explain with `vit_serve.explain.explain_forward` (any head fusion and discard ratio;
 through the model's token merges, if set); grad_rollout with `vit_serve.explain.grad_rollout` (the only backend
-with it).
+with it); explain and grad_rollout stay eager with --compile (they need the attentions).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +23,16 @@ from vit_serve.explain import explain_forward, grad_rollout
 from vit_serve.manifest import RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+from vit_serve.runtime.torch_probe import ProbeResult, advice, probe, wanted
 from vit_serve.tome import TomeR
+
+log = logging.getLogger("vit_serve.runtime")
+
+Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# Compiled vs eager: max |difference| over max |eager| of the logits (and of the embedding). Inductor's fused
+# fp32 kernels differ from eager's by reassociation only (~1e-6 relative); a wrong graph is off by far more.
+PARITY_RTOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def _device(name: str) -> torch.device:
@@ -27,12 +43,55 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float) -> tuple[float, float] | None:
+    """(max |got - want|, the tolerance `rtol` x max |want|, floored at 1e-5) when they differ by more than that,
+    else None."""
+    diff = float((got.float() - want.float()).abs().max())
+    tol = rtol * float(want.float().abs().max()) + 1e-5
+    return (diff, tol) if not diff <= tol else None  # NaN fails
+
+
+def compile_forward(model: torch.nn.Module, resolution: tuple[int, int], device: torch.device, name: str
+                    ) -> Forward:
+    """`model.forward_embedding` through `torch.compile` (inductor), compiled at batch 1 (its own static graph:
+    dynamo specialises sizes of 1) and batch 2 with the batch dimension dynamic (one graph for every batch of 2
+    or more: no recompile as the batcher's sizes vary), each graph's logits and embedding checked against eager
+    on a seeded N(0, 1) input. Returns the compiled callable in dynamo's run-only mode: an input no checked
+    graph fits (another dtype, say) runs eager, never a graph compiled later unchecked. ValueError (one line)
+    when compiling fails or a graph's outputs differ from eager's beyond `PARITY_RTOL`."""
+    compiled = torch.compile(model.forward_embedding, backend="inductor")
+    rtol = PARITY_RTOL.get(next(model.parameters()).dtype, 2e-2)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for batch in (1, 2):
+            x = torch.randn((batch, 3, *resolution), generator=gen).to(device)
+            if batch > 1:
+                torch._dynamo.mark_dynamic(x, 0)
+            try:
+                got = compiled(x)
+            except Exception as e:  # inductor raises many types (a C++ compiler missing, a lowering failing)
+                why = " ".join(str(e).split())[:300]
+                raise ValueError(f"--compile: torch.compile (inductor) failed on {name}: {type(e).__name__}: "
+                                 f"{why}: serve it without --compile") from e
+            want = model.forward_embedding(x)
+            for what, g, w in zip(("logits", "embedding"), got, want, strict=True):
+                bad = mismatch(g, w, rtol)
+                if bad is not None:
+                    raise ValueError(f"--compile: the compiled {name} differs from eager at batch {batch} (max "
+                                     f"|{what} difference| {bad[0]:.2e} > {bad[1]:.2e}): serve it without "
+                                     "--compile")
+    return torch._dynamo.run(compiled)
+
+
 class TorchBackend(LocalBackend):
+    """A checkpoint on PyTorch. `compile`: classify / embed run `compile_forward`'s callable. `probe`: the
+    eager vs onnxruntime measurement made at load (`runtime.torch_probe`), None when none was made."""
+
     name = "torch"
     supports_grad_rollout = True
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
-                 threads: int | None = None, tome: TomeR | None = None) -> None:
+                 threads: int | None = None, tome: TomeR | None = None, compile: bool = False) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -47,8 +106,20 @@ class TorchBackend(LocalBackend):
                 raise ValueError(f"--tome for {Path(checkpoint).name}: {e}") from None
         res = (int(cfg.img_size[0]), int(cfg.img_size[1]))
         pre = self.model.preprocess_cfg or PreprocessConfig(input_size=res)
+        name = model_name or Path(checkpoint).stem
+        dtype = next(self.model.parameters()).dtype
+        self._forward: Forward = self.model.forward_embedding
+        if compile:
+            self._forward = compile_forward(self.model, res, self.device, name)
+        self.probe: ProbeResult | None = None
+        if not compile and wanted(self.device, dtype):
+            self.probe = probe(self.model, torch.randn(1, 3, *res, generator=torch.Generator().manual_seed(0)),
+                               name)
+            message = None if self.probe is None else advice(self.probe, name, str(checkpoint), tome)
+            if message:
+                log.warning(message)
         self.info = ModelInfo(
-            name=model_name or Path(checkpoint).stem,
+            name=name,
             resolution=res,
             patch_size=cfg.patch_size,
             num_classes=cfg.num_classes,
@@ -63,8 +134,9 @@ class TorchBackend(LocalBackend):
             embedding_dim=self.model.num_features,
             scores=cfg.scores,
             embedding=embedding_of(cfg),
-            precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(next(self.model.parameters()).dtype, "fp32"),
+            precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32"),
             token_merging=TokenMergingRecord.of(self.model.token_merging),
+            compiled=compile,
         )
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
@@ -78,11 +150,13 @@ class TorchBackend(LocalBackend):
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
+            if self.info.compiled:  # one compiled graph serves both: its embedding output costs nothing
+                return self._out(self._forward(self._input(x))[0])
             return self._out(self.model(self._input(x)))
 
     def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with torch.inference_mode():
-            logits, embedding = self.model.forward_embedding(self._input(x))
+            logits, embedding = self._forward(self._input(x))
             return self._out(logits), self._out(embedding)
 
     def explain(self, x: np.ndarray, rollout_settings: RolloutSettings | None = None

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from vit_serve.serve.deps import GatewayDep
 from vit_serve.serve.errors import NotReadyError
 from vit_serve.serve.repository import ModelRepository
+from vit_serve.serve.runner import BatchingRunner, Runner
 from vit_serve.serve.schemas import ModelsResponse, TrafficSpec
 
 router = APIRouter(tags=["models"])
@@ -57,13 +58,23 @@ def policy_of(repo: ModelRepository, name: str) -> TrafficSpec | None:
     return None if policy is None else policy.to_spec(repo.served.get(name, {}))
 
 
+def _batching(runner: Runner) -> dict | None:
+    """A batching runner's batch limit, wait and measured curve (`schemas.BatchingInfo`); None for a direct one."""
+    if not isinstance(runner, BatchingRunner):
+        return None
+    curve = runner.curve.per_image_s if runner.curve is not None else {}
+    return {"max_batch": runner.max_batch, "max_delay_ms": runner.delay_s * 1e3,
+            "images_per_s": {b: 1 / s for b, s in sorted(curve.items())}}
+
+
 @router.get("/models", response_model=ModelsResponse)
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain",
-    "memory_bytes", "in_flight"}]}]}`. States are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its
-    reason); a model never loaded has one entry with version and state null. `traffic`: its traffic policy
-    (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one)."""
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled"}]}]}`. States are Triton's (READY, LOADING,
+    UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with version and state null.
+    `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
+    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one)."""
     repo = _repository(gateway)
     default = repo.default_name
     out: dict[str, dict] = {}
@@ -77,7 +88,8 @@ async def models(gateway: GatewayDep) -> dict:
             version.update(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
                            explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight,
                            token_merging=None if info.token_merging is None else {
-                               "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn})
+                               "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
+                           batching=_batching(mv.runner), compiled=info.compiled)
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
             "models": list(out.values())}
