@@ -140,14 +140,11 @@ def phone_jpegs(folder: Path) -> list[bytes]:
 
 def unique_jpeg(jpeg: bytes, i: int) -> bytes:
     """`jpeg` with a comment segment "serve_load <i>" after its SOI and APPn segments (JFIF / EXIF stay first):
-    other bytes and another sha256 for every i, the same pixels and the same decode work."""
-    if jpeg[:2] != b"\xff\xd8":
-        raise ValueError("not a JPEG (no SOI marker)")
-    pos = 2
-    while pos + 4 <= len(jpeg) and jpeg[pos] == 0xFF and 0xE0 <= jpeg[pos + 1] <= 0xEF:
-        pos += 2 + int.from_bytes(jpeg[pos + 2:pos + 4], "big")
-    text = f"serve_load {i}".encode()
-    return b"".join((jpeg[:pos], b"\xff\xfe", (len(text) + 2).to_bytes(2, "big"), text, jpeg[pos:]))
+    other bytes and another sha256 for every i, the same pixels and the same decode work (`vit-serve tune`'s
+    uploads, `vit_serve.tune.load.unique_jpeg`)."""
+    from vit_serve.tune.load import unique_jpeg as tagged
+
+    return tagged(jpeg, i, "serve_load")
 
 
 def payloads(bases: list[bytes], start: int, n: int, repeats: int = 1) -> list[bytes]:
