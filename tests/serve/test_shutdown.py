@@ -124,9 +124,14 @@ def test_sigterm_under_load_answers_every_accepted_request(tiny_ckpt):
     proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", str(tiny_ckpt), "--port", str(port),
                              "--max-batch", "2", "--shutdown-drain-s", str(drain), "--shutdown-grace-s",
                              str(grace)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its log read as it comes: two lines a request fill a pipe's 64 KB within the test, and a server writing to a
+    # full pipe blocks its event loop (it stalled until the slow uploads' 60 s client timeout, twice in CI).
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_ready(url, lambda: proc.poll() is None, timeout=90), proc.communicate(timeout=30)[0]
+        assert wait_ready(url, lambda: proc.poll() is None, timeout=90), "".join(lines)
         load, seen = Load(url), []
         with ThreadPoolExecutor(CLIENTS + 4) as pool:
             clients = [pool.submit(load.client) for _ in range(CLIENTS)]
@@ -141,12 +146,14 @@ def test_sigterm_under_load_answers_every_accepted_request(tiny_ckpt):
             slow = [pool.submit(load.slow_upload, drain + 0.8) for _ in range(3)]  # spans the listener's close
             for f in [*clients, watcher, *slow]:
                 f.result(timeout=drain + grace + 60)
-        out = proc.communicate(timeout=drain + graceful_timeout(grace) + 30)[0]
+        proc.wait(timeout=drain + graceful_timeout(grace) + 30)
         t_exit = time.monotonic()
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        reader.join(timeout=30)
+    out = "".join(lines)
     assert proc.returncode == 0, out
     assert t_exit - t_signal < drain + graceful_timeout(grace) + 10, out  # bounded, not a timing measurement
     assert [o for o in load.outcomes if not isinstance(o, int)] == [], (load.outcomes, out)  # none lost
