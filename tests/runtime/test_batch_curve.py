@@ -58,18 +58,11 @@ def test_sizes(max_batch, expected):
 
 
 @pytest.fixture(scope="module")
-def ort_session(tmp_path_factory):
+def ort_session(tiny_onnx_32):
     """A real onnxruntime session of a tiny ViT exported by vit-export (the gateway's backend)."""
-    import vit_export
-
-    import vit_serve
     from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    folder = tmp_path_factory.mktemp("curve")
-    ckpt = folder / "tiny.safetensors"
-    vit_serve.save(vit_serve.create_model("Ti/16", num_classes=10, img_size=32, depth=2), ckpt)
-    vit_export.export(ckpt, vit_export.ExportOptions(res=32, out=folder, name="tiny"))
-    return OnnxRuntimeBackend(folder / "tiny.onnx", threads=1)
+    return OnnxRuntimeBackend(tiny_onnx_32, threads=1)
 
 
 def test_measure_times_every_size_on_a_real_session(ort_session):

@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-import vit_serve
 from vit_serve.runtime import LoadSpec, load
 from vit_serve.serve.settings import ServeSettings
 
 SPIN = "session.intra_op.allow_spinning"
 
 
-@pytest.fixture(scope="module")
-def tiny_onnx(tmp_path_factory):
-    import vit_export
-
-    folder = tmp_path_factory.mktemp("opts")
-    ckpt = folder / "tiny.safetensors"
-    vit_serve.save(vit_serve.create_model("Ti/16", num_classes=10, img_size=32, depth=1), ckpt)
-    vit_export.export(ckpt, vit_export.ExportOptions(res=32, out=folder, name="tiny"))
-    return folder / "tiny.onnx"
-
-
 @pytest.mark.parametrize(("given", "expected"), [({}, "0"), ({"intra_op_spinning": True}, "1")])
-def test_spinning_reaches_the_session(tiny_onnx, given, expected):
-    backend = load(LoadSpec.of(ServeSettings(model=str(tiny_onnx), threads=2, **given)))
+def test_spinning_reaches_the_session(tiny_onnx_32, given, expected):
+    backend = load(LoadSpec.of(ServeSettings(model=str(tiny_onnx_32), threads=2, **given)))
     opts = backend.session.get_session_options()
     assert opts.get_session_config_entry(SPIN) == expected
     assert opts.intra_op_num_threads == 2
