@@ -8,6 +8,7 @@ Errors are one line and a non-zero exit.
                [--check-images DIR] [--calibration-images DIR] [--int8-scheme dynamic|static] [--force]
                [--trt-precision fp16|bf16|fp32] [--max-batch 16] [--instances 1]
                [--triton-ensemble onnx|trt|py] [--triton-device cpu|gpu] [--tome R] [--no-tome-prop-attn]
+               [--reference-images DIR]
 
 Where things go:
     <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
@@ -156,6 +157,12 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"images that calibrate static int8 (default: --check-images; at most {MAX_CALIBRATION} are used)",
     )
+    p.add_argument(
+        "--reference-images",
+        metavar="DIR",
+        help="in-distribution images the model's reference is built from (half fit, half calibrate), for OOD "
+             "scores and drift in the gateway (default: the checkpoint's own, when it applies to the export)",
+    )
 
 
 def _add_check_flags(p: argparse.ArgumentParser) -> None:
@@ -224,6 +231,7 @@ def options(args: argparse.Namespace) -> ExportOptions:
         max_batch=args.max_batch, instances=args.instances, triton_ensemble=args.triton_ensemble,
         triton_device=args.triton_device, queue_delay_us=args.queue_delay_us, max_queue=args.max_queue,
         outputs=args.outputs, text_tower=args.text_tower, tome=args.tome, tome_prop_attn=args.tome_prop_attn,
+        reference_images=args.reference_images,
     )
 
 

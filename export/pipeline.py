@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
+from vit_serve.monitor import Reference
 from vit_serve.resolution import parse_resolution
 from vit_serve.tome import TomeR, parse_tome
 
@@ -141,6 +142,10 @@ class ExportOptions:
     out: folder of the ONNX files and engines; repo: the Triton model repository; name: the file stem (default:
     the checkpoint's stem, or "vit" for a model object, then the resolution and a non-fp32 precision).
     check_images: real images for the parity checks; calibration_images: for static int8 (default check_images).
+    reference_images: build the model's reference (`vit_serve.reference.reference_from_folder`: OOD scores and
+    drift) from the images in this folder, at the export's resolution and token merging; without it the
+    checkpoint's own reference is carried when it applies to the graph (same resolution, no token merging). A
+    reference that scores the embedding adds the embedding output to the logits graph.
     head_fusion, discard_ratio: the explain graph's rollout; tol: fp32 parity bound on max |Δ logit|.
     outputs: the logits graph's outputs, "logits" or "logits,embedding" (the pre-logits representation, also in
     the Triton models and ensemble).
@@ -181,6 +186,7 @@ class ExportOptions:
     text_tower: bool = False
     tome: TomeR | str | None = None
     tome_prop_attn: bool = True
+    reference_images: Path | str | None = None
 
     def __post_init__(self) -> None:
         def norm(name: str, value: Any) -> None:
@@ -198,7 +204,7 @@ class ExportOptions:
                 raise OptionError("tome", f"<tome>: {e}") from None
         if self.text_tower and EMBEDDING not in self.outputs:  # labels are compared with the image embedding
             norm("outputs", (*self.outputs, EMBEDDING))
-        for name in ("out", "repo", "check_images", "calibration_images"):
+        for name in ("out", "repo", "check_images", "calibration_images", "reference_images"):
             if getattr(self, name) is not None:
                 norm(name, Path(getattr(self, name)))
         _choice("precision", self.precision, PRECISIONS)
@@ -247,6 +253,10 @@ class ExportOptions:
             raise OptionError("outputs", "<formats> tensorrt builds engines with the logits output only: drop "
                                          "embedding from <outputs>, or export it for onnx / triton without "
                                          "tensorrt")
+        if "tensorrt" in self.formats and self.reference_images is not None:
+            raise OptionError("reference_images", "<reference_images> needs the embedding output, which TensorRT "
+                                                  "engines do not have: export it for onnx (and triton) without "
+                                                  "tensorrt")
         if self.calibration_images is not None and self.precision != "int8":
             raise OptionError("calibration_images", "<calibration_images> calibrates static int8: it needs "
                                                     "<precision> int8")
@@ -363,6 +373,7 @@ class _Job:
     calibration: list[Path] | None
     say: Progress
     text: Any = None  # the checkpoint's `vit_serve.text.bundle.TextBundle` (`text_tower`)
+    reference: Reference | None = None  # what the logits graph's manifest carries (`_reference`)
 
     @property
     def targets(self) -> tuple[Path, Path]:
@@ -422,7 +433,10 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{resolution_tag(res)}" + (
         "" if opts.precision == "fp32" else f"_{opts.precision}") + tome_tag(opts.tome)
     text = _text_bundle(model, checkpoint) if opts.text_tower else None
-    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text)
+    reference = _reference(model, opts, res, say)
+    if reference is not None and reference.needs_embedding and EMBEDDING not in opts.outputs:
+        opts = dataclasses.replace(opts, outputs=(*opts.outputs, EMBEDDING))
+    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text, reference)
     existing = [p for t in job.targets for p in (t, manifest_path(t)) if p.exists()]
     if text is not None:
         from vit_export.text_tower import text_targets
@@ -431,6 +445,42 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
     return job
+
+
+def _reference(model: VisionTransformer, opts: ExportOptions, res: Resolution, say: Progress) -> Reference | None:
+    """The reference the logits graph's manifest carries: built from `opts.reference_images` as the graph computes
+    (at its resolution, with its token merging), else the model's own when it was made for the graph as exported,
+    else None (and the reason said)."""
+    static = res if isinstance(res, tuple) else None
+    if opts.reference_images is not None:
+        from vit_serve.reference import reference_from_folder
+
+        if static is not None and static != tuple(model.cfg.img_size):
+            import copy
+
+            model = copy.deepcopy(model)
+            model.set_resolution(*static)
+        say(f"building the reference from {opts.reference_images} ...")
+        try:
+            ref = reference_from_folder(model, opts.reference_images)
+        except (FileNotFoundError, NotADirectoryError, ValueError) as e:
+            raise OptionError("reference_images", f"<reference_images>: {e}") from None
+        say(f"  reference: {ref.describe()}")
+        return ref
+    ref = model.reference
+    why = None
+    if ref is None:
+        return None
+    if static is not None and static != tuple(model.cfg.img_size):
+        why = f"it was made at {model.cfg.img_size[0]}x{model.cfg.img_size[1]}"
+    elif opts.tome is not None:
+        why = "it was made without token merging"
+    elif "tensorrt" in opts.formats:
+        why = "TensorRT engines have no embedding output"
+    if why:
+        say(f"(the checkpoint's reference is not carried: {why}; pass <reference_images> DIR to build one)")
+        return None
+    return ref
 
 
 def _with_token_merging(model: VisionTransformer, opts: ExportOptions, copy: bool) -> VisionTransformer:
@@ -522,7 +572,7 @@ def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGr
         int8 = Int8Quantization(opts.int8_scheme, int8_report,
                                 f"parity of the fp32 graph before {opts.int8_scheme} int8 quantization")
     record = build_sidecar(job.model, target, job.checkpoint, report.to_dict(), int8, info=exported.info,
-                           io=exported.io)
+                           io=exported.io, reference=None if explain else job.reference)
     manifest = write_manifest(target, record, overwrite=opts.force)
     say(f"wrote {target} and {manifest.name}")
     return WrittenGraph(target, manifest, report, int8_report, record)

@@ -29,6 +29,7 @@ from vit_serve.manifest import (
     embedding_of,
 )
 from vit_serve.model import VisionTransformer
+from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
 
 
@@ -67,12 +68,13 @@ def build_sidecar(
     *,
     info: GraphInfo | None = None,
     io: IOSpec | None = None,
+    reference: Reference | None = None,
 ) -> ExportManifest:
     """The manifest of an ONNX file exported from `model` (the source model, before resampling).
 
     parity: `vit_export.parity.ParityReport.to_dict()`; int8: set for a quantized graph (its precision is int8).
     info, io: the graph's `GraphInfo` and inputs/outputs when the caller has them (`export_graph`'s), else read
-    from the file.
+    from the file. reference: what OOD scores and drift compare with (the logits graph's, `vit_export.pipeline`).
     """
     path = Path(export_path)
     source = f"{path.name} (exported graph)"
@@ -112,6 +114,7 @@ def build_sidecar(
         embedding=embedding_of(cfg),
         scores=cfg.scores,
         token_merging=info.token_merging,
+        reference=reference,
     )
 
 

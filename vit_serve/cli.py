@@ -39,7 +39,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         model = convert(args.src, args.dst, res=args.res, num_classes=args.num_classes, arch=args.arch,
                         resample_mode=args.resample_mode, overwrite=args.force, zero_shot=labels,
-                        templates=templates)
+                        templates=templates, reference_images=args.reference_images)
     for w in caught:
         if "text tower not kept" in str(w.message):
             print(f"vit-serve convert: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
@@ -49,10 +49,39 @@ def _cmd_convert(args: argparse.Namespace) -> int:
           f"{c.img_size[0]}x{c.img_size[1]}, {c.num_classes} classes, {params / 1e6:.1f}M params, "
           f"resample={c.resample_mode}, gelu={c.gelu}, ln_eps={c.layer_norm_eps:g}"
           + (f", zero-shot head ({c.scores})" if labels is not None else ""))
+    if model.reference is not None:
+        print(f"reference: {model.reference.describe()}")
+    return 0
+
+
+def _cmd_inspect_drift(args: argparse.Namespace) -> int:
+    """`vit-serve inspect --drift SOURCE --out FILE.png`: SOURCE (CKPT's place) is a gateway URL or a saved JSON."""
+    try:
+        from vit_serve import drift_figure
+    except ImportError as e:  # matplotlib is not a runtime dependency
+        raise OSError(str(e)) from e
+
+    unused = [flag for flag, value, default in (("--images", args.images, None), ("--tome", args.tome, None),
+                                                 ("--head-fusion", args.head_fusion, DEFAULT_HEAD_FUSION),
+                                                 ("--discard-ratio", args.discard_ratio, DEFAULT_DISCARD_RATIO))
+              if value != default]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} not used with --drift")
+    out = Path(args.out)
+    if out.is_dir():
+        out = out / "drift.png"
+    if out.exists() and not args.force:
+        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
+    report = drift_figure.load_drift(args.ckpt, args.model, args.model_version, args.api_key)
+    print(drift_figure.draw_drift(report, out, overwrite=args.force))
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if args.drift:
+        return _cmd_inspect_drift(args)
+    if args.model is not None or args.model_version is not None or args.api_key is not None:
+        raise ValueError("--model, --version and --api-key are for --drift")
     try:
         from vit_serve import inspect
     except ImportError as e:  # matplotlib is not a runtime dependency
@@ -265,6 +294,10 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
                                   "open_clip:ViT-B-32 for open_clip state dicts)")
     c.add_argument("--resample-mode", choices=RESAMPLE_MODES,
                    help="position-embedding resampling to use and record (default: the source's own)")
+    c.add_argument("--reference-images", metavar="DIR",
+                   help="in-distribution images to build the model's reference from (OOD scores and drift; half "
+                        "fit, half calibrate); the source's own is kept only without --res, --num-classes and "
+                        "--zero-shot")
     c.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     c.set_defaults(func=_cmd_convert)
 
@@ -277,7 +310,9 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
                        description="Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
                                    "embedding similarity and mean attention distance (Figure 7) figures and "
                                    "inspect.json with every number behind them.")
-    i.add_argument("ckpt", metavar="CKPT", help="checkpoint (any format `convert` reads)")
+    i.add_argument("ckpt", metavar="CKPT", help="checkpoint (any format `convert` reads); with --drift, a "
+                                                "running gateway's URL (http://HOST:PORT) or a saved JSON of its "
+                                                "GET /models/NAME/drift")
     i.add_argument("--images", metavar="DIR",
                    help="folder of jpg/jpeg/png/bmp/webp images (default: matplotlib's sample pictures)")
     i.add_argument("--out", metavar="DIR", required=True, help="output folder (created; must be new or empty)")
@@ -290,7 +325,16 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
                    help="token merging (ToMe): r tokens merged per layer (13), one per layer (13,13,8) or r and "
                         "the schedule's inflection (16:-1); draws tome_<image>.png, the merged groups after the "
                         "last layer, and the rollout follows the merges")
-    i.add_argument("--force", action="store_true", help="write into an existing non-empty output folder")
+    i.add_argument("--force", action="store_true", help="write into an existing non-empty output folder (with "
+                                                            "--drift: overwrite the PNG)")
+    i.add_argument("--drift", action="store_true",
+                   help="draw a model version's drift instead (CKPT is then a gateway URL or a drift JSON file): "
+                        "the window's OOD-score histogram against the reference's, and the classes that moved, "
+                        "to the PNG --out (a folder: drift.png in it)")
+    i.add_argument("--model", metavar="NAME", help="--drift from a gateway: the model's name")
+    i.add_argument("--version", dest="model_version", metavar="N",
+                   help="--drift from a gateway: the model's version (default: the one serving)")
+    i.add_argument("--api-key", metavar="KEY", help="--drift from a gateway: its API key, if it needs one")
     i.set_defaults(func=_cmd_inspect)
 
 

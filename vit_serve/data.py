@@ -67,6 +67,25 @@ def digits_tensors(split: str, cfg: PreprocessConfig, seed: int = 0) -> tuple[to
     return preprocess_batch(images, cfg), torch.from_numpy(labels)
 
 
+IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # what find_images lists
+
+
+def find_images(directory: str | os.PathLike) -> list[Path]:
+    """The image files (jpg, jpeg, png, bmp, webp; any case) directly in `directory`, sorted by name.
+
+    Raises NotADirectoryError / FileNotFoundError for a bad directory, ValueError when it holds no images.
+    """
+    d = Path(directory)
+    if not d.exists():
+        raise FileNotFoundError(f"image folder {d} does not exist")
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is not a folder")
+    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"no image files ({', '.join(s[1:] for s in IMAGE_SUFFIXES)}) in {d}")
+    return files
+
+
 # --------------------------------------------------------------------------------------------------------
 # Datasets for training: image folders, CIFAR-10/100, the digits through the common transform path
 # --------------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 from PIL import Image
 
 from vit_serve import explain
+from vit_serve.data import IMAGE_SUFFIXES, find_images
 from vit_serve.overlay import overlay
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, resize_and_crop
 from vit_serve.tome import TomeR, parse_r, tokens_after
@@ -63,7 +64,6 @@ __all__ = [
     "inspect_model",
 ]
 
-IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 NUM_FILTER_COMPONENTS = 28  # the paper's Figure 7 left: 28 components in a 4 x 7 grid
 MAX_SIMILARITY_PANELS = 16  # per side of the position-embedding figure
 DPI = 120
@@ -76,22 +76,6 @@ ImageInput = Image.Image | str | os.PathLike
 # --------------------------------------------------------------------------------------------------------
 # Inputs and outputs
 # --------------------------------------------------------------------------------------------------------
-
-
-def find_images(directory: str | os.PathLike) -> list[Path]:
-    """The image files (jpg, jpeg, png, bmp, webp; any case) directly in `directory`, sorted by name.
-
-    Raises NotADirectoryError / FileNotFoundError for a bad directory, ValueError when it holds no images.
-    """
-    d = Path(directory)
-    if not d.exists():
-        raise FileNotFoundError(f"image folder {d} does not exist")
-    if not d.is_dir():
-        raise NotADirectoryError(f"{d} is not a folder")
-    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise ValueError(f"no image files ({', '.join(s[1:] for s in IMAGE_SUFFIXES)}) in {d}")
-    return files
 
 
 def default_images() -> list[Path]:

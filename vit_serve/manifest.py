@@ -18,7 +18,9 @@ Issue 21 added two optional keys to schema 2 (absent in older files, which read 
 which image embedding the graph's "embedding" output is, its dimension, whether it is meant to be compared
 L2-normalised) and "scores" ("softmax" | "sigmoid": how the head's logits become scores). Issue 23 added a third,
 "token_merging" (`TokenMergingRecord`: the r merged in each layer and proportional attention, for a graph exported
-with `vit-export --tome`, whose merging runs in the graph). A reader older than them refuses such a file naming
+with `vit-export --tome`, whose merging runs in the graph). Issue 24 added a fourth, "reference"
+(`vit_serve.monitor.Reference.to_dict`: the training data's sketch that OOD scores and drift compare with; in a
+Triton repository, on the logits model's metadata only). A reader older than them refuses such a file naming
 the key ("written by a newer vit-export?").
 
 The rollout defaults are `vit_serve.explain.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`, defined once there.
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
+from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
 
 SCHEMA_VERSION = 2
@@ -59,6 +62,9 @@ LOGITS = "logits"
 EMBEDDING = "embedding"
 ROLLOUT = "rollout"
 OUTPUT_NAMES = (LOGITS, EMBEDDING, ROLLOUT)
+# Not a graph's output: the gateway's /v2 output (and predict's column) of the OOD score it computes from the
+# logits graph's outputs for a model with a reference (`vit_serve.monitor`).
+OOD_SCORE = "ood_score"
 
 
 # A Triton model's version folder written by `vit-export --format triton` holds the graph as Triton names it,
@@ -474,7 +480,8 @@ class ExportManifest:
     preprocessing contract's input_size). preprocess: the contract at that resolution. io: the graph's tensors.
     rollout: the explain graph's fixed settings (None for a logits graph). parity: the check of the ONNX graph
     (for an engine: of the graph it was built from; the engine's own check is `tensorrt.parity`).
-    source_onnx / tensorrt: engines only. token_merging: the ToMe the graph runs (None: none).
+    source_onnx / tensorrt: engines only. token_merging: the ToMe the graph runs (None: none). reference: the
+    in-distribution sketch of the model as this graph computes it (None: none; `vit_serve.monitor`).
     """
 
     file: str
@@ -502,6 +509,7 @@ class ExportManifest:
     embedding: Embedding | None = None
     scores: str | None = None
     token_merging: TokenMergingRecord | None = None
+    reference: Reference | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -572,7 +580,7 @@ class ExportManifest:
             out["source_onnx"] = self.source_onnx
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt.to_dict()
-        _write_optional(out, self.embedding, self.scores, self.token_merging)
+        _write_optional(out, self.embedding, self.scores, self.token_merging, self.reference)
         return out
 
     @classmethod
@@ -585,7 +593,7 @@ class ExportManifest:
                        "resolution", "resample_mode", "batch", "opset", "precision", "explain", "exporter",
                        "onnx_checker", "preprocess", "labels", "io", "parity", "versions", "rollout", "int8_scheme",
                        "int8", "parity_note", "source_onnx", "tensorrt", "embedding", "scores",
-                       "token_merging"})
+                       "token_merging", "reference"})
         ckpt = o.obj("source_checkpoint", null=True)
         explain = o.bool("explain")
         rollout = o.obj("rollout", None, null=True)
@@ -628,22 +636,31 @@ class ExportManifest:
 
 
 def _write_optional(out: dict[str, Any], embedding: Embedding | None, scores: str | None,
-                    token_merging: TokenMergingRecord | None) -> None:
-    """The optional keys issues 21 and 23 added, written only when stated (older files read back as they were)."""
+                    token_merging: TokenMergingRecord | None, reference: Reference | None = None) -> None:
+    """The optional keys issues 21, 23 and 24 added, written only when stated (older files read back as they
+    were)."""
     if embedding is not None:
         out["embedding"] = embedding.to_dict()
     if scores is not None:
         out["scores"] = scores
     if token_merging is not None:
         out["token_merging"] = token_merging.to_dict()
+    if reference is not None:
+        out["reference"] = reference.to_dict()
 
 
 def _read_optional(o: _Obj) -> dict[str, Any]:
     emb = o.obj("embedding", None, null=True)
     tome = o.obj("token_merging", None, null=True)
+    ref = o.obj("reference", None, null=True)
+    try:
+        reference = None if ref is None else Reference.from_dict(ref.data)
+    except ValueError as e:
+        raise ValueError(f"{o.source}: field {o.name('reference')!r}: {e}") from e
     return {"embedding": None if emb is None else Embedding._read(emb),
             "scores": o.choice("scores", SCORES, None),
-            "token_merging": None if tome is None else TokenMergingRecord._read(tome)}
+            "token_merging": None if tome is None else TokenMergingRecord._read(tome),
+            "reference": reference}
 
 
 def read_manifest(path: str | os.PathLike) -> ExportManifest:
@@ -711,6 +728,7 @@ class TritonMeta:
     embedding: Embedding | None = None
     scores: str | None = None
     token_merging: TokenMergingRecord | None = None
+    reference: Reference | None = None
     schema_version: int = SCHEMA_VERSION
 
     _LINKS = ("explain_model", "logits_model", "classifier")
@@ -733,7 +751,7 @@ class TritonMeta:
         out.update({k: getattr(self, k) for k in self._LINKS if getattr(self, k) is not None})
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt
-        _write_optional(out, self.embedding, self.scores, self.token_merging)
+        _write_optional(out, self.embedding, self.scores, self.token_merging, self.reference)
         return out
 
     def to_json(self) -> str:
@@ -749,7 +767,7 @@ class TritonMeta:
             o.unknown({VERSION_KEY, "name", "kind", "runtime", "resolution", "patch_size", "grid", "num_classes",
                        "labels", "preprocess", "rollout", "pool", "precision", "sidecar_sha256",
                        "explain_sidecar_sha256", "onnx_sha256", "source_checkpoint_sha256", "preprocess_model",
-                       *cls._LINKS, "tensorrt", "embedding", "scores", "token_merging"})
+                       *cls._LINKS, "tensorrt", "embedding", "scores", "token_merging", "reference"})
         rollout = RolloutSettings._read(o.obj("rollout"))
         pool = o.str("pool")
         if rollout.pool is None:  # schema 1 kept it beside the rollout settings

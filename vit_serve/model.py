@@ -238,6 +238,9 @@ class VisionTransformer(nn.Module):
         # preprocessing contract (vit_serve.preprocess.PreprocessConfig).
         self.labels: list[str] | None = None
         self.preprocess_cfg = None
+        # The in-distribution sketch its OOD scores and drift compare with (vit_serve.monitor.Reference): made for
+        # these weights at this resolution, so set_resolution and reset_head drop it.
+        self.reference = None
         self.grad_checkpointing = False  # recompute each block in backward: memory for time (L/H models)
         # While tracing/exporting, resample even at the native grid so the graph serves any size; False bakes
         # the position embeddings in as constants (a static-resolution export).
@@ -315,6 +318,8 @@ class VisionTransformer(nn.Module):
         new = resample_pos_embed(self.pos_embed.detach(), self.grid_size, grid, self.cfg.num_pos_prefix_tokens,
                                  mode)
         self.pos_embed = nn.Parameter(new.clone())
+        if (h, w) != tuple(self.cfg.img_size):
+            self.reference = None
         self.cfg = self.cfg.replace(img_size=(h, w))
         if self.preprocess_cfg is not None:
             self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
@@ -330,6 +335,7 @@ class VisionTransformer(nn.Module):
             self.cfg = self.cfg.replace(representation_size=None)
         self.cfg = self.cfg.replace(num_classes=num_classes)
         self.labels = None
+        self.reference = None
         self.cfg = self.cfg.replace(embed_norm=False, scores="softmax")  # a new head is an ordinary classifier
         ref = self.pos_embed
         self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype) \

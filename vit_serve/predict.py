@@ -190,10 +190,11 @@ def check_outputs(info: ModelInfo, opts: PredictOptions) -> None:
         info.resolve_rollout()
 
 
-def columns_of(opts: PredictOptions) -> tuple[str, ...]:
-    """The optional columns of a run's rows."""
+def columns_of(opts: PredictOptions, ood: bool = False) -> tuple[str, ...]:
+    """The optional columns of a run's rows (`ood`: the model carries a reference; "ood" stands for ood_score and
+    ood_flag)."""
     return tuple(c for c, on in (("target", opts.image_folder), ("embedding", opts.embeddings),
-                                 ("rollout_index", opts.explain)) if on)
+                                 ("rollout_index", opts.explain), ("ood", ood)) if on)
 
 
 def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> dict[str, Any]:
@@ -265,7 +266,7 @@ def predict(opts: PredictOptions) -> PredictResult:
     backend = load_backend(source, opts)
     info = backend.info
     check_outputs(info, opts)
-    writer = open_writer(out, opts.top_k, columns_of(opts), opts.part_rows)
+    writer = open_writer(out, opts.top_k, columns_of(opts, info.reference is not None), opts.part_rows)
     about = {"model_path": str(source.path), "backend": info.backend, "resolution": list(info.resolution),
              "preprocess": asdict(info.preprocess), "engine": opts.engine,
              "rollout": asdict(info.resolve_rollout()) if opts.explain else None,

@@ -65,23 +65,31 @@ def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.n
 
 
 def compute(backend: LocalBackend, x: np.ndarray, embeddings: bool, explain: bool
-            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """x [B, 3, H, W] -> (logits [B, K], embedding [B, D] or None, rollout maps [B, gh, gw] or None). The logits
-    are always those of the classify (or embed) graph, what `/classify` answers, never the explain graph's."""
+            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """x [B, 3, H, W] -> (logits [B, K], embedding [B, D] or None, rollout maps [B, gh, gw] or None, OOD scores
+    [B] or None). The logits are always those of the classify (or embed) graph, what `/classify` answers, never
+    the explain graph's; the OOD scores (a model with a reference, `vit_serve.monitor.ood_scores`) come from the
+    same pass (the embed graph when the reference scores the embedding)."""
+    from vit_serve.monitor import ood_scores
+
+    ref = backend.info.reference
     emb = maps = None
-    if embeddings:
+    if embeddings or (ref is not None and ref.needs_embedding):
         logits, emb = backend.embed(x)
     else:
         logits = backend.classify(x)
     if explain:
         _, maps = backend.explain(x, backend.info.resolve_rollout())
-    return logits, emb, maps
+    ood = None if ref is None else ood_scores(ref, logits, emb)
+    return logits, emb if embeddings else None, maps, ood
 
 
 def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: PredictOptions,
-              emb: np.ndarray | None = None, rollout_index: list[int] | None = None) -> list[Row]:
-    """The rows of a batch (logits [B, K], emb [B, D]): path, [target, target_index], labels, indices, scores
-    (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`), rollout_index]."""
+              emb: np.ndarray | None = None, rollout_index: list[int] | None = None,
+              ood: np.ndarray | None = None) -> list[Row]:
+    """The rows of a batch (logits [B, K], emb [B, D], ood [B]): path, [target, target_index], labels, indices,
+    scores (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`), rollout_index, ood_score and
+    ood_flag (above the reference's threshold, as `/classify`'s "ood")]."""
     from vit_serve.runtime.postprocess import normalize_embedding, top_k
 
     if emb is not None:
@@ -98,6 +106,8 @@ def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: Pred
             row["embedding"] = emb[i].tolist()
         if rollout_index is not None:
             row["rollout_index"] = rollout_index[i]
+        if ood is not None and info.reference is not None:
+            row |= {"ood_score": float(ood[i]), "ood_flag": bool(ood[i] > info.reference.threshold)}
         rows.append(row)
     return rows
 
@@ -112,10 +122,11 @@ class Sink:
         self.written = 0
         self.first: tuple[float, int] | None = None  # (perf_counter, rows written) after the first batch
 
-    def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None) -> None:
-        """logits [B, K], emb [B, D] or None, maps [B, gh, gw] or None -> B rows written."""
+    def batch(self, items: list[Item], logits: np.ndarray, emb: np.ndarray | None, maps: np.ndarray | None,
+              ood: np.ndarray | None = None) -> None:
+        """logits [B, K], emb [B, D] or None, maps [B, gh, gw] or None, ood [B] or None -> B rows written."""
         index = self.rollout.append(maps) if self.rollout is not None and maps is not None else None
-        self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index))
+        self.writer.write(make_rows(items, logits, self.info, self.opts, emb, index, ood))
         self.written += len(items)
         if self.first is None:
             self.first = (time.perf_counter(), self.written)

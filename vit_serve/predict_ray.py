@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
+from vit_serve.manifest import EMBEDDING, LOGITS, OOD_SCORE, ROLLOUT
 from vit_serve.predict_batch import Item, Sink, compute, decode_file, load_backend
 from vit_serve.predict_options import PredictOptions
 
@@ -69,10 +69,13 @@ class ModelActor:
         logits = np.zeros((n, info.num_classes), np.float32)
         emb = np.zeros((n, info.embedding_dim), np.float32) if self.opts.embeddings else None
         maps = np.zeros((n, *info.grid), np.float32) if self.opts.explain else None
+        ood = np.zeros(n, np.float32) if info.reference is not None else None
         if ok.any():
-            got_logits, got_emb, got_maps = compute(self.backend, np.ascontiguousarray(batch["x"][ok]),
-                                                    self.opts.embeddings, self.opts.explain)
+            got_logits, got_emb, got_maps, got_ood = compute(self.backend, np.ascontiguousarray(batch["x"][ok]),
+                                                             self.opts.embeddings, self.opts.explain)
             logits[ok] = got_logits
+            if ood is not None and got_ood is not None:
+                ood[ok] = got_ood
             if emb is not None and got_emb is not None:
                 emb[ok] = got_emb
             if maps is not None and got_maps is not None:
@@ -82,6 +85,8 @@ class ModelActor:
             out[EMBEDDING] = emb
         if maps is not None:
             out[ROLLOUT] = maps
+        if ood is not None:
+            out[OOD_SCORE] = ood
         return out
 
 
@@ -140,7 +145,8 @@ def run_ray(source: VersionSource, todo: list[Item], sink: Sink, opts: PredictOp
             if good:
                 sink.batch([todo[rows[j]] for j in good], batch[LOGITS][good],
                            batch[EMBEDDING][good] if EMBEDDING in batch else None,
-                           batch[ROLLOUT][good] if ROLLOUT in batch else None)
+                           batch[ROLLOUT][good] if ROLLOUT in batch else None,
+                           batch[OOD_SCORE][good] if OOD_SCORE in batch else None)
     finally:
         if started:
             ray.shutdown()

@@ -37,8 +37,11 @@ from typing import Any
 
 import numpy as np
 
+from vit_serve.manifest import OOD_SCORE
+
 FORMATS = {".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 MANIFEST_VERSION = 1
+OOD_COLUMNS = (OOD_SCORE, "ood_flag")  # the "ood" column group: a model with a reference (vit_serve.monitor)
 Row = dict[str, Any]
 
 
@@ -196,7 +199,8 @@ class CsvWriter(_LineWriter):
     def header(self) -> list[str]:
         ranks = [f"{c}_{i}" for i in range(1, self.top_k + 1) for c in ("label", "index", "score")]
         head = [c for c in ("target", "target_index") if c in self.columns]
-        tail = [c for c in ("embedding", "rollout_index") if c in self.columns]
+        tail = [c for c in ("embedding", "rollout_index") if c in self.columns] + (
+            list(OOD_COLUMNS) if "ood" in self.columns else [])
         return ["path", *head, *ranks, *tail]
 
     def _start(self) -> None:
@@ -225,7 +229,8 @@ class CsvWriter(_LineWriter):
                      for v in (lab, i, "" if _finite(s) is None else repr(s))]
             head = [r[c] for c in ("target", "target_index") if c in self.columns]
             tail = [json.dumps(r["embedding"]) if c == "embedding" else r[c]
-                    for c in ("embedding", "rollout_index") if c in self.columns]
+                    for c in ("embedding", "rollout_index") if c in self.columns] + (
+                [r[c] for c in OOD_COLUMNS] if "ood" in self.columns else [])
             records.append([r["path"], *head, *ranks, *tail])
         return self._csv(records)
 
@@ -243,6 +248,8 @@ def parquet_schema(columns: tuple[str, ...]):
         fields.append(pa.field("embedding", pa.list_(pa.float32())))
     if "rollout_index" in columns:
         fields.append(pa.field("rollout_index", pa.int64()))
+    if "ood" in columns:
+        fields += [pa.field("ood_score", pa.float64()), pa.field("ood_flag", pa.bool_())]
     return pa.schema(fields)
 
 

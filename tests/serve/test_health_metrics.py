@@ -82,7 +82,8 @@ def test_openapi_documents_bodies_and_answers(tiny_ckpt):
     ok = classify["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert ok.endswith("/ClassifyResponse")
     props = schema["components"]["schemas"]["ClassifyResponse"]["properties"]
-    assert set(props) == {"id", "model", "version", "resolution", "predictions", "timing_ms", "explanation"}
+    assert set(props) == {"id", "model", "version", "resolution", "predictions", "timing_ms", "explanation",
+                          "ood"}
     assert {"415", "413", "422", "503", "504"} <= set(classify["responses"])
     explain = schema["paths"]["/explain"]
     assert {"get", "post"} <= set(explain)

@@ -110,11 +110,14 @@ def load(src: str | os.PathLike, arch: str | None = None, **overrides: Any) -> V
 def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int] | None = None,
             num_classes: int | None = None, arch: str | None = None, resample_mode: str | None = None,
             overwrite: bool = False, zero_shot: list[str] | None = None,
-            templates: list[str] | None = None) -> VisionTransformer:
+            templates: list[str] | None = None, reference_images: str | os.PathLike | None = None
+            ) -> VisionTransformer:
     """Convert any supported checkpoint to our format, optionally at a new resolution or with a new head.
 
     A text tower in `src` (open_clip, CLIPModel / SiglipModel, ours) is kept (`text.*`); `zero_shot` labels
     build a zero-shot head with it (vit_serve.zeroshot; `templates` default "a photo of a {}.").
+    `reference_images`: a folder the converted model's reference is built from (`vit_serve.reference`); without
+    it, the source's reference is kept unless the resolution or the head changed.
     """
     from vit_serve import text, zeroshot  # they build on this package: imported when used
 
@@ -142,6 +145,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int]
         zeroshot.zero_shot_classifier(model, bundle, zero_shot, templates)
     elif num_classes is not None and num_classes != model.cfg.num_classes:
         model.reset_head(num_classes)
+    if reference_images is not None:
+        from vit_serve.reference import reference_from_folder
+
+        model.reference = reference_from_folder(model, reference_images)
     tensors, meta = text.text_payload(bundle) if bundle is not None else (None, None)
     save(model, dst, overwrite=overwrite, extra_metadata=meta, extra_tensors=tensors)
     return model

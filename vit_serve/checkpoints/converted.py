@@ -11,6 +11,7 @@ import torch
 from vit_serve.config import ViTConfig
 from vit_serve.labels import default_labels
 from vit_serve.model import VisionTransformer
+from vit_serve.monitor import Reference
 from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig
 
@@ -28,6 +29,7 @@ class Converted:
     source: str
     labels: list[str] | None = None
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    reference: Reference | None = None  # our format only: the training data's sketch (vit_serve.monitor)
 
     def __post_init__(self) -> None:
         if self.labels is None:
@@ -129,4 +131,5 @@ def build_model(conv: Converted) -> VisionTransformer:
     model.load_state_dict(sd, assign=True)
     model.labels = conv.labels
     model.preprocess_cfg = conv.preprocess
+    model.reference = conv.reference
     return model.eval()

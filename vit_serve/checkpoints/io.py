@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.config import ViTConfig
+from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
 
 FORMAT_NAME = "vit-serve"
@@ -31,6 +32,7 @@ FORMAT_VERSION = "1"
 # Tensors under this prefix (and metadata keys starting "text_") belong to the text tower (vit_serve.text);
 # the image-model loader leaves them out.
 TEXT_PREFIX = "text."
+REFERENCE_KEY = "reference"  # metadata: the model's `vit_serve.monitor.Reference` (its to_dict, as JSON)
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -132,10 +134,12 @@ def from_ours(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], sou
         cfg = ViTConfig.from_dict(json.loads(metadata["config"]))
         labels = json.loads(metadata.get("labels", "null"))
         pre = PreprocessConfig.from_dict(json.loads(metadata["preprocess"]))
+        reference = Reference.from_dict(json.loads(metadata[REFERENCE_KEY])) if REFERENCE_KEY in metadata else None
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{source}: bad vit-serve metadata ({one_line(e)})") from e
     image = {k: v for k, v in tensors.items() if not k.startswith(TEXT_PREFIX)}
-    return Converted(cfg, image, source=f"vit-serve file {source}", labels=labels, preprocess=pre)
+    return Converted(cfg, image, source=f"vit-serve file {source}", labels=labels, preprocess=pre,
+                     reference=reference)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | Callable[[str], None], overwrite: bool = False) -> Path:
@@ -177,7 +181,9 @@ def save(model: torch.nn.Module, path: str | os.PathLike, overwrite: bool = Fals
     `extra_tensors` (names under `text.`: a text tower, vit_serve.text.text_payload) travel beside the model's.
     """
     pre = getattr(model, "preprocess_cfg", None) or PreprocessConfig(input_size=model.cfg.img_size)
-    meta = to_metadata(model.cfg, getattr(model, "labels", None), pre, extra_metadata)
+    reference = getattr(model, "reference", None)
+    extra = {**({REFERENCE_KEY: reference.to_dict()} if reference is not None else {}), **(extra_metadata or {})}
+    meta = to_metadata(model.cfg, getattr(model, "labels", None), pre, extra)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     for k, v in (extra_tensors or {}).items():
         if not k.startswith(TEXT_PREFIX) or k in tensors:

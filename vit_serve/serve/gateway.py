@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
+from vit_serve.monitor import DriftReport
 from vit_serve.runtime.spec import LoadSpec
 from vit_serve.serve.errors import GatewayError, NotReadyError
 from vit_serve.serve.metrics import GatewayMetrics
@@ -23,6 +26,9 @@ from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.settings import ServeSettings
 from vit_serve.serve.stores import open_store
+
+if TYPE_CHECKING:
+    from vit_serve.runtime.payload_sampler import PayloadSampler
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -44,6 +50,10 @@ class Gateway:
         # the waiting ones.
         self.draining = False
         self.closing = False
+        # Drift gauges, computed when /metrics is scraped (vit_serve.serve.monitoring).
+        self.metrics.drift_reports = self.drift_reports
+        # A sample of /classify requests kept for labelling (the lifespan opens it when sample_rate > 0).
+        self.sampler: PayloadSampler | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -56,9 +66,13 @@ class Gateway:
         Image.MAX_IMAGE_PIXELS = self.settings.max_pixels
         self.decode_pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="vit-serve-decode")
         s = self.settings
+        if s.monitor.sample_rate > 0:
+            from vit_serve.runtime.payload_sampler import PayloadSampler
+
+            self.sampler = PayloadSampler(s.monitor.sampler_settings())
         self.repository = ModelRepository(LoadSpec.of(s), s.repository, self.metrics, self.decode_pool, self.store,
                                           max_pixels=s.max_pixels, gpu_decode=s.gpu_decode,
-                                          label_limits=s.label_limits)
+                                          label_limits=s.label_limits, monitoring=s.monitor)
         await self.repository.start()
         self.started = True
 
@@ -68,10 +82,19 @@ class Gateway:
         if self.decode_pool is not None:
             self.decode_pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+        if self.sampler is not None:  # after the models: the last answers' samples are offered; written in a
+            sampler, self.sampler = self.sampler, None  # thread of its own, which close() waits for
+            await asyncio.get_running_loop().run_in_executor(None, sampler.close)
         if self._pil_limit is not None:
             Image.MAX_IMAGE_PIXELS, self._pil_limit = self._pil_limit, None
 
     # ---- what routes ask --------------------------------------------------------------------------------
+
+    def drift_reports(self) -> Iterator[tuple[str, str, DriftReport]]:
+        """(model, version, its drift report) of every version in service whose answers are watched."""
+        for v in self.repository.loaded() if self.repository is not None else []:
+            if v.monitor is not None:
+                yield v.name, str(v.version), v.monitor.report()
 
     def model(self, name: str | None = None, version: str | int | None = None,
               session: str | None = None) -> ModelVersion:

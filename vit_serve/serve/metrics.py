@@ -11,10 +11,17 @@ so that the old one's last writes and its unload (`remove`) never touch the seri
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
+from vit_serve.monitor import DriftReport
 from vit_serve.runtime.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, MODEL
+
+CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+OOD_RATIO_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)
 
 
 class GatewayMetrics:
@@ -52,6 +59,18 @@ class GatewayMetrics:
                            registry=r)
         self.memory = Gauge("vit_serve_model_memory_bytes", "resident memory the model version took to load and "
                             "warm up (the process's RSS before and after)", MODEL, registry=r)
+        # Versions whose model carries a reference (vit_serve.serve.monitoring): per answered image.
+        self.confidence = Histogram("vit_serve_confidence", "top-1 score (softmax, or sigmoid) of each image "
+                                    "answered by a version with a reference", MODEL, buckets=CONFIDENCE_BUCKETS,
+                                    registry=r)
+        self.ood_ratio = Histogram("vit_serve_ood_score_ratio", "each image's OOD score relative to its version's "
+                                   "threshold, so that models compare (1: the threshold; above: flagged): score / "
+                                   "threshold for Mahalanobis, (score - calibration median) / (threshold - "
+                                   "calibration median) for energy", MODEL, buckets=OOD_RATIO_BUCKETS, registry=r)
+        # The drift gauges (vit_serve_drift, _alarm, _p_value), computed at scrape time from `drift_reports()`
+        # (the gateway sets it: (model, version, report) of each monitored version).
+        self.drift_reports: Callable[[], Iterable[tuple[str, str, DriftReport]]] = tuple
+        r.register(DriftCollector(lambda: self.drift_reports()))
         self._owners: dict[tuple[str, str], ModelMetrics] = {}  # whose values the gauges of a label set show
 
     def for_model(self, name: str, version: str) -> ModelMetrics:
@@ -116,6 +135,15 @@ class ModelMetrics:
         for gauge in self._gauges:
             gauge.expose()
 
+    @property
+    def confidence(self) -> Histogram:
+        """Top-1 scores of the images it answered (versions with a reference: series only for those)."""
+        return self._m.confidence.labels(*self.labels)
+
+    @property
+    def ood_ratio(self) -> Histogram:
+        return self._m.ood_ratio.labels(*self.labels)
+
     def batch_size(self, task: str) -> Histogram:
         return self._m.batch_size.labels(task, *self.labels)
 
@@ -136,3 +164,34 @@ class ModelMetrics:
         del self._m._owners[self.labels]
         for gauge in self._gauges:
             gauge.remove()
+
+
+class DriftCollector(Collector):
+    """The drift gauges of every monitored version, from `reports()`: (model, version, its drift report), asked
+    when /metrics is scraped (`vit_serve.serve.monitoring.VersionMonitor.report`: cached until its window grows)."""
+
+    def __init__(self, reports: Callable[[], Iterable[tuple[str, str, DriftReport]]]) -> None:
+        self.reports = reports
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        labels = list(MODEL)
+        return (GaugeMetricFamily("vit_serve_drift", "the largest two-sample KS distance between the version's "
+                                  "window of recent answers and its reference (confidence, OOD score, embedding "
+                                  "projections)", labels=labels),
+                GaugeMetricFamily("vit_serve_drift_alarm", "1 when the window drifted: its Bonferroni-corrected KS "
+                                  "p-value is below drift_significance, with at least drift_min_window images",
+                                  labels=labels),
+                GaugeMetricFamily("vit_serve_drift_p_value", "the window's smallest KS p-value times the number of "
+                                  "features compared (Bonferroni, at most 1)", labels=labels))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        drift, alarm, p_value = self._families()
+        for name, version, r in self.reports():
+            drift.add_metric([name, version], r.statistic)
+            alarm.add_metric([name, version], float(r.alarm))
+            p_value.add_metric([name, version], r.p_value)
+        yield from (drift, alarm, p_value)

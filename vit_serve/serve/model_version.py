@@ -35,12 +35,13 @@ from vit_serve.runtime import decode as decoding
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.gpu_decode import GpuDecoder
-from vit_serve.runtime.task import EMBED, Task
+from vit_serve.runtime.task import CLASSIFY, EMBED, Task
 from vit_serve.runtime.text_tower import TextTower
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
 from vit_serve.serve.metrics import ModelMetrics
+from vit_serve.serve.monitoring import VersionMonitor
 from vit_serve.serve.runner import Arrival, BatchingRunner, Result, Runner
 from vit_serve.serve.stores import CropStore, Namespaced
 
@@ -76,6 +77,8 @@ class ModelVersion:
         self.text_error: str | None = None  # why the text tower beside it could not be loaded
         self.label_cache_counter: Callable[[str, int], None] | None = None  # ("hit" | "miss", count) -> metrics
         self.label_limits = LabelLimits()  # the gateway's (`repository.ModelRepository`)
+        # OOD scores and the drift window (`monitoring`; None: monitoring off, or a model without a reference)
+        self.monitor: VersionMonitor | None = None
         # (task, x, result, admission) -> None: a copy of each answered request for shadow / canary comparison
         # (`traffic`); it only schedules work
         self.mirror: Callable[[Task, np.ndarray, Result, Admission | None], None] | None = None
@@ -286,6 +289,11 @@ class ModelVersion:
             return Task("explain", rollout=info.resolve_rollout(head_fusion, discard_ratio))
         except ValueError as e:
             raise BadRequestError(str(e)) from None
+
+    def classify_task(self) -> Task:
+        """The Task of a /classify request: the embed task when the OOD score needs the embedding (`monitor`), so
+        that one pass answers and scores it (and batches with /embed), else classify."""
+        return CLASSIFY if self.monitor is None else self.monitor.task
 
     def embed_task(self) -> Task:
         """The Task for an embedding request, or 400 when the model has no embedding output."""

@@ -55,9 +55,10 @@ from vit_serve.serve.compare import Compare
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.monitoring import VersionMonitor
 from vit_serve.serve.runner import runner_for
 from vit_serve.serve.schemas import TrafficSpec
-from vit_serve.serve.settings import DEFAULT_LABELS, available_cpus
+from vit_serve.serve.settings import DEFAULT_LABELS, MonitoringSettings, available_cpus
 from vit_serve.serve.stores import CropStore
 from vit_serve.serve.traffic import Mirror, TrafficPolicy
 
@@ -117,10 +118,11 @@ class ModelRepository:
 
     def __init__(self, spec: LoadSpec, config: RepositorySettings, metrics: GatewayMetrics,
                  pool: ThreadPoolExecutor, store: CropStore, *, max_pixels: int, gpu_decode: bool,
-                 label_limits: LabelLimits = DEFAULT_LABELS) -> None:
+                 label_limits: LabelLimits = DEFAULT_LABELS, monitoring: MonitoringSettings | None = None) -> None:
         self.spec, self.config, self.metrics, self.pool, self.store = spec, config, metrics, pool, store
         self.max_pixels, self.gpu_decode = max_pixels, gpu_decode
         self.label_limits = label_limits  # requests with labels, and each text tower's cache
+        self.monitoring = monitoring or MonitoringSettings()  # OOD scores and drift of models with a reference
         self.label_cache = Counter("vit_serve_label_cache", "labels of POST /classify?labels= (and the v2 labels "
                                    "parameter) found in the text tower's LRU cache (hit) or encoded (miss)",
                                    ["result", *MODEL], registry=metrics.registry)
@@ -406,6 +408,7 @@ class ModelRepository:
             version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, self.pool,
                                    self.store, self.max_pixels, gpu, off, source.fingerprint)
             version.label_limits = self.label_limits
+            version.monitor = VersionMonitor.of(info, self.monitoring, metrics)
             await self._attach_text_tower(version, source, spec)
             if not warm_first:
                 version.warm_up_soon()

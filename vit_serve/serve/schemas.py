@@ -69,6 +69,16 @@ class Explanation(BaseModel):
     map: RelevanceMap
 
 
+class OodScore(BaseModel):
+    """How unlike its model's reference an image is (`vit_serve.monitor.ood_scores`), from the pass that answered."""
+
+    score: float | None = Field(description="higher is less like the reference's images (null: not finite)")
+    flag: bool = Field(description="score above the threshold")
+    method: Literal["mahalanobis", "energy"] = Field(description="mahalanobis (the embedding's distance to the "
+                                                     "reference's Gaussian) or energy (-logsumexp of the logits)")
+    threshold: float = Field(description="the reference's calibration quantile of the score")
+
+
 class ClassifyResponse(BaseModel):
     id: str = Field(description="the image's id for this API key (not its sha256); pass it to GET /explain")
     model: str
@@ -78,6 +88,8 @@ class ClassifyResponse(BaseModel):
     timing_ms: Timing
     explanation: Explanation | None = Field(None, description="?explain=true only: the attention rollout of the "
                                             "same forward pass (absent otherwise)")
+    ood: OodScore | None = Field(None, description="models with a reference only (absent otherwise, and with labels): "
+                                 "the image's OOD score from the same pass")
 
 
 class EmbedResponse(BaseModel):
@@ -133,6 +145,16 @@ class BatchingInfo(BaseModel):
                                            "batch size at warm-up (empty: not measured)")
 
 
+class MonitoringInfo(BaseModel):
+    """What a version's reference watches (`vit_serve.monitor.Reference`)."""
+
+    method: Literal["mahalanobis", "energy"] = Field(description="how its OOD scores are computed")
+    threshold: float = Field(description="the score above which an image is flagged")
+    quantile: float = Field(description="the calibration quantile the threshold is")
+    calibration_images: int = Field(description="images the threshold and the drift sample come from")
+    description: str = Field(description="the reference in one line")
+
+
 class VersionInfo(BaseModel):
     version: int | None = Field(description="the version (null: a model of the repository never loaded)")
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
@@ -147,6 +169,8 @@ class VersionInfo(BaseModel):
     token_merging: TokenMergingInfo | None = Field(None, description="the token merging (ToMe) it runs (null: none)")
     batching: BatchingInfo | None = Field(None, description="its batcher (null: a server that batches, e.g. Triton)")
     compiled: bool | None = Field(None, description="whether the torch backend runs it through torch.compile")
+    monitoring: MonitoringInfo | str | None = Field(None, description="its reference (OOD scores, drift), or a line "
+                                                    "saying why it has none (loaded versions)")
 
 
 class ShadowSpec(BaseModel):
@@ -179,6 +203,46 @@ class ModelsResponse(BaseModel):
                                                   "and no --default-model)")
     model_control: Literal["none", "poll", "explicit"]
     models: list[ModelEntryInfo]
+
+
+class FeatureDrift(BaseModel):
+    distance: float = Field(description="the two-sample KS distance of the window to the reference")
+    p_value: float = Field(description="its asymptotic p-value (not corrected)")
+
+
+class ClassShare(BaseModel):
+    label: str
+    index: int
+    reference_share: float = Field(description="its share of the reference's top-1 answers")
+    window_share: float = Field(description="its share of the window's top-1 answers")
+
+
+class ScoreHistogram(BaseModel):
+    edges: list[float] = Field(description="bin edges shared by both counts (bins + 1)")
+    window: list[int] = Field(description="the window's OOD scores per bin")
+    reference: list[int] = Field(description="the reference's calibration scores per bin")
+
+
+class DriftResponse(BaseModel):
+    """A version's window of recent answers against its reference (`vit_serve.monitor.drift`)."""
+
+    model: str
+    version: str
+    method: Literal["mahalanobis", "energy"]
+    window: int = Field(description="images in the window now")
+    window_size: int = Field(description="images the window holds at most (drift_window)")
+    statistic: float = Field(description="the largest KS distance over the features")
+    p_value: float = Field(description="the smallest p-value times the number of features (Bonferroni, at most 1)")
+    alarm: bool = Field(description="p_value below significance, with at least min_window images")
+    significance: float
+    min_window: int
+    threshold: float = Field(description="the OOD flag's threshold")
+    ood_rate: float = Field(description="share of the window flagged")
+    expected_ood_rate: float = Field(description="the share expected of in-distribution images: 1 - quantile")
+    features: dict[str, FeatureDrift] = Field(description="each feature compared: confidence, ood_score, "
+                                              "projection_i (the embedding on the reference's principal directions)")
+    classes: list[ClassShare] = Field(description="the classes whose share of top-1 answers moved most")
+    histogram: ScoreHistogram = Field(description="the window's and the reference's OOD scores, binned alike")
 
 
 class ErrorBody(BaseModel):

@@ -2,8 +2,9 @@
 flags, in typed groups.
 
 `ServeSettings` nests `limits` (`RunnerLimits`), `triton` (`TritonClientSettings`), `repository`
-(`RepositorySettings`), `security` (`SecuritySettings`: who may call) and `explain_store` (`StoreSettings`: the
-images kept for GET /explain?id=); the rest (the model, the listeners, decode, compute) is its own. The names stay
+(`RepositorySettings`), `security` (`SecuritySettings`: who may call), `explain_store` (`StoreSettings`: the
+images kept for GET /explain?id=) and `monitor` (`MonitoringSettings`: OOD scores, drift, the payload sampler);
+the rest (the model, the listeners, decode, compute) is its own. The names stay
 flat everywhere: every field of every group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a keyword of
 `ServeSettings(max_batch=4)` (a group instance may be passed too: `ServeSettings(limits=RunnerLimits(...))`), a
 `model_copy(update=...)` key, and, for compatibility, an attribute (`settings.max_batch` reads
@@ -23,6 +24,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from vit_serve.flags import Flag
+from vit_serve.monitor import DEFAULT_MIN_WINDOW, DEFAULT_SIGNIFICANCE
 from vit_serve.runtime.settings import (
     DECODE_WORKERS_CAP,
     DECODE_WORKERS_MIN,
@@ -43,7 +45,7 @@ from vit_serve.tome import parse_tome
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
-__all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "BackendName",
+__all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "BackendName", "MonitoringSettings",
            "RepositorySettings", "RunnerLimits", "SecuritySettings", "ServeSettings", "StoreSettings",
            "TritonClientSettings", "available_cpus", "default_decode_workers"]
 
@@ -156,6 +158,74 @@ class StoreSettings(BaseSettings):
             yield name, redacted(value) if name == "store" and isinstance(value, str) else value
 
 
+class MonitoringSettings(BaseSettings):
+    """Watching what the gateway serves (`vit_serve.monitor`, for versions whose model carries a reference): a
+    per-image OOD score in each /classify answer, drift of a window of recent answers against the reference
+    (GET /models/NAME/drift, /metrics), and a sample of the requests kept for later labelling (the payload
+    sampler, off by default)."""
+
+    model_config = GROUP_CONFIG
+
+    monitoring: Annotated[bool, Flag(
+        "no OOD scores in answers, no drift windows (models with a reference are served as without one)")] = Field(
+        True, description="models carrying a reference get OOD scores in their answers and a drift window")
+    drift_window: Annotated[int, Flag("recent answers each model version's drift is measured on (default "
+                                      "{default})", metavar="N")] = Field(
+        500, ge=1, description="answered images kept per model version, compared with its reference")
+    drift_significance: float = Field(DEFAULT_SIGNIFICANCE, gt=0, lt=1, description="the drift alarm's level: "
+                                      "on when the Bonferroni-corrected KS p-value is below it")
+    drift_min_window: int = Field(DEFAULT_MIN_WINDOW, ge=1, description="images the window needs before the "
+                                  "alarm can turn on (at most drift_window)")
+    sample_rate: Annotated[float, Flag(
+        "share of /classify requests whose crop and answer are kept (0, the default: none; needs --sample-dir or "
+        "--sample-redis-url)", metavar="RATE")] = Field(
+        0.0, ge=0, le=1, description="share of /classify requests sampled (their model-input crop as PNG, top-1 "
+        "and OOD score) for labelling later; 0: off")
+    sample_flagged_rate: float = Field(1.0, ge=0, le=1, description="share of OOD-flagged requests sampled "
+                                       "(kept before the others)")
+    sample_dir: Annotated[str | None, Flag("folder the sampled requests are written to (Parquet parts)",
+                                           metavar="DIR")] = Field(
+        None, description="folder the sampled requests are written to, as Parquet parts")
+    sample_max_bytes: int = Field(256 * 2**20, ge=1, description="the sample folder's cap in bytes: the oldest "
+                                  "unflagged parts are removed first")
+    sample_retention_s: float = Field(7 * 86400.0, gt=0, description="seconds sampled parts are kept")
+    sample_redis_url: Annotated[str | None, Flag(
+        "instead of a folder, XADD the samples to a Redis stream (redis://HOST:PORT/DB)", metavar="URL")] = Field(
+        None, description="a Redis server the samples are added to (stream sample_redis_stream) instead of a "
+        "folder")
+    sample_redis_stream: str = Field("vit_serve:samples", min_length=1, description="the Redis stream of the "
+                                     "samples")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MonitoringSettings:
+        if self.drift_min_window > self.drift_window:
+            if "drift_min_window" not in self.model_fields_set:  # only the window was made small: it is the minimum
+                self.__dict__["drift_min_window"] = self.drift_window  # not counted as given
+                return self._consistent()
+            raise ValueError(f"drift_min_window ({self.drift_min_window}) is larger than drift_window "
+                             f"({self.drift_window}): the drift alarm could never turn on")
+        if self.sample_rate > 0 and (self.sample_dir is None) == (self.sample_redis_url is None):
+            raise ValueError("sample_rate > 0 needs one place for the samples: sample_dir (--sample-dir DIR) or "
+                             "sample_redis_url (--sample-redis-url URL), not " +
+                             ("neither" if self.sample_dir is None else "both"))
+        return self
+
+    def sampler_settings(self) -> Any:
+        """The payload sampler's settings (`vit_serve.runtime.payload_sampler.SamplerSettings`)."""
+        from pathlib import Path
+
+        from vit_serve.runtime.payload_sampler import SamplerSettings
+
+        return SamplerSettings(rate=self.sample_rate, folder=None if self.sample_dir is None else Path(self.sample_dir),
+                               max_bytes=self.sample_max_bytes, retention_s=self.sample_retention_s,
+                               redis_url=self.sample_redis_url, redis_stream=self.sample_redis_stream,
+                               flagged_rate=self.sample_flagged_rate)
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():
+            yield name, redacted(value) if name == "sample_redis_url" and isinstance(value, str) else value
+
+
 class _FlatEnv(EnvSettingsSource):
     """`VIT_SERVE_<FIELD>` for the fields of ServeSettings and of its groups, the names flat; a group's values are
     handed over as a dict under the group's name (VIT_SERVE_<GROUP> itself is no variable)."""
@@ -191,7 +261,7 @@ class _FileValues(PydanticBaseSettingsSource):
 
 class ServeSettings(BaseSettings):
     """Everything `vit-serve serve` can be told, in groups (`limits`, `triton`, `repository`, `security`,
-    `explain_store`). Each field, a group's too, is also `VIT_SERVE_<FIELD>` (e.g. VIT_SERVE_MAX_BATCH)."""
+    `explain_store`, `monitor`). Each field, a group's too, is also `VIT_SERVE_<FIELD>` (e.g. VIT_SERVE_MAX_BATCH)."""
 
     model_config = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
 
@@ -273,6 +343,7 @@ class ServeSettings(BaseSettings):
     repository: RepositorySettings = Field(default_factory=RepositorySettings)
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
+    monitor: MonitoringSettings = Field(default_factory=MonitoringSettings)
     request_ids: Annotated[bool, Flag("neither echo X-Request-ID nor log a line per request")] = Field(
         True, description="echo X-Request-ID (made when absent) and log one line per request with it")
     otel: Annotated[bool, Flag(

@@ -2,10 +2,11 @@
 
 Metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (a request sends one), outputs `logits`
 FP32 [-1, K], when the backend can explain `rollout` FP32 [-1, gh, gw], and when the model has one `embedding`
-FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`); a model served with its text tower takes the
-request parameter `labels` (logits over those labels, zero-shot). `infer` runs a parsed request
-(`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and answers its
-outputs (`classification = k` on an output: Triton's classification extension).
+FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`), and for a model with a reference (monitoring
+on) `ood_score` FP32 [-1] (`vit_serve.monitor`: from the same pass; answered only when asked for by name); a model
+served with its text tower takes the request parameter `labels` (logits over those labels, zero-shot). `infer` runs
+a parsed request (`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and
+answers its outputs (`classification = k` on an output: Triton's classification extension).
 
 A request carries at most `request_bounds` images (`max_images_per_request`, by default the version's max_batch),
 checked by the parsers from each input's header. Its encoded images are decoded a few at a time (`decode_window`
@@ -26,7 +27,7 @@ from vit_serve import __version__
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT
 from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.settings import RunnerLimits
-from vit_serve.runtime.task import CLASSIFY, Task
+from vit_serve.runtime.task import CLASSIFY, EMBED, Task
 from vit_serve.serve.admission import Admission
 from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.gateway import Gateway
@@ -38,6 +39,7 @@ from vit_serve.serve.v2_protocol import IMAGE, InferRequest, OutputTensor, Reque
 SERVER_NAME = "vit-serve"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 INPUTS = (PIXEL_VALUES, IMAGE)  # a request sends one of them
+OOD_SCORE = "ood_score"  # [B] FP32, models with a reference (`monitoring`); answered when asked for by name
 
 
 def server_metadata() -> dict[str, Any]:
@@ -61,13 +63,16 @@ def repository_of(gateway: Gateway) -> ModelRepository:
     return gateway.repository
 
 
-def output_specs(info: ModelInfo) -> list[dict[str, Any]]:
-    """The model's outputs as the metadata lists them: logits, then rollout and embedding when it has them."""
+def output_specs(info: ModelInfo, ood: bool = False) -> list[dict[str, Any]]:
+    """The model's outputs as the metadata lists them: logits, then rollout and embedding when it has them, and
+    `ood_score` when its answers are monitored (`ood`: a reference, monitoring on)."""
     outputs = [{"name": LOGITS, "datatype": "FP32", "shape": [-1, info.num_classes]}]
     if info.explain:
         outputs.append({"name": ROLLOUT, "datatype": "FP32", "shape": [-1, *info.grid]})
     if info.embedding_dim:
         outputs.append({"name": EMBEDDING, "datatype": "FP32", "shape": [-1, info.embedding_dim]})
+    if ood:
+        outputs.append({"name": OOD_SCORE, "datatype": "FP32", "shape": [-1]})
     return outputs
 
 
@@ -75,7 +80,7 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
     """The model's metadata document (`parameters`: the preprocessing contract and the labels)."""
     info = mv.info
     h, w = info.resolution
-    outputs = output_specs(info)
+    outputs = output_specs(info, mv.monitor is not None)
     return {
         "name": mv.name,
         "versions": versions,
@@ -148,10 +153,12 @@ def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str,
     gives the logits too."""
     names = {out["name"] for out in wanted}
     tasks = [_explain_task(mv, parameters)] if ROLLOUT in names else []
-    if zero_shot and (LOGITS in names or EMBEDDING in names):
+    if zero_shot and (LOGITS in names or EMBEDDING in names or OOD_SCORE in names):
         tasks.append(mv.zero_shot_task())
-    elif EMBEDDING in names:
+    elif EMBEDDING in names or (OOD_SCORE in names and mv.classify_task() == EMBED):
         tasks.append(mv.embed_task())
+    elif OOD_SCORE in names and not tasks:
+        tasks.append(CLASSIFY)
     return tasks or [CLASSIFY]
 
 
@@ -194,8 +201,9 @@ async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_wi
     zero-shot (`vit_serve.runtime.zero_shot`), and its classification names them; at most VIT_SERVE_MAX_LABELS
     labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond). `admission`: the request's level and deadline
     (`parameters.priority`, `parameters.timeout`, a gRPC deadline)."""
-    available = [o["name"] for o in output_specs(mv.info)]
-    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available]
+    monitor = mv.monitor
+    available = [o["name"] for o in output_specs(mv.info, monitor is not None)]
+    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available if n != OOD_SCORE]
     for out in wanted:
         if out["name"] not in available:
             raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
@@ -205,6 +213,10 @@ async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_wi
     outputs: dict[str, np.ndarray] = {}
     for i, task in enumerate(tasks):  # the arrival announced one request: the first pass takes it
         outputs.update((await mv.infer(task, x, arrival if i == 0 else None, admission)).outputs)
+    if monitor is not None:  # the model's own logits (and embedding), before labels replace them
+        scores = monitor.observe(outputs)
+        if scores is not None:
+            outputs[OOD_SCORE] = scores.astype(np.float32)
     if labels is not None and EMBEDDING in outputs:
         outputs[LOGITS], _ = await mv.label_logits(labels, outputs[EMBEDDING])
     names = labels if labels is not None else mv.info.labels

@@ -139,6 +139,7 @@ class TrainConfig:
     new_head: bool | None = None  # finetune: default a new zero head unless the classes are the checkpoint's
     reinit_pos_embed: bool = False  # finetune control: fresh position embeddings instead of resampled ones
     few_shot: tuple[int, ...] = ()
+    reference: bool = True  # classify: store the data's sketch for OOD scores and drift (vit_serve.reference)
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -455,6 +455,8 @@ class Trainer:
         """best/model.safetensors, confusion.png, curves.png and summary.json (main process only); adds
         few_shot to `summary` when asked for."""
         cfg, out = self.cfg, self.out
+        if res is not None and cfg.reference:
+            self._attach_references()
         if res is not None:
             if res.top1 > self.state.best:
                 vit_serve.save(self.model, out / "best.safetensors", overwrite=True)
@@ -472,6 +474,17 @@ class Trainer:
                                            "ema_decay": cfg.ema_decay})
         plot_curves(read_metrics(self.log_file.path), out / "curves.png", f"{cfg.mode} on {cfg.data}")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def _attach_references(self) -> None:
+        """Each saved model's reference (`vit_serve.reference`): fitted on a sample of the training set, seen as
+        at evaluation (no augmentation), calibrated on the validation split."""
+        from vit_serve.reference import reference_from_datasets
+
+        fit = build_dataset(self.cfg.data, "train", eval_transform(self.pre), strict=self.cfg.strict)
+        calibration = self.val_loader.dataset
+        for model in (self.model, *([self.ema.module] if self.ema is not None else [])):
+            model.reference = reference_from_datasets(model, fit, calibration, f"{self.cfg.data}: train / val",
+                                                      seed=self.cfg.seed)
 
     def _summary_rows(self, summary: dict[str, Any], wall: float) -> dict[str, str]:
         rows = {"top-1": f"{100 * summary['top1']:.2f}%", "top-5": f"{100 * summary['top5']:.2f}%"} \

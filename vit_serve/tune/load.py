@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vit_serve.inspect import find_images
+from vit_serve.data import find_images
 
 Tick = Callable[[], None]
 # The built-in photos: scikit-image's (when it is installed) and matplotlib's grace_hopper.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
+from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.task import Outputs, Task
 
@@ -40,7 +41,8 @@ class ModelInfo:
     scores ("softmax", or "sigmoid" for SigLIP heads); embedding: which image embedding the model gives and
     whether it is meant to be L2-normalised (None: an export from before the manifest said). token_merging: the
     token merging (ToMe) the model runs (None: none). compiled: classify / embed run a `torch.compile`d forward
-    (the torch backend's --compile).
+    (the torch backend's --compile). reference: the in-distribution sketch OOD scores and drift compare with
+    (`vit_serve.monitor`; None: the model carries none).
     """
 
     name: str
@@ -66,6 +68,7 @@ class ModelInfo:
     embedding: Embedding | None = None
     token_merging: TokenMergingRecord | None = None
     compiled: bool = False
+    reference: Reference | None = None
 
     @property
     def grid(self) -> tuple[int, int]:

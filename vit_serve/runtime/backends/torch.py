@@ -137,6 +137,7 @@ class TorchBackend(LocalBackend):
             precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32"),
             token_merging=TokenMergingRecord.of(self.model.token_merging),
             compiled=compile,
+            reference=None if self.model.token_merging else self.model.reference,  # made without merging
         )
 
     def _input(self, x: np.ndarray) -> torch.Tensor:

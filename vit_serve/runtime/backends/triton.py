@@ -103,6 +103,9 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
         scores=meta.scores or "softmax",
         token_merging=meta.token_merging,
         embedding=meta.embedding,
+        # a reference that scores the embedding needs the model to give it (a TensorRT model does not)
+        reference=None if meta.reference is None or (meta.reference.needs_embedding and embedding is None)
+        else meta.reference,
     )
 
 

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import logging
 import time
 from typing import Annotated
 
 import numpy as np
 from fastapi import APIRouter, Query, Request, Response
+from PIL import Image
 
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
 from vit_serve.runtime import zero_shot
 from vit_serve.runtime.postprocess import rollout_payload, top_k
-from vit_serve.runtime.task import CLASSIFY, Task
+from vit_serve.runtime.task import Task
 from vit_serve.serve.caller import ScopeDep
-from vit_serve.serve.deps import ModelChoiceDep
+from vit_serve.serve.deps import GatewayDep, ModelChoiceDep
 from vit_serve.serve.errors import BadRequestError
+from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.middleware import request_id
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
 from vit_serve.serve.schemas import ClassifyResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
 router = APIRouter(tags=["classify"])
+log = logging.getLogger("vit_serve.serve")
 
 
 # exclude_unset: the explanation is in the answer only when asked for (null scores of predictions stay).
@@ -35,6 +43,7 @@ async def classify(
     choice: ModelChoiceDep,
     scope: ScopeDep,
     admission: AdmissionDep,
+    gateway: GatewayDep,
     top_k_: Annotated[int, Query(alias="top_k", ge=1, description="classes to return (at most K)")] = 5,
     explain: Annotated[bool, Query(description="also return the attention rollout of the same forward pass "
                                                "(models with an explain graph)")] = False,
@@ -67,6 +76,12 @@ async def classify(
     characters each, 400 beyond, and 400 for a model without a text tower or with explain=true (GET /explain?id=
     explains the image).
 
+    A model carrying a reference (`vit-export --reference-images DIR`, `vit-serve train`; GET /models shows it)
+    adds `"ood": {"score", "flag", "method", "threshold"}`: how unlike the reference the image is, from the same
+    pass (Mahalanobis distance of its embedding, or the energy of its logits), and whether it is above the
+    threshold (the reference's calibration quantile). Not with labels, nor with explain=true for a Mahalanobis
+    reference (the explain pass gives no embedding); never with `--no-monitoring`.
+
     The `Server-Timing` header splits the same time finer (ms): read (receiving and hashing the body),
     decode_wait (waiting for a decode thread), decode, queue, infer, text (the labels' embeddings and logits)
     and total.
@@ -76,6 +91,7 @@ async def classify(
         raise BadRequestError("labels and explain=true do not go together: classify by labels, then explain the "
                               "image with GET /explain?id=")
     names: list[str] | None = None
+    ood: dict | None = None
 
     def task_of(mv: ModelVersion) -> Task:
         nonlocal names
@@ -83,7 +99,7 @@ async def classify(
             task = mv.zero_shot_task()
             names = mv.parse_labels(labels)
             return task
-        return mv.explain_task("rollout", None, None) if explain else CLASSIFY
+        return mv.explain_task("rollout", None, None) if explain else mv.classify_task()
 
     text_ms = 0.0
     async with infer_upload(request, choice, scope, task_of, admission) as done:
@@ -94,6 +110,9 @@ async def classify(
             predictions = label_top_k(logits[0], names, top_k_, mv.text.scores)
         else:
             predictions = top_k(result.outputs[LOGITS][0], top_k_, mv.info)
+            monitor = mv.monitor
+            scores = None if monitor is None else monitor.observe(result.outputs)
+            ood = None if monitor is None or scores is None else monitor.answer(float(scores[0]))
     info = mv.info
     total_ms = (time.perf_counter() - t0) * 1e3
     wait_ms = max(0.0, (done.t_decoded - done.t_read) * 1e3 - decoded.decode_ms)
@@ -111,9 +130,38 @@ async def classify(
         "predictions": predictions,
         "timing_ms": result.timing_ms(decoded.decode_ms, total_ms),
     }
+    if names is None and ood is not None:
+        answer["ood"] = ood
     if explain:  # the explain task carries its resolved rollout settings
         answer["explanation"] = rollout_payload("rollout", done.task.rollout, result.outputs[ROLLOUT][0], info)
+    if gateway.sampler is not None and names is None:
+        offer_sample(gateway, mv, decoded.crop, predictions[0], ood)
     return answer
+
+
+def offer_sample(gateway: Gateway, mv: ModelVersion, crop: Image.Image, top1: dict, ood: dict | None) -> None:
+    """Hand the answer to the payload sampler when its draw keeps it: the crop is encoded as PNG in the decode
+    pool, and offered from the event loop once it is (the answer does not wait for either)."""
+    from vit_serve.runtime.payload_sampler import Sample, png_bytes
+
+    sampler, flag = gateway.sampler, None if ood is None else ood["flag"]
+    if sampler is None or not sampler.wants(flag):
+        return
+    rid = request_id.get() if gateway.settings.request_ids else None
+    sample = functools.partial(Sample, time=time.time(), model=mv.name, version=str(mv.version), request_id=rid,
+                               top1_label=top1["label"], top1_score=float(top1["score"] or 0.0),
+                               ood_score=None if ood is None else ood["score"], ood_flag=flag)
+
+    def offer(png: asyncio.Future[bytes]) -> None:
+        if png.cancelled():
+            return
+        if (error := png.exception()) is not None:
+            log.warning("payload sampler: the crop could not be encoded: %s", error)
+            return
+        sampler.offer(sample(crop_png=png.result()))
+
+    with contextlib.suppress(RuntimeError):  # the pool is shut down: the gateway is stopping, no sample
+        asyncio.get_running_loop().run_in_executor(gateway.decode_pool, png_bytes, crop).add_done_callback(offer)
 
 
 def label_top_k(logits: np.ndarray, labels: list[str], k: int, scores: str) -> list[dict]:

@@ -42,6 +42,8 @@ async def embed(
     t0 = time.perf_counter()
     async with infer_upload(request, choice, scope, ModelVersion.embed_task, admission) as done:
         mv, decoded, result = done.mv, done.decoded, done.result
+        if mv.monitor is not None:  # its logits and embedding join the drift window (`monitoring`)
+            mv.monitor.observe(result.outputs)
     vector = normalize_embedding(result.outputs[EMBEDDING][0], normalize)
     info = mv.info
     return {

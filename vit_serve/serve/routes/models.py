@@ -1,19 +1,24 @@
 """GET /models: the repository's models, their versions and states, for people and for the web page; GET
-/models/{name}/compare: the live agreement of its primary with its shadow and canaries (`compare`)."""
+/models/{name}/compare: the live agreement of its primary with its shadow and canaries (`compare`); GET
+/models/{name}/drift: a version's recent answers against its reference (`monitoring`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
 
+from vit_serve.monitor import score_histogram
 from vit_serve.serve.deps import GatewayDep
-from vit_serve.serve.errors import NotReadyError
+from vit_serve.serve.errors import NotFoundError, NotReadyError
+from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.monitoring import NO_REFERENCE
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.runner import BatchingRunner, Runner
-from vit_serve.serve.schemas import ModelsResponse, TrafficSpec
+from vit_serve.serve.schemas import DriftResponse, ErrorBody, ModelsResponse, TrafficSpec
 
 router = APIRouter(tags=["models"])
 NameDep = Annotated[str, Path(description="a model of the repository (GET /models lists them)")]
@@ -67,14 +72,27 @@ def _batching(runner: Runner) -> dict | None:
             "images_per_s": {b: 1 / s for b, s in sorted(curve.items())}}
 
 
+def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
+    """A version's `monitoring` (`schemas.MonitoringInfo`), or why it has none."""
+    if mv.monitor is not None:
+        return mv.monitor.describe()
+    if mv.info.reference is None:
+        return NO_REFERENCE
+    if not gateway.settings.monitor.monitoring:
+        return "monitoring is off on this gateway (--no-monitoring): no OOD scores, no drift"
+    return "its reference does not fit this model's outputs (see the gateway's log): OOD scores and drift are off"
+
+
 @router.get("/models", response_model=ModelsResponse)
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain",
-    "memory_bytes", "in_flight", "token_merging", "batching", "compiled"}]}]}`. States are Triton's (READY, LOADING,
-    UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with version and state null.
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "monitoring"}]}]}`. States are
+    Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
+    version and state null.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
-    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one)."""
+    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `monitoring`: the reference
+    its OOD scores and drift compare with (`schemas.MonitoringInfo`), or a line saying why there is none."""
     repo = _repository(gateway)
     default = repo.default_name
     out: dict[str, dict] = {}
@@ -89,7 +107,8 @@ async def models(gateway: GatewayDep) -> dict:
                            explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight,
                            token_merging=None if info.token_merging is None else {
                                "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
-                           batching=_batching(mv.runner), compiled=info.compiled)
+                           batching=_batching(mv.runner), compiled=info.compiled,
+                           monitoring=_monitoring(gateway, mv))
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
             "models": list(out.values())}
@@ -105,3 +124,39 @@ async def compare(name: NameDep, gateway: GatewayDep) -> CompareResponse:
         raise repo.unknown(name)
     versions = [AgreementInfo.model_validate(dataclasses.asdict(a)) for a in repo.compare.summaries(name)]
     return CompareResponse(model=name, window=repo.compare.size, policy=policy_of(repo, name), versions=versions)
+
+
+@router.get("/models/{name}/drift", response_model=DriftResponse,
+            responses={404: {"model": ErrorBody, "description": "unknown model or version, a version without a "
+                                                                "reference, or monitoring off"}})
+async def drift(name: NameDep, gateway: GatewayDep, version: Annotated[int | None, Query(
+        description="the version (default: the newest in service)")] = None) -> dict:
+    """How far the version's window of recent answers (the last drift_window images answered by /classify and
+    /embed) has moved from its reference: one two-sample Kolmogorov-Smirnov test per feature (confidence, OOD
+    score, the embedding's first principal projections), Bonferroni-corrected; `alarm` when the p-value is below
+    drift_significance with at least drift_min_window images. Also the window's OOD rate (against the rate
+    expected, 1 - the threshold's quantile), the classes whose top-1 share moved most, and both score
+    histograms. Computed when asked (cached until the window grows)."""
+    repo = _repository(gateway)
+    served = repo.served.get(name)
+    mv = repo.get(name, version if version is not None or not served else max(served))  # its usual 404 / 503
+    monitor = mv.monitor
+    if monitor is None:
+        if not gateway.settings.monitor.monitoring:
+            raise NotFoundError("monitoring is off on this gateway (--no-monitoring / VIT_SERVE_MONITORING=false): "
+                                "no drift is measured")
+        if mv.info.reference is None:
+            raise NotFoundError(f"{mv.label} carries no reference, so its drift is not measured: export it with "
+                                f"vit-export --reference-images DIR (images like its training data), or train it "
+                                f"with vit-serve train, which keeps one")
+        raise NotFoundError(f"{mv.label}: its reference does not fit the model's outputs (see the gateway's log)")
+    ref, report = monitor.ref, monitor.report()
+    hist = score_histogram(ref, monitor.window.arrays()[1])
+    return {"model": mv.name, "version": str(mv.version), "method": ref.method, "window": report.window,
+            "window_size": monitor.window.size, "statistic": report.statistic, "p_value": report.p_value,
+            "alarm": report.alarm, "significance": report.significance, "min_window": report.min_window,
+            "threshold": ref.threshold, "ood_rate": report.ood_rate, "expected_ood_rate": 1.0 - ref.quantile,
+            "features": {k: {"distance": d, "p_value": pv} for k, (d, pv) in report.features.items()},
+            "classes": [{"label": mv.info.label(i), "index": i, "reference_share": before, "window_share": after}
+                        for i, before, after in report.classes],
+            "histogram": dataclasses.asdict(hist)}

@@ -1,0 +1,111 @@
+"""What the gateway watches of a served version whose model carries a reference (`vit_serve.monitor`): each
+answer's OOD score, from the pass that answered, and a window of recent answers whose drift from the reference
+is measured when asked (GET /models/NAME/drift, a /metrics scrape), never on a request's path.
+
+`VersionMonitor` is one version's: `observe` takes a pass's outputs (the logits, and the embedding for a
+Mahalanobis reference: such versions answer /classify with the embed task, which gives both, and batches with
+/embed), scores them, adds them to the window and to the per-image histograms; its `report` is computed when
+asked (cached until its window grows): `metrics.DriftCollector` asks at each /metrics scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from vit_serve.manifest import EMBEDDING, LOGITS
+from vit_serve.monitor import DriftReport, Reference, Window, ood_scores, project, softmax_confidence
+from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.task import CLASSIFY, EMBED, Outputs, Task
+from vit_serve.serve.metrics import ModelMetrics
+from vit_serve.serve.settings import MonitoringSettings
+
+log = logging.getLogger("vit_serve.serve")
+
+NO_REFERENCE = ("no reference: OOD scores and drift are off (export with --reference-images DIR, or train with "
+                "vit-serve train)")
+
+
+class VersionMonitor:
+    """One served version's OOD scoring and drift window (not thread-safe: the event loop observes and reads)."""
+
+    def __init__(self, ref: Reference, scores: str, settings: MonitoringSettings,
+                 metrics: ModelMetrics | None = None) -> None:
+        self.ref, self.scores = ref, scores
+        self.window = Window(ref, settings.drift_window)
+        self.significance, self.min_window = settings.drift_significance, settings.drift_min_window
+        # the per-image histograms' series of this version (made only for versions with a reference)
+        self._histograms = None if metrics is None else (metrics.confidence, metrics.ood_ratio)
+        # score -> its ratio to the threshold (vit_serve_ood_score_ratio): 1 is the flag's threshold
+        scale = ref.threshold
+        self._origin = 0.0
+        if ref.method != "mahalanobis" or ref.threshold <= 0:  # energies are negative: from the calibration median
+            self._origin = float(np.median(ref.scores)) if len(ref.scores) else 0.0
+            scale = ref.threshold - self._origin
+        self._scale = scale if scale > 0 else 1.0
+        self._report: tuple[int, DriftReport] | None = None
+
+    @classmethod
+    def of(cls, info: ModelInfo, settings: MonitoringSettings, metrics: ModelMetrics | None = None
+           ) -> VersionMonitor | None:
+        """The monitor of a version (None: monitoring off, no reference, or one this model cannot be scored
+        with, logged)."""
+        ref = info.reference
+        if not settings.monitoring or ref is None:
+            return None
+        if ref.needs_embedding and ref.dim != info.embedding_dim:
+            log.warning("%s: its reference scores a %d-d embedding and the model gives %s; OOD scores and drift "
+                        "are off (re-export it with vit-export --outputs logits,embedding)", info.name, ref.dim,
+                        f"a {info.embedding_dim}-d one" if info.embedding_dim else "none")
+            return None
+        if ref.num_classes and ref.num_classes != info.num_classes:
+            log.warning("%s: its reference was made for %d classes, the model has %d; OOD scores and drift are off",
+                        info.name, ref.num_classes, info.num_classes)
+            return None
+        return cls(ref, info.scores, settings, metrics)
+
+    @property
+    def task(self) -> Task:
+        """The task /classify runs: the embed task when the score needs the embedding (one pass gives both)."""
+        return EMBED if self.ref.needs_embedding else CLASSIFY
+
+    def ratio(self, scores: np.ndarray) -> np.ndarray:
+        """Scores relative to the threshold (1: the threshold): score / threshold for Mahalanobis; for energy
+        (negative) (score - the calibration median) / (threshold - that median)."""
+        return (np.asarray(scores, np.float64) - self._origin) / self._scale
+
+    def observe(self, outputs: Outputs) -> np.ndarray | None:
+        """A pass's OOD scores [B], added to the window and the histograms; None when the pass lacks what the
+        score needs (an explain pass of a Mahalanobis reference: no embedding)."""
+        logits, embedding = outputs.get(LOGITS), outputs.get(EMBEDDING)
+        if logits is None or (self.ref.needs_embedding and embedding is None):
+            return None
+        scores = ood_scores(self.ref, logits, embedding)
+        confidences = softmax_confidence(logits, self.scores)
+        self.window.add(confidences, scores, project(self.ref, embedding, logits), np.asarray(logits).argmax(-1))
+        if self._histograms is not None:
+            confidence, ratio = self._histograms
+            for c, r in zip(confidences.tolist(), self.ratio(scores).tolist(), strict=True):
+                confidence.observe(c)
+                ratio.observe(r)
+        return scores
+
+    def answer(self, score: float) -> dict[str, Any]:
+        """One image's `ood` in a /classify answer."""
+        return {"score": float(score), "flag": bool(score > self.ref.threshold), "method": self.ref.method,
+                "threshold": self.ref.threshold}
+
+    def report(self) -> DriftReport:
+        """The window's drift report, computed again only when the window has grown since."""
+        count = self.window.count
+        if self._report is None or self._report[0] != count:
+            self._report = (count, self.window.report(self.significance, self.min_window))
+        return self._report[1]
+
+    def describe(self) -> dict[str, Any]:
+        """What GET /models shows of it (`schemas.MonitoringInfo`)."""
+        ref = self.ref
+        return {"method": ref.method, "threshold": ref.threshold, "quantile": ref.quantile,
+                "calibration_images": len(ref.scores), "description": ref.describe()}
