@@ -14,7 +14,7 @@
     reference's calibration set (the trainer calibrates on its validation split, which is the digits test split),
     so the honest version is also shown: calibrated on one half of the held-out digits, streaming the other.
 (c) Cost: /classify images/s at concurrency 16 with unique JPEG uploads through two real gateways (`vit-serve
-    serve MODEL` and `vit-serve serve MODEL --no-monitoring`), rounds alternated; target ratio >= 0.97.
+    serve MODEL --no-batch-curve`, the same with `--no-monitoring`), rounds alternated; target ratio >= 0.97.
 
 Needs scikit-image (photos) and, for (c), httpx. Prints markdown tables.
 """
@@ -239,6 +239,13 @@ class Gateway:
             time.sleep(0.2)
         raise TimeoutError(f"{self.url} not ready after {timeout:.0f} s")
 
+    def batching(self) -> str:
+        """How its batcher runs, from GET /models."""
+        import httpx
+
+        v = httpx.get(f"{self.url}/models", timeout=10.0).json()["models"][0]["versions"][0]["batching"]
+        return f"max batch {v['max_batch']}, wait {v['max_delay_ms']:g} ms"
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -274,12 +281,17 @@ async def throughput(url: str, bodies: list[bytes], concurrency: int) -> float:
 
 
 def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurrency: int, warmup: int
-         ) -> dict[str, list[float]]:
-    """Images/s per round of the two gateways, rounds alternated (on, off, on, off, ...), every upload unique."""
+         ) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Images/s per round of the two gateways, rounds alternated (on, off, on, off, ...), every upload unique;
+    and how each batched."""
     from vit_serve.tune.load import unique_jpeg
 
-    gateways = {"monitoring on": Gateway(model, []), "monitoring off": Gateway(model, ["--no-monitoring"])}
+    # Both batch as configured: each gateway measures its batch curve at start-up, and on a shared machine that
+    # measurement's noise (batches of 1 on one, of 16 on the other) would decide the comparison instead.
+    same = ["--no-batch-curve"]
+    gateways = {"monitoring on": Gateway(model, same), "monitoring off": Gateway(model, [*same, "--no-monitoring"])}
     out: dict[str, list[float]] = {k: [] for k in gateways}
+    batching: dict[str, str] = {}
     k = 0
 
     def bodies(n: int) -> list[bytes]:
@@ -291,13 +303,14 @@ def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurren
         for g in gateways.values():
             g.wait_ready()
             asyncio.run(throughput(g.url, bodies(warmup), concurrency))
+        batching = {name: g.batching() for name, g in gateways.items()}
         for _ in range(rounds):
             for name, g in gateways.items():
                 out[name].append(asyncio.run(throughput(g.url, bodies(per_round), concurrency)))
     finally:
         for g in gateways.values():
             g.stop()
-    return out
+    return out, batching
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -369,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_path}: {model.cfg.img_size[0]}x{model.cfg.img_size[1]}, {model.cfg.num_classes} classes; "
           f"fit on {len(tr)} training digits, held out {len(te)} (the reference's calibration set)\n")
     fit, held = outputs(model, tr, cfg, ytr), outputs(model, te, cfg, yte)
-    ref = reference(fit, held, scores)
+    # the model's own reference (what the gateway serves with, from `vit-serve train`), else one built alike
+    ref = model.reference if model.reference is not None and not args.quick else reference(fit, held, scores)
+    print(f"reference: {'the model' + chr(39) + 's own' if ref is model.reference else 'built here'}: "
+          f"{ref.describe()}\n")
     photos = outputs(model, photo_crops(args.crops, args.seed), cfg)
     if "a" in args.parts:
         ood = {"photos": photos, "noise": outputs(model, noise_images(len(photos), 32, args.seed), cfg),
@@ -410,14 +426,14 @@ def main(argv: list[str] | None = None) -> int:
               f"windows is at most {args.significance} (Bonferroni is conservative)\n")
     if "c" in args.parts:
         bases = [digit_jpeg(im) for im in te[:50]]
-        res_c = cost(Path(model_path), bases, args.rounds, args.per_round, args.concurrency,
+        res_c, batching = cost(Path(model_path), bases, args.rounds, args.per_round, args.concurrency,
                      warmup=max(32, args.per_round // 10))
         on, off = (float(np.median(res_c[k])) for k in ("monitoring on", "monitoring off"))
         print(f"(c) /classify images/s, concurrency {args.concurrency}, {args.rounds} rounds x {args.per_round} "
               f"unique uploads per gateway, alternated (median)\n")
-        print(table(["gateway", "images/s", "rounds"], [[k, f"{float(np.median(v)):.1f}",
-                                                         " ".join(f"{x:.1f}" for x in v)]
-                                                        for k, v in res_c.items()]))
+        print(table(["gateway", "images/s", "rounds", "batching"],
+                    [[k, f"{float(np.median(v)):.1f}", " ".join(f"{x:.1f}" for x in v), batching[k]]
+                     for k, v in res_c.items()]))
         hit = on / off >= COST_TARGET
         ok &= hit
         print(f"\nratio on / off {on / off:.3f} (target >= {COST_TARGET}): {'ok' if hit else 'MISSED'}\n")

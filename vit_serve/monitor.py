@@ -19,6 +19,7 @@ Pure numpy. The pieces:
 from __future__ import annotations
 
 import base64
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -102,6 +103,11 @@ class Reference:
     source: str = ""
     version: int = field(default=REFERENCE_VERSION)
 
+    @functools.cached_property
+    def gaussian(self) -> _Gaussian:
+        """The Gaussian in float64 with its inverse variances, made on first use (scoring reads it per request)."""
+        return _Gaussian.of(self.mean, self.basis, self.eigvals, self.residual_var)
+
     @property
     def needs_embedding(self) -> bool:
         return self.method == "mahalanobis"
@@ -177,34 +183,65 @@ def mahalanobis(embeddings: np.ndarray, mean: np.ndarray, basis: np.ndarray, eig
     """embeddings [B, D] -> squared Mahalanobis distances [B] to the low-rank Gaussian: sum_j (v_j . (e - mu))^2 /
     (lambda_j + s) over the basis, plus ||the residual||^2 / (residual_var + s), s = SHRINKAGE x mean(lambda)
     (at full rank, exactly (e - mu)^T (Sigma + s I)^-1 (e - mu))."""
-    d = np.asarray(embeddings, np.float64) - mean.astype(np.float64)
-    b = basis.astype(np.float64)
-    lam = eigvals.astype(np.float64)
-    s = SHRINKAGE * max(float(lam.mean()), 1e-12)
-    p = d @ b
-    score = (p ** 2 / (lam + s)).sum(-1)
-    if b.shape[1] < b.shape[0]:
-        resid = (d ** 2).sum(-1) - (p ** 2).sum(-1)
-        score += np.maximum(resid, 0.0) / (residual_var + s)
-    return score.astype(np.float32)
+    return _mahalanobis(_Gaussian.of(mean, basis, eigvals, residual_var), embeddings)[0]
+
+
+@dataclass(frozen=True)
+class _Gaussian:
+    """A reference's Gaussian in float64, with the shrunk inverse variances: what scoring needs, made once."""
+
+    mean: np.ndarray
+    basis: np.ndarray
+    inv_var: np.ndarray
+    inv_residual: float  # 0 at full rank
+
+    @classmethod
+    def of(cls, mean: np.ndarray, basis: np.ndarray, eigvals: np.ndarray, residual_var: float) -> _Gaussian:
+        lam = eigvals.astype(np.float64)
+        s = SHRINKAGE * max(float(lam.mean()), 1e-12) if len(lam) else 1.0
+        full = basis.shape[1] >= basis.shape[0]
+        return cls(mean.astype(np.float64), basis.astype(np.float64), 1.0 / (lam + s),
+                   0.0 if full else 1.0 / (residual_var + s))
+
+
+def _mahalanobis(g: _Gaussian, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(squared distances [B] float32, the centred embeddings on the basis [B, k] float64).
+
+    By np.einsum rather than a BLAS product: a gateway scores one request's few rows on its event loop, where a
+    threaded BLAS call contends with the model's threads for the cores (under load it took a third of the event
+    loop's time)."""
+    d = np.asarray(embeddings, np.float64) - g.mean
+    p = np.einsum("bd,dk->bk", d, g.basis)
+    score = np.einsum("bk,k->b", p * p, g.inv_var)
+    if g.inv_residual:
+        resid = np.einsum("bd,bd->b", d, d) - np.einsum("bk,bk->b", p, p)
+        score += np.maximum(resid, 0.0) * g.inv_residual
+    return score.astype(np.float32), p
+
+
+def score(ref: Reference, logits: np.ndarray, embeddings: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """One pass's (OOD scores [B], drift projections [B, p]) by `ref.method`, from logits [B, K] and embeddings
+    [B, D] (needed for "mahalanobis"): `ood_scores` and `project` from one product."""
+    if ref.method == "energy":
+        return energy(logits), project(ref, None, logits)
+    if embeddings is None:
+        raise ValueError("the reference scores the embedding, and this pass gave none")
+    scores, p = _mahalanobis(ref.gaussian, embeddings)
+    return scores, p[:, :PROJECTIONS].astype(np.float32)
 
 
 def ood_scores(ref: Reference, logits: np.ndarray, embeddings: np.ndarray | None = None) -> np.ndarray:
     """[B] scores by `ref.method` from the pass that answered: logits [B, K], embeddings [B, D] (needed for
     "mahalanobis")."""
-    if ref.method == "energy":
-        return energy(logits)
-    if embeddings is None:
-        raise ValueError("the reference scores the embedding, and this pass gave none")
-    return mahalanobis(embeddings, ref.mean, ref.basis, ref.eigvals, ref.residual_var)
+    return score(ref, logits, embeddings)[0]
 
 
 def project(ref: Reference, embeddings: np.ndarray | None, logits: np.ndarray) -> np.ndarray:
     """[B, p] the centred embeddings on the reference's first p = PROJECTIONS directions (an "energy" reference:
     the first PROJECTIONS logits)."""
     if ref.needs_embedding and embeddings is not None:
-        k = min(PROJECTIONS, ref.basis.shape[1])
-        return ((np.asarray(embeddings, np.float64) - ref.mean) @ ref.basis[:, :k]).astype(np.float32)
+        return score(ref, logits, embeddings)[1]
     z = np.asarray(logits, np.float32)
     return z[:, :min(PROJECTIONS, z.shape[1])]
 

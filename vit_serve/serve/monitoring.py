@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from vit_serve.manifest import EMBEDDING, LOGITS
-from vit_serve.monitor import DriftReport, Reference, Window, ood_scores, project, softmax_confidence
+from vit_serve.monitor import DriftReport, Reference, Window, score, softmax_confidence
 from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.task import CLASSIFY, EMBED, Outputs, Task
 from vit_serve.serve.metrics import ModelMetrics
@@ -82,9 +82,9 @@ class VersionMonitor:
         logits, embedding = outputs.get(LOGITS), outputs.get(EMBEDDING)
         if logits is None or (self.ref.needs_embedding and embedding is None):
             return None
-        scores = ood_scores(self.ref, logits, embedding)
+        scores, projections = score(self.ref, logits, embedding)
         confidences = softmax_confidence(logits, self.scores)
-        self.window.add(confidences, scores, project(self.ref, embedding, logits), np.asarray(logits).argmax(-1))
+        self.window.add(confidences, scores, projections, np.asarray(logits).argmax(-1))
         if self._histograms is not None:
             confidence, ratio = self._histograms
             for c, r in zip(confidences.tolist(), self.ratio(scores).tolist(), strict=True):
