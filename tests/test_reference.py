@@ -226,3 +226,36 @@ def test_a_folder_too_small_is_refused_in_one_line(trained, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["convert", str(trained), str(tmp_path / "c.safetensors"), "--reference-images", str(few)]) == 1
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_a_real_tritonserver_serves_it_and_the_gateway_scores_its_answers(model, exported, digit_folder,
+                                                                          ready_client):
+    """tritonserver (the nvidia-pytriton wheel's, Python backend) loads the repository with the reference in the
+    `_py` model's config; a gateway with `--backend triton` reads it from get_model_config and scores /classify
+    answers with Triton's embedding, as the torch model's own embedding scores them."""
+    from vit_export.tritonserver import TritonServer, available
+
+    from vit_serve.preprocess import preprocess
+    from vit_serve.serve.settings import ServeSettings
+
+    why = available()
+    if why:
+        pytest.skip(f"no tritonserver here: {why}")
+    files = sorted(digit_folder.iterdir())[:6]
+    x = torch.stack([preprocess(f, model.preprocess_cfg) for f in files])
+    with torch.inference_mode():
+        _, emb = model.forward_embedding(x)
+    want = _mahalanobis_ref(model.reference, emb.double().numpy())
+    with TritonServer(exported.options.repo) as server:
+        settings = ServeSettings(model="digits_py", backend="triton", triton_url=server.http_url, device="cpu",
+                                 batch_curve=False, decode="contract")
+        with ready_client(settings) as client:
+            got = []
+            for f in files:
+                r = client.post("/classify", files={"file": (f.name, f.read_bytes(), "image/png")})
+                assert r.status_code == 200, r.text
+                got.append(r.json()["ood"])
+            versions = client.get("/models").json()["models"][0]["versions"]
+    np.testing.assert_allclose([g["score"] for g in got], want, rtol=1e-3, atol=1e-3)
+    assert [g["flag"] for g in got] == [bool(s > model.reference.threshold) for s in want]
+    assert versions[0]["monitoring"]["method"] == "mahalanobis"

@@ -94,7 +94,9 @@ def cluster(repo, redis_url) -> Iterator[dict[str, Any]]:
             ingress_actor_options={"num_cpus": 0.5})
         url = f"http://127.0.0.1:{port}"
         ready: set[str] = set()  # both ingress replicas warmed up (each warm-up is one model run)
-        deadline = time.monotonic() + 120
+        # Ray and Serve alone took 71 s to start on a CI machine whose other test worker was busy: room for both
+        # ingress replicas to load and warm up after that
+        deadline = time.monotonic() + 240
         while len(ready) < 2:
             r = httpx.get(f"{url}/readyz", timeout=30)
             if r.status_code == 200:
