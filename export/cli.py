@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_flags(p)
     _add_tome_flags(p)
     _add_int8_flags(p)
+    _add_reference_flags(p)
     _add_check_flags(p)
     _add_tensorrt_flags(p)
     _add_triton_flags(p)
@@ -157,11 +158,15 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"images that calibrate static int8 (default: --check-images; at most {MAX_CALIBRATION} are used)",
     )
-    p.add_argument(
+
+
+def _add_reference_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("monitoring (OOD scores and drift in the gateway)")
+    m.add_argument(
         "--reference-images",
         metavar="DIR",
-        help="in-distribution images the model's reference is built from (half fit, half calibrate), for OOD "
-             "scores and drift in the gateway (default: the checkpoint's own, when it applies to the export)",
+        help="in-distribution images the model's reference is built from (half fit, half calibrate) at the "
+             "export's resolution (default: the checkpoint's own, when it applies to the export)",
     )
 
 
