@@ -39,7 +39,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         model = convert(args.src, args.dst, res=args.res, num_classes=args.num_classes, arch=args.arch,
                         resample_mode=args.resample_mode, overwrite=args.force, zero_shot=labels,
-                        templates=templates, reference_images=args.reference_images)
+                        templates=templates, reference_images=args.reference_images, patch_size=args.patch_size)
     for w in caught:
         if "text tower not kept" in str(w.message):
             print(f"vit-serve convert: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
@@ -284,6 +284,9 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("dst", help="output .safetensors path")
     c.add_argument("--res", type=RESOLUTION, help="resample position embeddings to this resolution (384 or HxW)")
     c.add_argument("--num-classes", type=int, help="replace the head with a zero-initialised K-way head")
+    c.add_argument("--patch-size", type=int, metavar="P",
+                   help="FlexiViT: resize the patch embedding to P x P (pseudo-inverse) and resample the position "
+                        "embeddings to the new grid; P must divide the resolution")
     c.add_argument("--zero-shot", metavar="LABELS.txt",
                    help="build a zero-shot head (CLIP/SigLIP) from these labels, one per line, with the "
                         "checkpoint's text tower (open_clip's recipe); not with --num-classes")

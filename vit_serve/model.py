@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from vit_serve.config import ViTConfig, get_config
-from vit_serve.pos_embed import is_tracing, resample_pos_embed
+from vit_serve.pos_embed import is_tracing, resample_patch_embed, resample_pos_embed
 from vit_serve.resnet import ResNetStem
 from vit_serve.tome import LayerMerge, MergeState, TokenMerging, TomeR, parse_r, size_bias
 
@@ -323,6 +323,34 @@ class VisionTransformer(nn.Module):
         self.cfg = self.cfg.replace(img_size=(h, w))
         if self.preprocess_cfg is not None:
             self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
+
+    def set_patch_size(self, p: int, mode: str | None = None) -> None:
+        """FlexiViT (Beyer et al., CVPR 2023): P x P patches from now on, at the same resolution. The patch
+        kernel is resized by its pseudo-inverse (`resample_patch_embed`) and the position embeddings resampled to
+        the new grid (`resample_pos_embed`, `mode` default cfg.resample_mode), as timm's checkpoint loading does
+        when a model is created with another patch size. ValueError for a P that does not divide the resolution."""
+        h, w = self.cfg.img_size
+        if self.patch_embed.backbone is not None:
+            raise ValueError("set_patch_size: a hybrid's patches come from its ResNet stem; its patch size is fixed")
+        if not isinstance(p, int) or p <= 0 or h % p or w % p:
+            raise ValueError(f"patch size {p} does not divide the resolution {h}x{w} (a divisor of both sides: "
+                             f"{', '.join(str(d) for d in range(1, min(h, w) + 1) if not h % d and not w % d)})")
+        if p == self.cfg.patch_size:
+            return
+        old_grid, new_grid = self.grid_size, (h // p, w // p)
+        conv = self.patch_embed.proj
+        new = nn.Conv2d(conv.in_channels, conv.out_channels, kernel_size=p, stride=p, bias=conv.bias is not None,
+                        device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(resample_patch_embed(conv.weight.detach(), (p, p)))
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias)
+        self.patch_embed.proj = new
+        pos = resample_pos_embed(self.pos_embed.detach(), old_grid, new_grid, self.cfg.num_pos_prefix_tokens,
+                                 mode or self.cfg.resample_mode)
+        self.pos_embed = nn.Parameter(pos.clone())
+        self.cfg = self.cfg.replace(patch_size=p)
+        self.reference = None  # another tokenisation: other embeddings
 
     def reset_pos_embed(self) -> None:
         """Fresh position embeddings, N(0, 0.02²) as at initialisation (the control of resolution transfer)."""

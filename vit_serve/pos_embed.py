@@ -166,3 +166,23 @@ def resample_pos_embed(
                              **size).permute(0, 2, 3, 1)
     grid = grid.reshape(1, -1, dim).to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
+
+
+def resample_patch_embed(weight: torch.Tensor, new_size: tuple[int, int], interpolation: str = "bicubic",
+                         antialias: bool = True) -> torch.Tensor:
+    """FlexiViT's pseudo-inverse resize of a patch-embedding kernel (Beyer et al., CVPR 2023, §3.4; timm's
+    `resample_patch_embed`, big_vision's `resample_patchemb`): weight [D, C, p, q] -> [D, C, p', q'].
+
+    With B the resize of a p x q patch to p' x q' as a matrix ([p'q', pq], bicubic with antialiasing), the new
+    kernel is pinv(B^T) w: <x, w> = <B x, w'> for every patch x when upsampling, the least-squares best when not.
+    Computed in float64, returned in the weight's dtype."""
+    old = tuple(weight.shape[-2:])
+    new = (int(new_size[0]), int(new_size[1]))
+    if old == new:
+        return weight
+    n = old[0] * old[1]
+    basis = torch.eye(n, dtype=torch.float32, device=weight.device).reshape(n, 1, *old)
+    b = F.interpolate(basis, size=new, mode=interpolation, antialias=antialias).reshape(n, -1).T.double()
+    pinv = torch.linalg.pinv(b.T)  # [p'q', pq]
+    out = weight.double().reshape(*weight.shape[:2], n) @ pinv.T
+    return out.reshape(*weight.shape[:2], *new).to(weight.dtype)

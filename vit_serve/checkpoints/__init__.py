@@ -110,14 +110,15 @@ def load(src: str | os.PathLike, arch: str | None = None, **overrides: Any) -> V
 def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int] | None = None,
             num_classes: int | None = None, arch: str | None = None, resample_mode: str | None = None,
             overwrite: bool = False, zero_shot: list[str] | None = None,
-            templates: list[str] | None = None, reference_images: str | os.PathLike | None = None
-            ) -> VisionTransformer:
+            templates: list[str] | None = None, reference_images: str | os.PathLike | None = None,
+            patch_size: int | None = None) -> VisionTransformer:
     """Convert any supported checkpoint to our format, optionally at a new resolution or with a new head.
 
     A text tower in `src` (open_clip, CLIPModel / SiglipModel, ours) is kept (`text.*`); `zero_shot` labels
     build a zero-shot head with it (vit_serve.zeroshot; `templates` default "a photo of a {}.").
     `reference_images`: a folder the converted model's reference is built from (`vit_serve.reference`); without
-    it, the source's reference is kept unless the resolution or the head changed.
+    it, the source's reference is kept unless the resolution or the head changed. `patch_size`: FlexiViT's
+    resize of the patch embedding (`VisionTransformer.set_patch_size`), after the resolution is set.
     """
     from vit_serve import text, zeroshot  # they build on this package: imported when used
 
@@ -141,6 +142,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int]
         model.cfg = model.cfg.replace(resample_mode=resample_mode)
     if res:
         model.set_resolution(*res)
+    if patch_size is not None:
+        model.set_patch_size(patch_size)
     if zero_shot is not None:
         zeroshot.zero_shot_classifier(model, bundle, zero_shot, templates)
     elif num_classes is not None and num_classes != model.cfg.num_classes:
