@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from vit_serve import __version__
-from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT
+from vit_serve.manifest import EMBEDDING, LOGITS, OOD_SCORE, PIXEL_VALUES, ROLLOUT
 from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import CLASSIFY, EMBED, Task
@@ -39,7 +39,6 @@ from vit_serve.serve.v2_protocol import IMAGE, InferRequest, OutputTensor, Reque
 SERVER_NAME = "vit-serve"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 INPUTS = (PIXEL_VALUES, IMAGE)  # a request sends one of them
-OOD_SCORE = "ood_score"  # [B] FP32, models with a reference (`monitoring`); answered when asked for by name
 
 
 def server_metadata() -> dict[str, Any]:
@@ -157,8 +156,6 @@ def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str,
         tasks.append(mv.zero_shot_task())
     elif EMBEDDING in names or (OOD_SCORE in names and mv.classify_task() == EMBED):
         tasks.append(mv.embed_task())
-    elif OOD_SCORE in names and not tasks:
-        tasks.append(CLASSIFY)
     return tasks or [CLASSIFY]
 
 
