@@ -105,6 +105,10 @@ def _add_graph_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="384, 224x320 (height x width) or 'dynamic' (default: the checkpoint's own resolution)",
     )
+    p.add_argument("--patch-size", type=_positive, metavar="P",
+                   help="FlexiViT: resize the patch embedding to P x P (pseudo-inverse) and resample the position "
+                        "embeddings once, to the resolution / P; P must divide --res (default: the checkpoint's "
+                        "patch)")
     p.add_argument(
         "--format",
         type=argument_type(_formats),
@@ -229,8 +233,9 @@ def _add_triton_flags(p: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace) -> ExportOptions:
     """The parsed flags as `ExportOptions` (OptionError for refused combinations)."""
     return ExportOptions(
-        res=args.res, formats=tuple(args.format), batch=args.batch, precision=args.precision, out=args.out,
-        repo=args.repo, name=args.name, opset=args.opset, check_images=args.check_images,
+        res=args.res, patch_size=args.patch_size, formats=tuple(args.format), batch=args.batch,
+        precision=args.precision, out=args.out, repo=args.repo, name=args.name, opset=args.opset,
+        check_images=args.check_images,
         calibration_images=args.calibration_images, int8_scheme=args.int8_scheme, head_fusion=args.head_fusion,
         discard_ratio=args.discard_ratio, tol=args.tol, force=args.force, trt_precision=args.trt_precision,
         max_batch=args.max_batch, instances=args.instances, triton_ensemble=args.triton_ensemble,

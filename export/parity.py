@@ -111,6 +111,7 @@ class ParityReport:
     criteria: str
     rows: list[ParityRow] = field(default_factory=list)
     runtime: str = "onnxruntime"
+    patch_size: int | None = None  # the model's (a column of the table: --res and --patch-size side by side)
 
     @property
     def ok(self) -> bool:
@@ -120,7 +121,7 @@ class ParityReport:
         """The rows as a printable table."""
         embedding = any(r.embedding_max_abs is not None for r in self.rows)
         head = (
-            f"{'inputs':<8} {'res':>9} {'batch':>5} {'max|Δlogit|':>12} {'cosine':>10} {'top-1':>7} "
+            f"{'inputs':<8} {'res':>9} {'patch':>5} {'batch':>5} {'max|Δlogit|':>12} {'cosine':>10} {'top-1':>7} "
             f"{'rollout|Δ|':>11} {'near':>5} {'beyond':>9} {'map cos':>10} {'top-5':>6}"
             + (f" {'embed|Δ|':>9} {'emb cos':>10}" if embedding else "") + "  ok"
         )
@@ -134,7 +135,8 @@ class ParityReport:
 
         for r in self.rows:
             lines.append(
-                f"{r.inputs:<8} {r.res:>9} {r.batch:>5} {r.max_abs:>12.2e} {r.cosine:>10.7f} "
+                f"{r.inputs:<8} {r.res:>9} {fmt(self.patch_size, 'd'):>5} {r.batch:>5} {r.max_abs:>12.2e} "
+                f"{r.cosine:>10.7f} "
                 f"{r.top1:>6.0%} {fmt(r.rollout_max_abs, '.2e'):>11} {fmt(r.rollout_near, 'd'):>5} "
                 f"{fmt(r.rollout_beyond, '.2e'):>9} {fmt(r.rollout_cosine, '.7f'):>10} {fmt(r.rollout_top, '.0%'):>6}"
                 + (f" {fmt(r.embedding_max_abs, '.2e'):>9} {fmt(r.embedding_cosine, '.7f'):>10}" if embedding else "")
@@ -345,7 +347,7 @@ def check_parity(
         criteria += f", rollout |Δ| <= {ROLLOUT_TOL:g} beyond near-threshold flips"
     if info.embedding:
         criteria += ", the same for the embedding"
-    report = ParityReport(str(onnx_path), precision, criteria, runtime=runtime)
+    report = ParityReport(str(onnx_path), precision, criteria, runtime=runtime, patch_size=model.cfg.patch_size)
     sess = runtime_session(onnx_path, runtime, threads)
     model = model.eval()
     pre = model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from vit_serve.config import ViTConfig
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
@@ -137,6 +138,9 @@ class ExportOptions:
     """Every choice of an export (the flags of `vit-export`, same names with `formats` for --format).
 
     res: None (the model's own resolution), "dynamic", 384, "224x320" or (224, 320) -> (H, W) or "dynamic".
+    patch_size: FlexiViT's resize of the patch embedding to P x P (`VisionTransformer.set_patch_size`), at `res`
+    when it is static (one resampling of the position embeddings, to res / P), else at the model's own; the
+    manifest records both (`architecture.patch_size`, and the source's in `trained_patch_size`).
     formats: some of onnx, tensorrt, triton (a sequence or a comma list); the ONNX graphs are always written.
     batch: "dynamic" or a fixed N. precision: fp32, fp16 or int8 (onnxruntime quantization, `int8_scheme`).
     out: folder of the ONNX files and engines; repo: the Triton model repository; name: the file stem (default:
@@ -161,6 +165,7 @@ class ExportOptions:
     """
 
     res: Resolution | int | str | None = None
+    patch_size: int | None = None
     formats: tuple[str, ...] | str = ("onnx",)
     batch: int | Literal["dynamic"] = "dynamic"
     precision: str = "fp32"
@@ -216,6 +221,8 @@ class ExportOptions:
             _choice("triton_ensemble", self.triton_ensemble, ENSEMBLE_TARGETS)
         for name in ("max_batch", "instances", "max_queue"):
             _positive(name, getattr(self, name))
+        if self.patch_size is not None:
+            _positive("patch_size", self.patch_size)
         if not isinstance(self.opset, int) or self.opset < MIN_OPSET:
             raise OptionError("opset", f"<opset> {self.opset} is too old; LayerNormalization needs opset >= 17")
         if not (isinstance(self.discard_ratio, (int, float)) and 0.0 <= self.discard_ratio < 1.0):
@@ -374,6 +381,7 @@ class _Job:
     say: Progress
     text: Any = None  # the checkpoint's `vit_serve.text.bundle.TextBundle` (`text_tower`)
     reference: Reference | None = None  # what the logits graph's manifest carries (`_reference`)
+    source: ViTConfig | None = None  # the model's config before the export resized it (`patch_size`)
 
     @property
     def targets(self) -> tuple[Path, Path]:
@@ -425,18 +433,22 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     if checkpoint is not None:
         model = load(checkpoint)
     assert isinstance(model, VisionTransformer)
-    if isinstance(opts.res, tuple):
+    source = model.cfg
+    if opts.patch_size is not None:
+        model = _with_patch_size(model, opts, checkpoint is None, say)
+    elif isinstance(opts.res, tuple):
         model.check_size(*opts.res)  # ValueError naming the nearest valid sizes
     res: Resolution = opts.res or (int(model.cfg.img_size[0]), int(model.cfg.img_size[1]))  # type: ignore[assignment]
     if opts.tome is not None:
-        model = _with_token_merging(model, opts, checkpoint is None)
+        model = _with_token_merging(model, opts, checkpoint is None and opts.patch_size is None)
     name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{resolution_tag(res)}" + (
+        "" if opts.patch_size is None else f"_p{opts.patch_size}") + (
         "" if opts.precision == "fp32" else f"_{opts.precision}") + tome_tag(opts.tome)
     text = _text_bundle(model, checkpoint) if opts.text_tower else None
     reference = _reference(model, opts, res, say)
     if reference is not None and reference.needs_embedding and EMBEDDING not in opts.outputs:
         opts = dataclasses.replace(opts, outputs=(*opts.outputs, EMBEDDING))
-    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text, reference)
+    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text, reference, source)
     existing = [p for t in job.targets for p in (t, manifest_path(t)) if p.exists()]
     if text is not None:
         from vit_export.text_tower import text_targets
@@ -481,6 +493,25 @@ def _reference(model: VisionTransformer, opts: ExportOptions, res: Resolution, s
         say(f"(the checkpoint's reference is not carried: {why}; pass <reference_images> DIR to build one)")
         return None
     return ref
+
+
+def _with_patch_size(model: VisionTransformer, opts: ExportOptions, copy: bool, say: Progress) -> VisionTransformer:
+    """The model with `opts.patch_size` patches (FlexiViT), at `opts.res` when static (a copy when it is the
+    caller's object); OptionError for a patch that does not divide the resolution."""
+    if copy:
+        import copy as copy_module
+
+        model = copy_module.deepcopy(model)
+    had_reference, old = model.reference is not None, model.cfg.patch_size
+    static = opts.res if isinstance(opts.res, tuple) else None
+    try:
+        model.set_patch_size(opts.patch_size, static)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise OptionError("patch_size", f"<patch_size>: {e}") from None
+    if had_reference and opts.reference_images is None and opts.patch_size != old:
+        say(f"(the checkpoint's reference is not carried: it was made with {old}x{old} patches; pass "
+            "<reference_images> DIR to build one)")
+    return model
 
 
 def _with_token_merging(model: VisionTransformer, opts: ExportOptions, copy: bool) -> VisionTransformer:
@@ -572,7 +603,7 @@ def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGr
         int8 = Int8Quantization(opts.int8_scheme, int8_report,
                                 f"parity of the fp32 graph before {opts.int8_scheme} int8 quantization")
     record = build_sidecar(job.model, target, job.checkpoint, report.to_dict(), int8, info=exported.info,
-                           io=exported.io, reference=None if explain else job.reference)
+                           io=exported.io, reference=None if explain else job.reference, trained=job.source)
     manifest = write_manifest(target, record, overwrite=opts.force)
     say(f"wrote {target} and {manifest.name}")
     return WrittenGraph(target, manifest, report, int8_report, record)

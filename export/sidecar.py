@@ -17,6 +17,7 @@ from typing import Any
 from vit_export.graph_info import GraphInfo, load_proto
 from vit_export.onnx_export import io_spec
 
+from vit_serve.config import ViTConfig
 from vit_serve.manifest import (
     Architecture,
     ExportManifest,
@@ -69,12 +70,15 @@ def build_sidecar(
     info: GraphInfo | None = None,
     io: IOSpec | None = None,
     reference: Reference | None = None,
+    trained: ViTConfig | None = None,
 ) -> ExportManifest:
     """The manifest of an ONNX file exported from `model` (the source model, before resampling).
 
     parity: `vit_export.parity.ParityReport.to_dict()`; int8: set for a quantized graph (its precision is int8).
     info, io: the graph's `GraphInfo` and inputs/outputs when the caller has them (`export_graph`'s), else read
     from the file. reference: what OOD scores and drift compare with (the logits graph's, `vit_export.pipeline`).
+    trained: the checkpoint's config when the export resized the model (`--patch-size`): its resolution and patch
+    size are the manifest's trained ones.
     """
     path = Path(export_path)
     source = f"{path.name} (exported graph)"
@@ -89,13 +93,15 @@ def build_sidecar(
     if res != "dynamic":
         pre = pre.with_size(*res)
     cfg = model.cfg
+    trained = trained or cfg
     return ExportManifest(
         file=path.name,
         file_sha256=sha256(path),
         format="onnx",
         source_checkpoint=None if checkpoint is None else SourceCheckpoint(str(checkpoint), sha256(checkpoint)),
         architecture=Architecture(cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads,
-                                  cfg.resnet_layers is not None, cfg.pool, (cfg.img_size[0], cfg.img_size[1])),
+                                  cfg.resnet_layers is not None, cfg.pool,
+                                  (trained.img_size[0], trained.img_size[1]), trained.patch_size),
         resolution=res,
         resample_mode=info.resample_mode or cfg.resample_mode,
         batch=info.batch,

@@ -74,3 +74,54 @@ def test_a_resized_model_exports_with_its_patch_in_the_manifest(tmp_path, save_t
     assert result.ok  # both graphs pass parity against the resized torch model
     assert result.graph.record.architecture.patch_size == 8
     assert tuple(result.explain.record.io.output("rollout").shape[-2:]) == (4, 4)  # the map's grid follows the patch
+
+
+def test_vit_export_res_and_patch_size_equals_timm_created_at_both(tmp_path, randomize, capsys):
+    """`vit-export --res 64 --patch-size 8` of a 32x32 patch-16 timm model: the graph (onnxruntime) equals timm's
+    model created at img_size=64, patch_size=8 from the same weights, one resampling of the position embeddings
+    (2x2 -> 8x8) as timm's checkpoint_filter_fn; the manifest records the graph's and the source's both."""
+    import onnxruntime as ort
+    from vit_export.cli import main as export_main
+
+    from vit_serve.manifest import read_manifest
+
+    src = randomize(timm.create_model("vit_tiny_patch16_224", num_classes=3, depth=2, img_size=32))
+    hub = {"architecture": "vit_tiny_patch16_224", "model_args": {"img_size": [32, 32]}}
+    model = vit_serve.checkpoints.build_model(convert_timm(src.state_dict(), "vit_tiny_patch16_224", hub_config=hub))
+    ckpt = vit_serve.save(model, tmp_path / "m.safetensors")
+    out = tmp_path / "exports"
+    assert export_main([str(ckpt), "--res", "64", "--patch-size", "8", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "res patch batch" in " ".join(table.split()) and " 64x64     8 " in table, table
+    onnx = out / "m_64_p8.onnx"
+    m = read_manifest(onnx)
+    assert m.resolution == (64, 64) and m.architecture.patch_size == 8
+    assert m.architecture.trained_patch_size == 16 and m.architecture.trained_resolution == (32, 32)
+
+    ref = timm.create_model("vit_tiny_patch16_224", num_classes=3, depth=2, img_size=64, patch_size=8).eval()
+    sd = dict(src.state_dict())
+    sd["patch_embed.proj.weight"] = timm_resample_patch_embed(sd["patch_embed.proj.weight"], [8, 8],
+                                                              interpolation="bicubic", antialias=True)
+    sd["pos_embed"] = resample_abs_pos_embed(sd["pos_embed"], [8, 8], num_prefix_tokens=1,
+                                             interpolation="bicubic", antialias=True)
+    ref.load_state_dict(sd)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = ref(x).numpy()
+    sess = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
+    ours = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert abs(ours - theirs).max() <= 1e-4 * max(1.0, abs(theirs).max())
+
+
+def test_vit_export_refuses_a_patch_that_does_not_divide_res_in_one_line(tmp_path, save_tiny, capsys):
+    import vit_export
+    from vit_export.cli import main as export_main
+
+    ckpt = save_tiny(tmp_path / "m.safetensors", (32, 32), 0, ["a", "b"])
+    out = tmp_path / "exports"
+    assert export_main([str(ckpt), "--res", "48", "--patch-size", "10", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "--patch-size" in err and "patch size 10 does not divide the resolution 48x48" in err, err
+    assert err.count("\n") == 1 and not out.exists()
+    with pytest.raises(vit_export.OptionError, match="patch_size must be a positive integer, got 0"):
+        vit_export.ExportOptions(patch_size=0)

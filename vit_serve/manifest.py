@@ -315,7 +315,9 @@ class SourceCheckpoint:
 
 @dataclass(frozen=True)
 class Architecture:
-    """The exported model's architecture (the source model, before any resampling)."""
+    """The exported model's architecture: patch_size is the graph's; trained_resolution and trained_patch_size
+    are the source checkpoint's, before the export resampled it (`vit-export --res`, FlexiViT's `--patch-size`).
+    trained_patch_size is absent from manifests written before it (read as patch_size)."""
 
     patch_size: int
     embed_dim: int
@@ -324,16 +326,25 @@ class Architecture:
     hybrid: bool
     pool: str
     trained_resolution: tuple[int, int]
+    trained_patch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.trained_patch_size is None:
+            object.__setattr__(self, "trained_patch_size", self.patch_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"patch_size": self.patch_size, "embed_dim": self.embed_dim, "depth": self.depth,
-                "num_heads": self.num_heads, "hybrid": self.hybrid, "pool": self.pool,
-                "trained_resolution": list(self.trained_resolution)}
+        out = {"patch_size": self.patch_size, "embed_dim": self.embed_dim, "depth": self.depth,
+               "num_heads": self.num_heads, "hybrid": self.hybrid, "pool": self.pool,
+               "trained_resolution": list(self.trained_resolution)}
+        if self.trained_patch_size != self.patch_size:  # written only for a resized export (older files: absent)
+            out["trained_patch_size"] = self.trained_patch_size
+        return out
 
     @classmethod
     def _read(cls, o: _Obj) -> Architecture:
-        return cls(o.int("patch_size"), o.int("embed_dim"), o.int("depth"), o.int("num_heads"), o.bool("hybrid"),
-                   o.str("pool"), o.pair("trained_resolution"))
+        patch = o.int("patch_size")
+        return cls(patch, o.int("embed_dim"), o.int("depth"), o.int("num_heads"), o.bool("hybrid"),
+                   o.str("pool"), o.pair("trained_resolution"), o.int("trained_patch_size", patch))
 
 
 @dataclass(frozen=True)

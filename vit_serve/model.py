@@ -324,18 +324,21 @@ class VisionTransformer(nn.Module):
         if self.preprocess_cfg is not None:
             self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
 
-    def set_patch_size(self, p: int, mode: str | None = None) -> None:
-        """FlexiViT (Beyer et al., CVPR 2023): P x P patches from now on, at the same resolution. The patch
-        kernel is resized by its pseudo-inverse (`resample_patch_embed`) and the position embeddings resampled to
-        the new grid (`resample_pos_embed`, `mode` default cfg.resample_mode), as timm's checkpoint loading does
-        when a model is created with another patch size. ValueError for a P that does not divide the resolution."""
-        h, w = self.cfg.img_size
+    def set_patch_size(self, p: int, res: tuple[int, int] | None = None, mode: str | None = None) -> None:
+        """FlexiViT (Beyer et al., CVPR 2023): P x P patches from now on, at `res` (H, W; default the current
+        resolution). The patch kernel is resized by its pseudo-inverse (`resample_patch_embed`) and the position
+        embeddings resampled once, from the old grid to res / P (`resample_pos_embed`, `mode` default
+        cfg.resample_mode), as timm's checkpoint loading does for a model created at another `img_size` and
+        `patch_size`. ValueError for a P that does not divide the resolution."""
+        h, w = res if res is not None else self.cfg.img_size
         if self.patch_embed.backbone is not None:
             raise ValueError("set_patch_size: a hybrid's patches come from its ResNet stem; its patch size is fixed")
         if not isinstance(p, int) or p <= 0 or h % p or w % p:
             raise ValueError(f"patch size {p} does not divide the resolution {h}x{w} (a divisor of both sides: "
                              f"{', '.join(str(d) for d in range(1, min(h, w) + 1) if not h % d and not w % d)})")
         if p == self.cfg.patch_size:
+            if (h, w) != tuple(self.cfg.img_size):
+                self.set_resolution(h, w, mode)
             return
         old_grid, new_grid = self.grid_size, (h // p, w // p)
         conv = self.patch_embed.proj
@@ -349,7 +352,9 @@ class VisionTransformer(nn.Module):
         pos = resample_pos_embed(self.pos_embed.detach(), old_grid, new_grid, self.cfg.num_pos_prefix_tokens,
                                  mode or self.cfg.resample_mode)
         self.pos_embed = nn.Parameter(pos.clone())
-        self.cfg = self.cfg.replace(patch_size=p)
+        self.cfg = self.cfg.replace(patch_size=p, img_size=(h, w))
+        if self.preprocess_cfg is not None:
+            self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
         self.reference = None  # another tokenisation: other embeddings
 
     def reset_pos_embed(self) -> None:

@@ -193,7 +193,7 @@ def test_models_lists_the_reference_or_why_none(live):
     assert got["plain"]["monitoring"].startswith("no reference: OOD scores and drift are off")
     assert "--reference-images" in got["plain"]["monitoring"]
     r = client.get("/models/plain/drift")
-    assert r.status_code == 404 and "carries no reference" in r.json()["detail"]
+    assert r.status_code == 404 and "is not monitored: no reference" in r.json()["detail"]
     assert "vit-export --reference-images DIR" in r.json()["detail"]
     assert client.get("/models/nope/drift").status_code == 404
     assert client.get("/models/watched/drift", params={"version": 7}).status_code == 404

@@ -118,7 +118,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int]
     build a zero-shot head with it (vit_serve.zeroshot; `templates` default "a photo of a {}.").
     `reference_images`: a folder the converted model's reference is built from (`vit_serve.reference`); without
     it, the source's reference is kept unless the resolution or the head changed. `patch_size`: FlexiViT's
-    resize of the patch embedding (`VisionTransformer.set_patch_size`), after the resolution is set.
+    resize of the patch embedding (`VisionTransformer.set_patch_size`), at `res` when both are given.
     """
     from vit_serve import text, zeroshot  # they build on this package: imported when used
 
@@ -140,10 +140,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, res: tuple[int, int]
                                      "its text tower (open_clip state dict, CLIPModel / SiglipModel folder)")
     if resample_mode:
         model.cfg = model.cfg.replace(resample_mode=resample_mode)
-    if res:
-        model.set_resolution(*res)
     if patch_size is not None:
-        model.set_patch_size(patch_size)
+        model.set_patch_size(patch_size, res)  # one resampling of the position embeddings, to res / patch_size
+    elif res:
+        model.set_resolution(*res)
     if zero_shot is not None:
         zeroshot.zero_shot_classifier(model, bundle, zero_shot, templates)
     elif num_classes is not None and num_classes != model.cfg.num_classes:

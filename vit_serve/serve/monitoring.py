@@ -24,8 +24,8 @@ from vit_serve.serve.settings import MonitoringSettings
 
 log = logging.getLogger("vit_serve.serve")
 
-NO_REFERENCE = ("no reference: OOD scores and drift are off (export with --reference-images DIR, or train with "
-                "vit-serve train)")
+NO_REFERENCE = ("no reference: OOD scores and drift are off (export with vit-export --reference-images DIR, "
+                "images like its training data, or train with vit-serve train, which keeps one)")
 
 
 class VersionMonitor:

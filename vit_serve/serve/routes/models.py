@@ -72,15 +72,19 @@ def _batching(runner: Runner) -> dict | None:
             "images_per_s": {b: 1 / s for b, s in sorted(curve.items())}}
 
 
-def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
-    """A version's `monitoring` (`schemas.MonitoringInfo`), or why it has none."""
-    if mv.monitor is not None:
-        return mv.monitor.describe()
+def _unmonitored(gateway: Gateway, mv: ModelVersion) -> str:
+    """Why a version without a monitor has none (its /models `monitoring` and its drift's 404)."""
+    if not gateway.settings.monitor.monitoring:
+        return ("monitoring is off on this gateway (--no-monitoring / VIT_SERVE_MONITORING=false): no OOD scores, "
+                "no drift")
     if mv.info.reference is None:
         return NO_REFERENCE
-    if not gateway.settings.monitor.monitoring:
-        return "monitoring is off on this gateway (--no-monitoring): no OOD scores, no drift"
     return "its reference does not fit this model's outputs (see the gateway's log): OOD scores and drift are off"
+
+
+def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
+    """A version's `monitoring` (`schemas.MonitoringInfo`), or why it has none."""
+    return mv.monitor.describe() if mv.monitor is not None else _unmonitored(gateway, mv)
 
 
 @router.get("/models", response_model=ModelsResponse)
@@ -142,14 +146,7 @@ async def drift(name: NameDep, gateway: GatewayDep, version: Annotated[int | Non
     mv = repo.get(name, version if version is not None or not served else max(served))  # its usual 404 / 503
     monitor = mv.monitor
     if monitor is None:
-        if not gateway.settings.monitor.monitoring:
-            raise NotFoundError("monitoring is off on this gateway (--no-monitoring / VIT_SERVE_MONITORING=false): "
-                                "no drift is measured")
-        if mv.info.reference is None:
-            raise NotFoundError(f"{mv.label} carries no reference, so its drift is not measured: export it with "
-                                f"vit-export --reference-images DIR (images like its training data), or train it "
-                                f"with vit-serve train, which keeps one")
-        raise NotFoundError(f"{mv.label}: its reference does not fit the model's outputs (see the gateway's log)")
+        raise NotFoundError(f"{mv.label} is not monitored: {_unmonitored(gateway, mv)}")
     ref, report = monitor.ref, monitor.report()
     hist = score_histogram(ref, monitor.window.arrays()[1])
     return {"model": mv.name, "version": str(mv.version), "method": ref.method, "window": report.window,
