@@ -434,13 +434,17 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
         model = load(checkpoint)
     assert isinstance(model, VisionTransformer)
     source = model.cfg
+    if checkpoint is None and (opts.patch_size is not None or opts.tome is not None):
+        import copy
+
+        model = copy.deepcopy(model)  # the caller's object stays as it was
     if opts.patch_size is not None:
-        model = _with_patch_size(model, opts, checkpoint is None, say)
+        _set_patch_size(model, opts, say)
     elif isinstance(opts.res, tuple):
         model.check_size(*opts.res)  # ValueError naming the nearest valid sizes
     res: Resolution = opts.res or (int(model.cfg.img_size[0]), int(model.cfg.img_size[1]))  # type: ignore[assignment]
     if opts.tome is not None:
-        model = _with_token_merging(model, opts, checkpoint is None and opts.patch_size is None)
+        _set_token_merging(model, opts)
     name = opts.name or f"{checkpoint.stem if checkpoint else 'vit'}_{resolution_tag(res)}" + (
         "" if opts.patch_size is None else f"_p{opts.patch_size}") + (
         "" if opts.precision == "fp32" else f"_{opts.precision}") + tome_tag(opts.tome)
@@ -495,13 +499,9 @@ def _reference(model: VisionTransformer, opts: ExportOptions, res: Resolution, s
     return ref
 
 
-def _with_patch_size(model: VisionTransformer, opts: ExportOptions, copy: bool, say: Progress) -> VisionTransformer:
-    """The model with `opts.patch_size` patches (FlexiViT), at `opts.res` when static (a copy when it is the
-    caller's object); OptionError for a patch that does not divide the resolution."""
-    if copy:
-        import copy as copy_module
-
-        model = copy_module.deepcopy(model)
+def _set_patch_size(model: VisionTransformer, opts: ExportOptions, say: Progress) -> None:
+    """`opts.patch_size` patches (FlexiViT), at `opts.res` when static; OptionError for a patch that does not
+    divide the resolution."""
     had_reference, old = model.reference is not None, model.cfg.patch_size
     static = opts.res if isinstance(opts.res, tuple) else None
     try:
@@ -511,21 +511,14 @@ def _with_patch_size(model: VisionTransformer, opts: ExportOptions, copy: bool, 
     if had_reference and opts.reference_images is None and opts.patch_size != old:
         say(f"(the checkpoint's reference is not carried: it was made with {old}x{old} patches; pass "
             "<reference_images> DIR to build one)")
-    return model
 
 
-def _with_token_merging(model: VisionTransformer, opts: ExportOptions, copy: bool) -> VisionTransformer:
-    """The model with `opts.tome` set (a copy when it is the caller's object); OptionError for an r that does
-    not fit its depth."""
-    if copy:
-        import copy as copy_module
-
-        model = copy_module.deepcopy(model)
+def _set_token_merging(model: VisionTransformer, opts: ExportOptions) -> None:
+    """`opts.tome` set; OptionError for an r that does not fit the model's depth."""
     try:
         model.set_token_merging(opts.tome, prop_attn=opts.tome_prop_attn)  # type: ignore[arg-type]
     except (ValueError, TypeError) as e:
         raise OptionError("tome", f"<tome>: {e}") from None
-    return model
 
 
 def tome_tag(tome: TomeR | str | None) -> str:

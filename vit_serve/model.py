@@ -313,13 +313,18 @@ class VisionTransformer(nn.Module):
     def set_resolution(self, h: int, w: int | None = None, mode: str | None = None) -> None:
         """Resample the position embeddings permanently to H x W (paper §3.2)."""
         w = h if w is None else w
-        grid = self.check_size(h, w)
-        mode = mode or self.cfg.resample_mode
-        new = resample_pos_embed(self.pos_embed.detach(), self.grid_size, grid, self.cfg.num_pos_prefix_tokens,
-                                 mode)
-        self.pos_embed = nn.Parameter(new.clone())
+        self.check_size(h, w)
         if (h, w) != tuple(self.cfg.img_size):
             self.reference = None
+        self._resample_to(self.grid_size, h, w, mode)
+
+    def _resample_to(self, old_grid: tuple[int, int], h: int, w: int, mode: str | None) -> None:
+        """The position embeddings resampled from `old_grid` to the grid of H x W at the current patch size;
+        the config and the preprocessing contract at H x W."""
+        p = self.cfg.patch_size
+        new = resample_pos_embed(self.pos_embed.detach(), old_grid, (h // p, w // p), self.cfg.num_pos_prefix_tokens,
+                                 mode or self.cfg.resample_mode)
+        self.pos_embed = nn.Parameter(new.clone())
         self.cfg = self.cfg.replace(img_size=(h, w))
         if self.preprocess_cfg is not None:
             self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
@@ -340,7 +345,7 @@ class VisionTransformer(nn.Module):
             if (h, w) != tuple(self.cfg.img_size):
                 self.set_resolution(h, w, mode)
             return
-        old_grid, new_grid = self.grid_size, (h // p, w // p)
+        old_grid = self.grid_size
         conv = self.patch_embed.proj
         new = nn.Conv2d(conv.in_channels, conv.out_channels, kernel_size=p, stride=p, bias=conv.bias is not None,
                         device=conv.weight.device, dtype=conv.weight.dtype)
@@ -349,12 +354,8 @@ class VisionTransformer(nn.Module):
             if conv.bias is not None:
                 new.bias.copy_(conv.bias)
         self.patch_embed.proj = new
-        pos = resample_pos_embed(self.pos_embed.detach(), old_grid, new_grid, self.cfg.num_pos_prefix_tokens,
-                                 mode or self.cfg.resample_mode)
-        self.pos_embed = nn.Parameter(pos.clone())
-        self.cfg = self.cfg.replace(patch_size=p, img_size=(h, w))
-        if self.preprocess_cfg is not None:
-            self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
+        self.cfg = self.cfg.replace(patch_size=p)
+        self._resample_to(old_grid, h, w, mode)  # one resampling, straight to the new grid
         self.reference = None  # another tokenisation: other embeddings
 
     def reset_pos_embed(self) -> None:
