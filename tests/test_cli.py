@@ -137,3 +137,17 @@ def test_boolean_flags_override_the_recipe_and_refuse_values(tmp_path):
     r = run_cli("train", "--flip", "false", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress")
     assert r.returncode == 2 and "unrecognized arguments: false" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_grad_clip_comes_from_the_recipe_and_zero_turns_it_off(tmp_path):
+    from vit_serve.train.config import resolve
+
+    assert resolve(None, {}).grad_clip == 1.0  # the paper's clipping at global norm 1
+    assert resolve(None, {"mode": "finetune", "init": "src.safetensors", "data": "imgs"}).grad_clip == 1.0
+    # the digits' fine-tune does not clip (measured: benchmarks/digits_transfer.py --part default)
+    assert resolve(None, {"mode": "finetune", "init": "src.safetensors"}).grad_clip == 0.0
+    assert resolve(None, {"mode": "finetune", "init": "src.safetensors", "grad_clip": 1.0}).grad_clip == 1.0
+    assert resolve(None, {"grad_clip": 0.0}).grad_clip == 0.0  # a flag wins over the recipe
+    r = run_cli("train", "--grad-clip", "-1", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress")
+    assert r.returncode == 2 and "--grad-clip must be at least 0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -131,6 +131,8 @@ _TRAIN_HELP = {
     "init": "checkpoint to fine-tune (any supported format)",
     "res": "training resolution, e.g. 384 or 384x512",
     "batch_size": "global batch per optimizer step (across processes and accumulation)",
+    "grad_clip": "clip the gradient's global norm at this (0: no clipping); default: the recipe's (1, the paper's; "
+                 "0 for the digits' fine-tune)",
     "device": "auto, cpu, cuda or xla",
 }
 

@@ -101,7 +101,9 @@ def cluster(repo, redis_url) -> Iterator[dict[str, Any]]:
             r = httpx.get(f"{url}/readyz", timeout=30)
             if r.status_code == 200:
                 ready.add(r.headers[REPLICA])
-            assert time.monotonic() < deadline, f"the application did not become ready: {r.text}"
+            if time.monotonic() >= deadline:
+                models = httpx.get(f"{url}/models", timeout=30).text
+                pytest.fail(f"the application did not become ready: {r.text}; GET /models: {models}")
             time.sleep(0.1)
         yield {"url": url, "settings": settings,
                "deployment": deployment_name("tiny", (repo / "tiny.safetensors").resolve())}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from skimage import data as skdata
+from timm import data as timm_data
 from timm.data.mixup import Mixup, cutmix_bbox_and_lam, rand_bbox
 
 from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig, preprocess, to_tensor
@@ -70,8 +71,21 @@ def test_train_transform_inception_crop_parameters():
     assert crop.interpolation.value == CFG.interpolation
 
 
+@pytest.mark.parametrize("cfg", [CFG, CFG_IN, PreprocessConfig(input_size=(16, 32), crop_pct=1.0)])
+def test_train_transform_without_crop_is_timms_eval_geometry(photo, cfg):
+    """Without the Inception crop, training sees the pictures evaluation sees (timm's eval transform: keep the
+    aspect ratio, centre-crop), also at non-square sizes, where a plain Resize(input_size) would squash them."""
+    reference = timm_data.create_transform(input_size=(3, *cfg.input_size), interpolation=cfg.interpolation,
+                                           mean=cfg.mean, std=cfg.std, crop_pct=cfg.crop_pct,
+                                           crop_mode=cfg.crop_mode)
+    got = train_transform(cfg, inception_crop=False, flip=False)(photo)
+    torch.testing.assert_close(got, reference(photo), rtol=0, atol=0)
+    squashed = to_tensor(photo.resize(cfg.input_size[::-1], Image.Resampling.BICUBIC), cfg)
+    assert (got - squashed).abs().max() > 0.1
+
+
 def test_train_transform_without_crop_is_resize_then_flip(photo):
-    resized = to_tensor(photo.resize((40, 48), Image.Resampling.BICUBIC), CFG)
+    resized = preprocess(photo, CFG)
     torch.testing.assert_close(train_transform(CFG, inception_crop=False, flip=False)(photo), resized, rtol=0, atol=0)
     flips = set()
     t = train_transform(CFG, inception_crop=False, flip=True)

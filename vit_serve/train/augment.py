@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vit_serve.preprocess import ImageSource, PreprocessConfig, load_image, preprocess, to_tensor
+from vit_serve.preprocess import ImageSource, PreprocessConfig, load_image, preprocess, resize_and_crop, to_tensor
 
 __all__ = [
     "INCEPTION_CROP_RATIO",
@@ -103,7 +103,10 @@ class TrainTransform:
                 )
             )
         else:
-            ops.append(v2.Resize(cfg.input_size, interpolation=interp, antialias=True))
+            # The evaluation's geometry (keep the aspect ratio, centre-crop; `resize_and_crop`): a plain
+            # Resize(input_size) would squash every picture at a non-square size, and the model would learn
+            # other shapes than those it is scored on.
+            ops.append(functools.partial(resize_and_crop, cfg=cfg))
         if translate:
             # Shifts of up to `translate` x the size, padded with black: the classic augmentation of small,
             # centred scans such as the digits, where a crop would cut strokes away.
@@ -148,10 +151,10 @@ def train_transform(
     """Image (PIL, bytes or path) -> augmented float32 tensor [3, H, W] with ``(H, W) = cfg.input_size``.
 
     ``load_image`` -> Inception crop (``RandomResizedCrop``: 5-100 % of the area, aspect 3/4-4/3, resized with
-    ``cfg.interpolation``; with ``inception_crop=False`` a plain resize to ``cfg.input_size``) -> optional random
-    shift by up to ``translate`` x the size -> random horizontal flip -> optional RandAugment (``"rand-m9-n2"``, see
-    :func:`parse_randaugment`) -> ``to_tensor(img, cfg)``. A bad RandAugment spec raises ``ValueError`` here,
-    not at the first image.
+    ``cfg.interpolation``; with ``inception_crop=False`` the evaluation's resize and centre crop,
+    :func:`~vit_serve.preprocess.resize_and_crop`) -> optional random shift by up to ``translate`` x the size ->
+    random horizontal flip -> optional RandAugment (``"rand-m9-n2"``, see :func:`parse_randaugment`) ->
+    ``to_tensor(img, cfg)``. A bad RandAugment spec raises ``ValueError`` here, not at the first image.
     """
     return TrainTransform(cfg, inception_crop, flip, randaugment, translate)
 

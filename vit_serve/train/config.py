@@ -38,18 +38,20 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {"digits": DIGITS_MODEL}
 # Defaults of every option left unset (None), by mode; a data set's recipe adds its own on top. The paper's
 # recipes, scaled to the run: warm-up 5% of the steps as vit_jax's 500 of 10k.
 RECIPES: dict[str, dict[str, Any]] = {
-    "pretrain": dict(optimizer="adam", steps=1000, lr=1e-3, weight_decay=0.1, label_smoothing=0.0, dropout=0.0,
-                     inception_crop=True, flip=True, translate=0.0),
-    "finetune": dict(optimizer="sgd", steps=500, lr=0.01, weight_decay=0.0, label_smoothing=0.0, dropout=0.0,
-                     inception_crop=True, flip=True, translate=0.0),
+    "pretrain": dict(optimizer="adam", steps=1000, lr=1e-3, weight_decay=0.1, grad_clip=1.0, label_smoothing=0.0,
+                     dropout=0.0, inception_crop=True, flip=True, translate=0.0),
+    "finetune": dict(optimizer="sgd", steps=500, lr=0.01, weight_decay=0.0, grad_clip=1.0, label_smoothing=0.0,
+                     dropout=0.0, inception_crop=True, flip=True, translate=0.0),
 }
 # 8x8 scans: shifts of up to one scan pixel instead of the Inception crop (5% of 64 pixels is noise), no
 # flips (a mirrored 2 is not a 2); a small data set wants label smoothing and dropout.
 # Measured on 2 CPU cores: 98.3% held-out top-1 in about 3 minutes.
+# The fine-tune does not clip: at 2x (benchmarks/digits_transfer.py --part default, seeds 0-2) it ends at least at
+# its source on every seed without clipping and below it on one with the paper's clipping at 1 (both 98.5% mean).
 DIGITS_RECIPE: dict[str, dict[str, Any]] = {
     "pretrain": dict(steps=1500, lr=3e-3, label_smoothing=0.1, dropout=0.1, inception_crop=False, flip=False,
                      translate=0.125),
-    "finetune": dict(inception_crop=False, flip=False, translate=0.125),
+    "finetune": dict(inception_crop=False, flip=False, translate=0.125, grad_clip=0.0),
 }
 
 
@@ -102,7 +104,7 @@ class TrainConfig:
     min_lr: float = 0.0
     weight_decay: float | None = None
     momentum: float = 0.9
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = None  # global gradient norm clipping (0: none); default 1 (the paper's), see RECIPES
     label_smoothing: float | None = None
     dropout: float | None = None
     attn_dropout: float = 0.0
@@ -164,6 +166,8 @@ class TrainConfig:
             raise ValueError(f"optimizer={self.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
         if self.steps <= 0 or self.batch_size <= 0 or self.accum_steps <= 0:
             raise ValueError("steps, batch_size and accum_steps must be positive")
+        if self.grad_clip < 0:
+            raise OptionError(f"--grad-clip must be at least 0 (0: no clipping), got {self.grad_clip}")
         if self.batch_size % self.accum_steps:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by accum_steps {self.accum_steps}")
         self._check_finetune_options()

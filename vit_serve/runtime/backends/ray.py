@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,11 @@ REPLICA_BATCH = Histogram("vit_serve_ray_batch_size", "images in the replica's b
                           MODEL, buckets=BATCH_BUCKETS, registry=RAY_METRICS)
 
 
+log = logging.getLogger("vit_serve.runtime.backends.ray")
+# How long the ingress waits, at most, for a model deployment to describe itself when it loads that model.
+DESCRIBE_WAIT_S = 300.0
+
+
 def deployment_name(model: str, path: str | Path) -> str:
     """The deployment of the model version `model` served from `path` (an absolute path: the ingress and
     `build_app` find the same files): the model name, then a digest of the path (versions differ by it)."""
@@ -64,15 +71,29 @@ class RayModelBackend(RemoteBackend):
         self.deployment = deployment_name(spec.name or Path(spec.path).stem, spec.path)
         self.timeout_s = spec.limits.request_timeout_s
         self.handle = serve.get_deployment_handle(self.deployment, app_name=app)
-        try:  # in the model thread: the replicas are up (the ingress waited for them)
-            described = self.handle.describe.remote().result(timeout_s=self.timeout_s)
-        except RayTaskError as e:
-            raise _cause(e) from None
-        except (RayError, TimeoutError) as e:
-            raise BackendUnavailableError(f"deployment {self.deployment!r} does not answer: {e}") from None
+        described = self._describe()
         self.version = str(described["version"])
         self.supports_grad_rollout = bool(described["grad_rollout"])
         self.info = dataclasses.replace(described["info"], device="remote")  # the gateway decodes on its CPU
+
+    def _describe(self) -> dict[str, Any]:
+        """What the deployment's replica loaded, in the model thread. Its replicas are up (the ingress waited for
+        them), yet a new handle's first call can take longer than one request's timeout on a loaded machine (Ray
+        routes it once the controller has told this process where the replicas are): tried again until
+        DESCRIBE_WAIT_S, else a refused load would stay refused for as long as the application runs."""
+        deadline = time.monotonic() + max(DESCRIBE_WAIT_S, self.timeout_s)
+        while True:
+            try:
+                return self.handle.describe.remote().result(timeout_s=self.timeout_s)
+            except RayTaskError as e:  # the replica's own reason (the model cannot load): no retry helps
+                raise _cause(e) from None
+            except (RayError, TimeoutError) as e:
+                if time.monotonic() + 1.0 >= deadline:
+                    raise BackendUnavailableError(f"deployment {self.deployment!r} does not answer: "
+                                                  f"{' '.join(str(e).split())[:300] or type(e).__name__}") from None
+                log.warning("deployment %r does not answer yet (%s); trying again", self.deployment,
+                            type(e).__name__)
+                time.sleep(1.0)
 
     async def run(self, task: Task, x: np.ndarray, options: CallOptions = NO_OPTIONS) -> Outputs:
         """One call to the deployment (Ray Serve has no request priority; the runner's wait holds the
