@@ -94,15 +94,22 @@ def test_calls_beyond_the_cap_are_resource_exhausted(tiny_onnx):
     with live_app(settings_for(tiny_onnx, grpc_port=0, grpc_max_concurrent_calls=1)) as (_, app):
         address = app.state.grpc.address
         with grpc.insecure_channel(address) as channel:
-            first = channel.stream_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
-                                         response_deserializer=pb.ModelInferResponse.FromString).future(
-                held(), timeout=120)
+            call = channel.stream_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInferResponse.FromString)
             c = grpcclient.InferenceServerClient(address)
             try:
-                # The held call is in flight once the server has taken it: until then a call may still pass.
-                deadline, second = time.monotonic() + 30, ("OK", "")
+                # The held call is in flight once the server has taken it: until then a call may still pass. If
+                # it reaches the server while one of those calls is in flight, the held call is the one refused:
+                # hold another.
+                deadline, second, refused = time.monotonic() + 30, ("OK", ""), 0
+                first = call.future(held(), timeout=120)
                 while second[0] == "OK" and time.monotonic() < deadline:
                     second = _code(c, x)
+                    if second[0] == "OK" and first.done():
+                        assert first.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, first.code()
+                        refused += 1
+                        first = call.future(held(), timeout=120)
+                print(f"held calls refused while a probe was in flight: {refused}")
                 release.set()
                 answered = first.result(timeout=60)
                 third = _code(c, x)
