@@ -118,12 +118,16 @@ def baseline_tree(commit: str, out: Path) -> Path:
 
 
 def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = None,
-            baseline: Path | None = None, threads: int | None = None) -> serve_load.Server:
-    """A gateway (torch backend, `args.max_batch`, the settings' default queue) on `model`; `baseline`: served from
-    that code tree instead of this one."""
+            baseline: Path | None = None, threads: int | None = None, instances: int | None = None
+            ) -> serve_load.Server:
+    """A gateway (torch backend, `args.max_batch`, the settings' default queue, `instances` or `--instances` model
+    instances) on `model`; `baseline`: served from that code tree instead of this one (one instance: it has no
+    such setting)."""
     env = {"VIT_SERVE_BACKEND": "torch", "VIT_SERVE_MAX_QUEUE": "256", "VIT_SERVE_DECODE": "fast", **(env or {})}
     if baseline is not None:  # that tree first on sys.path, and not the working directory (this checkout)
         env.update(PYTHONPATH=str(baseline), PYTHONSAFEPATH="1")
+    else:
+        env["VIT_SERVE_INSTANCES"] = str(instances or args.instances)
     return serve_load.Server(model, threads or args.threads, "cpu", args.max_batch, args.max_delay_ms, env)
 
 
@@ -692,11 +696,12 @@ def scenario_shadow(args: argparse.Namespace, repo: Path, images: Images) -> Tab
             "images run (v2) | shadow copies dropped |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     windows: dict[tuple[str, str], Window] = {}
     results: dict[str, dict] = {}
-    loads = {"headroom: 1 client, 1 model thread": (1, 1),
-             f"overload: {args.overload_clients} clients, all cores": (args.overload_clients, args.threads)}
-    for load, (clients, threads) in loads.items():
+    loads = {"headroom: 1 client, 1 model thread": (1, 1, 1),
+             f"overload: {args.overload_clients} clients, all cores": (args.overload_clients, args.threads,
+                                                                        args.instances)}
+    for load, (clients, threads, instances) in loads.items():
         with contextlib.ExitStack() as stack:
-            servers = {name: stack.enter_context(gateway(repo, args, env, threads=threads))
+            servers = {name: stack.enter_context(gateway(repo, args, env, threads=threads, instances=instances))
                        for name, env in configs.items()}
             for server in servers.values():
                 warm(server, images, args.max_batch, path)
@@ -737,6 +742,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-delay-ms", type=float, default=5.0)
     ap.add_argument("--threads", type=int, help="the model's intra-op threads (default: the runtime's own)")
+    ap.add_argument("--instances", type=int, default=2,
+                    help="the new gateway's model instances (VIT_SERVE_INSTANCES; default 2: one a core, each of "
+                         "one intra-op thread; today's gateway has one)")
     ap.add_argument("--baseline", default="60e39d4", help="the commit of today's gateway (default 60e39d4)")
     ap.add_argument("--window-s", type=float, default=20.0, help="seconds of each measured window (default 20)")
     ap.add_argument("--rounds", type=int, default=2, help="priorities, shadow: rounds of turns (default 2)")
@@ -797,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--scenarios {args.scenarios!r}: expected a comma list of {', '.join(SCENARIOS)}")
     args.capacity_clients = args.capacity_clients or 2 * args.max_batch
     args.overload_clients = args.overload_clients or 4 * args.max_batch
-    if min(args.max_batch, args.hangups, args.rounds, args.capacity_clients, args.overload_clients) < 1:
+    if min(args.max_batch, args.instances, args.hangups, args.rounds, args.capacity_clients, args.overload_clients) < 1:
         ap.error("--max-batch, --hangups, --rounds and the client counts must be at least 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="serve_lifecycle-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -811,7 +819,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nServing {args.model} at {args.res}px (random weights) on the torch backend (torch {torch.__version__}), "
           f"CPU, {os.cpu_count()} cores; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}, max_queue "
-          f"256, threads {args.threads or 'the runtime default'}; unique small photos (451x300) to /classify; "
+          f"256, threads {args.threads or 'the runtime default'}, new gateway's instances {args.instances}; "
+          f"unique small photos (451x300) to /classify; "
           f"today's gateway: commit {args.baseline}, the same venv")
     print("\n".join(lines))
     serve_load.print_checks(checks)

@@ -51,6 +51,16 @@ def test_an_unmeasured_curve_batches_as_configured():
     assert curve.limit == 8 and curve.worth_waiting and curve.gain(8) == 1.0
 
 
+def test_batch_s_is_rows_times_the_interpolated_time_per_image():
+    curve = BatchCurve(16, {1: 0.100, 2: 0.080, 4: 0.060, 8: 0.050})
+    assert curve.batch_s(1) == pytest.approx(0.100)
+    assert curve.batch_s(4) == pytest.approx(4 * 0.060)
+    assert curve.batch_s(3) == pytest.approx(3 * 0.070)  # halfway between 2 and 4
+    assert curve.batch_s(6) == pytest.approx(6 * 0.055)
+    assert curve.batch_s(12) == pytest.approx(12 * 0.050)  # beyond the largest measured: its time per image
+    assert BatchCurve(8).batch_s(4) is None and curve.batch_s(0) is None
+
+
 @pytest.mark.parametrize(("max_batch", "expected"), [(1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]),
                                                      (12, [1, 2, 4, 8, 12]), (16, [1, 2, 4, 8, 16])])
 def test_sizes(max_batch, expected):

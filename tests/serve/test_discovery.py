@@ -89,6 +89,27 @@ def test_triton_style_versions_policy_and_limits(tmp_path, tiny_ckpt):
     assert entry.limits == ModelLimits(max_batch=8, max_delay_ms=2.5, max_queue=32)
 
 
+def test_instance_group_counts_are_the_models_instances(tmp_path, tiny_ckpt):
+    """Triton's instance_group: the groups' counts summed (a group without a count has one instance), none
+    without a group (the gateway's setting then applies)."""
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from vit_serve.runtime.settings import RunnerLimits
+
+    kind = pb.ModelInstanceGroup.Kind
+    for name, groups in (("two", [pb.ModelInstanceGroup(count=2, kind=kind.KIND_CPU)]),
+                         ("three", [pb.ModelInstanceGroup(count=2, kind=kind.KIND_CPU),
+                                    pb.ModelInstanceGroup(kind=kind.KIND_CPU)]),
+                         ("none", [])):
+        shutil.copy(tiny_ckpt, _touch(tmp_path / name / "1" / "w.safetensors"))
+        _triton_config(tmp_path / name, max_batch_size=4, instance_group=groups)
+    entries = scan(tmp_path)
+    for name, want in (("two", 2), ("three", 3), ("none", None)):
+        assert entries[name].limits.instances == want, name
+    assert entries["two"].limits.over(RunnerLimits(instances=1)).instances == 2
+    assert entries["none"].limits.over(RunnerLimits(instances=3)).instances == 3
+
+
 def test_triton_latest_and_all_policies_from_config(tmp_path, tiny_ckpt):
     from tritonclient.grpc import model_config_pb2 as pb
 

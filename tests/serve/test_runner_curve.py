@@ -53,7 +53,8 @@ def test_off_batches_as_configured_and_shows_no_curve(tiny_ckpt):
 
     curve, body = run(scenario())
     assert curve is None
-    assert body["models"][0]["versions"][0]["batching"] == {"max_batch": 8, "max_delay_ms": 5.0, "images_per_s": {}}
+    assert body["models"][0]["versions"][0]["batching"] == {"max_batch": 8, "max_delay_ms": 5.0, "images_per_s": {},
+                                                                 "instances": 1}
 
 
 def _queued_batches(tiny_ckpt, per_image_s: dict[int, float]) -> list[int]:

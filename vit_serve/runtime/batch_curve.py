@@ -38,6 +38,18 @@ class BatchCurve:
         one, b = self.per_image_s.get(1), self.per_image_s.get(rows)
         return one / b if one and b else 1.0
 
+    def batch_s(self, rows: int) -> float | None:
+        """Seconds one batch of `rows` images takes: `rows` x the time per image, interpolated linearly between
+        the measured sizes (beyond the largest, its time per image); None before anything is measured."""
+        if not self.per_image_s or rows < 1:
+            return None
+        known = sorted(self.per_image_s.items())
+        below = [(b, s) for b, s in known if b <= rows] or known[:1]
+        above = [(b, s) for b, s in known if b >= rows] or known[-1:]
+        (b0, s0), (b1, s1) = below[-1], above[0]
+        per_image = s0 if b1 == b0 else s0 + (s1 - s0) * (rows - b0) / (b1 - b0)
+        return rows * per_image
+
     @property
     def limit(self) -> int:
         """The largest batch worth running: the smallest measured size whose time per image is within

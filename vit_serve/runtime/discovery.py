@@ -173,12 +173,13 @@ class ModelLimits:
     max_batch: int | None = None
     max_delay_ms: float | None = None
     max_queue: int | None = None
+    instances: int | None = None  # instance_group's count
 
     def over(self, limits: L) -> L:
         """`limits` (the gateway's `runtime.settings.RunnerLimits`) with this model's own values in their place
-        (a max_batch or max_queue of 0 is none)."""
+        (a max_batch, max_queue or instances of 0 is none)."""
         own = {"max_batch": self.max_batch or None, "max_delay_ms": self.max_delay_ms,
-               "max_queue": self.max_queue or None}
+               "max_queue": self.max_queue or None, "instances": self.instances or None}
         return limits.model_copy(update={k: v for k, v in own.items() if v is not None})
 
 
@@ -293,11 +294,13 @@ def read_triton_config(path: Path) -> TritonConfig:
             policy = VersionPolicy("all")
         elif choice == "specific":
             policy = VersionPolicy("specific", versions=tuple(sorted(config.version_policy.specific.versions)))
-    limits = ModelLimits(max_batch=config.max_batch_size or None)
+    # instance_group: the instances a local backend runs at once (Triton's count, a group without one has 1)
+    instances = sum(g.count or 1 for g in config.instance_group) or None
+    limits = ModelLimits(max_batch=config.max_batch_size or None, instances=instances)
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
         limits = ModelLimits(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
-                             max_queue=db.default_queue_policy.max_queue_size or None)
+                             max_queue=db.default_queue_policy.max_queue_size or None, instances=instances)
     meta = None
     if "vit_serve" in config.parameters:
         as_json: dict[str, Any] = {"parameters": {"vit_serve": {

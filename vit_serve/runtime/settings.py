@@ -86,6 +86,13 @@ class RunnerLimits(BaseSettings):
         "rows), checked from the tensor's shape before anything is decoded (400 beyond); 0: the model's "
         "max_batch. Above max_batch, a request runs as several batches")
 
+    instances: Annotated[int, Flag(
+        "model instances, each running its own batch at once (Triton's instance_group count; default "
+        "{default})")] = Field(
+        1, ge=1, description="copies of the model's execution that run batches at once (Triton's instance_group "
+        "count): on a CPU, n instances of cores / n intra-op threads each keep the cores busy where one instance's "
+        "threads wait on each other")
+
     batch_curve: Annotated[bool, Flag(
         "batch as configured, without measuring what batching buys the model at warm-up")] = Field(
         True, description="measure the model's time per image at batch 1, 2, 4, ... max_batch when a version "

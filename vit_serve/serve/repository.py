@@ -364,10 +364,12 @@ class ModelRepository:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _threads(self) -> int | None:
+    def _threads(self, instances: int = 1) -> int | None:
+        """Intra-op threads of each instance of a model: `--threads`, else the cores shared by the models and
+        their instances (None: one model of one instance keeps its runtime's default)."""
         if self.spec.threads is not None:
             return self.spec.threads
-        n = max(1, len(self._wanted))
+        n = max(1, len(self._wanted)) * instances
         return None if n == 1 else max(1, available_cpus() // n)
 
     def _limits(self, entry: ModelEntry | None) -> RunnerLimits:
@@ -380,9 +382,10 @@ class ModelRepository:
         key = (source.name, source.version)
         self._loading.add(key)
         loop = asyncio.get_running_loop()
-        thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{source.name}")
+        limits = self._limits(self.entries.get(source.name))
+        thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
         spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
-                                 threads=self._threads())
+                                 threads=self._threads(limits.instances))
         if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile: for checkpoints only
             spec = spec.replace(tome=None, compile=False)
         version: ModelVersion | None = None
@@ -397,7 +400,7 @@ class ModelRepository:
             log.info("loaded %s (%s backend), version %d: %dx%d, %d classes, explain=%s", source.name, backend.name,
                      source.version, *info.resolution, info.num_classes, info.explain)
             metrics = self.metrics.for_model(source.name, str(source.version))
-            runner = runner_for(backend, self._limits(self.entries.get(source.name)), metrics, thread)
+            runner = runner_for(backend, limits, metrics, thread)
             runner.start()
             device = model_device(backend)
             off = choose_decoder(device, self.gpu_decode, source.name)

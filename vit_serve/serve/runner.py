@@ -2,35 +2,36 @@
 
 `BatchingRunner`: requests wait in a bounded queue (full: `QueueFullError`, answered 503 + Retry-After). A request
 of more than `max_batch` images (`max_images_per_request` allows it) is queued as consecutive parts of at most
-`max_batch` rows, each a queue entry, so that no batch the model runs is larger than `max_batch`; its answer is
-the parts' outputs joined, and a part that fails or times out drops the parts not yet started. One
-collector task takes the oldest request and every waiting request with the same `Task`, up to `max_batch`
-images. It waits for more at most `max_delay_ms` after the oldest one arrived, and only while more are known to
-be coming (`Arrival`: requests whose body is being read or decoded): a lone request never waits for nothing, and
-the model is never idle while requests wait (whatever queued up during a run goes straight into the next). With
-the model's batch curve (`use_curve`: its time per image by batch size, measured at warm-up,
-`vit_serve.runtime.batch_curve`), a batch holds no more rows than pay, and the collector waits for a batch to
-fill only where waiting pays (on a CPU where batch 1 is as fast per image as batch 8 it never waits).
-Batches run in the version's own model thread, so the model runs one batch at a time and the event loop stays
-free. A request not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its
-rows are dropped if they have not started.
+`max_batch` rows, each a queue entry, so that no batch the model runs is larger than `max_batch`; its answer is the
+parts' outputs joined, and a part that fails or times out drops the parts not yet started. One collector task takes
+the oldest request and every waiting request with the same `Task`, up to `max_batch` images. It waits for more at
+most `max_delay_ms` after the oldest one arrived, and only while more are known to be coming (`Arrival`: requests
+whose body is being read or decoded): a lone request never waits for nothing, and the model is never idle while
+requests wait (whatever queued up during a run goes straight into the next). With the model's batch curve
+(`use_curve`: its time per image by batch size, measured at warm-up, `vit_serve.runtime.batch_curve`), a batch
+holds no more rows than pay, and the collector waits for a batch to fill only where waiting pays (on a CPU where
+batch 1 is as fast per image as batch 8 it never waits). Batches run in the version's own model thread, so the
+model runs one batch at a time and the event loop stays free; with `instances` n (Triton's instance_group count)
+the version has n model threads and up to n batches run at once, the next batch chosen when one of them is free. A
+request not answered within `request_timeout_s` of being queued gets `GatewayTimeoutError` (504); its rows are
+dropped if they have not started.
 
 `DirectRunner` (Triton, whose server batches): each request is sent as it comes, in the same parts of at most
 `max_batch` rows, with the same limits (at most `max_queue` parts outstanding, the same timeout).
 
 Every request comes with its `Admission` (`vit_serve.serve.admission`: priority level, deadline, caller). The
-batching runner takes the most urgent level first, and within a level the earliest deadline (a request without
-one has its queueing time + `request_timeout_s`, so that equal requests keep their arrival order). A request
-whose deadline has passed, or that cannot finish in time behind the work ahead of it (by the measured run time
-per image of recent batches), is refused with `GatewayTimeoutError` (504): as it arrives, before its body is
-read (`check_arrival`, the routes that take an upload), and again at the queue; one that reaches its deadline
-while waiting is dropped before its batch starts, instead of being run late. A batch holds one level only
+batching runner takes the most urgent level first, and within a level the earliest deadline (a request without one
+has its queueing time + `request_timeout_s`, so that equal requests keep their arrival order). A request whose
+deadline has passed, or that cannot finish in time behind the work ahead of it (by the batch curve scaled to how
+fast recent batches ran, else their run time per image; the work shared among the instances, and where batching
+pays a full batch's time kept for its own), is refused with `GatewayTimeoutError` (504): as it arrives, before its
+body is read (`check_arrival`, the routes that take an upload), and again at the queue; one that reaches its
+deadline while waiting is dropped before its batch starts, instead of being run late. A batch holds one level only
 (urgent work never waits for less urgent rows topping up its batch), and no more rows than its first request's
-deadline leaves time for; while a more urgent level has traffic, a less urgent batch holds one image (the
-urgent level's next request waits behind no more than that). A full queue sheds its
-least urgent, newest request (503 + Retry-After) for a more urgent one; shadow copies (`admission.SHADOW`) are
-below every level. A request whose caller went away (its task cancelled: `hangup`, a gRPC cancel) leaves the
-queue and any batch that has not started.
+deadline leaves time for; while a more urgent level has traffic, a less urgent batch holds one image (the urgent
+level's next request waits behind no more than that). A full queue sheds its least urgent, newest request (503 +
+Retry-After) for a more urgent one; shadow copies (`admission.SHADOW`) are below every level. A request whose
+caller went away (its task cancelled: `hangup`, a gRPC cancel) leaves the queue and any batch that has not started.
 
 Both take the same `RunnerLimits` (`vit_serve.runtime.settings`: the gateway's, or those of the model's own
 config) and report to the version's `ModelMetrics`.
@@ -279,9 +280,16 @@ class BatchingRunner(_Runner):
         self._pending: deque[_Item] = deque()
         self._rows: dict[Task, int] = {}  # waiting rows per task
         self._collector: asyncio.Task[None] | None = None
-        self._running: list[_Item] = []  # the batch the model is running
-        self._run_started = 0.0
+        # batches the model may run at once (Triton's instance_group count), on a backend that allows it
+        self.instances = limits.instances if backend.concurrent else 1
+        if limits.instances > 1 and not backend.concurrent:
+            log.warning("the %s backend runs one batch at a time: instances=%d is not used", backend.name,
+                        limits.instances)
+        self._lanes: list[tuple[list[_Item], float]] = []  # the batches running now, each with its start
+        self._lane_free = asyncio.Event()
+        self._runs: set[asyncio.Task[None]] = set()
         self._row_s: dict[str, float] = {}  # recent run time per image, per task kind (an EWMA), for deadlines
+        self._slow: dict[str, float] = {}  # recent run time / the batch curve's, per task kind (an EWMA)
         self._seen: dict[int, float] = {}  # priority level -> when its latest request was queued
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -307,8 +315,10 @@ class BatchingRunner(_Runner):
         for item in [*self._running, *self._pending]:
             if not item.future.done():
                 item.future.set_exception(NotReadyError("the model is being unloaded"))
+        for run in list(self._runs):
+            run.cancel()
         self._pending.clear()
-        self._running = []
+        self._lanes = []
         self._rows.clear()
         self.metrics.queue_depth.set(0)
 
@@ -327,8 +337,13 @@ class BatchingRunner(_Runner):
         return len(self._pending)
 
     @property
+    def _running(self) -> list[_Item]:
+        """The requests in the batches the model is running now."""
+        return [item for batch, _ in self._lanes for item in batch]
+
+    @property
     def running(self) -> int:
-        """Images in the batch the model is running now."""
+        """Images in the batches the model is running now."""
         return sum(item.rows for item in self._running)
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -391,61 +406,91 @@ class BatchingRunner(_Runner):
                     "shed for more urgent requests (the queue is full); retry later",
                     headers={"Retry-After": self.retry_after}))
 
-    def _estimate_s(self, task: Task, rows: int) -> float | None:
-        """How long `rows` images of `task` take, by the recent batches' time per image (None before the first;
-        on a CPU a batch's time grows with its rows, so this does not count on batching gains)."""
+    def _batch_s(self, task: Task, rows: int) -> float | None:
+        """Seconds one batch of `rows` images of `task` takes: the model's batch curve scaled by how much slower
+        than it the task's recent batches ran (the machine's other work, the other instances, another task's
+        head), else the recent time per image x rows; None before the task's first batch."""
         per_row = self._row_s.get(task.kind)
-        return None if per_row is None else per_row * rows
+        if per_row is None:
+            return None
+        slow = self._slow.get(task.kind)
+        curve_s = self.curve.batch_s(rows) if self.curve is not None else None
+        return curve_s * slow if curve_s is not None and slow is not None else per_row * rows
+
+    def _work_s(self, task: Task, rows: int) -> float | None:
+        """How long `rows` waiting images of `task` keep the model busy: batches of up to max_batch rows, shared
+        among the instances (None before the task's first batch)."""
+        full, rest = divmod(rows, self.max_batch)
+        batch, tail = self._batch_s(task, self.max_batch), self._batch_s(task, rest) if rest else 0.0
+        if batch is None or tail is None:
+            return None
+        return (full * batch + tail) / self.instances
+
+    def _own_rows(self, rows: int) -> int:
+        """The batch a request's own rows are predicted to run in: a full one where batching pays (the batch
+        curve says so), so that a request admitted near its deadline still leaves the time for one; else its
+        own rows."""
+        return max(rows, self.max_batch) if self.curve is not None and self.curve.worth_waiting else rows
 
     def _margin_s(self, item: _Item) -> float:
         """The time before its deadline a waiting request is given up: its own rows' run time, for a deadline of
         its own (it could not finish), none for the request timeout alone."""
         if item.admission.deadline is None:
             return 0.0
-        return self._estimate_s(item.task, item.rows) or 0.0
+        return self._batch_s(item.task, item.rows) or 0.0
 
     def _refuse_late(self, items: list[_Item], now: float) -> None:
         """504 now for a request with a deadline that the batches ahead of it leave no time to meet (by the run
         time of recent batches; nothing is predicted before the first batch of its task)."""
         first = items[0]
         ahead = sum(i.rows for i in self._pending if i.task == first.task and i.order < first.order)
-        self._refuse_unless_in_time(first.task, first.admission, ahead + sum(i.rows for i in items), now)
+        self._refuse_unless_in_time(first.task, first.admission, ahead, sum(i.rows for i in items), now)
 
     def check_arrival(self, task: Task, admission: Admission) -> None:
         """As the request arrives, before its body is read: 504 now if the work already ahead of it (what waits
         at its level or a more urgent one, and every request being read or decoded, itself among them: it is
         announced) leaves no time before its deadline. Under a storm this refuses at the cost of the headers
-        alone; without it the doomed requests are still read and decoded, on the cores the model needs."""
+        alone; without it the doomed requests are still read and decoded, on the cores the model needs. A full
+        queue with nothing less urgent to shed refuses it the same way (503), deadline or not."""
+        level = admission.priority
+        if len(self._pending) >= self.max_queue and not any(i.admission.priority > level for i in self._pending):
+            raise self._full(f"queue full ({self.max_queue} requests waiting)")
         if admission.deadline is None:
             return
-        level = admission.priority
         ahead = sum(i.rows for i in self._pending if i.task == task and i.admission.priority <= level)
         coming = sum(n for lv, n in self._incoming_at.items() if lv <= level)  # itself among them
-        self._refuse_unless_in_time(task, admission, ahead + max(1, coming), time.perf_counter())
+        self._refuse_unless_in_time(task, admission, ahead + max(0, coming - 1), 1, time.perf_counter())
 
-    def _refuse_unless_in_time(self, task: Task, admission: Admission, rows: int, now: float) -> None:
-        """504 (counted `deadline`) if the batch running and `rows` images of `task` cannot end before the
-        admission's deadline; never when the model is idle (nothing to predict from, or nothing ahead: run it,
-        and learn)."""
-        work = self._estimate_s(task, rows)
-        if admission.deadline is None or work is None or not (self._running or self._pending):
+    def _refuse_unless_in_time(self, task: Task, admission: Admission, ahead: int, rows: int, now: float) -> None:
+        """504 (counted `deadline`) if the batches running, the `ahead` images of `task` before it and then its
+        own batch (`_own_rows`) cannot end before the admission's deadline; never when the model is idle (nothing
+        to predict from, or nothing ahead: run it, and learn)."""
+        work, own = self._work_s(task, ahead), self._batch_s(task, self._own_rows(rows))
+        if admission.deadline is None or work is None or own is None or not (self._lanes or self._pending):
             return
-        running = self._estimate_s(self._running[0].task, self.running) if self._running else None
-        busy = max(0.0, (running or 0.0) - (now - self._run_started))
-        finish = now + busy + work
+        finish = now + self._busy_s(now) + work + own
         if finish > admission.deadline:
             self.metrics.rejected("deadline").inc()
             raise deadline_exceeded(f"{(admission.deadline - now) * 1e3:.0f} ms left, and the batches "
                                     f"ahead of it need about {(finish - now) * 1e3:.0f} ms")
 
+    def _busy_s(self, now: float) -> float:
+        """Seconds until a model instance is free for the next batch: 0 while one is idle, else the soonest end
+        of the batches running (by the recent time per image)."""
+        if len(self._lanes) < self.instances:
+            return 0.0
+        ends = [(self._batch_s(batch[0].task, sum(i.rows for i in batch)) or 0.0) - (now - started)
+                for batch, started in self._lanes]
+        return max(0.0, min(ends))
+
     def _rows_in_time(self, first: _Item) -> int:
         """The most rows a batch led by `first` may hold and still end before its deadline (max_batch without a
         deadline or an estimate; at least its own)."""
-        per_row = self._row_s.get(first.task.kind)
-        if first.admission.deadline is None or not per_row:
+        if first.admission.deadline is None or first.task.kind not in self._row_s:
             return self.max_batch
-        fits = int((first.deadline - time.perf_counter()) / per_row)
-        return max(first.rows, min(self.max_batch, fits))
+        left = first.deadline - time.perf_counter()
+        fits = [k for k in range(first.rows + 1, self.max_batch + 1) if (self._batch_s(first.task, k) or 0.0) <= left]
+        return max([first.rows, *fits])
 
     def _rows_beside_urgent(self, level: int) -> int:
         """The most rows a batch of `level` may hold: one while a more urgent level is active (`ACTIVE_S`), so
@@ -455,6 +500,17 @@ class BatchingRunner(_Runner):
         at batch 1, 0.134 at 8)."""
         now = time.perf_counter()
         return 1 if any(lv < level and now - t < ACTIVE_S for lv, t in self._seen.items()) else self.max_batch
+
+    def _kept_for_urgent(self, level: int) -> float:
+        """With several instances, a batch of `level` leaves one instance free while a more urgent level is
+        active (`ACTIVE_S`), so that the urgent level's next request finds one free instead of waiting behind less
+        urgent work: the seconds until that level goes quiet when the batch must wait, else 0 (one instance:
+        never, the less urgent batch holds one image instead, `_rows_beside_urgent`)."""
+        if self.instances == 1 or len(self._lanes) < self.instances - 1:
+            return 0.0
+        now = time.perf_counter()
+        quiet = [t + ACTIVE_S - now for lv, t in self._seen.items() if lv < level and now - t < ACTIVE_S]
+        return max(quiet, default=0.0)
 
     def _drop(self, *items: _Item) -> None:
         for item in items:
@@ -486,12 +542,25 @@ class BatchingRunner(_Runner):
                 item.future.set_exception(self._timed_out(item.admission))
 
     async def _next_batch(self) -> None:
+        while len(self._lanes) >= self.instances:  # every instance busy: choose the next batch when one is free
+            self._lane_free.clear()
+            await self._lane_free.wait()
         self._expire()
         if not self._pending:
             self._arrival.clear()
             await self._arrival.wait()
             return
         first = min(self._pending, key=lambda i: i.order)
+        if (wait := self._kept_for_urgent(first.admission.priority)) > 0:
+            self._lane_free.clear()  # wait for a lane to free, a request to come, or the urgent level to go quiet
+            self._arrival.clear()
+            waiters = [asyncio.ensure_future(e.wait()) for e in (self._lane_free, self._arrival)]
+            try:
+                await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+            return
         if self.max_batch > 1 and self.delay_s > 0 and self._rows[first.task] < self.max_batch:
             deadline = first.t0 + self.delay_s
             while self.incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
@@ -505,7 +574,13 @@ class BatchingRunner(_Runner):
                 if self._rows[first.task] >= self.max_batch:
                     break
         batch = self._take(first.task)
-        await self._run(first.task, batch)
+        if self.instances == 1:
+            await self._run(first.task, batch)
+            return
+        run = asyncio.get_running_loop().create_task(self._run(first.task, batch))
+        self._runs.add(run)
+        run.add_done_callback(self._runs.discard)
+        await asyncio.sleep(0)  # let the run take its lane before the next batch is chosen
 
     def _take(self, task: Task) -> list[_Item]:
         """Remove and return the most urgent items of `task`: the first always, then others of its level while
@@ -543,8 +618,9 @@ class BatchingRunner(_Runner):
             self.metrics.queue_wait.observe(start - item.t0)
             item.admission.at("infer")
         self.metrics.batch_size(task.kind).observe(rows)
-        self.metrics.in_flight.set(rows)
-        self._running, self._run_started = batch, start
+        lane = (batch, start)
+        self._lanes.append(lane)
+        self.metrics.in_flight.set(self.running)
         try:
             outputs, run_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_run, task, x)
         except Exception as e:
@@ -553,12 +629,16 @@ class BatchingRunner(_Runner):
                     item.future.set_exception(e)
             return
         finally:
-            self._running = []
-            self.metrics.in_flight.set(0)
+            self._lanes.remove(lane)
+            self._lane_free.set()
+            self.metrics.in_flight.set(self.running)
         end = time.perf_counter()
         self.metrics.inference(task.kind).observe(end - start)
         last, per_row = self._row_s.get(task.kind), run_s / rows
         self._row_s[task.kind] = per_row if last is None else 0.7 * last + 0.3 * per_row
+        if self.curve is not None and (curve_s := self.curve.batch_s(rows)):
+            last, slow = self._slow.get(task.kind), run_s / curve_s
+            self._slow[task.kind] = slow if last is None else 0.7 * last + 0.3 * slow
         offset = 0
         for item in batch:
             if not item.future.done():  # not timed out meanwhile

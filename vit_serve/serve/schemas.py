@@ -143,6 +143,8 @@ class BatchingInfo(BaseModel):
                                 "not pay)")
     images_per_s: dict[int, float] = Field(default_factory=dict, description="the model's measured images/s by "
                                            "batch size at warm-up (empty: not measured)")
+    instances: int = Field(1, description="model instances, each running a batch at once (Triton's "
+                           "instance_group count; the curve is one instance's)")
 
 
 class MonitoringInfo(BaseModel):

@@ -123,6 +123,10 @@ class Backend(abc.ABC):
 class LocalBackend(Backend):
     """Computes in the calling thread (the model version's model thread); the gateway batches for it."""
 
+    # Whether batches may run in several threads at once on this one object (`RunnerLimits.instances`): a torch
+    # module in inference mode and an onnxruntime session may; a TensorRT execution context may not.
+    concurrent: bool = True
+
     def run(self, task: Task, x: np.ndarray) -> Outputs:
         """`task` on x [B, 3, H, W] float32 -> its outputs."""
         if task.kind == "classify":

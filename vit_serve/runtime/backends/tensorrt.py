@@ -63,6 +63,7 @@ class _OnnxExplain:
 
 class TensorRTBackend(LocalBackend):
     name = "tensorrt"
+    concurrent = False  # one execution context: one batch at a time
 
     def __init__(self, engine_path: str | Path, model_name: str | None = None) -> None:
         path = Path(engine_path)

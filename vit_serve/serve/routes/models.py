@@ -69,7 +69,7 @@ def _batching(runner: Runner) -> dict | None:
         return None
     curve = runner.curve.per_image_s if runner.curve is not None else {}
     return {"max_batch": runner.max_batch, "max_delay_ms": runner.delay_s * 1e3,
-            "images_per_s": {b: 1 / s for b, s in sorted(curve.items())}}
+            "images_per_s": {b: 1 / s for b, s in sorted(curve.items())}, "instances": runner.instances}
 
 
 def _unmonitored(gateway: Gateway, mv: ModelVersion) -> str:
