@@ -386,18 +386,22 @@ class BatchingRunner(_Runner):
             raise
         return Result.joined(list(results))
 
-    def _make_room(self, items: list[_Item]) -> None:
-        """Room in the queue for `items`: shed the least urgent, newest requests waiting at a level below theirs
-        (each answered 503 + Retry-After), or refuse `items` (503) when that is not enough."""
-        over = len(self._pending) + len(items) - self.max_queue
+    def _room_for(self, entries: int, level: int) -> list[_Item]:
+        """The waiting requests to shed so that `entries` more at `level` fit the queue: the least urgent,
+        newest first, below `level` only (none when they fit); 503 when not enough are below it."""
+        over = len(self._pending) + entries - self.max_queue
         if over <= 0:
-            return
-        level = items[0].admission.priority
+            return []
         below = sorted((i for i in self._pending if i.admission.priority > level),
                        key=lambda i: (-i.admission.priority, -i.t0))
         if len(below) < over:
             raise self._full(f"queue full ({self.max_queue} requests waiting)")
-        shed = below[:over]
+        return below[:over]
+
+    def _make_room(self, items: list[_Item]) -> None:
+        """Room in the queue for `items`: shed the least urgent, newest requests waiting at a level below theirs
+        (each answered 503 + Retry-After), or refuse `items` (503) when that is not enough."""
+        shed = self._room_for(len(items), items[0].admission.priority)
         self._drop(*shed)
         for item in shed:
             self.metrics.rejected("shed").inc()
@@ -453,8 +457,7 @@ class BatchingRunner(_Runner):
         alone; without it the doomed requests are still read and decoded, on the cores the model needs. A full
         queue with nothing less urgent to shed refuses it the same way (503), deadline or not."""
         level = admission.priority
-        if len(self._pending) >= self.max_queue and not any(i.admission.priority > level for i in self._pending):
-            raise self._full(f"queue full ({self.max_queue} requests waiting)")
+        self._room_for(1, level)  # nothing is shed yet: the request may never arrive
         if admission.deadline is None:
             return
         ahead = sum(i.rows for i in self._pending if i.task == task and i.admission.priority <= level)
@@ -476,7 +479,7 @@ class BatchingRunner(_Runner):
 
     def _busy_s(self, now: float) -> float:
         """Seconds until a model instance is free for the next batch: 0 while one is idle, else the soonest end
-        of the batches running (by the recent time per image)."""
+        of the batches running (`_batch_s`)."""
         if len(self._lanes) < self.instances:
             return 0.0
         ends = [(self._batch_s(batch[0].task, sum(i.rows for i in batch)) or 0.0) - (now - started)
@@ -498,8 +501,14 @@ class BatchingRunner(_Runner):
         does not pre-empt a batch); max_batch when none is. On a CPU a batch's time grows with its rows, and
         batches of one cost the less urgent level a few percent of throughput (ViT-S/16 here: 0.148 s an image
         at batch 1, 0.134 at 8)."""
+        return 1 if self._urgent_active_s(level) > 0 else self.max_batch
+
+    def _urgent_active_s(self, level: int) -> float:
+        """Seconds until every level more urgent than `level` goes quiet (`ACTIVE_S` after its latest request);
+        0 when none is active."""
         now = time.perf_counter()
-        return 1 if any(lv < level and now - t < ACTIVE_S for lv, t in self._seen.items()) else self.max_batch
+        return max((t + ACTIVE_S - now for lv, t in self._seen.items() if lv < level and now - t < ACTIVE_S),
+                   default=0.0)
 
     def _kept_for_urgent(self, level: int) -> float:
         """With several instances, a batch of `level` leaves one instance free while a more urgent level is
@@ -508,9 +517,7 @@ class BatchingRunner(_Runner):
         never, the less urgent batch holds one image instead, `_rows_beside_urgent`)."""
         if self.instances == 1 or len(self._lanes) < self.instances - 1:
             return 0.0
-        now = time.perf_counter()
-        quiet = [t + ACTIVE_S - now for lv, t in self._seen.items() if lv < level and now - t < ACTIVE_S]
-        return max(quiet, default=0.0)
+        return self._urgent_active_s(level)
 
     def _drop(self, *items: _Item) -> None:
         for item in items:
