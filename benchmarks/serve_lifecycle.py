@@ -23,9 +23,12 @@ Scenarios (`--scenarios`, a comma list, default all four):
   max_batch, for `--window-s`); then a retry storm: new requests arriving (Poisson) at `--storm-load` (4) x that
   capacity for `--storm-s` (30 s), each client with a `--storm-timeout-s` (1 s) timeout that hangs up and retries at
   once (after Retry-After on a 503 / 429, as HTTP clients do), at most `--storm-retries` (3) times. Every attempt
-  sends `X-Request-Timeout-Ms` (1000), as a client with a timeout would (the baseline ignores it). Goodput: answers
-  delivered before the client's timeout, per second of the storm; "run for nobody": the images run in the storm
-  less those answers. Check: the new gateway's goodput >= 0.8x its capacity; the baseline's ratio in the same run.
+  sends `X-Request-Timeout-Ms` (1000), as a client with a timeout would (the baseline ignores it). No attempt starts
+  after the storm; the attempts still running then are waited for (at most their timeout), as vegeta reports every
+  request of its attack. Goodput: answers delivered before the client's timeout, per second of the storm; "run for
+  nobody": the images run for the storm's attempts less those answers. The CPU of the server's event loop, of its
+  other threads and of the load generator is shown beside it. Check: the new gateway's goodput >= 0.8x its
+  capacity; the baseline's ratio in the same run.
 * priorities: a keys file (`gold` at priority 1, `bronze` at 2: `KEY name=NAME priority=P`, `keys_file`); gold
   alone at `--gold-load` (0.5) x capacity, and gold beside bronze at `--bronze-load` (2) x capacity, open loop
   (Poisson), taking turns for `--rounds` rounds. Check: gold's p99 beside bronze <= 1.5x its p99 alone. The
@@ -121,13 +124,14 @@ def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = 
             baseline: Path | None = None, threads: int | None = None, instances: int | None = None
             ) -> serve_load.Server:
     """A gateway (torch backend, `args.max_batch`, the settings' default queue, `instances` or `--instances` model
-    instances) on `model`; `baseline`: served from that code tree instead of this one (one instance: it has no
-    such setting)."""
+    instances, TorchScript traces unless --no-torchscript) on `model`; `baseline`: served from that code tree
+    instead of this one (one instance, eager: it has neither setting)."""
     env = {"VIT_SERVE_BACKEND": "torch", "VIT_SERVE_MAX_QUEUE": "256", "VIT_SERVE_DECODE": "fast", **(env or {})}
     if baseline is not None:  # that tree first on sys.path, and not the working directory (this checkout)
         env.update(PYTHONPATH=str(baseline), PYTHONSAFEPATH="1")
     else:
         env["VIT_SERVE_INSTANCES"] = str(instances or args.instances)
+        env["VIT_SERVE_TORCHSCRIPT"] = "1" if args.torchscript else "0"
     return serve_load.Server(model, threads or args.threads, "cpu", args.max_batch, args.max_delay_ms, env)
 
 
@@ -199,6 +203,41 @@ def busy(url: str) -> float:
                if s.name in ("vit_serve_queue_depth", "vit_serve_inflight_requests"))
 
 
+@dataclass(frozen=True)
+class CpuSplit:
+    """CPU seconds so far (Linux /proc; NaN elsewhere): the server's main thread (its event loop: HTTP, routing,
+    refusals), its other threads (model instances, decoding), and this process (the load generator)."""
+
+    loop: float
+    others: float
+    clients: float
+
+    @staticmethod
+    def now(server: serve_load.Server) -> CpuSplit:
+        pid, tick = server.proc.pid, os.sysconf("SC_CLK_TCK")
+        tasks = Path(f"/proc/{pid}/task")
+        if not tasks.is_dir():
+            return CpuSplit(float("nan"), float("nan"), float("nan"))
+        loop = others = 0.0
+        for task in tasks.iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # a thread that ended meanwhile
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / tick
+            if task.name == str(pid):  # the main thread's id is the process's
+                loop += cpu
+            else:
+                others += cpu
+        me = os.times()
+        return CpuSplit(loop, others, me.user + me.system)
+
+    def cores(self, before: CpuSplit, seconds: float) -> str:
+        """Cores used since `before`: "event loop / other server threads / load generator"."""
+        return " / ".join(f"{(a - b) / seconds:.2f}" for a, b in
+                          ((self.loop, before.loop), (self.others, before.others), (self.clients, before.clients)))
+
+
 def wait_idle(url: str, timeout: float = 600.0) -> None:
     """Until nothing is queued or running and the images run stop growing (two looks 0.5 s apart)."""
     deadline = time.monotonic() + timeout
@@ -247,12 +286,14 @@ async def post(client: httpx.AsyncClient, path: str, body: bytes) -> httpx.Respo
 @dataclass
 class Window:
     """What clients saw in one measured window: latencies (s) of the answers delivered in time, outcomes by
-    status ("200", "503", "timeout", ...), attempts, and the window's length (s)."""
+    status ("200", "503", "timeout", ...), attempts, the window's length (s), and how many of the answers came
+    after the window ended (to attempts made within it, `Clients.drain`)."""
 
     latencies: list[float] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     attempts: int = 0
     seconds: float = float("nan")
+    after_end: int = 0
 
     @property
     def goodput(self) -> float:
@@ -386,7 +427,9 @@ class LeanClient:
 class Clients:
     """An open-loop client population: new requests at `rate` a second (Poisson), each attempt with a
     `timeout_s` timeout (hung up after it) and at most `retries` retries; `deadline_ms`: X-Request-Timeout-Ms
-    sent; `drain`: after the window, wait for the requests still running (else hang them up)."""
+    sent; `drain`: after the window, wait for the attempts still running and count their answers (as vegeta
+    reports the answers to every request of its attack), else hang them up. No attempt starts after the window,
+    retries included."""
 
     rate: float
     timeout_s: float = 300.0
@@ -413,6 +456,9 @@ async def open_loop(url: str, clients: Clients, seconds: float, images: Images, 
         async def request() -> None:
             for _ in range(1 + clients.retries):
                 t0 = time.perf_counter()
+                if t0 > end:  # the window is over: no retry starts after it
+                    w.outcomes["no retry after the window"] += 1
+                    return
                 w.attempts += 1
                 try:
                     r = await asyncio.wait_for(client.post(path, form(next(images)), MULTIPART["content-type"]),
@@ -427,7 +473,9 @@ async def open_loop(url: str, clients: Clients, seconds: float, images: Images, 
                     return
                 w.outcomes[str(r.status_code)] += 1
                 if r.status_code == 200:
-                    w.latencies.append(time.perf_counter() - t0)
+                    done = time.perf_counter()
+                    w.latencies.append(done - t0)
+                    w.after_end += done > end
                     return
                 await asyncio.sleep(retry_after(r))
             w.outcomes["gave up"] += 1
@@ -533,27 +581,33 @@ def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Serve
         caps[name] = capacity(server, args, images)
         print(f"  capacity, {name}: {caps[name].goodput:.1f} images/s", file=sys.stderr)
     rows = ["| gateway | capacity (images/s, closed loop) | its p50 ms | offered (new requests/s) | attempts | goodput "
-            "(answers in time /s) | goodput / capacity | outcomes of the attempts | images run in the storm | "
-            "run for nobody | model busy | mean batch | refused by the gateway | cancelled by stage |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|"]
+            "(answers in time /s; those after the storm's end) | goodput / capacity | outcomes of the attempts | "
+            "images run in the storm | "
+            "run for nobody | model busy | mean batch | refused by the gateway | cancelled by stage | "
+            "cores: event loop / other server threads / load generator |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
     checks, results = [], {}
     for i, (name, server) in enumerate(servers.items()):
         clients = Clients(rate=args.storm_load * caps[name].goodput, timeout_s=args.storm_timeout_s,
-                          retries=args.storm_retries, deadline_ms=round(args.storm_timeout_s * 1e3), seed=10 + i)
-        before = counts(server.url)
+                          retries=args.storm_retries, deadline_ms=round(args.storm_timeout_s * 1e3), drain=True,
+                          seed=10 + i)
+        before, cpu0, t0 = counts(server.url), CpuSplit.now(server), time.perf_counter()
         w = run(open_loop(server.url, clients, args.storm_s, images))
+        wall = time.perf_counter() - t0  # the storm and the answers to its last attempts
+        cpu = CpuSplit.now(server).cores(cpu0, wall)
         d = counts(server.url) - before
         ratio = w.goodput / caps[name].goodput
         wasted = d.images_run - len(w.latencies)
         rows.append(f"| {name} | {caps[name].goodput:.1f} | {caps[name].p(50):.0f} | {clients.rate:.1f} | "
-                    f"{w.attempts} | {w.goodput:.1f} | "
+                    f"{w.attempts} | {w.goodput:.1f} ({w.after_end}) | "
                     f"{ratio:.2f} | {reasons(w.outcomes)} | {d.images_run:.0f} | {wasted:.0f} | "
-                    f"{d.model_s / args.storm_s:.0%} | {d.images_run / max(d.batches, 1):.1f} | "
-                    f"{reasons(d.rejected)} | {stages(d)} |")
+                    f"{d.model_s / wall:.0%} | {d.images_run / max(d.batches, 1):.1f} | "
+                    f"{reasons(d.rejected)} | {stages(d)} | {cpu} |")
         results[name] = {"capacity": caps[name].goodput, "capacity_p50_ms": caps[name].p(50), "offered": clients.rate,
                          "attempts": w.attempts, "goodput": w.goodput, "ratio": ratio, "outcomes": dict(w.outcomes),
                          "images_run": d.images_run, "batches": d.batches,
-                         "model_s": d.model_s, "rejected": dict(d.rejected), "cancelled": dict(d.cancelled)}
+                         "model_s": d.model_s, "rejected": dict(d.rejected), "cancelled": dict(d.cancelled),
+                         "cores_loop_others_clients": cpu}
         print(f"  storm, {name}: goodput {w.goodput:.1f}/s ({ratio:.2f}x capacity)", file=sys.stderr)
         if i == 0:
             checks.append((f"retry storm at {args.storm_load:g}x capacity, {args.storm_s:g} s: new gateway's goodput / "
@@ -564,9 +618,14 @@ def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Serve
                            f"{ratio:.2f}", "", True))
     rows += ["", f"Every attempt sends X-Request-Timeout-Ms: {round(args.storm_timeout_s * 1e3)} (the client's own "
              f"timeout), which today's gateway ignores; a client hangs up at {args.storm_timeout_s:g} s and retries at "
-             f"once (after Retry-After on 503 / 429), at most {args.storm_retries} retries. \"run for nobody\": images "
-             f"the model ran in the storm minus the answers delivered in time; \"model busy\": the model's run "
-             f"time in the storm / its length."]
+             f"once (after Retry-After on 503 / 429), at most {args.storm_retries} retries; no attempt starts after "
+             f"the storm's {args.storm_s:g} s, and the answers to those still running then count when they come in "
+             f"time (as vegeta reports every request of its attack), goodput being per second of the storm. \"run "
+             f"for nobody\": images the model ran for the storm's attempts minus the answers delivered in time; "
+             f"\"model busy\": the model's run time / the storm's length with its last answers; \"cores\": CPU "
+             f"seconds / that length, of the server's main "
+             f"thread (the event loop), its other threads (model instances, decoding) and the load generator, on "
+             f"{os.cpu_count()} cores."]
     slow = [n for n, w in caps.items() if w.p(50) > args.storm_timeout_s * 1e3]
     if slow:
         rows.append(f"At capacity ({args.capacity_clients} clients) the p50 of {', '.join(slow)} is above the "
@@ -614,6 +673,7 @@ def join(into: Window, w: Window) -> None:
     into.outcomes.update(w.outcomes)
     into.attempts += w.attempts
     into.seconds += w.seconds
+    into.after_end += w.after_end
 
 
 def key_counts(url: str) -> Counter[str]:
@@ -745,6 +805,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--instances", type=int, default=2,
                     help="the new gateway's model instances (VIT_SERVE_INSTANCES; default 2: one a core, each of "
                          "one intra-op thread; today's gateway has one)")
+    ap.add_argument("--torchscript", action=argparse.BooleanOptionalAction, default=True,
+                    help="the new gateway runs its checkpoints as TorchScript traces (VIT_SERVE_TORCHSCRIPT; default "
+                         "on: the model threads then run without Python's GIL; --no-torchscript: eager, as today's)")
     ap.add_argument("--baseline", default="60e39d4", help="the commit of today's gateway (default 60e39d4)")
     ap.add_argument("--window-s", type=float, default=20.0, help="seconds of each measured window (default 20)")
     ap.add_argument("--rounds", type=int, default=2, help="priorities, shadow: rounds of turns (default 2)")
@@ -819,7 +882,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nServing {args.model} at {args.res}px (random weights) on the torch backend (torch {torch.__version__}), "
           f"CPU, {os.cpu_count()} cores; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}, max_queue "
-          f"256, threads {args.threads or 'the runtime default'}, new gateway's instances {args.instances}; "
+          f"256, threads {args.threads or 'the runtime default'}, new gateway's instances {args.instances}"
+          f"{', TorchScript traces' if args.torchscript else ', eager'}; "
           f"unique small photos (451x300) to /classify; "
           f"today's gateway: commit {args.baseline}, the same venv")
     print("\n".join(lines))

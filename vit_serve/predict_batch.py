@@ -40,7 +40,8 @@ def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
 
     backend = load(LoadSpec(path=str(source.path), backend=source.backend, name=source.name, device=opts.device,
                             threads=opts.threads, decode=opts.decode,
-                            tome=None if opts.tome is None else parse_tome(opts.tome), compile=opts.compile))
+                            tome=None if opts.tome is None else parse_tome(opts.tome), compile=opts.compile,
+                            torchscript=opts.torchscript))
     if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
         raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
     return backend

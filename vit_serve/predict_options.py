@@ -45,6 +45,8 @@ class PredictOptions:
         "R:inflection (16:-1); exports run their own (vit-export --tome)", metavar="R"))
     compile: bool = field(default=False, metadata=_flag(
         "run a checkpoint through torch.compile (inductor), checked against eager at load (as serve --compile)"))
+    torchscript: bool = field(default=False, metadata=_flag(
+        "run a checkpoint as a TorchScript trace, checked against eager at load (as serve --torchscript)"))
     decode: Literal["fast", "exact", "contract"] = field(default="fast", metadata=_flag(
         "decode path, as `serve --decode` (default {default}, the gateway's default)"))
     embeddings: bool = field(default=False, metadata=_flag("add the pre-logits embedding"))

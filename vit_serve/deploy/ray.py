@@ -365,7 +365,7 @@ def _build(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: d
             options["num_replicas"] = num_replicas
         spec = LoadSpec.of(settings, path=str(source.path), backend=source.backend, name=entry.name, engine="local")
         if Path(settings.model).is_dir() and resolve_backend(spec) != "torch":  # as the local repository does:
-            spec = spec.replace(tome=None, compile=False)  # --tome, --compile are for its checkpoints
+            spec = spec.replace(tome=None, compile=False, torchscript=False)  # for its checkpoints only
         models.append(MODEL_DEPLOYMENT.options(**options).bind(spec, source.version, max_batch, delay_ms))
     if not models:
         raise ValueError(f"no model to serve in {settings.model}")

@@ -36,7 +36,9 @@ class LoadSpec:
     checkpoints the torch backend loads (`VisionTransformer.set_token_merging`'s r: an int, a list per layer or
     (r, inflection)); exports run the merging they were exported with (`vit-export --tome`). compile: run the
     checkpoint's classify / embed forward through `torch.compile` (inductor; the torch backend only), compiled
-    and checked against eager at load (`runtime.backends.torch.compile_forward`). spinning: onnxruntime's
+    and checked against eager at load (`runtime.backends.torch.compile_forward`); torchscript: through a
+    TorchScript trace instead, which runs without Python's GIL (`runtime.backends.torch.torchscript_forward`;
+    not both). spinning: onnxruntime's
     intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
     """
 
@@ -52,18 +54,20 @@ class LoadSpec:
     engine: Literal["local", "ray"] = "local"
     tome: TomeR | None = None
     compile: bool = False
+    torchscript: bool = False
     spinning: bool = False
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
-        device, threads, decode, triton and limits groups, otel, engine, tome, compile, intra_op_spinning), with
+        device, threads, decode, triton and limits groups, otel, engine, tome, compile, torchscript,
+        intra_op_spinning), with
         `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
                    tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
-                   spinning=settings.intra_op_spinning)
+                   torchscript=settings.torchscript, spinning=settings.intra_op_spinning)
         return dataclasses.replace(spec, **changes) if changes else spec
 
     def replace(self, **changes: object) -> LoadSpec:
@@ -87,10 +91,13 @@ class SettingsLike(Protocol):
     intra_op_spinning: bool
     tome: str | None
     compile: bool
+    torchscript: bool
 
 
 _COMPILE_REFUSAL = ("--compile runs checkpoints through torch.compile (the torch backend), not {what} ({backend}): "
                     "serve it without --compile")
+_TORCHSCRIPT_REFUSAL = ("--torchscript traces checkpoints (the torch backend), not {what} ({backend}): serve it "
+                        "without --torchscript")
 
 
 def resolve_backend(spec: LoadSpec) -> str:
@@ -112,6 +119,8 @@ def check(spec: LoadSpec) -> str:
         if spec.backend == "triton":
             if spec.compile:
                 raise ValueError(_COMPILE_REFUSAL.format(what="the Triton server's models", backend="triton"))
+            if spec.torchscript:
+                raise ValueError(_TORCHSCRIPT_REFUSAL.format(what="the Triton server's models", backend="triton"))
             return "triton"  # every ViT model of the Triton server
         raise ValueError("no model given: pass REPO (a folder of models) or MODEL (a checkpoint, NAME.onnx, an "
                          "engine; with --backend triton a model name there, or none for all) or set "
@@ -125,8 +134,13 @@ def check(spec: LoadSpec) -> str:
         what = path.name or "a Triton model"
         raise ValueError(f"--tome sets token merging on checkpoints (the torch backend); {what} runs the merging "
                          "it was exported with: export it with vit-export --tome R")
-    if spec.compile and (backend != "torch" or path.suffix.lower() in (".onnx", *ENGINE_SUFFIXES)):
+    not_checkpoint = backend != "torch" or path.suffix.lower() in (".onnx", *ENGINE_SUFFIXES)
+    if spec.compile and not_checkpoint:
         raise ValueError(_COMPILE_REFUSAL.format(what=path.name, backend=backend))
+    if spec.torchscript and not_checkpoint:
+        raise ValueError(_TORCHSCRIPT_REFUSAL.format(what=path.name, backend=backend))
+    if spec.compile and spec.torchscript:
+        raise ValueError("--compile and --torchscript both replace the eager forward: choose one")
     if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
         raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
     if backend == "tensorrt":

@@ -386,8 +386,8 @@ class ModelRepository:
         thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
         spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
                                  threads=self._threads(limits.instances))
-        if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile: for checkpoints only
-            spec = spec.replace(tome=None, compile=False)
+        if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
+            spec = spec.replace(tome=None, compile=False, torchscript=False)
         version: ModelVersion | None = None
         rss0 = rss_bytes()
         t0 = time.perf_counter()

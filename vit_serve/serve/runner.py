@@ -23,15 +23,16 @@ Every request comes with its `Admission` (`vit_serve.serve.admission`: priority 
 batching runner takes the most urgent level first, and within a level the earliest deadline (a request without one
 has its queueing time + `request_timeout_s`, so that equal requests keep their arrival order). A request whose
 deadline has passed, or that cannot finish in time behind the work ahead of it (by the batch curve scaled to how
-fast recent batches ran, else their run time per image; the work shared among the instances, and where batching
-pays a full batch's time kept for its own), is refused with `GatewayTimeoutError` (504): as it arrives, before its
-body is read (`check_arrival`, the routes that take an upload), and again at the queue; one that reaches its
-deadline while waiting is dropped before its batch starts, instead of being run late. A batch holds one level only
-(urgent work never waits for less urgent rows topping up its batch), and no more rows than its first request's
-deadline leaves time for; while a more urgent level has traffic, a less urgent batch holds one image (the urgent
-level's next request waits behind no more than that). A full queue sheds its least urgent, newest request (503 +
-Retry-After) for a more urgent one; shadow copies (`admission.SHADOW`) are below every level. A request whose
-caller went away (its task cancelled: `hangup`, a gRPC cancel) leaves the queue and any batch that has not started.
+fast recent batches ran, else their run time per image; the work shared among the instances, and where batching pays
+a full batch's time kept for its own), is refused with `GatewayTimeoutError` (504): as it arrives, before its body
+is read (`check_arrival`, the routes that take an upload), and again at the queue; one that reaches its deadline, or
+too near it for its own batch, while waiting is dropped before its batch starts, instead of being run late. A batch
+holds one level only (urgent work never waits for less urgent rows topping up its batch), and no more rows than its
+first request's deadline leaves time for (with room for how far recent batches missed their predicted time); while a
+more urgent level has traffic, a less urgent batch holds one image (the urgent level's next request waits behind no
+more than that). A full queue sheds its least urgent, newest request (503 + Retry-After) for a more urgent one;
+shadow copies (`admission.SHADOW`) are below every level. A request whose caller went away (its task cancelled:
+`hangup`, a gRPC cancel) leaves the queue and any batch that has not started.
 
 Both take the same `RunnerLimits` (`vit_serve.runtime.settings`: the gateway's, or those of the model's own
 config) and report to the version's `ModelMetrics`.
@@ -290,6 +291,7 @@ class BatchingRunner(_Runner):
         self._runs: set[asyncio.Task[None]] = set()
         self._row_s: dict[str, float] = {}  # recent run time per image, per task kind (an EWMA), for deadlines
         self._slow: dict[str, float] = {}  # recent run time / the batch curve's, per task kind (an EWMA)
+        self._overrun: dict[str, float] = {}  # recent run time over its prediction, relative, per task kind (EWMA)
         self._seen: dict[int, float] = {}  # priority level -> when its latest request was queued
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -421,6 +423,14 @@ class BatchingRunner(_Runner):
         curve_s = self.curve.batch_s(rows) if self.curve is not None else None
         return curve_s * slow if curve_s is not None and slow is not None else per_row * rows
 
+    def _sure_batch_s(self, task: Task, rows: int) -> float | None:
+        """`_batch_s` with room for how far recent batches ran over their prediction (three times the mean
+        relative overrun): what a batch that must end before a deadline is given. Under a storm the model's time
+        per batch varies with the front end's load; a batch predicted to just fit then often ends late, for a
+        request already answered 504 (the model's time spent for nobody)."""
+        batch = self._batch_s(task, rows)
+        return None if batch is None else batch * (1.0 + 3.0 * self._overrun.get(task.kind, 0.0))
+
     def _work_s(self, task: Task, rows: int) -> float | None:
         """How long `rows` waiting images of `task` keep the model busy: batches of up to max_batch rows, shared
         among the instances (None before the task's first batch)."""
@@ -437,11 +447,11 @@ class BatchingRunner(_Runner):
         return max(rows, self.max_batch) if self.curve is not None and self.curve.worth_waiting else rows
 
     def _margin_s(self, item: _Item) -> float:
-        """The time before its deadline a waiting request is given up: its own rows' run time, for a deadline of
-        its own (it could not finish), none for the request timeout alone."""
+        """The time before its deadline a waiting request is given up: its own rows' run time (`_sure_batch_s`),
+        for a deadline of its own (it could not finish), none for the request timeout alone."""
         if item.admission.deadline is None:
             return 0.0
-        return self._batch_s(item.task, item.rows) or 0.0
+        return self._sure_batch_s(item.task, item.rows) or 0.0
 
     def _refuse_late(self, items: list[_Item], now: float) -> None:
         """504 now for a request with a deadline that the batches ahead of it leave no time to meet (by the run
@@ -487,12 +497,13 @@ class BatchingRunner(_Runner):
         return max(0.0, min(ends))
 
     def _rows_in_time(self, first: _Item) -> int:
-        """The most rows a batch led by `first` may hold and still end before its deadline (max_batch without a
-        deadline or an estimate; at least its own)."""
+        """The most rows a batch led by `first` may hold and still end before its deadline (`_sure_batch_s`;
+        max_batch without a deadline or an estimate; at least its own)."""
         if first.admission.deadline is None or first.task.kind not in self._row_s:
             return self.max_batch
         left = first.deadline - time.perf_counter()
-        fits = [k for k in range(first.rows + 1, self.max_batch + 1) if (self._batch_s(first.task, k) or 0.0) <= left]
+        fits = [k for k in range(first.rows + 1, self.max_batch + 1)
+                if (self._sure_batch_s(first.task, k) or 0.0) <= left]
         return max([first.rows, *fits])
 
     def _rows_beside_urgent(self, level: int) -> int:
@@ -641,6 +652,10 @@ class BatchingRunner(_Runner):
             self.metrics.in_flight.set(self.running)
         end = time.perf_counter()
         self.metrics.inference(task.kind).observe(end - start)
+        if (predicted := self._batch_s(task, rows)) is not None and predicted > 0:  # before this batch updates it
+            # faster than predicted is no risk to a deadline; one stall (a page fault storm, a GC) counts as 100%
+            last, over = self._overrun.get(task.kind), min(1.0, max(0.0, run_s / predicted - 1.0))
+            self._overrun[task.kind] = over if last is None else 0.7 * last + 0.3 * over
         last, per_row = self._row_s.get(task.kind), run_s / rows
         self._row_s[task.kind] = per_row if last is None else 0.7 * last + 0.3 * per_row
         if self.curve is not None and (curve_s := self.curve.batch_s(rows)):

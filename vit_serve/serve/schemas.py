@@ -171,6 +171,7 @@ class VersionInfo(BaseModel):
     token_merging: TokenMergingInfo | None = Field(None, description="the token merging (ToMe) it runs (null: none)")
     batching: BatchingInfo | None = Field(None, description="its batcher (null: a server that batches, e.g. Triton)")
     compiled: bool | None = Field(None, description="whether the torch backend runs it through torch.compile")
+    torchscript: bool | None = Field(None, description="whether the torch backend runs it as a TorchScript trace")
     monitoring: MonitoringInfo | str | None = Field(None, description="its reference (OOD scores, drift), or a line "
                                                     "saying why it has none (loaded versions)")
 

@@ -340,6 +340,12 @@ class ServeSettings(BaseSettings):
         "checked against eager")] = Field(
         False, description="torch.compile (inductor) the checkpoints the torch backend loads: compiled and "
         "warmed up at load, its logits checked against eager's; exports are unaffected")
+    torchscript: Annotated[bool, Flag(
+        "run checkpoints served with the torch backend as a TorchScript trace (classify, embed): traced at load, "
+        "checked against eager; it runs without Python's GIL, so the event loop's work does not stall it")] = Field(
+        False, description="trace the checkpoints the torch backend loads with torch.jit (classify / embed; "
+        "explain stays eager), checked against eager at load: the model threads then run without Python's GIL; "
+        "exports are unaffected; not with compile")
     repository: RepositorySettings = Field(default_factory=RepositorySettings)
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)

@@ -43,7 +43,11 @@ def restart_hazard(env: Mapping[str, str] = os.environ) -> str | None:
 
 
 def teardown() -> None:
+    """Leave the process group, all ranks together: a rank that destroys its gloo group while another still
+    works on its last files can abort on exit ("terminate called without an active exception")."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -34,7 +34,8 @@ def _load_backend(spec: LoadSpec) -> Backend:
     if backend == "torch":
         from vit_serve.runtime.backends.torch import TorchBackend
 
-        return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile)
+        return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile,
+                            torchscript=spec.torchscript)
     if backend == "onnxruntime":
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 

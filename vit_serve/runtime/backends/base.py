@@ -41,8 +41,8 @@ class ModelInfo:
     scores ("softmax", or "sigmoid" for SigLIP heads); embedding: which image embedding the model gives and
     whether it is meant to be L2-normalised (None: an export from before the manifest said). token_merging: the
     token merging (ToMe) the model runs (None: none). compiled: classify / embed run a `torch.compile`d forward
-    (the torch backend's --compile). reference: the in-distribution sketch OOD scores and drift compare with
-    (`vit_serve.monitor`; None: the model carries none).
+    (the torch backend's --compile); torchscript: they run a TorchScript trace (--torchscript). reference: the
+    in-distribution sketch OOD scores and drift compare with (`vit_serve.monitor`; None: the model carries none).
     """
 
     name: str
@@ -68,6 +68,7 @@ class ModelInfo:
     embedding: Embedding | None = None
     token_merging: TokenMergingRecord | None = None
     compiled: bool = False
+    torchscript: bool = False
     reference: Reference | None = None
 
     @property

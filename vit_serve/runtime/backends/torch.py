@@ -1,5 +1,11 @@
 """The PyTorch backend: a checkpoint (any format `vit_serve.load` reads) run in eager mode, or with `compile`
-(--compile) its classify / embed forward through `torch.compile` (`compile_forward`).
+(--compile) its classify / embed forward through `torch.compile` (`compile_forward`), or with `torchscript`
+(--torchscript) through a TorchScript trace (`torchscript_forward`).
+
+Why TorchScript: eager PyTorch runs each operator from Python, so a model thread takes Python's GIL back between
+operators; while the gateway's event loop holds it (a storm of requests) the model waits, and on a small CPU
+it runs far slower than the cores it gets allow. A traced module runs the whole forward in TorchScript's
+interpreter, which releases the GIL for the call.
 
 On the CPU in eager mode the backend measures at load how onnxruntime compares on this CPU
 (`runtime.torch_probe`; VIT_SERVE_TORCH_PROBE=0 skips it) and logs a WARNING with the ratio and the command
@@ -7,12 +13,13 @@ that serves the export instead when onnxruntime is clearly faster; `TorchBackend
 
 classify in inference mode; explain with `vit_serve.explain.explain_forward` (any head fusion and discard ratio;
 through the model's token merges, if set); grad_rollout with `vit_serve.explain.grad_rollout` (the only backend
-with it); explain and grad_rollout stay eager with --compile (they need the attentions).
+with it); explain and grad_rollout stay eager with --compile and --torchscript (they need the attentions).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +37,9 @@ log = logging.getLogger("vit_serve.runtime")
 
 Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-# Compiled vs eager: max |difference| over max |eager| of the logits (and of the embedding). Inductor's fused
-# fp32 kernels differ from eager's by reassociation only (~1e-6 relative); a wrong graph is off by far more.
+# Compiled or traced vs eager: max |difference| over max |eager| of the logits (and of the embedding). Inductor's
+# fused fp32 kernels differ from eager's by reassociation only (~1e-6 relative; TorchScript runs eager's own
+# kernels); a wrong graph is off by far more.
 PARITY_RTOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
@@ -60,7 +68,6 @@ def compile_forward(model: torch.nn.Module, resolution: tuple[int, int], device:
     graph fits (another dtype, say) runs eager, never a graph compiled later unchecked. ValueError (one line)
     when compiling fails or a graph's outputs differ from eager's beyond `PARITY_RTOL`."""
     compiled = torch.compile(model.forward_embedding, backend="inductor")
-    rtol = PARITY_RTOL.get(next(model.parameters()).dtype, 2e-2)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for batch in (1, 2):
@@ -73,25 +80,62 @@ def compile_forward(model: torch.nn.Module, resolution: tuple[int, int], device:
                 why = " ".join(str(e).split())[:300]
                 raise ValueError(f"--compile: torch.compile (inductor) failed on {name}: {type(e).__name__}: "
                                  f"{why}: serve it without --compile") from e
-            want = model.forward_embedding(x)
-            for what, g, w in zip(("logits", "embedding"), got, want, strict=True):
-                bad = mismatch(g, w, rtol)
-                if bad is not None:
-                    raise ValueError(f"--compile: the compiled {name} differs from eager at batch {batch} (max "
-                                     f"|{what} difference| {bad[0]:.2e} > {bad[1]:.2e}): serve it without "
-                                     "--compile")
+            _check_parity(got, model, x, "--compile", "compiled", name)
     return torch._dynamo.run(compiled)
 
 
+def _check_parity(got: tuple[torch.Tensor, torch.Tensor], model: torch.nn.Module, x: torch.Tensor, option: str,
+                  what_ran: str, name: str) -> None:
+    """ValueError (one line naming `option`) when `got`, the (logits, embedding) of `x` from a compiled or traced
+    forward, differ from eager's beyond `PARITY_RTOL`."""
+    rtol = PARITY_RTOL.get(next(model.parameters()).dtype, 2e-2)
+    want = model.forward_embedding(x)
+    for what, g, w in zip(("logits", "embedding"), got, want, strict=True):
+        bad = mismatch(g, w, rtol)
+        if bad is not None:
+            raise ValueError(f"{option}: the {what_ran} {name} differs from eager at batch {x.shape[0]} (max "
+                             f"|{what} difference| {bad[0]:.2e} > {bad[1]:.2e}): serve it without {option}")
+
+
+def torchscript_forward(model: torch.nn.Module, resolution: tuple[int, int], device: torch.device, name: str
+                        ) -> Forward:
+    """`model.forward_embedding` traced with `torch.jit.trace_module` at batch 2 on a seeded N(0, 1) input (the
+    batch dimension stays symbolic in the trace), then checked against eager at batch 1, 2 and 3. The trace
+    is of this resolution only (the gateway's input size). ValueError (one line) when tracing fails or the
+    trace's outputs differ from eager's beyond `PARITY_RTOL`."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 3, *resolution), generator=gen).to(device)
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        # The trace records the shapes it saw as constants where Python reads them (the position embedding's
+        # grid check): right for the one resolution served, and checked against eager below. torch.jit is
+        # deprecated (a FutureWarning in torch 2.14) but still runs; a torch without it fails here, in one line.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", r".*torch\.jit.* is deprecated", FutureWarning)
+        try:
+            traced = torch.jit.trace_module(model, {"forward_embedding": x}, check_trace=False)
+        except Exception as e:  # the tracer raises many types (an op it cannot record, a Python-side branch)
+            why = " ".join(str(e).split())[:300]
+            raise ValueError(f"--torchscript: torch.jit.trace failed on {name}: {type(e).__name__}: {why}: serve "
+                             "it without --torchscript") from e
+    forward: Forward = traced.forward_embedding
+    with torch.inference_mode():
+        for batch in (1, 2, 3):
+            x = torch.randn((batch, 3, *resolution), generator=gen).to(device)
+            _check_parity(forward(x), model, x, "--torchscript", "traced", name)
+    return forward
+
+
 class TorchBackend(LocalBackend):
-    """A checkpoint on PyTorch. `compile`: classify / embed run `compile_forward`'s callable. `probe`: the
-    eager vs onnxruntime measurement made at load (`runtime.torch_probe`), None when none was made."""
+    """A checkpoint on PyTorch. `compile`: classify / embed run `compile_forward`'s callable; `torchscript`:
+    `torchscript_forward`'s (not both). `probe`: the eager vs onnxruntime measurement made at load
+    (`runtime.torch_probe`), None when none was made."""
 
     name = "torch"
     supports_grad_rollout = True
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
-                 threads: int | None = None, tome: TomeR | None = None, compile: bool = False) -> None:
+                 threads: int | None = None, tome: TomeR | None = None, compile: bool = False,
+                 torchscript: bool = False) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -109,10 +153,14 @@ class TorchBackend(LocalBackend):
         name = model_name or Path(checkpoint).stem
         dtype = next(self.model.parameters()).dtype
         self._forward: Forward = self.model.forward_embedding
+        if compile and torchscript:
+            raise ValueError("--compile and --torchscript both replace the eager forward: choose one")
         if compile:
             self._forward = compile_forward(self.model, res, self.device, name)
+        elif torchscript:
+            self._forward = torchscript_forward(self.model, res, self.device, name)
         self.probe: ProbeResult | None = None
-        if not compile and wanted(self.device, dtype):
+        if not (compile or torchscript) and wanted(self.device, dtype):
             self.probe = probe(self.model, torch.randn(1, 3, *res, generator=torch.Generator().manual_seed(0)),
                                name)
             message = None if self.probe is None else advice(self.probe, name, str(checkpoint), tome)
@@ -137,6 +185,7 @@ class TorchBackend(LocalBackend):
             precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32"),
             token_merging=TokenMergingRecord.of(self.model.token_merging),
             compiled=compile,
+            torchscript=torchscript,
             reference=None if self.model.token_merging else self.model.reference,  # made without merging
         )
 
@@ -151,7 +200,7 @@ class TorchBackend(LocalBackend):
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            if self.info.compiled:  # one compiled graph serves both: its embedding output costs nothing
+            if self.info.compiled or self.info.torchscript:  # one graph serves both: its embedding costs nothing
                 return self._out(self._forward(self._input(x))[0])
             return self._out(self.model(self._input(x)))
 

@@ -91,7 +91,7 @@ def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain",
-    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "monitoring"}]}]}`. States are
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States are
     Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
     version and state null.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
@@ -111,7 +111,7 @@ async def models(gateway: GatewayDep) -> dict:
                            explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight,
                            token_merging=None if info.token_merging is None else {
                                "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
-                           batching=_batching(mv.runner), compiled=info.compiled,
+                           batching=_batching(mv.runner), compiled=info.compiled, torchscript=info.torchscript,
                            monitoring=_monitoring(gateway, mv))
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
