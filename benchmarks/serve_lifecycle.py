@@ -75,6 +75,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_batching  # the sibling script: the server's CPU by thread
 import serve_load  # the sibling script: servers, photos, tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,23 +215,13 @@ class CpuSplit:
 
     @staticmethod
     def now(server: serve_load.Server) -> CpuSplit:
-        pid, tick = server.proc.pid, os.sysconf("SC_CLK_TCK")
-        tasks = Path(f"/proc/{pid}/task")
-        if not tasks.is_dir():
+        pid = server.proc.pid
+        if not Path(f"/proc/{pid}/task").is_dir():
             return CpuSplit(float("nan"), float("nan"), float("nan"))
-        loop = others = 0.0
-        for task in tasks.iterdir():
-            try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # a thread that ended meanwhile
-                continue
-            cpu = (int(fields[11]) + int(fields[12])) / tick
-            if task.name == str(pid):  # the main thread's id is the process's
-                loop += cpu
-            else:
-                others += cpu
+        threads = serve_batching.thread_cpu_s(pid)
+        loop = threads.pop(pid, 0.0)  # the main thread's id is the process's
         me = os.times()
-        return CpuSplit(loop, others, me.user + me.system)
+        return CpuSplit(loop, sum(threads.values()), me.user + me.system)
 
     def cores(self, before: CpuSplit, seconds: float) -> str:
         """Cores used since `before`: "event loop / other server threads / load generator"."""

@@ -98,6 +98,7 @@ _COMPILE_REFUSAL = ("--compile runs checkpoints through torch.compile (the torch
                     "serve it without --compile")
 _TORCHSCRIPT_REFUSAL = ("--torchscript traces checkpoints (the torch backend), not {what} ({backend}): serve it "
                         "without --torchscript")
+BOTH_FORWARDS = "--compile and --torchscript both replace the eager forward: choose one"
 
 
 def resolve_backend(spec: LoadSpec) -> str:
@@ -140,7 +141,7 @@ def check(spec: LoadSpec) -> str:
     if spec.torchscript and not_checkpoint:
         raise ValueError(_TORCHSCRIPT_REFUSAL.format(what=path.name, backend=backend))
     if spec.compile and spec.torchscript:
-        raise ValueError("--compile and --torchscript both replace the eager forward: choose one")
+        raise ValueError(BOTH_FORWARDS)
     if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
         raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
     if backend == "tensorrt":

@@ -30,6 +30,7 @@ from vit_serve.explain import explain_forward, grad_rollout
 from vit_serve.manifest import RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+from vit_serve.runtime.spec import BOTH_FORWARDS
 from vit_serve.runtime.torch_probe import ProbeResult, advice, probe, wanted
 from vit_serve.tome import TomeR
 
@@ -154,7 +155,7 @@ class TorchBackend(LocalBackend):
         dtype = next(self.model.parameters()).dtype
         self._forward: Forward = self.model.forward_embedding
         if compile and torchscript:
-            raise ValueError("--compile and --torchscript both replace the eager forward: choose one")
+            raise ValueError(BOTH_FORWARDS)
         if compile:
             self._forward = compile_forward(self.model, res, self.device, name)
         elif torchscript:
