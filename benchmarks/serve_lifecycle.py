@@ -31,8 +31,9 @@ Scenarios (`--scenarios`, a comma list, default all four):
   capacity; the baseline's ratio in the same run.
 * priorities: a keys file (`gold` at priority 1, `bronze` at 2: `KEY name=NAME priority=P`, `keys_file`); gold
   alone at `--gold-load` (0.5) x capacity, and gold beside bronze at `--bronze-load` (2) x capacity, open loop
-  (Poisson), taking turns for `--rounds` rounds. Check: gold's p99 beside bronze <= 1.5x its p99 alone. The
-  baseline (it has no levels) is shown with the same traffic and no keys.
+  (Poisson, new arrival times each round, the same for both turns of a round), taking turns for
+  `--priority-rounds` (4) rounds of `--window-s`: some 1,000 answers to gold in each. Check: gold's p99 beside
+  bronze <= 1.5x its p99 alone. The baseline (it has no levels) is shown with the same traffic and no keys.
 * shadow: a repository of versions 1 and 2 (`--traffic vit=1`: the primary is 1), without and with `--shadow
   vit=2` (every request copied). With headroom (one model thread, so a core for each version, one closed-loop
   client) the primary's p50; without (the runtime's threads, `--overload-clients` closed-loop clients, default 4 x
@@ -45,7 +46,7 @@ Between phases each server is left to go idle (its queue and batch empty, `wait_
 leftovers never run in the next; the baseline is stopped after its storm instead (its queue of requests whose
 clients left would take minutes to run).
 
-    # the issue's targets (ViT-S/16 at 224, torch, max batch 8; about 15 minutes on 2 cores):
+    # the issue's targets (ViT-S/16 at 224, torch, max batch 8; about 20 minutes on 2 cores):
     python benchmarks/serve_load.py --mode lifecycle --out /tmp/serve_lifecycle
     # a smoke run (Ti/16 at 64 px, a 5 s storm; a few minutes; the storm's offered rate is then the client's limit):
     python benchmarks/serve_load.py --mode lifecycle --model Ti/16 --res 64 --storm-s 5 --window-s 5 \\
@@ -634,17 +635,19 @@ def keys_file(folder: Path) -> Path:
 
 def gold_and_bronze(server: serve_load.Server, cap: float, args: argparse.Namespace, images: Images,
                     keys: bool) -> tuple[Window, Window, Window]:
-    """Gold alone and gold beside bronze (open loop, Poisson), taking turns for `--rounds` rounds (the order flips
-    every round): (gold alone, gold beside bronze, bronze), each the rounds joined."""
-    gold = Clients(rate=args.gold_load * cap, key=GOLD if keys else None, drain=True, seed=20)
-    bronze = Clients(rate=args.bronze_load * cap, key=BRONZE if keys else None, seed=21)
+    """Gold alone and gold beside bronze (open loop, Poisson), taking turns for `--priority-rounds` rounds (the
+    order flips every round): (gold alone, gold beside bronze, bronze), each the rounds joined. Each round draws
+    new arrival times, the same for gold alone and beside bronze: a p99 over the rounds is not the tail of one
+    arrival sequence's few bursts."""
     alone, loaded, b = Window(seconds=0.0), Window(seconds=0.0), Window(seconds=0.0)
+    for r in range(args.priority_rounds):
+        gold = Clients(rate=args.gold_load * cap, key=GOLD if keys else None, drain=True, seed=20 + 2 * r)
+        bronze = Clients(rate=args.bronze_load * cap, key=BRONZE if keys else None, seed=21 + 2 * r)
 
-    async def both() -> tuple[Window, Window]:
-        return await asyncio.gather(open_loop(server.url, gold, args.window_s, images),
-                                    open_loop(server.url, bronze, args.window_s, images))
+        async def both(gold: Clients = gold, bronze: Clients = bronze) -> tuple[Window, Window]:
+            return await asyncio.gather(open_loop(server.url, gold, args.window_s, images),
+                                        open_loop(server.url, bronze, args.window_s, images))
 
-    for r in range(args.rounds):
         for beside in ((False, True) if r % 2 == 0 else (True, False)):
             if beside:
                 g, br = run(both())
@@ -709,7 +712,8 @@ def scenario_priorities(args: argparse.Namespace, model: Path, baseline: Path, o
                        f"<= {GOLD_P99}" if i == 0 else "", ratio <= GOLD_P99 if i == 0 else True))
     results["new_gateway_key_requests"] = dict(per_key)
     rows += ["", f"Open loop (Poisson arrivals), gold at {args.gold_load:g}x capacity and bronze at "
-             f"{args.bronze_load:g}x, {args.rounds} rounds of {args.window_s:g} s taking turns (alone, beside); "
+             f"{args.bronze_load:g}x, {args.priority_rounds} rounds of {args.window_s:g} s taking turns (alone, "
+             f"beside; new arrival times each round); "
              f"capacity {cap:.1f} images/s (closed loop, the new gateway); gold's requests still running at the end "
              f"of a window are waited for, bronze's hung up. The new gateway counted, by key name and result "
              f"(vit_serve_key_requests_total): {reasons(per_key)}."]
@@ -801,7 +805,9 @@ def parser() -> argparse.ArgumentParser:
                          "on: the model threads then run without Python's GIL; --no-torchscript: eager, as today's)")
     ap.add_argument("--baseline", default="60e39d4", help="the commit of today's gateway (default 60e39d4)")
     ap.add_argument("--window-s", type=float, default=20.0, help="seconds of each measured window (default 20)")
-    ap.add_argument("--rounds", type=int, default=2, help="priorities, shadow: rounds of turns (default 2)")
+    ap.add_argument("--rounds", type=int, default=2, help="shadow: rounds of turns (default 2)")
+    ap.add_argument("--priority-rounds", type=int, default=4,
+                    help="priorities: rounds of gold alone / beside bronze, each with new arrivals (default 4)")
     ap.add_argument("--hangups", type=int, default=48, help="hangups: clients (default 48)")
     ap.add_argument("--hangup-s", type=float, default=0.3, help="hangups: seconds before they hang up (0.3)")
     ap.add_argument("--capacity-clients", type=int, help="closed-loop clients measuring capacity (2 x max batch)")
@@ -859,8 +865,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--scenarios {args.scenarios!r}: expected a comma list of {', '.join(SCENARIOS)}")
     args.capacity_clients = args.capacity_clients or 2 * args.max_batch
     args.overload_clients = args.overload_clients or 4 * args.max_batch
-    if min(args.max_batch, args.instances, args.hangups, args.rounds, args.capacity_clients, args.overload_clients) < 1:
-        ap.error("--max-batch, --hangups, --rounds and the client counts must be at least 1")
+    if min(args.max_batch, args.instances, args.hangups, args.rounds, args.priority_rounds, args.capacity_clients,
+           args.overload_clients) < 1:
+        ap.error("--max-batch, --hangups, --rounds, --priority-rounds and the client counts must be at least 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="serve_lifecycle-"))
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"

@@ -399,11 +399,24 @@ class VisionTransformer(nn.Module):
         return self.pos_drop(x + pos)
 
     # -- forward --------------------------------------------------------------------------------------
+    def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> the first block's input [B, prefix + N, D]: patch embedding, prefix tokens, position
+        embeddings, norm_pre."""
+        grid = self.check_size(x.shape[-2], x.shape[-1])
+        return self.norm_pre(self._pos_embed(self.patch_embed(x), grid))
+
+    def forward_tail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last block's output [B, prefix + N, D] -> (logits [B, K], embedding [B, E]), as
+        `forward_embedding` ends without token merging: the encoder runs as stem, blocks, tail (a runner that
+        pauses between blocks, `vit_serve.runtime.backends.torch.Stages`)."""
+        tokens = self.norm(x)
+        embedding = self.embed(self.pool(tokens))
+        return self.head_logits(tokens, embedding), embedding
+
     def _features(self, x: torch.Tensor, return_attention: bool = False, record: bool = False):
         """forward_features, and the token-merging state (None without ToMe): (tokens, attentions, state);
         `record`: the state keeps each layer's `LayerMerge`."""
-        grid = self.check_size(x.shape[-2], x.shape[-1])
-        x = self.norm_pre(self._pos_embed(self.patch_embed(x), grid))
+        x = self.forward_stem(x)
         tm = self.token_merging
         merging = tm.start(self.num_prefix_tokens, record) if tm is not None else None
         attentions = []

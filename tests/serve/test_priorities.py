@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from gateway_helpers import metric, run, serving, settings_for
 
 from vit_serve.runtime.task import CLASSIFY
@@ -275,3 +276,116 @@ def test_a_batch_holds_one_level_and_no_more_rows_than_its_deadline_allows(tiny_
     assert quiet == [1, 3, 3, 3]  # the blocker, then level 2's three together
     assert timed_sizes[0] == [3, 3, 3, 1]  # the first's deadline: three rows; then the last one
     assert timed_sizes[1][0] == 1  # the same deadline after batches that ran over their prediction
+
+
+def _model_calls(mv) -> list[str]:
+    """What the model computes from now on, in the order its thread computes it: "stage" for each step of a staged
+    run, "whole" for a batch run whole (the backend's real runs, each logged as it starts)."""
+    backend, calls = mv.runner.local, []
+    staged, whole = backend.staged, backend.run
+
+    def logged_staged(task, x):
+        stages = staged(task, x)
+        if stages is None:
+            return None
+
+        def steps():
+            while True:
+                calls.append("stage")
+                try:
+                    next(stages)
+                except StopIteration as done:
+                    return done.value
+                yield
+
+        return steps()
+
+    def logged_whole(task, x):
+        calls.append("whole")
+        return whole(task, x)
+
+    backend.staged, backend.run = logged_staged, logged_whole
+    return calls
+
+
+def test_a_less_urgent_batch_gives_its_instance_to_an_urgent_request_between_blocks(tiny_ckpt, tiny_model):
+    """One instance: a level-2 batch started while level 1 is active runs in stages; a level-1 request that comes
+    meanwhile runs after the stage running then (the stem), before the rest of the level-2 batch, whose answer
+    is still the model's."""
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=1)) as (client, app):
+            mv = app.state.gateway.model()
+            await mv.infer(CLASSIFY, _x(mv, 0), None, Admission(priority=1))  # level 1 has traffic (ACTIVE_S)
+            calls = _model_calls(mv)
+            gate = threading.Event()
+            mv.thread.submit(gate.wait)  # the model thread busy: the staged run's first step waits for it
+            try:
+                low = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 1), None, Admission(priority=2)))
+                await _until(lambda: mv.runner.running == 1)  # its batch started: its first step waits for the thread
+                high = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 2), None, Admission(priority=1)))
+                await _until(lambda: mv.runner.depth == 1)
+            finally:
+                gate.set()
+            low_result, _ = await asyncio.gather(low, high)
+            return calls, low_result, (await client.get("/metrics")).text, _x(mv, 1)
+
+    calls, low_result, text, x = run(scenario())
+    depth = len(tiny_model.blocks)
+    # level 2's stem, level 1's batch whole, then the rest of level 2: its blocks and its tail
+    assert calls == ["stage", "whole", *["stage"] * (depth + 1)]
+    assert metric(text, "vit_serve_preempted_total") == 1
+    with torch.no_grad():
+        want = tiny_model(torch.from_numpy(x)).numpy()
+    assert np.abs(low_result.outputs["logits"] - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_a_staged_batch_stops_once_its_requests_have_gone(tiny_ckpt):
+    """The client of the only request in a staged batch goes away after the batch started: the run stops after the
+    stage running then."""
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=1)) as (_, app):
+            mv = app.state.gateway.model()
+            await mv.infer(CLASSIFY, _x(mv, 0), None, Admission(priority=1))
+            calls = _model_calls(mv)
+            gate = threading.Event()
+            mv.thread.submit(gate.wait)
+            try:
+                low = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 1), None, Admission(priority=2)))
+                await _until(lambda: mv.runner.running == 1)
+                low.cancel()
+            finally:
+                gate.set()
+            await _until(lambda: mv.runner.running == 0)
+            await asyncio.sleep(0.2)  # time for steps that should not come
+            return calls
+
+    assert run(scenario()) == ["stage"]  # the stem only
+
+
+@pytest.mark.parametrize(("instances", "largest"), [(1, 4), (2, 2)])
+def test_a_burst_is_shared_among_the_instances_free_for_it(tiny_ckpt, instances, largest):
+    """Four requests waiting when the instances come free: one batch of four with one instance; with two, the
+    first batch takes two, the rest go to the other instance (two, or one and one if the first batch has already
+    ended by then: a tiny model's batch takes a millisecond), never four in one batch beside an idle instance (on
+    a CPU a batch's time grows with its rows: the last answer would wait longer)."""
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt, max_batch=8, instances=instances)) as (_, app):
+            mv = app.state.gateway.model()
+            await mv.infer(CLASSIFY, _x(mv, 0), None, Admission())  # the runner's estimate of a batch's time
+            gate = threading.Event()
+            try:
+                for _ in range(instances):  # every model thread waits for the gate
+                    mv.thread.submit(gate.wait)
+                blockers = []
+                for i in range(instances):  # and every instance holds a batch that waits for a thread
+                    blockers.append(asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 90 + i), None, Admission())))
+                    await _until(lambda n=i + 1: mv.runner.running == n)
+                jobs = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission())) for i in range(4)]
+                await _until(lambda: mv.runner.depth == 4)
+            finally:
+                gate.set()
+            await asyncio.gather(*blockers)
+            return [r.batch_size for r in await asyncio.gather(*jobs)]
+
+    sizes = run(scenario())
+    assert max(sizes) == largest and sizes[:largest] == [largest] * largest  # the first batch: `largest` rows

@@ -49,6 +49,8 @@ class GatewayMetrics:
         self.cancelled = Counter("vit_serve_cancelled", "requests whose client went away (HTTP hang-up, gRPC cancel) "
                                  "by the stage they had reached: read, decode, queue (dropped, not run), infer (its "
                                  "batch had started)", ["stage", *MODEL], registry=r)
+        self.preempted = Counter("vit_serve_preempted", "times a less urgent batch run in stages gave its model "
+                                 "instance to a more urgent request, between two encoder blocks", MODEL, registry=r)
         self.gpu_decode_fallbacks = Counter("vit_serve_gpu_decode_fallbacks",
                                             "uploads decoded on the CPU although GPU decoding is on, by reason",
                                             ["reason"], registry=r)
@@ -118,6 +120,7 @@ class ModelMetrics:
         self.ready = VersionGauge(m.ready, self)
         self.memory = VersionGauge(m.memory, self)
         self.queue_wait = m.queue_wait.labels(*self.labels)
+        self.preempted = m.preempted.labels(*self.labels)
 
     @property
     def _gauges(self) -> tuple[VersionGauge, ...]:

@@ -30,7 +30,12 @@ too near it for its own batch, while waiting is dropped before its batch starts,
 holds one level only (urgent work never waits for less urgent rows topping up its batch), and no more rows than its
 first request's deadline leaves time for (with room for how far recent batches missed their predicted time); while a
 more urgent level has traffic, a less urgent batch holds one image (the urgent level's next request waits behind no
-more than that). A full queue sheds its least urgent, newest request (503 + Retry-After) for a more urgent one;
+more than that) and, where the backend runs the task in stages (`LocalBackend.staged`: the torch backend's encoder
+blocks), runs a stage at a time in the model thread: when a more urgent request waits and every instance is busy,
+it gives its instance up between two stages and waits, partly done, until the collector hands one back (before
+any new batch of its level or below). Where batching does not pay, a batch takes no more than its share of the
+waiting rows of its level among the instances that would finish them first (`_share`). A full queue sheds its
+least urgent, newest request (503 + Retry-After) for a more urgent one;
 shadow copies (`admission.SHADOW`) are below every level. A request whose caller went away (its task cancelled:
 `hangup`, a gRPC cancel) leaves the queue and any batch that has not started.
 
@@ -53,7 +58,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from vit_serve.runtime.backends.base import Backend, CallOptions, LocalBackend, RemoteBackend
+from vit_serve.runtime.backends.base import Backend, CallOptions, LocalBackend, RemoteBackend, Staged
 from vit_serve.runtime.batch_curve import BatchCurve
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import Outputs, Task
@@ -121,6 +126,33 @@ class Arrival:
 
 
 @dataclass(eq=False)
+class _Lane:
+    """A batch holding a model instance, when it started (less the time it was paused: `_busy_s` predicts its
+    end from it), and whether it runs in stages (it gives the instance up to more urgent work)."""
+
+    batch: list[_Item]
+    started: float
+    staged: bool = False
+
+    @property
+    def level(self) -> int:
+        return self.batch[0].admission.priority
+
+
+@dataclass(eq=False)
+class _Paused:
+    """A staged batch that gave its instance to more urgent work (`_yield_lane`), waiting for the collector to
+    give one back (`resume`)."""
+
+    lane: _Lane
+    resume: asyncio.Future[None]
+
+    @property
+    def order(self) -> tuple[int, float, float]:
+        return self.lane.batch[0].order
+
+
+@dataclass(eq=False, repr=False)  # no repr: deque.remove's "not in deque" error formats it (numpy's printer)
 class _Item:
     task: Task
     x: np.ndarray  # [n, 3, H, W]
@@ -286,7 +318,8 @@ class BatchingRunner(_Runner):
         if limits.instances > 1 and not backend.concurrent:
             log.warning("the %s backend runs one batch at a time: instances=%d is not used", backend.name,
                         limits.instances)
-        self._lanes: list[tuple[list[_Item], float]] = []  # the batches running now, each with its start
+        self._lanes: list[_Lane] = []  # the batches running now
+        self._paused: list[_Paused] = []  # staged batches waiting for an instance (`_yield_lane`)
         self._lane_free = asyncio.Event()
         self._runs: set[asyncio.Task[None]] = set()
         self._row_s: dict[str, float] = {}  # recent run time per image, per task kind (an EWMA), for deadlines
@@ -321,6 +354,7 @@ class BatchingRunner(_Runner):
             run.cancel()
         self._pending.clear()
         self._lanes = []
+        self._paused = []
         self._rows.clear()
         self.metrics.queue_depth.set(0)
 
@@ -340,8 +374,8 @@ class BatchingRunner(_Runner):
 
     @property
     def _running(self) -> list[_Item]:
-        """The requests in the batches the model is running now."""
-        return [item for batch, _ in self._lanes for item in batch]
+        """The requests in the batches the model is running now (paused ones included)."""
+        return [item for lane in [*self._lanes, *(p.lane for p in self._paused)] for item in lane.batch]
 
     @property
     def running(self) -> int:
@@ -457,6 +491,8 @@ class BatchingRunner(_Runner):
         """504 now for a request with a deadline that the batches ahead of it leave no time to meet (by the run
         time of recent batches; nothing is predicted before the first batch of its task)."""
         first = items[0]
+        if first.admission.deadline is None:  # nothing to refuse: skip counting the queue (each request pays it)
+            return
         ahead = sum(i.rows for i in self._pending if i.task == first.task and i.order < first.order)
         self._refuse_unless_in_time(first.task, first.admission, ahead, sum(i.rows for i in items), now)
 
@@ -492,8 +528,8 @@ class BatchingRunner(_Runner):
         of the batches running (`_batch_s`)."""
         if len(self._lanes) < self.instances:
             return 0.0
-        ends = [(self._batch_s(batch[0].task, sum(i.rows for i in batch)) or 0.0) - (now - started)
-                for batch, started in self._lanes]
+        ends = [(self._batch_s(lane.batch[0].task, sum(i.rows for i in lane.batch)) or 0.0) - (now - lane.started)
+                for lane in self._lanes]
         return max(0.0, min(ends))
 
     def _rows_in_time(self, first: _Item) -> int:
@@ -521,14 +557,68 @@ class BatchingRunner(_Runner):
         return max((t + ACTIVE_S - now for lv, t in self._seen.items() if lv < level and now - t < ACTIVE_S),
                    default=0.0)
 
-    def _kept_for_urgent(self, level: int) -> float:
-        """With several instances, a batch of `level` leaves one instance free while a more urgent level is
+    def _kept_for_urgent(self, first: _Item) -> float:
+        """With several instances, a batch led by `first` leaves one instance free while a more urgent level is
         active (`ACTIVE_S`), so that the urgent level's next request finds one free instead of waiting behind less
         urgent work: the seconds until that level goes quiet when the batch must wait, else 0 (one instance:
-        never, the less urgent batch holds one image instead, `_rows_beside_urgent`)."""
-        if self.instances == 1 or len(self._lanes) < self.instances - 1:
+        never, the less urgent batch holds one image instead, `_rows_beside_urgent`; a batch run in stages
+        never: it gives its instance back at the next stage, `_yield_lane`)."""
+        if self.instances == 1 or len(self._lanes) < self.instances - 1 or self._stageable(first):
             return 0.0
-        return self._urgent_active_s(level)
+        return self._urgent_active_s(first.admission.priority)
+
+    def _stageable(self, item: _Item) -> bool:
+        """Whether the backend runs `item`'s task in stages (`LocalBackend.staged`; the generator is made, never
+        started)."""
+        stages = self.local.staged(item.task, item.x)
+        if stages is None:
+            return False
+        stages.close()
+        return True
+
+    def _stages_for(self, task: Task, x: np.ndarray, level: int) -> Staged | None:
+        """The batch's run in stages while a more urgent level than its own is active (it may have to give its
+        instance to that level's next request), else None: run whole (one call into the model: a trace's whole
+        forward without the GIL)."""
+        return self.local.staged(task, x) if self._urgent_active_s(level) > 0 else None
+
+    def _urgent_waits(self, level: int) -> bool:
+        """A request (or a paused batch) more urgent than `level` waits, and every instance is busy."""
+        return len(self._lanes) >= self.instances and (
+            any(i.admission.priority < level for i in self._pending)
+            or any(p.lane.level < level for p in self._paused))
+
+    async def _yield_lane(self, lane: _Lane, run_s: float) -> None:
+        """Give `lane`'s instance to the collector, and wait until it hands one back (`_grant`); `run_s`: the
+        batch's model time so far."""
+        self._lanes.remove(lane)
+        paused = _Paused(lane, asyncio.get_running_loop().create_future())
+        self._paused.append(paused)
+        self._lane_free.set()
+        self.metrics.preempted.inc()
+        try:
+            await paused.resume
+        except BaseException:
+            if paused in self._paused:
+                self._paused.remove(paused)
+            elif lane in self._lanes:  # granted, then cancelled before it ran on
+                self._lanes.remove(lane)
+                self._lane_free.set()
+            raise
+        lane.started = time.perf_counter() - run_s
+
+    def _grant(self) -> bool:
+        """Hand a free instance back to the most urgent paused batch when nothing waiting is more urgent (its
+        work is partly done); whether one was."""
+        if not self._paused:
+            return False
+        paused = min(self._paused, key=lambda p: p.order)
+        if self._pending and min(i.order for i in self._pending) < paused.order:
+            return False
+        self._paused.remove(paused)
+        self._lanes.append(paused.lane)
+        paused.resume.set_result(None)
+        return True
 
     def _drop(self, *items: _Item) -> None:
         for item in items:
@@ -564,12 +654,15 @@ class BatchingRunner(_Runner):
             self._lane_free.clear()
             await self._lane_free.wait()
         self._expire()
+        if self._grant():
+            await asyncio.sleep(0)  # the batch resumes before the next is chosen
+            return
         if not self._pending:
             self._arrival.clear()
             await self._arrival.wait()
             return
         first = min(self._pending, key=lambda i: i.order)
-        if (wait := self._kept_for_urgent(first.admission.priority)) > 0:
+        if (wait := self._kept_for_urgent(first)) > 0:
             self._lane_free.clear()  # wait for a lane to free, a request to come, or the urgent level to go quiet
             self._arrival.clear()
             waiters = [asyncio.ensure_future(e.wait()) for e in (self._lane_free, self._arrival)]
@@ -592,9 +685,6 @@ class BatchingRunner(_Runner):
                 if self._rows[first.task] >= self.max_batch:
                     break
         batch = self._take(first.task)
-        if self.instances == 1:
-            await self._run(first.task, batch)
-            return
         run = asyncio.get_running_loop().create_task(self._run(first.task, batch))
         self._runs.add(run)
         run.add_done_callback(self._runs.discard)
@@ -608,7 +698,8 @@ class BatchingRunner(_Runner):
         rows = 0
         ordered = sorted((i for i in self._pending if i.task == task), key=lambda i: i.order)
         level = ordered[0].admission.priority
-        limit = min(self._rows_in_time(ordered[0]), self._rows_beside_urgent(level))
+        limit = min(self._rows_in_time(ordered[0]), self._rows_beside_urgent(level),
+                    self._share(task, level, sum(i.rows for i in ordered if i.admission.priority == level)))
         for item in ordered:
             if not batch or (item.admission.priority == level and rows + item.rows <= limit):
                 batch.append(item)
@@ -619,11 +710,62 @@ class BatchingRunner(_Runner):
         self.metrics.queue_depth.set(len(self._pending))
         return batch
 
+    def _share(self, task: Task, level: int, waiting: int) -> int:
+        """The rows a batch of `level` takes of the `waiting` rows of `task` at its level, with several instances
+        where batching does not pay (on a CPU a batch's time grows with its rows): each row goes to the instance
+        that would finish it first (idle now, running a less urgent batch in stages, which gives it up, or
+        predicted free at the end of its batch), this batch's instance among them, so that a burst runs on every
+        instance at once instead of as one long batch beside an idle one. All of them without an estimate."""
+        per_row = self._batch_s(task, 1)
+        if self.instances == 1 or per_row is None or (self.curve is not None and self.curve.worth_waiting):
+            return waiting
+        now = time.perf_counter()
+        ends = [0.0] * (self.instances - len(self._lanes))  # this batch's instance first, then the other idle ones
+        for lane in self._lanes:
+            held = not (lane.staged and lane.level > level)
+            run_s = self._batch_s(lane.batch[0].task, sum(i.rows for i in lane.batch)) or 0.0
+            ends.append(max(0.0, run_s - (now - lane.started)) if held else 0.0)
+        mine = 0
+        for _ in range(waiting):
+            first = min(range(len(ends)), key=ends.__getitem__)
+            ends[first] += per_row
+            mine += first == 0
+        return max(1, mine)
+
     def _timed_run(self, task: Task, x: np.ndarray) -> tuple[Outputs, float]:
         """The backend's run in the model thread, and its own time (not the wait for the thread)."""
         t0 = time.perf_counter()
         outputs = self.local.run(task, x)
         return outputs, time.perf_counter() - t0
+
+    @staticmethod
+    def _timed_step(stages: Staged) -> tuple[Outputs | None, float]:
+        """One stage of a staged run in the model thread: (the outputs after the last stage, else None; its time)."""
+        t0 = time.perf_counter()
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value, time.perf_counter() - t0
+        return None, time.perf_counter() - t0
+
+    async def _run_stages(self, stages: Staged, lane: _Lane) -> tuple[Outputs | None, float]:
+        """A staged run, a stage at a time in the model thread: before each stage, the instance goes to more urgent
+        work waiting for one (`_yield_lane`), and the run stops (None) once every request in it has gone (hung
+        up, timed out). (outputs, model seconds)."""
+        loop, level, run_s = asyncio.get_running_loop(), lane.level, 0.0
+        try:
+            while True:
+                outputs, step_s = await loop.run_in_executor(self.executor, self._timed_step, stages)
+                run_s += step_s
+                if outputs is not None:
+                    return outputs, run_s
+                if all(item.future.done() for item in lane.batch):
+                    return None, run_s
+                if self._urgent_waits(level):
+                    await self._yield_lane(lane, run_s)
+        finally:
+            with contextlib.suppress(ValueError):  # cancelled (unloaded) while a step still runs in its thread
+                stages.close()
 
     async def _run(self, task: Task, batch: list[_Item]) -> None:
         batch = [item for item in batch if not item.future.done()]  # left since they were taken
@@ -636,19 +778,29 @@ class BatchingRunner(_Runner):
             self.metrics.queue_wait.observe(start - item.t0)
             item.admission.at("infer")
         self.metrics.batch_size(task.kind).observe(rows)
-        lane = (batch, start)
+        lane = _Lane(batch, start)
         self._lanes.append(lane)
         self.metrics.in_flight.set(self.running)
+        stages = self._stages_for(task, x, batch[0].admission.priority)
+        lane.staged = stages is not None
         try:
-            outputs, run_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed_run, task, x)
+            if stages is None:
+                outputs, run_s = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._timed_run, task, x)
+            else:
+                staged, run_s = await self._run_stages(stages, lane)
+                if staged is None:
+                    return  # nobody is left to answer
+                outputs = staged
         except Exception as e:
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(e)
             return
         finally:
-            self._lanes.remove(lane)
-            self._lane_free.set()
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+                self._lane_free.set()
             self.metrics.in_flight.set(self.running)
         end = time.perf_counter()
         self.metrics.inference(task.kind).observe(end - start)

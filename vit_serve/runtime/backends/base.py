@@ -12,6 +12,7 @@ thread, the model version's own model thread, and the gateway batches for it (`r
 from __future__ import annotations
 
 import abc
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.task import Outputs, Task
 
-__all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend"]
+__all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,10 @@ class Backend(abc.ABC):
         return np.zeros((1, 3, h, w), np.float32)
 
 
+# A run in stages: each next() computes one stage (in whichever thread calls it); StopIteration's value is the outputs.
+Staged = Generator[None, None, Outputs]
+
+
 class LocalBackend(Backend):
     """Computes in the calling thread (the model version's model thread); the gateway batches for it."""
 
@@ -139,6 +144,12 @@ class LocalBackend(Backend):
             logits, embedding = self.embed(x)
             return {LOGITS: logits, EMBEDDING: embedding}
         return {ROLLOUT: np.stack([self.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])])}
+
+    def staged(self, task: Task, x: np.ndarray) -> Staged | None:
+        """`run(task, x)` as a generator of its stages, each step one stage (the torch backend: the stem, each
+        encoder block, the tail), its return value the outputs; a runner may pause between steps for more urgent
+        work (`runner.BatchingRunner`). None where the task runs only whole (the default)."""
+        return None
 
     def warmup(self) -> None:
         """Run one batch so the first request does not pay for lazy initialisation."""

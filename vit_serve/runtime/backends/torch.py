@@ -11,6 +11,11 @@ On the CPU in eager mode the backend measures at load how onnxruntime compares o
 (`runtime.torch_probe`; VIT_SERVE_TORCH_PROBE=0 skips it) and logs a WARNING with the ratio and the command
 that serves the export instead when onnxruntime is clearly faster; `TorchBackend.probe` keeps the measurement.
 
+classify and embed also run in stages (`staged`, `Stages`: the stem, each encoder block, the tail; traced one by
+one with --torchscript), which the batching runner steps through for a less urgent batch that may have to give
+its model instance to a more urgent request; not with --compile (one graph) or token merging (its state is one
+forward's).
+
 classify in inference mode; explain with `vit_serve.explain.explain_forward` (any head fusion and discard ratio;
 through the model's token merges, if set); grad_rollout with `vit_serve.explain.grad_rollout` (the only backend
 with it); explain and grad_rollout stay eager with --compile and --torchscript (they need the attentions).
@@ -21,22 +26,26 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from vit_serve.explain import explain_forward, grad_rollout
-from vit_serve.manifest import RolloutSettings, TokenMergingRecord, embedding_of
+from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.preprocess import PreprocessConfig
-from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+from vit_serve.runtime.backends.base import LocalBackend, ModelInfo, Staged
 from vit_serve.runtime.spec import BOTH_FORWARDS
+from vit_serve.runtime.task import Task
 from vit_serve.runtime.torch_probe import ProbeResult, advice, probe, wanted
 from vit_serve.tome import TomeR
 
 log = logging.getLogger("vit_serve.runtime")
 
 Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+T = TypeVar("T")
 
 # Compiled or traced vs eager: max |difference| over max |eager| of the logits (and of the embedding). Inductor's
 # fused fp32 kernels differ from eager's by reassociation only (~1e-6 relative; TorchScript runs eager's own
@@ -98,6 +107,22 @@ def _check_parity(got: tuple[torch.Tensor, torch.Tensor], model: torch.nn.Module
                              f"|{what} difference| {bad[0]:.2e} > {bad[1]:.2e}): serve it without {option}")
 
 
+def _traced(name: str, trace: Callable[[], T]) -> T:
+    """`trace()`, a call of torch.jit's tracer, with its warnings silenced and its failure one ValueError line."""
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        # The trace records the shapes it saw as constants where Python reads them (the position embedding's
+        # grid check): right for the one resolution served, and checked against eager after. torch.jit is
+        # deprecated (a FutureWarning in torch 2.14) but still runs; a torch without it fails here, in one line.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", r".*torch\.jit.* is deprecated", FutureWarning)
+        try:
+            return trace()
+        except Exception as e:  # the tracer raises many types (an op it cannot record, a Python-side branch)
+            why = " ".join(str(e).split())[:300]
+            raise ValueError(f"--torchscript: torch.jit.trace failed on {name}: {type(e).__name__}: {why}: serve "
+                             "it without --torchscript") from e
+
+
 def torchscript_forward(model: torch.nn.Module, resolution: tuple[int, int], device: torch.device, name: str
                         ) -> Forward:
     """`model.forward_embedding` traced with `torch.jit.trace_module` at batch 2 on a seeded N(0, 1) input (the
@@ -106,24 +131,69 @@ def torchscript_forward(model: torch.nn.Module, resolution: tuple[int, int], dev
     trace's outputs differ from eager's beyond `PARITY_RTOL`."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((2, 3, *resolution), generator=gen).to(device)
-    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-        # The trace records the shapes it saw as constants where Python reads them (the position embedding's
-        # grid check): right for the one resolution served, and checked against eager below. torch.jit is
-        # deprecated (a FutureWarning in torch 2.14) but still runs; a torch without it fails here, in one line.
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.filterwarnings("ignore", r".*torch\.jit.* is deprecated", FutureWarning)
-        try:
-            traced = torch.jit.trace_module(model, {"forward_embedding": x}, check_trace=False)
-        except Exception as e:  # the tracer raises many types (an op it cannot record, a Python-side branch)
-            why = " ".join(str(e).split())[:300]
-            raise ValueError(f"--torchscript: torch.jit.trace failed on {name}: {type(e).__name__}: {why}: serve "
-                             "it without --torchscript") from e
+    traced = _traced(name, lambda: torch.jit.trace_module(model, {"forward_embedding": x}, check_trace=False))
     forward: Forward = traced.forward_embedding
+    _check_batches(forward, model, resolution, device, name, gen)
+    return forward
+
+
+def _check_batches(forward: Forward, model: torch.nn.Module, resolution: tuple[int, int], device: torch.device,
+                   name: str, gen: torch.Generator) -> None:
+    """`forward` (traced) against eager at batch 1, 2 and 3 (`_check_parity`)."""
     with torch.inference_mode():
         for batch in (1, 2, 3):
             x = torch.randn((batch, 3, *resolution), generator=gen).to(device)
             _check_parity(forward(x), model, x, "--torchscript", "traced", name)
-    return forward
+
+
+class _BlockOut(torch.nn.Module):
+    """An encoder block's tokens alone (its forward also returns an attention, None here): what a trace keeps."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)[0]
+
+
+@dataclass(frozen=True)
+class Stages:
+    """`forward_embedding` (without token merging) as its stem, each encoder block and its tail
+    (`VisionTransformer.forward_stem`, `.blocks`, `.forward_tail`), eager or each traced: the steps of a staged
+    run (`TorchBackend.staged`), between which the runner may give the model's instance to more urgent work."""
+
+    stem: Callable[[torch.Tensor], torch.Tensor]  # [B, 3, H, W] -> [B, T, D]
+    blocks: list[Callable[[torch.Tensor], torch.Tensor]]  # [B, T, D] -> [B, T, D]
+    tail: Forward  # [B, T, D] -> (logits [B, K], embedding [B, E])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stages run through at once: `forward_embedding(x)`."""
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.tail(h)
+
+    @staticmethod
+    def eager(model: torch.nn.Module) -> Stages:
+        return Stages(model.forward_stem, [_BlockOut(b) for b in model.blocks], model.forward_tail)
+
+    @staticmethod
+    def traced(model: torch.nn.Module, resolution: tuple[int, int], device: torch.device, name: str) -> Stages:
+        """Each stage traced as `torchscript_forward` traces the whole (batch 2, a seeded N(0, 1) input), the
+        stages run through checked against eager at batch 1, 2 and 3: a paused run keeps TorchScript's release
+        of the GIL."""
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn((2, 3, *resolution), generator=gen).to(device)
+        with torch.no_grad():
+            h = model.forward_stem(x)
+        ends = _traced(name, lambda: torch.jit.trace_module(
+            model, {"forward_stem": x, "forward_tail": h}, check_trace=False))
+        blocks = [_traced(name, lambda b=b: torch.jit.trace(_BlockOut(b), h, check_trace=False))
+                  for b in model.blocks]
+        stages = Stages(ends.forward_stem, blocks, ends.forward_tail)
+        _check_batches(stages, model, resolution, device, name, gen)
+        return stages
 
 
 class TorchBackend(LocalBackend):
@@ -160,6 +230,11 @@ class TorchBackend(LocalBackend):
             self._forward = compile_forward(self.model, res, self.device, name)
         elif torchscript:
             self._forward = torchscript_forward(self.model, res, self.device, name)
+        # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging
+        self._stages: Stages | None = None
+        if not compile and self.model.token_merging is None:
+            self._stages = (Stages.traced(self.model, res, self.device, name) if torchscript
+                            else Stages.eager(self.model))
         self.probe: ProbeResult | None = None
         if not (compile or torchscript) and wanted(self.device, dtype):
             self.probe = probe(self.model, torch.randn(1, 3, *res, generator=torch.Generator().manual_seed(0)),
@@ -209,6 +284,25 @@ class TorchBackend(LocalBackend):
         with torch.inference_mode():
             logits, embedding = self._forward(self._input(x))
             return self._out(logits), self._out(embedding)
+
+    def staged(self, task: Task, x: np.ndarray) -> Staged | None:
+        """classify / embed one step a stage (`Stages`: the stem, each block, the tail), eager or traced as the
+        whole forward is; None for explain and grad_rollout, with --compile or with token merging."""
+        if self._stages is None or task.kind not in ("classify", "embed"):
+            return None
+        return self._steps(self._stages, task, x)
+
+    def _steps(self, stages: Stages, task: Task, x: np.ndarray) -> Staged:
+        with torch.inference_mode():  # per step: inference mode is the calling thread's, and steps change thread
+            h = stages.stem(self._input(x))
+        for block in stages.blocks:
+            yield
+            with torch.inference_mode():
+                h = block(h)
+        yield
+        with torch.inference_mode():
+            logits, embedding = stages.tail(h)
+        return {LOGITS: self._out(logits), **({EMBEDDING: self._out(embedding)} if task.kind == "embed" else {})}
 
     def explain(self, x: np.ndarray, rollout_settings: RolloutSettings | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
