@@ -46,7 +46,7 @@ Between phases each server is left to go idle (its queue and batch empty, `wait_
 leftovers never run in the next; the baseline is stopped after its storm instead (its queue of requests whose
 clients left would take minutes to run).
 
-    # the targets (ViT-S/16 at 224, torch, max batch 8; about 20 minutes on 2 cores):
+    # the targets (ViT-S/16 at 224, torch, max batch 8; about 15 minutes on 2 cores):
     python benchmarks/serve_load.py --mode lifecycle --out /tmp/serve_lifecycle
     # a smoke run (Ti/16 at 64 px, a 5 s storm; a few minutes; the storm's offered rate is then the client's limit):
     python benchmarks/serve_load.py --mode lifecycle --model Ti/16 --res 64 --storm-s 5 --window-s 5 \\
