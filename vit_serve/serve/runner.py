@@ -525,12 +525,16 @@ class BatchingRunner(_Runner):
 
     def _busy_s(self, now: float) -> float:
         """Seconds until a model instance is free for the next batch: 0 while one is idle, else the soonest end
-        of the batches running (`_batch_s`)."""
+        of the batches running (`_left_s`)."""
         if len(self._lanes) < self.instances:
             return 0.0
-        ends = [(self._batch_s(lane.batch[0].task, sum(i.rows for i in lane.batch)) or 0.0) - (now - lane.started)
-                for lane in self._lanes]
-        return max(0.0, min(ends))
+        return min(self._left_s(lane, now) for lane in self._lanes)
+
+    def _left_s(self, lane: _Lane, now: float) -> float:
+        """Seconds until `lane`'s batch is predicted to end (`_batch_s` from its start; 0 without an estimate or
+        once past it)."""
+        run_s = self._batch_s(lane.batch[0].task, sum(i.rows for i in lane.batch)) or 0.0
+        return max(0.0, run_s - (now - lane.started))
 
     def _rows_in_time(self, first: _Item) -> int:
         """The most rows a batch led by `first` may hold and still end before its deadline (`_sure_batch_s`;
@@ -721,10 +725,8 @@ class BatchingRunner(_Runner):
             return waiting
         now = time.perf_counter()
         ends = [0.0] * (self.instances - len(self._lanes))  # this batch's instance first, then the other idle ones
-        for lane in self._lanes:
-            held = not (lane.staged and lane.level > level)
-            run_s = self._batch_s(lane.batch[0].task, sum(i.rows for i in lane.batch)) or 0.0
-            ends.append(max(0.0, run_s - (now - lane.started)) if held else 0.0)
+        for lane in self._lanes:  # a less urgent staged batch gives its instance up: free now
+            ends.append(0.0 if lane.staged and lane.level > level else self._left_s(lane, now))
         mine = 0
         for _ in range(waiting):
             first = min(range(len(ends)), key=ends.__getitem__)
@@ -778,11 +780,10 @@ class BatchingRunner(_Runner):
             self.metrics.queue_wait.observe(start - item.t0)
             item.admission.at("infer")
         self.metrics.batch_size(task.kind).observe(rows)
-        lane = _Lane(batch, start)
+        stages = self._stages_for(task, x, batch[0].admission.priority)
+        lane = _Lane(batch, start, staged=stages is not None)
         self._lanes.append(lane)
         self.metrics.in_flight.set(self.running)
-        stages = self._stages_for(task, x, batch[0].admission.priority)
-        lane.staged = stages is not None
         try:
             if stages is None:
                 outputs, run_s = await asyncio.get_running_loop().run_in_executor(
