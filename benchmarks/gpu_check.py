@@ -1,15 +1,21 @@
-"""The CUDA paths with a verdict each, for when a GPU is lent: one command, under 540 s on one H200.
+"""The CUDA paths with a verdict each, for when a GPU is lent: one command, under 540 s on one H200 or H100.
 
-    python benchmarks/gpu_check.py --out gpu_check_out     # from the repository root; the whole check
-    python benchmarks/gpu_check.py --list                  # the stages and their criteria; no GPU needed
+    python benchmarks/gpu_wheels.py                         # here, once, with PyPI: fills .gpu-wheels/ (git-ignored)
+    python benchmarks/gpu_check.py --out gpu_check_out      # from the repository root; the whole check
+    python benchmarks/gpu_check.py --list                   # the stages and their criteria; no GPU needed
 
-On a lent machine: `run(command="python benchmarks/gpu_check.py --out $OUT/gpu_check", timeout_s=560)` (the
-global budget, --budget, defaults to 530 s; each stage runs in its own process and is stopped at its limit).
-Test tools the machine lacks (pytest, timm, onnx, onnxruntime, onnxscript, scikit-image) are installed first with
-`pip install --no-index --find-links DIR` from wheels carried along (--wheels DIR, default ./gpu_check_wheels:
-`pip download -d gpu_check_wheels pytest timm onnx onnxruntime onnxscript scikit-image` on a machine with PyPI,
-then carry the folder), else from PyPI when it is reachable; otherwise one line names what is missing and the
-stages needing it give no verdict. --no-install leaves the environment as it is.
+The one command for the device tool (the carried folder travels with the working tree, 64 MiB at most in all):
+
+    run(command="python benchmarks/gpu_check.py --out $OUT/gpu_check", carry=[".gpu-wheels"], timeout_s=560)
+
+That machine has no network, and its Python holds torch, timm, onnx, onnxruntime, transformers and pytest but
+not the gateway's web stack: nothing is resolved or downloaded there. The project runs from the working tree
+(PYTHONPATH; no `pip install`), and the carried wheels (benchmarks/gpu_wheels.py: fastapi, starlette, uvicorn,
+pydantic and the rest of the gateway's requirements, at the versions the tests pass with) that the machine
+lacks are installed into a temporary folder on the path of every process of the check (`pip install --no-deps
+--no-index --target`); --no-install leaves them out. What cannot travel (TensorRT, scikit-image) makes the stages
+needing it "not available here". The global budget, --budget, defaults to 530 s; each stage runs in its own
+process and is stopped at its limit.
 
 Stages, in order (the compile stages before TensorRT), and what each is judged by:
 
@@ -21,6 +27,9 @@ Stages, in order (the compile stages before TensorRT), and what each is judged b
 * train:           the first 3 AdamW steps' losses in bf16 on CUDA equal the CPU's fp32 run within 2% (bf16);
                    eager training images/s against timm reported
 * gpu-decode:      nvJPEG decode + resize of the two 12 MP phone JPEGs against the CPU fast path: PSNR >= 35 dB
+                   (the corpus made from the carried photos where scikit-image is missing); then
+                   `vit-serve serve --device cuda` (the carried web stack) answers POST /classify of a phone JPEG
+                   decoded by nvJPEG with the CPU path's top-1
 * ddp-nccl:        two ranks over NCCL (torchrun) give the parameters of one process on both batches (|Δ| <= 1e-4);
                    skipped, with the reason, on a machine with one GPU
 * forward-compile: torch.compile'd forward images/s against timm compiled, bf16: ratio >= 0.95
@@ -30,13 +39,15 @@ Stages, in order (the compile stages before TensorRT), and what each is judged b
                    to PyTorch's), the Triton repository served by `tritonserver` when one with the TensorRT backend
                    is installed, and the TensorRT tests under tests/
 
-Verdicts: pass, FAIL, no verdict (it should have been judged and was not: no CUDA device, a tool missing, every
-test skipped or none collected, stopped at its time limit), skipped (does not apply here, e.g. DDP on one GPU).
-Exit status: 0 when every stage passed or was skipped, 1 when one failed, 3 when none failed but one gave no
-verdict. Without a CUDA device the script runs to the end in a few seconds: every stage "no verdict: no CUDA
-device" (nothing is trained or exported), exit 3. The table is printed, and written to DIR/gpu_check.md and
-DIR/gpu_check.json with --out DIR. Works without `pip install -e .`: the repository root and a `vit_export` alias
-of export/ (pyproject's package-dir mapping) are put on the path of this process and of its children.
+Verdicts: pass, FAIL, no verdict (it should have been judged and was not: a tool missing, every test skipped
+or none collected, stopped at its time limit), not available here (it needs what cannot travel to the machine:
+TensorRT, scikit-image), skipped (does not apply here, e.g. DDP on one GPU). Exit status: 0 when every stage
+passed, was skipped or is not available here; 1 when one failed; 3 when none failed but one gave no verdict.
+Without a CUDA device the command is a dry run that ends in a few seconds, with exit 0: the carried wheels are
+installed as on the GPU machine, and every stage says "no verdict: no CUDA device" (nothing trained or exported);
+tests/test_gpu_check.py runs it so in CI. The table is printed, and written to DIR/gpu_check.md and
+DIR/gpu_check.json with --out DIR. `vit_export` is aliased to export/ (pyproject's package-dir mapping) on the
+path of this process and of its children when the project is not installed.
 """
 
 from __future__ import annotations
@@ -67,9 +78,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BUDGET_S = 530.0  # the whole check, start-up and report included, stays under 540 s on one H200
 DEVICE_LIMIT_S = 540.0
 TIMM_NAME = "vit_base_patch16_224"
-DEFAULT_WHEELS = REPO / "gpu_check_wheels"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling gpu_wheels, also when loaded by path
+import gpu_wheels  # noqa: E402
+
+DEFAULT_WHEELS = gpu_wheels.DEFAULT_DIR
+PHOTOS_ENV = "GPU_CHECK_PHOTOS"  # the carried corpus photos
+CORPUS_ENV = "GPU_CHECK_CORPUS"  # the folder of the corpus files, for the gpu-decode child
+PHONE_JPEGS = ("phone_astronaut.jpg", "phone_mosaic_exif6.jpg")
 
 PASS, FAIL, NO_VERDICT, SKIPPED = "pass", "FAIL", "no verdict", "skipped"
+NOT_AVAILABLE = "not available here"
 EXIT_OK, EXIT_FAILED, EXIT_NO_VERDICT = 0, 1, 3
 
 # The criteria (the issue's bounds).
@@ -87,9 +105,8 @@ _CUDA_TEST_RE = re.compile(r"cuda\.is_available|\bneeds?_(?:cuda|gpu|trt)\b|mark
 _CUDA_REASON_RE = re.compile(r"cuda|gpu|tensorrt|nvjpeg", re.IGNORECASE)
 _TENSORRT_REASON_RE = re.compile(r"tensorrt", re.IGNORECASE)
 SELECT_ENV = "GPU_CHECK_SELECT"  # "cuda" or "tensorrt": which CUDA-only tests the plugin below keeps
-# Test tools: the import name and the pip name.
-TOOLS = {"pytest": "pytest", "timm": "timm", "onnx": "onnx", "onnxruntime": "onnxruntime",
-         "onnxscript": "onnxscript", "skimage": "scikit-image"}
+# A skip of pytest.importorskip: "could not import 'skimage.data': No module named 'skimage'".
+_IMPORT_SKIP_RE = re.compile(r"could not import '([\w.]+)'")
 
 
 # ---- verdicts (pure; tested on the CPU) ---------------------------------------------------------------------
@@ -152,11 +169,20 @@ def read_junit(path: Path, exit_code: int | None) -> PytestSummary:
         return PytestSummary(exit_code=exit_code)
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    reasons = sorted({(s.get("message") or "").strip() for s in root.iter("skipped")})
+    reasons = sorted({_skip_reason(s) for s in root.iter("skipped")})
     return PytestSummary(
         tests=sum(int(s.get("tests", 0)) for s in suites), failures=sum(int(s.get("failures", 0)) for s in suites),
         errors=sum(int(s.get("errors", 0)) for s in suites), skipped=sum(int(s.get("skipped", 0)) for s in suites),
         skip_reasons=tuple(r for r in reasons if r), exit_code=exit_code)
+
+
+def _skip_reason(skipped: ET.Element) -> str:
+    """A junit <skipped> element's reason; a module skipped at collection (pytest.importorskip at its top) has
+    "collection skipped" as its message and the reason in its text: ('path', line, 'Skipped: reason')."""
+    message, text = (skipped.get("message") or "").strip(), (skipped.text or "").strip()
+    if message == "collection skipped" and "Skipped: " in text:
+        return text.split("Skipped: ", 1)[1].rstrip("')\"")
+    return message
 
 
 def tests_verdict(s: PytestSummary) -> tuple[str, str]:
@@ -174,14 +200,27 @@ def tests_verdict(s: PytestSummary) -> tuple[str, str]:
     if s.tests == 0:
         return NO_VERDICT, "no test collected"
     if s.skipped == s.tests:
-        return NO_VERDICT, f"all {s.tests} skipped: " + "; ".join(s.skip_reasons)[:300]
+        why = "; ".join(s.skip_reasons)[:300]
+        cannot = not_carried(m.group(1) for r in s.skip_reasons if (m := _IMPORT_SKIP_RE.search(r)))
+        if cannot and all(_IMPORT_SKIP_RE.search(r) for r in s.skip_reasons):
+            return NOT_AVAILABLE, f"all {s.tests} skipped: they need {cannot}"
+        return NO_VERDICT, f"all {s.tests} skipped: {why}"
     return PASS, counts
 
 
-def exit_code(verdicts: Sequence[str]) -> int:
-    """1 when a stage failed; 3 when none failed but one gave no verdict; else 0 (pass or skipped)."""
+def not_carried(modules: Sequence[str] | Any) -> str | None:
+    """What of `modules` (imported names) cannot travel to the GPU machine (gpu_wheels.NOT_CARRIED), or None."""
+    named = sorted({gpu_wheels.NOT_CARRIED[top] for m in modules if (top := m.split(".")[0]) in gpu_wheels.NOT_CARRIED})
+    return ", ".join(named) or None
+
+
+def exit_code(verdicts: Sequence[str], dry_run: bool = False) -> int:
+    """1 when a stage failed; 3 when none failed but one gave no verdict; else 0 (pass, skipped, not available
+    here). A dry run (no CUDA device: nothing could be judged) is 0 unless a stage failed."""
     if FAIL in verdicts:
         return EXIT_FAILED
+    if dry_run:
+        return EXIT_OK
     return EXIT_NO_VERDICT if NO_VERDICT in verdicts or not verdicts else EXIT_OK
 
 
@@ -208,27 +247,6 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     items[:] = keep
 
 
-def missing_tools(find: Callable[[str], object] = importlib.util.find_spec) -> list[str]:
-    """The pip names of the test tools that do not import here."""
-    return [pip for mod, pip in TOOLS.items() if find(mod) is None]
-
-
-def install_plan(missing: Sequence[str], wheels: Path | None, index_reachable: bool) -> tuple[list[str] | None, str]:
-    """(the pip arguments that install `missing`, or None; a one-line account). Carried wheels first, then PyPI."""
-    if not missing:
-        return None, "test tools: all present"
-    names = " ".join(missing)
-    if wheels is not None and wheels.is_dir() and any(wheels.glob("*.whl")):
-        return (["install", "--no-index", "--find-links", str(wheels), *missing],
-                f"test tools: installing {names} from {wheels}")
-    if index_reachable:
-        return ["install", *missing], f"test tools: installing {names} from PyPI"
-    where = f"no wheels in {wheels}" if wheels is not None else "no --wheels folder"
-    return None, (f"test tools missing: {names} ({where}, PyPI unreachable): on a machine with PyPI run "
-                  f"`pip download -d gpu_check_wheels {names}` and carry the folder; the stages needing them "
-                  "give no verdict")
-
-
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -246,8 +264,8 @@ STAGES: tuple[Stage, ...] = (
           f"fp32 max |Δ| <= {FP32_LOGIT_MAX_ABS:g}, bf16 cosine >= {BF16_LOGIT_COSINE_MIN}", 20, 60),
     Stage("train", "first AdamW steps bf16 CUDA vs fp32 CPU; training images/s vs timm, eager",
           f"loss within {TRAIN_LOSS_REL_TOL:.0%} of the CPU's", 30, 75),
-    Stage("gpu-decode", "nvJPEG on the 12 MP phone JPEGs vs the CPU fast path",
-          f"PSNR >= {DECODE_PSNR_MIN:g} dB", 15, 45),
+    Stage("gpu-decode", "nvJPEG on the 12 MP phone JPEGs vs the CPU fast path; the gateway decoding on CUDA",
+          f"PSNR >= {DECODE_PSNR_MIN:g} dB; served top-1 = the CPU path's, by nvJPEG", 25, 90),
     Stage("ddp-nccl", "DDP over NCCL, 2 ranks (torchrun) vs one process", f"params |Δ| <= {DDP_PARAM_MAX_ABS:g}; "
           "skipped on one GPU", 20, 60),
     Stage("forward-compile", "forward images/s vs timm, both torch.compile'd, bf16",
@@ -289,12 +307,13 @@ def _vit_export_importable() -> bool:
     return importlib.util.find_spec("vit_export") is not None
 
 
-def child_env(repo: Path = REPO, installed: bool | None = None) -> dict[str, str]:
+def child_env(repo: Path = REPO, installed: bool | None = None, site: Path | None = None) -> dict[str, str]:
     """The environment for child processes: `vit_serve` and `vit_export` importable from the working tree
     even when the package is not installed (pyproject maps vit_export to export/: a symlink does the same),
-    and this script importable as the pytest plugin `gpu_check`."""
+    this script importable as the pytest plugin `gpu_check`, and `site` (the carried wheels installed) on the
+    path after them."""
     env = dict(os.environ)
-    paths = [str(repo), str(Path(__file__).resolve().parent)]
+    paths = [str(repo), str(Path(__file__).resolve().parent), *([str(site)] if site else [])]
     if not (_vit_export_importable() if installed is None else installed):
         alias = Path(tempfile.mkdtemp(prefix="gpu_check-path-"))
         atexit.register(shutil.rmtree, alias, ignore_errors=True)
@@ -304,11 +323,12 @@ def child_env(repo: Path = REPO, installed: bool | None = None) -> dict[str, str
     return env
 
 
-def _ensure_importable() -> dict[str, str]:
-    env = child_env()
+def _ensure_importable(site: Path | None = None) -> dict[str, str]:
+    env = child_env(site=site)
     for p in reversed(env["PYTHONPATH"].split(os.pathsep)):
         if p not in sys.path:
             sys.path.insert(0, p)
+    importlib.invalidate_caches()
     return env
 
 
@@ -332,9 +352,9 @@ def judged(stage: str, criteria: list[Criterion], detail: str, data: dict[str, A
 
 def combine(parts: Sequence[tuple[str, str]]) -> str:
     """The verdict of a stage made of parts (each (verdict, detail)): FAIL if one failed, no verdict if one gave
-    none, pass if one passed, else skipped."""
+    none, pass if one passed, not available here if one is, else skipped."""
     verdicts = [v for v, _ in parts]
-    for v in (FAIL, NO_VERDICT, PASS):
+    for v in (FAIL, NO_VERDICT, PASS, NOT_AVAILABLE):
         if v in verdicts:
             return v
     return SKIPPED
@@ -377,6 +397,18 @@ def _needs(*modules: str) -> str | None:
     return f"not installed here: {', '.join(missing)}" if missing else None
 
 
+def unavailable(stage: str, *modules: str) -> Result | None:
+    """A stage's result when `modules` do not all import: "not available here" when one of them cannot travel
+    to the GPU machine (TensorRT), else "no verdict" (it should have been carried); None when all import."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    cannot = not_carried(missing)
+    if cannot:
+        return Result(stage, NOT_AVAILABLE, f"it needs {cannot}")
+    return Result(stage, NO_VERDICT, f"not installed here: {', '.join(missing)} (not in the carried wheels)")
+
+
 @dataclass
 class Context:
     env: dict[str, str]
@@ -399,8 +431,8 @@ def run_pytest(ctx: Context, kind: str, files: Sequence[Path], timeout: float) -
 
 
 def stage_cuda_tests(ctx: Context, timeout: float) -> Result:
-    if (why := _needs("pytest")) is not None:
-        return Result("cuda-tests", NO_VERDICT, why)
+    if (res := unavailable("cuda-tests", "pytest")) is not None:
+        return res
     verdict, detail = run_pytest(ctx, "cuda", cuda_test_files(REPO / "tests"), timeout)
     return Result("cuda-tests", verdict, detail)
 
@@ -429,6 +461,8 @@ def stage_measure(name: str, ctx: Context, timeout: float) -> Result:
         return Result(name, NO_VERDICT, f"stopped at its time limit: {_tail(out)}")
     if data.get("no_verdict"):
         return Result(name, NO_VERDICT, data["no_verdict"])
+    if data.get("not_available"):
+        return Result(name, NOT_AVAILABLE, data["not_available"])
     if rc != 0 or not data:
         return Result(name, FAIL, f"exit {rc}: {_tail(out)}")
     criteria, detail = criteria_of(name, data)
@@ -520,11 +554,16 @@ def _serve_triton(ctx: Context, repo: Path, timeout: float) -> tuple[str, str]:
     exe = _tritonserver_with_tensorrt()
     if exe is None:
         return SKIPPED, "no tritonserver with the TensorRT backend here"
+    from vit_export.tritonserver import SHM_PREFIX_ARG, new_shm_prefix, remove_shm
+
     port = _free_port()
+    prefix = new_shm_prefix()  # its own Python-backend regions, removed after it, however it ended
     argv = [exe, f"--model-repository={repo}", f"--http-port={port}", f"--grpc-port={_free_port()}",
-            f"--metrics-port={_free_port()}"]
+            f"--metrics-port={_free_port()}", f"{SHM_PREFIX_ARG}{prefix}"]
     log = ctx.work / "tritonserver.log"
-    with _server(argv, ctx.env, log) as proc:
+    with contextlib.ExitStack() as stack:
+        stack.callback(remove_shm, prefix)
+        proc = stack.enter_context(_server(argv, ctx.env, log))
         if not _wait_http(f"http://127.0.0.1:{port}/v2/health/ready", proc, min(90.0, timeout)):
             return FAIL, f"tritonserver not ready: {_tail(log.read_text(errors='replace'))}"
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/repository/index", data=b"{}", method="POST")
@@ -535,9 +574,80 @@ def _serve_triton(ctx: Context, repo: Path, timeout: float) -> tuple[str, str]:
     return (PASS if ok else FAIL), "tritonserver: " + ", ".join(f"{k} {v}" for k, v in states.items())
 
 
+def corpus_photos(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the upload corpus's photos, or None where `upload_corpus.photos` loads them itself; why there are none).
+    Where scikit-image or matplotlib is missing, the photos carried in `folder` (gpu_wheels.save_photos)."""
+    if _needs("skimage", "matplotlib") is None:
+        return None, None
+    ph = gpu_wheels.load_photos(folder)
+    if ph:
+        return ph, None
+    return None, (f"the upload corpus needs {not_carried(['skimage', 'matplotlib'])}, or its photos carried in "
+                  f"{folder} (python benchmarks/gpu_wheels.py)")
+
+
+def stage_gpu_decode(ctx: Context, timeout: float) -> Result:
+    """nvJPEG against the CPU path on the corpus's phone JPEGs (a child), then the gateway decoding on CUDA."""
+    if (res := unavailable("gpu-decode", "torchvision")) is not None:
+        return res
+    end = time.monotonic() + timeout
+    ph, why = corpus_photos(Path(ctx.env.get(PHOTOS_ENV, DEFAULT_WHEELS / gpu_wheels.PHOTOS)))
+    if why:
+        return Result("gpu-decode", NOT_AVAILABLE, why)
+    import upload_corpus
+
+    files = upload_corpus.build(ctx.work / "corpus", PHONE_JPEGS, ph)
+    decoded = stage_measure("gpu-decode", Context({**ctx.env, CORPUS_ENV: str(ctx.work / "corpus")}, ctx.work,
+                                                  ctx.gpus), end - time.monotonic())
+    served = _serve_decoded(ctx, files[PHONE_JPEGS[0]], end - time.monotonic())
+    return Result("gpu-decode", combine([(decoded.verdict, decoded.detail), served]),
+                  f"{decoded.detail}; {served[1]}", decoded.criteria, data=decoded.data)
+
+
+def _serve_decoded(ctx: Context, jpeg: Path, timeout: float) -> tuple[str, str]:
+    """`vit-serve serve --device cuda` on a Ti/16 (random weights) decodes a phone JPEG with nvJPEG (its decoder
+    line says so) and answers POST /classify with the top-1 of the library on the CPU path (a class within 1% of
+    the logit range of the best: nvJPEG's pixels differ from libjpeg's by design)."""
+    if (res := unavailable("gpu-decode", "fastapi", "uvicorn", "pydantic_settings", "multipart")) is not None:
+        return res.verdict, f"gateway: {res.detail}"
+    if timeout < 20:
+        return NO_VERDICT, f"gateway: {timeout:.0f} s left"
+    import torch
+
+    import vit_serve
+    from vit_serve.preprocess import PreprocessConfig, preprocess
+
+    torch.manual_seed(0)
+    model = vit_serve.create_model("Ti/16", num_classes=10)
+    with torch.no_grad():  # a zero-initialised head would make every top-1 class 0
+        model.head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    ckpt = ctx.work / "ti16.safetensors"
+    vit_serve.save(model, ckpt)
+    with torch.no_grad():
+        want = vit_serve.load(ckpt).eval()(preprocess(jpeg, model.preprocess_cfg or PreprocessConfig())[None])[0]
+    want = want.tolist()
+    port = _free_port()
+    argv = [sys.executable, "-m", "vit_serve", "serve", str(ckpt), "--device", "cuda", "--host", "127.0.0.1",
+            "--port", str(port)]
+    log = ctx.work / "serve-gpu-decode.log"
+    with _server(argv, ctx.env, log) as proc:
+        if not _wait_http(f"http://127.0.0.1:{port}/readyz", proc, min(90.0, timeout)):
+            return FAIL, f"gateway not ready: {_tail(log.read_text(errors='replace'))}"
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/classify", data=jpeg.read_bytes(),
+                                     headers={"Content-Type": "image/jpeg"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got = json.loads(r.read())["predictions"][0]["index"]
+    text = log.read_text(errors="replace")
+    line = next((ln for ln in text.splitlines() if "decode: " in ln), "no decoder line")
+    best = max(range(len(want)), key=want.__getitem__)
+    top1 = want[got] >= want[best] - 0.01 * (max(want) - min(want))
+    ok = top1 and "decode: nvJPEG on cuda" in line
+    return (PASS if ok else FAIL), f"gateway: top-1 {got} (CPU path {best}); {line.split('decode: ', 1)[-1]}"
+
+
 def stage_tensorrt(ctx: Context, timeout: float) -> Result:
-    if (why := _needs("tensorrt", "onnx", "onnxruntime", "onnxscript")) is not None:
-        return Result("tensorrt", NO_VERDICT, why)
+    if (res := unavailable("tensorrt", "tensorrt", "onnx", "onnxruntime", "onnxscript")) is not None:
+        return res
     import torch
 
     import vit_serve
@@ -750,19 +860,13 @@ def psnr(a: Any, b: Any) -> float:
 
 
 def child_gpu_decode() -> dict[str, Any]:
-    """nvJPEG (`GpuDecoder` on cuda) against the CPU fast path on the corpus' two 12 MP phone JPEGs."""
-    if (why := _needs("torchvision", "skimage", "matplotlib")) is not None:
-        return {"no_verdict": why}
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import upload_corpus
-
+    """nvJPEG (`GpuDecoder` on cuda) against the CPU fast path on the corpus' two 12 MP phone JPEGs (in
+    $GPU_CHECK_CORPUS, written by the stage)."""
     from vit_serve.preprocess import PreprocessConfig, load_image, resize_and_crop
     from vit_serve.runtime.gpu_decode import GpuDecoder
 
-    names = ("phone_astronaut.jpg", "phone_mosaic_exif6.jpg")
-    with tempfile.TemporaryDirectory(prefix="gpu_check-corpus-") as tmp:
-        files = upload_corpus.build(tmp, names)
-        datas = {n: Path(files[n]).read_bytes() for n in names}
+    folder = Path(os.environ[CORPUS_ENV])
+    datas = {n: (folder / n).read_bytes() for n in PHONE_JPEGS}
     cfg = PreprocessConfig(decode="fast")
     dec = GpuDecoder(cfg, 50_000_000, device="cuda")
     crops = dec.crops(list(datas.values()))
@@ -851,7 +955,8 @@ def environment(cuda: bool) -> list[list[str]]:
     from importlib import metadata
 
     rows = [["python", sys.version.split()[0]]]
-    for dist in ("torch", "timm", "onnx", "onnxruntime", "tensorrt", "torchvision", "pytest"):
+    for dist in ("torch", "timm", "onnx", "onnxruntime", "tensorrt", "torchvision", "pytest", "fastapi",
+                 "uvicorn", "pydantic"):
         try:
             rows.append([dist, metadata.version(dist)])
         except metadata.PackageNotFoundError:
@@ -867,12 +972,12 @@ def environment(cuda: bool) -> list[list[str]]:
 
 
 def report(results: list[Result], env_rows: list[list[str]], notes: list[str], budget_s: float,
-           wall_s: float) -> str:
+           wall_s: float, dry_run: bool = False) -> str:
     parts = ["# GPU check", "", markdown_table(["", "version"], env_rows), "", *notes, "" if notes else None,
              markdown_table(["stage", "verdict", "criterion", "detail", "s"],
                             [[r.stage, r.verdict, _criterion(r.stage), r.detail, f"{r.seconds:.0f}"]
                              for r in results])]
-    code = exit_code([r.verdict for r in results])
+    code = exit_code([r.verdict for r in results], dry_run)
     parts += ["", f"Total {wall_s:.0f} s of a {budget_s:.0f} s budget; exit {code}."]
     return "\n".join(p for p in parts if p is not None) + "\n"
 
@@ -892,28 +997,6 @@ def cuda_devices() -> tuple[int, str | None]:
     return torch.cuda.device_count(), None
 
 
-def _index_reachable(timeout: float = 3.0) -> bool:
-    with contextlib.suppress(OSError), urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=timeout):
-        return True
-    return False
-
-
-def install_tools(wheels: Path | None) -> str:
-    """Install the missing test tools (carried wheels, else PyPI when reachable); one line saying what happened."""
-    missing = missing_tools()
-    if not missing:
-        return "test tools: all present"
-    plan, line = install_plan(missing, wheels, bool(missing) and _index_reachable())
-    if plan is None:
-        return line
-    rc, out = _run([sys.executable, "-m", "pip", "-q", *plan], dict(os.environ), 300)
-    importlib.invalidate_caches()
-    still = missing_tools()
-    if rc == 0 and not still:
-        return line + ": done"
-    return line + f": pip exit {rc}; still missing: {', '.join(still) or 'none'} ({_tail(out, 200)})"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -922,8 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"seconds for the whole check (default {DEFAULT_BUDGET_S:.0f})")
     ap.add_argument("--only", help="comma list of stage names to run (default: all)")
     ap.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS,
-                    help="folder of wheels for the missing test tools (default ./gpu_check_wheels)")
-    ap.add_argument("--no-install", action="store_true", help="install nothing, even when a test tool is missing")
+                    help="the carried wheels and photos (default ./.gpu-wheels; benchmarks/gpu_wheels.py fills it)")
+    ap.add_argument("--no-install", action="store_true", help="install none of the carried wheels")
     ap.add_argument("--list", "--dry-run", dest="list", action="store_true",
                     help="list the stages and their criteria, and exit (no GPU needed)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -940,24 +1023,29 @@ def main(argv: list[str] | None = None) -> int:
                              [[s.name, s.what, s.criterion, f"{s.needs_s:.0f}", f"{s.limit_s:.0f}"] for s in STAGES]))
         print(f"\nglobal budget {args.budget:.0f} s; a stage gets no verdict when less than it needs is left")
         return 0
-    env = _ensure_importable()
     if args.child:
+        _ensure_importable()
         return run_child(args.child)
     if args.ddp_worker:
+        _ensure_importable()
         ddp_worker(args.ddp_worker, args.ddp_device)
         return 0
 
     t_start = time.monotonic()
     budget = Budget(args.budget)
-    gpus, no_cuda = cuda_devices()
     notes: list[str] = []
     results: list[Result] = []
-    if no_cuda is None and not args.no_install:
-        notes.append(install_tools(args.wheels))
-        print(notes[-1], file=sys.stderr, flush=True)
     runners: dict[str, Callable[[Context, float], Result]] = {
-        "cuda-tests": stage_cuda_tests, "tensorrt": stage_tensorrt, "ddp-nccl": stage_ddp}
+        "cuda-tests": stage_cuda_tests, "tensorrt": stage_tensorrt, "ddp-nccl": stage_ddp,
+        "gpu-decode": stage_gpu_decode}
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
+        site = Path(work) / "site"  # the carried wheels this machine lacks, installed for this run only
+        if not args.no_install:
+            notes.append(gpu_wheels.install(args.wheels, site))
+            print(notes[-1], file=sys.stderr, flush=True)
+        env = _ensure_importable(site if site.is_dir() else None)
+        env[PHOTOS_ENV] = str(args.wheels.resolve() / gpu_wheels.PHOTOS)
+        gpus, no_cuda = cuda_devices()
         ctx = Context(env, Path(work), gpus)
         for stage in STAGES:
             if stage.name not in only:
@@ -981,8 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(res)
             print(f"        {results[-1].stage}: {results[-1].verdict}: {results[-1].detail}", file=sys.stderr,
                   flush=True)
-    env_rows = environment(no_cuda is None)
-    text = report(results, env_rows, notes, args.budget, time.monotonic() - t_start)
+        env_rows = environment(no_cuda is None)  # the carried distributions' versions too
+    dry_run = no_cuda is not None
+    if dry_run:
+        notes.append(f"A dry run ({no_cuda}): nothing could be judged here.")
+    text = report(results, env_rows, notes, args.budget, time.monotonic() - t_start, dry_run)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -990,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_check.json").write_text(json.dumps(
             [{**asdict(r), "criteria": [{**asdict(c), "ok": c.ok} for c in r.criteria]} for r in results],
             indent=2, default=str))
-    return exit_code([r.verdict for r in results])
+    return exit_code([r.verdict for r in results], dry_run)
 
 
 if __name__ == "__main__":

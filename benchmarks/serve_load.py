@@ -49,6 +49,10 @@ images/s beside the abuse >= 0.8x alone (medians); the server's peak RSS (VmHWM)
 request answered 400 (413 for a body over the limit). Each abusive request is also sent alone first, five times:
 its server CPU per request is in the table.
 
+`--mode faults` (benchmarks/serve_faults.py, its own flags): normal traffic at c=16 while redis-server and
+tritonserver are killed and restarted, the sample folder's disk fills and SIGTERM comes during a hot reload; per
+fault 2xx, expected 503s, other 5xx (0), lost requests (0), recovery time and RSS.
+
 `--mode lifecycle` (benchmarks/serve_lifecycle.py, its own flags and defaults: ViT-S/16 at 224 on the torch
 backend, max batch 8): every request accounted for, against today's gateway (commit 60e39d4) in the same run: 48
 clients hanging up 0.3 s after their upload (images the model still ran for them, vit_serve_cancelled_total by
@@ -991,15 +995,23 @@ def main(argv: list[str] | None = None) -> int:
         import serve_lifecycle
 
         return serve_lifecycle.main(argv)
+    if pre.parse_known_args(argv)[0].mode == "faults":  # its own flags (serve_faults.py --help)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import serve_faults
+
+        return serve_faults.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security", "abuse", "lifecycle"),
+    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security", "abuse", "lifecycle",
+                                       "faults"),
                     default="uploads",
                     help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off; "
                          "routing: a three-model repository against the single-model gateway; security: API "
                          "keys and request ids on against off; abuse: normal traffic beside abusive requests "
                          "against alone; lifecycle: hang-ups, a retry storm, priorities per key and shadow "
-                         "traffic against today's gateway (benchmarks/serve_lifecycle.py, its own flags)")
+                         "traffic against today's gateway (benchmarks/serve_lifecycle.py, its own flags); faults: "
+                         "redis, tritonserver, a full disk and SIGTERM during a reload under traffic "
+                         "(benchmarks/serve_faults.py, its own flags)")
     ap.add_argument("--rounds", type=int,
                     help="routing, security, abuse, batching: rounds of turns (default 5; abuse 2, batching 3)")
     ap.add_argument("--abusers", type=int, default=4,

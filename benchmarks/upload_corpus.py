@@ -19,6 +19,7 @@ it by path. It lives here, not in the library, because it is benchmark input tha
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,21 +119,23 @@ NAMES: tuple[str, ...] = tuple(_builders())
 PHONE_NAMES: tuple[str, ...] = tuple(n for n in NAMES if n.startswith("phone_"))
 
 
-def build(folder: str | Path, names: tuple[str, ...] = NAMES) -> dict[str, Path]:
-    """Write the corpus (or the `names` asked for) into `folder`; returns {name: path}, in NAMES order."""
+def build(folder: str | Path, names: tuple[str, ...] = NAMES,
+          ph: dict[str, Image.Image] | None = None) -> dict[str, Path]:
+    """Write the corpus (or the `names` asked for) into `folder`; returns {name: path}, in NAMES order. `ph`: the
+    photos as `photos()` returns them, where scikit-image and matplotlib are not installed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     builders = _builders()
     unknown = sorted(set(names) - set(builders))
     if unknown:
         raise ValueError(f"unknown corpus file(s) {', '.join(unknown)}; expected some of {', '.join(NAMES)}")
-    ph: dict[str, Image.Image] | None = None
     out = {}
     for name in names:
         path = folder / name
         if not path.exists():
             ph = ph or photos()
-            tmp = path.with_suffix(path.suffix + ".tmp")
+            # A temporary name of this process's own: two test workers may build one cached corpus at once.
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(builders[name](ph))
             tmp.replace(path)
         out[name] = path

@@ -23,6 +23,8 @@ import copy
 import io
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,10 +34,11 @@ import onnx
 import torch
 import torch.nn as nn
 from vit_export.graph_info import GraphInfo, load_proto
+from vit_export.memory import release_memory
 from vit_export.simplify import simplify as simplify_graph
 
 from vit_serve.checkpoints.io import atomic_write
-from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, explain_forward
+from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, explain_forward, fuse_heads
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, IOSpec, RolloutSettings, TokenMergingRecord
 from vit_serve.model import VisionTransformer
 from vit_serve.tome import fewest_patches
@@ -79,8 +82,29 @@ class ExplainGraph(nn.Module):
         self.discard_ratio = discard_ratio
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        e = explain_forward(self.model, pixel_values.to(self.dtype), self.head_fusion, self.discard_ratio)
+        with heads_fused(self.model, self.head_fusion):
+            e = explain_forward(self.model, pixel_values.to(self.dtype), self.head_fusion, self.discard_ratio)
         return e.logits.float(), e.heatmap.map
+
+
+@contextmanager
+def heads_fused(model: VisionTransformer, head_fusion: str = DEFAULT_HEAD_FUSION) -> Iterator[VisionTransformer]:
+    """While open, each encoder block of `model` returns its attention probabilities with the heads already fused,
+    [B, 1, N, N] (`fuse_heads` of the float32 probabilities, as `rollout` fuses them), so that a forward pass for
+    the rollout holds one [B, N, N] map per layer instead of [B, heads, N, N] (in PyTorch, and in an exported
+    graph, where each layer's full attention is then free as soon as the next op has read it). The rollout of the
+    fused maps is that of the full attentions, bit for bit: fusing one head is the identity."""
+
+    def hook(module: nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor | None]) -> Any:
+        x, attn = output
+        return output if attn is None else (x, fuse_heads(attn.float(), head_fusion)[:, None])
+
+    handles = [blk.register_forward_hook(hook) for blk in model.blocks]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class _FP32LayerNorm(nn.LayerNorm):
@@ -102,12 +126,14 @@ def to_fp16(model: VisionTransformer) -> VisionTransformer:
 
 
 def prepare(model: VisionTransformer, res: Res) -> VisionTransformer:
-    """An eval-mode copy for export.
+    """An eval-mode copy for export (its modules copied, its parameters shared with `model`'s).
 
     Static (res = (H, W) or None): position embeddings resampled once with the checkpoint's own mode
     (`set_resolution`, exactly the library's numbers) and added as a constant. "dynamic": resampled in the graph.
     """
-    m = copy.deepcopy(model).eval()
+    # The copy shares the weights: nothing below writes to a parameter (set_resolution replaces pos_embed with a new
+    # one, and fp16 is a copy of its own), and a second copy of a ViT-L's weights would cost 1.2 GB.
+    m = copy.deepcopy(model, memo={id(p): p for p in model.parameters()}).eval()
     if isinstance(res, tuple):
         m.set_resolution(res[0], res[1], mode=m.cfg.resample_mode)
     m.dynamic_size = res == "dynamic"
@@ -251,9 +277,11 @@ def export_graph(
     x = torch.randn(batch if isinstance(batch, int) else 2, 3, h, w)
     with torch.no_grad():
         proto, exporter = _torch_export(graph.eval(), x, outputs, _dynamic_shapes(m, res, batch), opset)
+    release_memory()  # the exporter's program and its copies of the weights
     simplified = "off"
     if simplify:
         proto, simplified = simplify_graph(proto, tuple(x.shape))
+        release_memory()  # the graph simplify did not keep
     rollout = RolloutSettings(head_fusion, discard_ratio, m.cfg.pool, m.num_prefix_tokens) if explain else None
     info = GraphInfo("dynamic" if res == "dynamic" else (h, w), batch, opset, precision, explain, embedding,
                      m.cfg.resample_mode, m.cfg.patch_size, exporter, simplified, rollout,

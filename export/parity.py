@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from vit_export.graph_info import GraphInfo
+from vit_export.memory import release_memory
+from vit_export.onnx_export import heads_fused
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, explain_forward, rollout
 from vit_serve.manifest import PIXEL_VALUES, RolloutSettings
@@ -41,17 +43,31 @@ NEAR_THRESHOLD_REL = 1e-5
 # The envelope is first order in the flips (exact for one flip); 2x covers their interactions.
 ENVELOPE_SLACK = 2.0
 TOP_CELLS = 5
+# The largest batch checked at a dynamic graph's sizes other than its first (the model's own), where every batch
+# size runs: the batch axis is checked there, and the larger sizes, whose attention grows with the square of the
+# tokens, at batch 1 and 2 (a batch above 1 still reaches every size) in bounded memory.
+OTHER_SIZES_MAX_BATCH = 2
 RUNTIMES = ("onnxruntime", "openvino")
 
 
-def session(onnx_path: str | Path, threads: int = 2):
-    """An onnxruntime CPU session with `threads` intra-op threads."""
+def session(onnx_path: str | Path, threads: int = 2, arena: bool = True):
+    """An onnxruntime CPU session with `threads` intra-op threads. Without `arena` (memory-lean), each run's
+    intermediate tensors go back to the system when it ends (onnxruntime's arena keeps the largest run's for the
+    session's life: a check that runs one size after another would hold the largest run's memory to the end), and
+    nodes run in priority order."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    if not arena:
+        opts.enable_cpu_mem_arena = False
+        opts.enable_mem_pattern = False  # a pattern is planned per input shape and kept
+        # The default order runs the whole encoder before the explain graph's rollout and so holds every layer's
+        # attention at once (1.8 GB for a ViT-B at 8 x 384); by priority each layer's is consumed and freed in
+        # turn (0.7 GB). The same ops on the same inputs: the outputs do not change.
+        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
 
 
@@ -70,10 +86,11 @@ class OpenVINOSession:
         return [np.asarray(result[o]) for o in self.model.outputs]
 
 
-def runtime_session(onnx_path: str | Path, runtime: str = "onnxruntime", threads: int = 2):
-    """A CPU session of `runtime` ("onnxruntime" or "openvino") with `run(None, feed) -> [outputs]`."""
+def runtime_session(onnx_path: str | Path, runtime: str = "onnxruntime", threads: int = 2, arena: bool = True):
+    """A CPU session of `runtime` ("onnxruntime" or "openvino") with `run(None, feed) -> [outputs]`; `arena`:
+    onnxruntime's memory arena (`session`)."""
     if runtime == "onnxruntime":
-        return session(onnx_path, threads)
+        return session(onnx_path, threads, arena)
     if runtime == "openvino":
         return OpenVINOSession(onnx_path, threads)
     raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -248,7 +265,8 @@ def rollout_envelope(
 
     attentions, probe = split_probe(attentions, pool)
     p, batch, n0 = num_prefix_tokens, attentions[0].shape[0], attentions[0].shape[-1]
-    fused = [fuse_heads(a.float(), head_fusion) for a in attentions]  # exactly what rollout thresholds
+    # exactly what rollout thresholds (attentions fused already, `heads_fused`'s [B, 1, N, N], are their own fusion)
+    fused = [a.float()[:, 0] if a.shape[1] == 1 else fuse_heads(a.float(), head_fusion) for a in attentions]
     kept = [discard_lowest(f, discard_ratio, p > 0) for f in fused] if discard_ratio > 0 else fused
     near: list[torch.Tensor] = []  # per layer [B, T_l * T_l] bool
     for f, k in zip(fused, kept, strict=True):
@@ -276,9 +294,11 @@ def rollout_envelope(
     for b in range(batch) if images is None else images:
         if counts[b] == 0:
             continue
-        rows = [k[b].double() + torch.eye(k.shape[-1], dtype=torch.float64) for k in kept]
-        sums = [r.sum(dim=-1) for r in rows]
-        hat = [r / s[:, None] for r, s in zip(rows, sums, strict=True)]
+        sums, hat = [], []
+        for k in kept:
+            row = k[b].double() + torch.eye(k.shape[-1], dtype=torch.float64)
+            sums.append(row.sum(dim=-1))
+            hat.append(row / sums[-1][:, None])
         forward = [torch.eye(n0, dtype=torch.float64)]  # F_0 .. F_L, each after its layer's merge
         before = []  # Â_l F_{l-1}: layer l's rows before its merge
         for a, mat in zip(hat, mats, strict=True):
@@ -333,12 +353,19 @@ def check_parity(
 ) -> ParityReport:
     """Run the ONNX graph (in `runtime`: "onnxruntime" or "openvino") and `model` on the same inputs and compare.
 
-    Per resolution (default: the graph's own; for dynamic graphs three sizes) and batch size: a random
-    N(0, 1) batch, and the real `images` (if any) preprocessed by `vit_serve.preprocess` with the model's
-    contract at that size. fp32: ok when max |Δ logit| <= tol, and for an explain graph when the rollout map is
-    within 1e-5 of PyTorch's beyond what near-threshold weights explain (`rollout_envelope`);
-    fp16 graphs: ok when top-1 agreement is 100% and the minimum cosine >= 0.9999.
+    Per resolution (default: the graph's own; for dynamic graphs three sizes, the model's first) and batch size:
+    a random N(0, 1) batch, and the real `images` (if any) preprocessed by `vit_serve.preprocess` with the model's
+    contract at that size. Every batch size runs at the first resolution; the others (a dynamic graph's larger and
+    non-square sizes) run at the batch sizes capped at `OTHER_SIZES_MAX_BATCH` (1 and 2 for the default (1, 8)):
+    the batch axis is checked at the model's own size, and every size still at a batch above 1, without the
+    memory of a large batch at the largest size. fp32: ok when max |Δ logit| <= tol, and for an explain graph
+    when the rollout map is within 1e-5 of PyTorch's beyond what near-threshold weights explain
+    (`rollout_envelope`); fp16 graphs: ok when top-1 agreement is 100% and the minimum cosine >= 0.9999.
     info: the graph's `GraphInfo` when the caller has it (`export_graph`'s), else read from the file.
+
+    Memory: one run at a time, each compared as soon as it is made and released before the next (onnxruntime
+    without its arena, which would keep the largest run's memory; PyTorch's attentions fused per layer as they
+    are produced, `heads_fused`), so the check's peak is that of its largest single run.
     """
     info = info or GraphInfo.read(onnx_path) or GraphInfo()
     precision = info.precision
@@ -348,22 +375,39 @@ def check_parity(
     if info.embedding:
         criteria += ", the same for the embedding"
     report = ParityReport(str(onnx_path), precision, criteria, runtime=runtime, patch_size=model.cfg.patch_size)
-    sess = runtime_session(onnx_path, runtime, threads)
+    sess = runtime_session(onnx_path, runtime, threads, arena=False)
     model = model.eval()
     pre = model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)
     g = torch.Generator().manual_seed(seed)
-    batch_sizes = [info.fixed_batch] if info.fixed_batch else list(batch_sizes)
-    for h, w in resolutions or default_resolutions(model, info):
-        real = preprocess_batch(list(images), pre.with_size(h, w)) if images else None
-        for b in batch_sizes:
-            cases = [("random", torch.randn(b, 3, h, w, generator=g))]
-            if real is not None and len(real):
-                idx = torch.arange(b) % len(real)  # cycle the images to fill the batch
-                cases.append(("images", real[idx]))
-            for kind, x in cases:
+    for i, (h, w) in enumerate(resolutions or default_resolutions(model, info)):
+        sizes = _batches_at(i, list(batch_sizes), info.fixed_batch)
+        # only the images a batch uses are decoded (cycled to fill it): a large folder is not held at every size
+        real = preprocess_batch(list(images)[:max(sizes)], pre.with_size(h, w)) if images else None
+        for b in sizes:
+            for kind in ("random", "images") if real is not None and len(real) else ("random",):
+                if kind == "random":
+                    x = torch.randn(b, 3, h, w, generator=g)
+                else:
+                    assert real is not None
+                    x = real[torch.arange(b) % len(real)]
                 outs = sess.run(None, {PIXEL_VALUES: x.numpy()})
                 report.rows.append(compare_outputs(model, x, outs, kind, precision, tol, info))
+                del outs, x
+                release_memory()
+        del real
+    del sess
+    release_memory()
     return report
+
+
+def _batches_at(index: int, batch_sizes: list[int], fixed: int | None) -> list[int]:
+    """The batch sizes checked at the `index`-th resolution: a fixed-batch graph's own; all at the first; at the
+    others each capped at OTHER_SIZES_MAX_BATCH (once each)."""
+    if fixed:
+        return [fixed]
+    if index == 0:
+        return batch_sizes
+    return list(dict.fromkeys(min(b, OTHER_SIZES_MAX_BATCH) for b in batch_sizes))
 
 
 @dataclass
@@ -390,14 +434,18 @@ def compare_rollout(
     head_fusion: str = DEFAULT_HEAD_FUSION,
     discard_ratio: float = DEFAULT_DISCARD_RATIO,
     merges: Sequence[LayerMerge] | None = None,
+    reference: torch.Tensor | None = None,
 ) -> RolloutComparison:
     """A runtime's rollout map `got` [B, gh, gw] against `vit_serve.explain.rollout` on PyTorch's `attentions`
-    (and, with token merging, the same pass's `merges`: `vit_serve.explain.explain_forward`).
+    (and, with token merging, the same pass's `merges`: `vit_serve.explain.explain_forward`). `reference`: that
+    map when the caller has it already (`explain_forward`'s heatmap, the same call), so it is not computed twice.
 
     beyond: the largest max(|Δ| - 2 x envelope, 0) over images and cells, where the envelope (see
     `rollout_envelope`) is computed only for images whose |Δ| exceeds 1e-5 (elsewhere it is not needed).
     """
-    ref = rollout(attentions, grid, num_prefix_tokens, pool, head_fusion, discard_ratio, merges).map.numpy()
+    if reference is None:
+        reference = rollout(attentions, grid, num_prefix_tokens, pool, head_fusion, discard_ratio, merges).map
+    ref = reference.numpy()
     batch = ref.shape[0]
     got, ref = got.reshape(batch, -1), ref.reshape(batch, -1)
     diff = np.abs(got.astype(np.float64) - ref)
@@ -425,7 +473,8 @@ def compare_outputs(
         emb_cos = _cosine(outs[1], embedding.numpy())
     elif info.explain:
         settings = info.rollout or RolloutSettings()
-        e = explain_forward(model, x, settings.head_fusion, settings.discard_ratio)
+        with heads_fused(model, settings.head_fusion):  # [B, 1, N, N] per layer: the rollout's own fusion
+            e = explain_forward(model, x, settings.head_fusion, settings.discard_ratio)
         ref_t = e.logits
         p = model.cfg.patch_size
         ro = compare_rollout(
@@ -437,6 +486,7 @@ def compare_outputs(
             settings.head_fusion,
             settings.discard_ratio,
             e.merges,
+            reference=e.heatmap.map,  # explain_forward's own `rollout` of these attentions, with these settings
         )
     else:
         ref_t = model(x)

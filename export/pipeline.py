@@ -571,6 +571,7 @@ def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph]:
 def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGraph:
     """Export one graph to `target` (int8: export fp32 into `tmp`, quantize it into place), check it against
     PyTorch and write its manifest."""
+    from vit_export.memory import release_memory
     from vit_export.onnx_export import export_graph
     from vit_export.parity import check_parity
     from vit_export.sidecar import build_sidecar
@@ -588,6 +589,7 @@ def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGr
                             precision=onnx_precision, overwrite=opts.force,
                             embedding=not explain and EMBEDDING in opts.outputs)
     say(f"  exported in {time.perf_counter() - t0:.1f}s; checking parity with onnxruntime ...")
+    release_memory()  # the export's protos and sessions, before the check runs the graph
     report = check_parity(job.model, dest, job.images, tol=opts.tol, info=exported.info)
     say(report.table())
     int8_report = int8 = None

@@ -7,18 +7,25 @@ only if, on one random batch, every output matches the original's within `tol` (
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import onnx
+from vit_export.memory import release_memory
 
 from vit_serve.manifest import PIXEL_VALUES
 
 
-def _run(proto: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+def _run(path: Path, x: np.ndarray) -> list[np.ndarray]:
+    """One run of the graph in `path` (onnxruntime, CPU). From a file: a session made from the serialized bytes
+    holds about twice the memory (the bytes, their parse, the weights) of one that reads the file."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    opts.enable_cpu_mem_arena = False  # one run: an arena would only be kept until the session goes
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     return sess.run(None, {PIXEL_VALUES: x})
 
 
@@ -32,17 +39,46 @@ def simplify(proto: onnx.ModelProto, example_shape: tuple[int, int, int, int], t
         import onnxslim
     except ImportError:
         return proto, "skipped: onnxslim is not installed"
-    try:
-        slim = onnxslim.slim(proto)
-    except Exception as e:  # onnxslim raises many types; the unsimplified graph is still valid
-        return proto, f"skipped: onnxslim failed ({' '.join(str(e).split())[:120]})"
-    if slim is None:
-        return proto, "skipped: onnxslim returned nothing"
+    # One graph in onnxruntime at a time, read from a file, each session gone (and its memory handed back) before
+    # the next step: the proto, onnxslim's copy and a session each hold the weights (a ViT-L's are 1.2 GB).
     x = np.random.default_rng(0).standard_normal(example_shape).astype(np.float32)
-    before, after = _run(proto, x), _run(slim, x)
+    with tempfile.TemporaryDirectory(prefix="vit-export-simplify-") as tmp:
+        original, simplified = Path(tmp) / "original.onnx", Path(tmp) / "simplified.onnx"
+        onnx.save(proto, original)
+        release_memory()
+        before = _run(original, x)
+        release_memory()
+        try:
+            slim = onnxslim.slim(proto)
+        except Exception as e:  # onnxslim raises many types; the unsimplified graph is still valid
+            return proto, f"skipped: onnxslim failed ({' '.join(str(e).split())[:120]})"
+        finally:
+            _forget_matches()
+            release_memory()
+        if slim is None:
+            return proto, "skipped: onnxslim returned nothing"
+        onnx.save(slim, simplified)
+        release_memory()
+        after = _run(simplified, x)
+        release_memory()
     worst = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(before, after, strict=True))
     if worst > tol:
         return proto, f"skipped: onnxslim changed the outputs by {worst:.2e} > {tol:.0e}"
     del slim.metadata_props[:]
     slim.metadata_props.extend(proto.metadata_props)
     return slim, f"onnxslim ({len(proto.graph.node)} -> {len(slim.graph.node)} nodes, max |Δ| {worst:.1e})"
+
+
+def _forget_matches() -> None:
+    """Drop the nodes onnxslim's fusion matchers keep from their last match (as attributes named after their
+    pattern's nodes, on matchers that live in a module-level registry): such a node reaches a weight's TensorProto,
+    and through it the whole parsed model it came from (one protobuf arena: 330 MB for a ViT-B, kept until the next
+    simplification)."""
+    try:
+        from onnxslim.core.pattern.registry import DEFAULT_FUSION_PATTERNS
+    except ImportError:  # another onnxslim layout: nothing to forget that we know of
+        return
+    for matchers in DEFAULT_FUSION_PATTERNS.values():
+        for matcher in matchers if isinstance(matchers, list) else [matchers]:
+            for name in getattr(matcher, "pattern_dict", {}):
+                matcher.__dict__.pop(name, None)

@@ -3,7 +3,7 @@
     NAME_text.onnx          input_ids int64 [B, L] -> text_embeds float32 [B, E] (dynamic batch; L the context
                             length), the torch tower's `forward` (`vit_serve.text.tower.TextTransformer`)
     NAME_text.json          `vit_serve.text.manifest.TextTowerManifest` (tokenizer, logit_scale / logit_bias,
-                            scores, templates, embedding dim, parity)
+                            scores, templates: those of the checkpoint's zero-shot head, embedding dim, parity)
     NAME_text_tokenizer/    open_clip's BPE vocabulary, or the Hugging Face tokenizer.json
 
 Parity: onnxruntime's embeddings of prompts (short, long and truncated) against the torch tower's, max |Δ| <= tol.
@@ -144,9 +144,13 @@ def _copy_tokenizer(bundle, folder: Path) -> TokenizerSpec:
 
 def export_text_tower(bundle, checkpoint: Path | None, out: Path, name: str, *, family: str, opset: int = 18,
                       tol: float = 1e-4, overwrite: bool = False,
-                      templates: tuple[str, ...] = DEFAULT_TEMPLATES) -> WrittenTextTower:
+                      templates: tuple[str, ...] | None = None) -> WrittenTextTower:
     """Write NAME_text.onnx, its tokenizer folder and NAME_text.json into `out`, checked against the torch tower
-    (the manifest records the parity; a failed check is in the result, not raised)."""
+    (the manifest records the parity; a failed check is in the result, not raised). `templates` (default: those
+    the checkpoint's zero-shot head was built with, `vit-serve convert --templates`, else "a photo of a {}.")
+    go into the manifest: labels at request time are prompted with them."""
+    if templates is None:
+        templates = bundle.templates or DEFAULT_TEMPLATES
     import onnx
     from vit_export.sidecar import sha256
 
@@ -164,7 +168,7 @@ def export_text_tower(bundle, checkpoint: Path | None, out: Path, name: str, *, 
     tokenizer = _copy_tokenizer(bundle, tok_dir)
     record = TextTowerManifest(
         tokenizer=tokenizer, embedding_dim=bundle.config.embed_dim, logit_scale=bundle.logit_scale,
-        logit_bias=bundle.logit_bias, scores="sigmoid" if bundle.sigmoid else "softmax", templates=templates,
+        logit_bias=bundle.logit_bias, scores="sigmoid" if bundle.sigmoid else "softmax", templates=tuple(templates),
         family=family, source_checkpoint=None if checkpoint is None else str(checkpoint),
         source_checkpoint_sha256=None if checkpoint is None else sha256(checkpoint),
         parity={"reference": "torch (vit_serve.text.tower)", "candidate": "onnxruntime CPU", "texts": len(PARITY_TEXTS),

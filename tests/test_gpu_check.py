@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,16 +33,33 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, **env})
 
 
-def test_without_a_gpu_every_stage_is_no_verdict_and_it_exits_3(tmp_path):
-    """Run to the end as on a CPU-only machine: nothing trained or exported, each stage "no verdict"."""
-    r = _run("--out", str(tmp_path / "report"), CUDA_VISIBLE_DEVICES="")
-    assert r.returncode == gpu_check.EXIT_NO_VERDICT == 3, r.stdout + r.stderr
+def _device_command() -> tuple[str, list[str]]:
+    """The one command the docstring gives the device tool, and what it carries."""
+    m = re.search(r'run\(command="([^"]+)", carry=\[([^\]]*)\], timeout_s=(\d+)\)', gpu_check.__doc__)
+    assert m, "the docstring gives no run(command=..., carry=[...], timeout_s=...) line"
+    assert int(m.group(3)) <= 600  # the device tool's limit for one command
+    return m.group(1), [c.strip().strip('"') for c in m.group(2).split(",")]
+
+
+def test_the_device_command_is_a_dry_run_here_every_stage_no_verdict_exit_0(tmp_path):
+    """The docstring's one command, run as the device tool runs it (bash, from the repository root, $OUT set),
+    on this machine without CUDA: a dry run to the end, each stage "no verdict", exit 0."""
+    command, carry = _device_command()
+    assert carry == [".gpu-wheels"] and gpu_check.DEFAULT_WHEELS == REPO / ".gpu-wheels"
+    assert ".gpu-wheels/" in (REPO / ".gitignore").read_text().splitlines()  # it travels only as carried
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "benchmarks/gpu_check.py"]
+    r = subprocess.run(["bash", "-c", command.replace("python ", f"{shlex.quote(sys.executable)} ", 1)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
-    rows = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
+    rows = json.loads((tmp_path / "gpu_check" / "gpu_check.json").read_text())
     assert [row["stage"] for row in rows] == [s.name for s in gpu_check.STAGES]
     assert all(row["verdict"] == "no verdict" and row["detail"] == "no CUDA device" for row in rows)
-    md = (tmp_path / "report" / "gpu_check.md").read_text()
-    assert md.count("| no verdict |") == len(gpu_check.STAGES) and "exit 3" in md
+    md = (tmp_path / "gpu_check" / "gpu_check.md").read_text()
+    assert md.count("| no verdict |") == len(gpu_check.STAGES) and "exit 0" in md and "A dry run" in md
+    assert "carried wheels: " in md  # the install step ran, as it will there
 
 
 def test_list_names_every_stage_without_a_gpu():
@@ -67,7 +87,8 @@ def test_the_stages_fit_540_s_and_compile_comes_before_tensorrt():
 
 def test_help_says_how_to_run_it_in_one_command():
     r = _run("--help")
-    assert r.returncode == 0 and "python benchmarks/gpu_check.py --out" in r.stdout and "540 s" in r.stdout
+    command, _ = _device_command()
+    assert r.returncode == 0 and command in r.stdout and "540 s" in r.stdout and 'carry=[".gpu-wheels"]' in r.stdout
 
 
 def test_budget_skips_a_stage_that_no_longer_fits():
@@ -153,9 +174,14 @@ def test_losses_agree_within_bf16_tolerance_or_not():
 
 def test_exit_code_and_combined_verdicts():
     assert gpu_check.exit_code(["pass", "skipped"]) == 0
+    assert gpu_check.exit_code(["pass", "not available here"]) == 0
     assert gpu_check.exit_code(["pass", "no verdict"]) == 3
     assert gpu_check.exit_code(["FAIL", "no verdict", "pass"]) == 1
     assert gpu_check.exit_code([]) == 3
+    assert gpu_check.exit_code(["no verdict"], dry_run=True) == 0
+    assert gpu_check.exit_code(["no verdict", "FAIL"], dry_run=True) == 1
+    assert gpu_check.combine([("not available here", "tensorrt"), ("skipped", "x")]) == "not available here"
+    assert gpu_check.combine([("not available here", "tensorrt"), ("pass", "x")]) == "pass"
     assert gpu_check.combine([("pass", "a"), ("skipped", "no tritonserver")]) == "pass"
     assert gpu_check.combine([("pass", "a"), ("no verdict", "stopped")]) == "no verdict"
     assert gpu_check.combine([("no verdict", "x"), ("FAIL", "y")]) == "FAIL"
@@ -222,16 +248,96 @@ def test_cuda_test_kind_from_skip_reasons():
     assert gpu_check.cuda_test_kind([]) is None
 
 
-def test_missing_tools_are_installed_from_carried_wheels_or_pypi_or_named(tmp_path):
-    assert gpu_check.missing_tools(lambda m: None if m in ("timm", "skimage") else object()) == ["timm",
-                                                                                                "scikit-image"]
-    assert gpu_check.install_plan([], tmp_path, False) == (None, "test tools: all present")
-    wheels = tmp_path / "wheels"
+def _wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any", module: str | None = None) -> Path:
+    """A real wheel (PEP 427: the module, METADATA, WHEEL, RECORD) of distribution `name`."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-{tag}.whl"
+    files = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    if module:
+        files[f"{module}.py"] = f"WHO = {name!r}\n"
+    files[f"{dist}.dist-info/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{dist}.dist-info/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return path
+
+
+def test_carried_wheels_install_only_what_is_missing_and_fits_without_a_network(tmp_path):
+    """Real pip (--no-index): a missing distribution is installed into the target and imports from it in a child
+    with the check's environment; one already here and one built for another Python are left out, and said."""
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
     wheels.mkdir()
-    plan, line = gpu_check.install_plan(["timm"], wheels, False)
-    assert plan is None and "pip download -d gpu_check_wheels timm" in line  # an empty folder is no source
-    (wheels / "timm-1.0-py3-none-any.whl").write_bytes(b"")
-    plan, line = gpu_check.install_plan(["timm"], wheels, False)
-    assert plan == ["install", "--no-index", "--find-links", str(wheels), "timm"] and str(wheels) in line
-    plan, line = gpu_check.install_plan(["timm"], tmp_path / "none", True)
-    assert plan == ["install", "timm"] and "PyPI" in line
+    _wheel(wheels, "gpu-check-probe", "1.0", module="gpu_check_probe")
+    _wheel(wheels, "pytest", "0.0.1", module="pytest_impostor")  # pytest is here: never replaced
+    _wheel(wheels, "gpu-check-oldpy", "1.0", tag="cp27-cp27mu-manylinux1_x86_64", module="gpu_check_oldpy")
+    line = gpu_check.gpu_wheels.install(wheels, target)
+    assert line.startswith("carried wheels: 1 already here; none for this Python") and "gpu-check-oldpy" in line
+    assert f"installed 1 into {target}: gpu_check_probe" in line.replace("gpu-check-probe", "gpu_check_probe")
+    assert sorted(p.name for p in target.iterdir() if not p.name.startswith("__")) == [
+        "gpu_check_probe-1.0.dist-info", "gpu_check_probe.py"]
+    env = gpu_check.child_env(REPO, site=target)
+    r = subprocess.run([sys.executable, "-c", "import gpu_check_probe, importlib.metadata as m, pytest; "
+                        "print(gpu_check_probe.WHO, m.version('gpu-check-probe'), pytest.__version__ != '0.0.1')"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["gpu-check-probe", "1.0", "True"], r.stderr
+    assert gpu_check.gpu_wheels.install(tmp_path / "none", target).startswith("carried wheels: none in ")
+
+
+def test_the_carried_set_is_the_gateways_requirements_less_what_the_machine_holds():
+    """From the installed distributions' own metadata: the web stack (and the gRPC service the gateway's app
+    imports, reached through tritonclient's [grpc] extra) is carried; torch, onnx, pytest and theirs are not."""
+    carried = gpu_check.gpu_wheels.carry_list()
+    want = {"fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "pydantic-settings", "python-multipart",
+            "prometheus-client", "tritonclient", "grpcio", "h11", "anyio"}
+    assert want <= set(carried), want - set(carried)
+    held = gpu_check.gpu_wheels.closure(gpu_check.gpu_wheels.RELIED_ON)
+    assert {"torch", "onnx", "pytest", "numpy", "protobuf"} <= set(held) and not set(carried) & set(held)
+    from importlib.metadata import version
+    assert all(v == version(n) for n, v in carried.items())  # the versions the tests here pass with
+
+
+def test_the_corpus_from_carried_photos_is_byte_for_byte_the_same(tmp_path):
+    """Without scikit-image and matplotlib there, the corpus is built from the photos carried as PNG: the same
+    files as from the packages (the 12 MP mosaic tiles every photo, in order)."""
+    pytest.importorskip("skimage.data")
+    pytest.importorskip("matplotlib")
+    gw = gpu_check.gpu_wheels
+    saved = gw.save_photos(tmp_path / "photos")
+    assert sum(p.stat().st_size for p in saved) < 4 * 2**20
+    ph, why = gpu_check.corpus_photos(tmp_path / "photos")
+    assert ph is None and why is None  # the packages are here: upload_corpus loads them itself
+    names = ("phone_mosaic_exif6.jpg", "thumbnail.jpg")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import upload_corpus
+
+    carried = upload_corpus.build(tmp_path / "a", names, gw.load_photos(tmp_path / "photos"))
+    direct = upload_corpus.build(tmp_path / "b", names)
+    assert {n: p.read_bytes() for n, p in carried.items()} == {n: p.read_bytes() for n, p in direct.items()}
+
+
+def test_tests_that_need_what_cannot_travel_are_not_available_here(tmp_path):
+    """pytest's own junit XML for a module skipped at collection by importorskip of a package that cannot travel
+    (a submodule that exists nowhere, so that it skips on any machine): "not available here"; any other skip
+    reason is still "no verdict"."""
+    (tmp_path / "test_needs.py").write_text("import pytest\npytest.importorskip('skimage.not_a_module_here')\n"
+                                           "def test_a(): pass\n")
+    junit = tmp_path / "j.xml"
+    rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                         f"--junitxml={junit}", str(tmp_path / "test_needs.py")], capture_output=True,
+                        cwd=tmp_path, timeout=120).returncode
+    summary = gpu_check.read_junit(junit, rc)
+    assert summary.skip_reasons and "could not import 'skimage.not_a_module_here'" in summary.skip_reasons[0]
+    verdict, detail = gpu_check.tests_verdict(summary)
+    assert verdict == "not available here" and "scikit-image" in detail
+    assert gpu_check.tests_verdict(gpu_check.PytestSummary(tests=1, skipped=1, skip_reasons=(
+        "could not import 'fastapi': No module named 'fastapi'",)))[0] == "no verdict"  # it should have been carried
+
+
+def test_a_stage_that_needs_tensorrt_is_not_available_here_when_it_is_missing(tmp_path):
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("tensorrt is installed here")
+    r = gpu_check.stage_tensorrt(gpu_check.Context(dict(os.environ), tmp_path, gpus=1), 60)
+    assert r.verdict == "not available here" and "tensorrt" in r.detail
+    assert gpu_check.unavailable("x", "json") is None
+    assert gpu_check.unavailable("x", "gpu_check_no_such_module").verdict == "no verdict"

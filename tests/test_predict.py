@@ -535,10 +535,10 @@ def test_a_hub_ids_key_is_its_weights(tmp_path, capsys, randomize, monkeypatch):
     _many(tmp_path / "imgs", 2)
     _cache_snapshot(cache, "vit-serve-tests/tiny", "a" * 40, _timm_folder(tmp_path / "r1", 1, randomize))
     out = tmp_path / "p.jsonl"
-    assert run("vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 0, \
+    assert run("hf-hub:vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 0, \
         capsys.readouterr().err
-    assert run("vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 0
+    assert run("hf-hub:vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 0
     _cache_snapshot(cache, "vit-serve-tests/tiny", "b" * 40, _timm_folder(tmp_path / "r2", 2, randomize))
     capsys.readouterr()
-    assert run("vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 1
+    assert run("hf-hub:vit-serve-tests/tiny", tmp_path / "imgs", "--out", out, "--threads", "1") == 1
     assert "model_sha256" in capsys.readouterr().err

@@ -282,7 +282,7 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
                        description="Convert a vit_jax/big_vision .npz, timm, transformers, torchvision or "
                                    "open_clip checkpoint (file, folder or hub id) to one vit-serve .safetensors "
                                    "file (a CLIP/SigLIP text tower is kept).")
-    c.add_argument("src", help="checkpoint file, folder, or hub id (timm/<name>, google/vit-...)")
+    c.add_argument("src", help="checkpoint file, folder, or hub id (hf-hub:OWNER/NAME)")
     c.add_argument("dst", help="output .safetensors path")
     c.add_argument("--res", type=RESOLUTION, help="resample position embeddings to this resolution (384 or HxW)")
     c.add_argument("--num-classes", type=int, help="replace the head with a zero-initialised K-way head")

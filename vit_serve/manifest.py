@@ -28,6 +28,7 @@ The rollout defaults are `vit_serve.explain.DEFAULT_HEAD_FUSION` / `DEFAULT_DISC
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -689,6 +690,27 @@ def read_manifest(path: str | os.PathLike) -> ExportManifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{side} is not valid JSON ({e})") from e
     return ExportManifest.from_dict(data, str(side))
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in chunks (the way `file_sha256` is recorded)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_file_sha256(path: str | os.PathLike, manifest: ExportManifest) -> None:
+    """ValueError (one line) unless the exported file at `path` has the bytes its manifest records
+    (`file_sha256`): a graph and a manifest of different exports, or a copy not yet complete, never load. Reads
+    the whole file once: call it when a file is loaded, not per request."""
+    path = Path(path)
+    got = file_sha256(path)
+    if got != manifest.file_sha256.lower():
+        raise ValueError(f"{path} does not match its manifest {find_manifest(path).name} (sha256 "
+                         f"{got[:12]}... on disk, {manifest.file_sha256[:12]}... recorded): a file of another export "
+                         f"or one not completely copied yet; not loaded")
 
 
 def write_manifest(path: str | os.PathLike, manifest: ExportManifest, overwrite: bool = False) -> Path:

@@ -90,7 +90,9 @@ def label_weights(bundle: TextBundle, labels: Sequence[str], templates: Sequence
 def zero_shot_classifier(model: VisionTransformer, bundle: TextBundle, labels: Sequence[str],
                          templates: Sequence[str] = DEFAULT_TEMPLATES) -> VisionTransformer:
     """`model` with a zero-shot head for `labels` (in place, returned): weight exp(scale) * W, bias
-    logit_bias or 0, embed_norm, scores "sigmoid" for SigLIP (a logit bias) else "softmax", labels set."""
+    logit_bias or 0, embed_norm, scores "sigmoid" for SigLIP (a logit bias) else "softmax", labels set. The
+    bundle keeps `templates` (`TextBundle.templates`): saved with it, they become its exported text tower's, so
+    that labels given at request time are prompted as the head's were."""
     labels = check_labels(labels)
     if model.cfg.dist_token:
         raise ZeroShotError("a zero-shot head needs a model without a distillation token")
@@ -104,6 +106,7 @@ def zero_shot_classifier(model: VisionTransformer, bundle: TextBundle, labels: S
     model.head.bias.fill_(bundle.logit_bias if bundle.logit_bias is not None else 0.0)
     model.cfg = model.cfg.replace(embed_norm=True, scores="sigmoid" if bundle.sigmoid else "softmax")
     model.labels = labels
+    bundle.templates = tuple(check_templates(templates))
     return model
 
 

@@ -139,10 +139,10 @@ def test_bad_metadata_version(tmp_path):
 def test_hub_ids_are_recognised_and_offline_fails_cleanly(monkeypatch, tmp_path):
     from vit_serve.checkpoints.hub import parse_hub_id
 
-    assert parse_hub_id("timm/vit_base_patch16_224.augreg2_in21k_ft_in1k") == \
+    assert parse_hub_id("hf-hub:timm/vit_base_patch16_224.augreg2_in21k_ft_in1k") == \
         "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"
-    assert parse_hub_id("google/vit-base-patch16-224") == "google/vit-base-patch16-224"
     assert parse_hub_id("hf-hub:google/vit-base-patch16-384") == "google/vit-base-patch16-384"
+    assert parse_hub_id("runs/best") is None  # a local path, missing or not: hub ids need hf-hub:
     assert parse_hub_id("runs/model.safetensors") is None
     assert parse_hub_id(str(tmp_path)) is None
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -152,4 +152,4 @@ def test_hub_ids_are_recognised_and_offline_fails_cleanly(monkeypatch, tmp_path)
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(CheckpointError, match="cannot fetch 'google/vit-base-patch16-224' from the model hub"):
-        read_checkpoint("google/vit-base-patch16-224")
+        read_checkpoint("hf-hub:google/vit-base-patch16-224")

@@ -593,7 +593,7 @@ def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> I
         mount, name = max(owner, default=(None, None), key=lambda o: len(o[0] or ""))
         env[var] = value.replace(mount, str(mounts[name]), 1) if mount else value
     redis_url, _ = redis_from_manifest
-    env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0"}
+    env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0", "VIT_SERVE_METRICS_PORT": "0"}
     model = str(mounts["models"])
     settings = ServeSettings(**_settings_kwargs(env), model=model, host="127.0.0.1", device="cpu")
     assert not settings.store_secret_generated  # the pods share the Secret's store secret, not a process's own
@@ -724,6 +724,96 @@ def test_only_the_gateways_pods_may_reach_redis():
     assert not _selects({"matchExpressions": [{"key": "a", "operator": "In", "values": ["2"]}]}, {"a": "1"})
 
 
+def _kserve_pod_labels(component: str) -> dict[str, str]:
+    """The labels KServe gives the pods of the InferenceService's `component` (predictor, transformer): the
+    InferenceService's name and the component (pkg/constants: InferenceServicePodLabelKey, KServiceComponentLabel),
+    with the component's own `labels`."""
+    isvc = _doc("InferenceService", "vit")
+    return {"serving.kserve.io/inferenceservice": isvc["metadata"]["name"], "component": component,
+            **isvc["spec"][component].get("labels", {})}
+
+
+def _ingress_ports(rule: dict, container_ports: dict[str, int]) -> set[int]:
+    """The port numbers a NetworkPolicy ingress rule opens (named ports resolved by the pod's container ports)."""
+    assert all(p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+    return {container_ports.get(p["port"], p["port"]) for p in rule["ports"]}
+
+
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def test_only_the_gateways_pods_reach_tritons_inference_api():
+    """F5: the predictor's NetworkPolicy selects the pods KServe makes for the predictor (and not the gateway's),
+    admits Triton's inference ports (the runtime's gRPC and HTTP) only from pods with the gateway's labels, which
+    the transformer and deploy/k8s's Deployment carry and the predictor, Redis and an unlabelled pod do not, and
+    Triton's metrics port only from Prometheus's pods; every port Triton listens on is in one rule."""
+    policy = _doc("NetworkPolicy", "vit-predictor")["spec"]
+    predictor, transformer = _kserve_pod_labels("predictor"), _kserve_pod_labels("transformer")
+    assert _selects(policy["podSelector"], predictor) and not _selects(policy["podSelector"], transformer)
+    assert policy["policyTypes"] == ["Ingress"]
+    (container,) = _doc("ServingRuntime", "vit-serve-tritonserver")["spec"]["containers"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
+    inference = {int(flags["grpc-port"]), int(flags["http-port"])}
+    metrics_port = int(_doc("ServingRuntime", "vit-serve-tritonserver")["spec"]["annotations"][
+        "prometheus.kserve.io/port"])
+    isvc_ports = {p["containerPort"] for p in _doc("InferenceService", "vit")["spec"]["predictor"]["model"]["ports"]}
+    assert isvc_ports <= inference  # the port KServe's Service routes to is one of them
+    by_ports = {}
+    for rule in policy["ingress"]:
+        (peer,) = rule["from"]  # no rule open to every source
+        by_ports[frozenset(_ingress_ports(rule, {}))] = peer
+    assert set(by_ports) == {frozenset(inference), frozenset({metrics_port})}
+    gateway_peer, prometheus_peer = by_ports[frozenset(inference)], by_ports[frozenset({metrics_port})]
+    assert set(gateway_peer) == {"podSelector"}, "pods of this namespace only (no namespaceSelector, no ipBlock)"
+    for which, (labels, _, _) in _gateway_pods().items():
+        assert _selects(gateway_peer["podSelector"], labels), which
+    others = {"predictor": predictor, "redis": pod_labels(_doc("Deployment", "vit-serve-redis")), "none": {},
+              "prometheus": PROMETHEUS}
+    for name, labels in others.items():
+        assert not _selects(gateway_peer["podSelector"], labels), name
+    assert _selects(prometheus_peer["podSelector"], PROMETHEUS) and not _selects(prometheus_peer["podSelector"],
+                                                                                 transformer)
+
+
+def test_the_gateways_metrics_port_is_its_scrape_target_and_only_prometheus_reaches_it():
+    """Both gateways serve /metrics without a key on VIT_SERVE_METRICS_PORT: their prometheus.io/port names it, a
+    NetworkPolicy on their pods (not on others) admits only Prometheus's pods there and anyone to the API ports,
+    and the main port keeps /metrics behind the key (open_probes does not open it)."""
+    from vit_serve.serve.security import PROBE_PATHS
+
+    assert "/metrics" not in PROBE_PATHS
+    deployment = _doc("Deployment", "vit-serve")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    transformer_ports = {p["name"]: p["containerPort"] for p in _transformer()["ports"]}
+    gateways = {
+        "k8s Deployment": (deployment["spec"]["template"]["metadata"]["annotations"], container, named,
+                           "vit-serve-gateway", pod_labels(deployment)),
+        "kserve transformer": (_doc("InferenceService", "vit")["spec"]["transformer"]["annotations"],
+                               _transformer(), transformer_ports, "vit-transformer",
+                               _kserve_pod_labels("transformer")),
+    }
+    for which, (notes, c, ports, policy_name, labels) in gateways.items():
+        metrics_port = int(_env(c)["VIT_SERVE_METRICS_PORT"])
+        assert notes["prometheus.io/port"] == str(metrics_port), which
+        assert notes["prometheus.io/path"] == "/metrics", which
+        assert metrics_port not in ports.values() or ports.get("metrics") == metrics_port, which
+        policy = _doc("NetworkPolicy", policy_name)["spec"]
+        assert _selects(policy["podSelector"], labels), which
+        assert not _selects(policy["podSelector"], _kserve_pod_labels("predictor")), which
+        open_rules = [r for r in policy["ingress"] if "from" not in r]
+        (api,) = open_rules
+        assert metrics_port not in _ingress_ports(api, ports), which
+        api_ports = {v for k, v in ports.items() if k != "metrics"}
+        assert _ingress_ports(api, ports) == api_ports, which
+        (scrape,) = [r for r in policy["ingress"] if "from" in r]
+        assert _ingress_ports(scrape, ports) == {metrics_port}, which
+        (peer,) = scrape["from"]
+        assert _selects(peer["podSelector"], PROMETHEUS) and not _selects(peer["podSelector"], labels), which
+    service = _doc("Service", "vit-serve")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["metrics"] == named["metrics"]
+
+
 def test_probe_paths_answer_without_a_key(replicas):
     clients, _ = replicas
     paths = _probe_paths(_doc("Deployment", "vit-serve")["spec"]["template"]["spec"]["containers"][0])
@@ -736,10 +826,13 @@ def test_probe_paths_answer_without_a_key(replicas):
 
 
 def test_the_hpas_metric_is_exported_and_the_adapter_rule_names_it(replicas):
+    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     clients, _ = replicas
-    text = clients[0].get("/metrics").text
+    assert clients[0].get("/metrics").status_code == 401  # on the main port /metrics needs a key
+    # What Prometheus scrapes: the metrics port (the pod's prometheus.io/port), without a key.
+    text = httpx.get(f"http://127.0.0.1:{clients[0].app.state.metrics_listener.port}/metrics", timeout=30).text
     samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
     (adapter,) = [d for _, d in _documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "adapter-config"]
     rules = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]

@@ -109,3 +109,22 @@ def test_a_checkpoint_without_a_text_tower_is_refused_with_exit_2(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "no text tower" in err and len(err.splitlines()) == 1
     assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_the_templates_of_convert_travel_into_the_text_manifest(randomize, tmp_path):
+    """`vit-serve convert --zero-shot --templates` then `vit-export --text-tower`: NAME_text.json holds those
+    templates (not only the default one), so that labels at request time are prompted as the head's were."""
+    from vit_export.cli import main as export_main
+
+    from vit_serve.cli import main as serve_main
+
+    templates = ["a photo of a {}.", "a sketch of a {}.", "itap of my {}."]
+    torch.save(tiny_clip(randomize, seed=4).state_dict(), tmp_path / "oc.pt")
+    (tmp_path / "labels.txt").write_text("cat\ndog\n")
+    (tmp_path / "templates.txt").write_text("\n".join(templates) + "\n")
+    assert serve_main(["convert", str(tmp_path / "oc.pt"), str(tmp_path / "zs.safetensors"), "--arch", ARCH,
+                       "--zero-shot", str(tmp_path / "labels.txt"), "--templates",
+                       str(tmp_path / "templates.txt")]) == 0
+    out = tmp_path / "out"
+    assert export_main([str(tmp_path / "zs.safetensors"), "--text-tower", "--out", str(out), "--name", "zs"]) == 0
+    assert json.loads((out / "zs_text.json").read_text())["templates"] == templates

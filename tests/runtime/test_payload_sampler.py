@@ -28,6 +28,7 @@ from vit_serve.runtime.payload_sampler import (
     read_samples,
 )
 
+pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 skdata = pytest.importorskip("skimage.data")
 
@@ -67,7 +68,7 @@ def test_parts_read_back_with_pyarrow(tmp_path: Path, crops: list[np.ndarray]) -
 
     table = read_samples(folder)
     assert table.column_names == ["time", "model", "version", "request_id", "image", "top1_label", "top1_score",
-                                  "ood_score", "ood_flag"]
+                                  "ood_score", "ood_flag", "tenant"]
     rows = sorted(table.to_pylist(), key=lambda r: r["top1_score"])
     assert len(rows) == 12
     for s, row in zip(offered, rows, strict=True):
@@ -368,3 +369,172 @@ def test_redis_retention(redis_stream_server: tuple[str, Any], crops: list[np.nd
             sampler.offer(make_sample(crops[0], i, False))
     entries = client.xrange(stream)
     assert [e[1][b"request_id"] for e in entries] == [f"req-{i}".encode() for i in range(5)]
+
+
+def test_folder_and_parts_are_private(tmp_path: Path, crops: list[np.ndarray]) -> None:
+    """Under a umask that takes nothing away, the sampler's folder is made 0700 and each part is 0600; an existing
+    folder open to others is tightened to 0700."""
+    made, existing = tmp_path / "made" / "samples", tmp_path / "existing"
+    existing.mkdir()
+    existing.chmod(0o777)
+    old = os.umask(0)
+    try:
+        for folder in (made, existing):
+            with PayloadSampler(SamplerSettings(rate=1.0, folder=folder), part_rows=1) as sampler:
+                sampler.offer(make_sample(crops[0], 0, False))
+                sampler.offer(make_sample(crops[1], 1, True))
+            assert folder.stat().st_mode & 0o777 == 0o700, folder
+            parts = list_parts(folder)
+            assert len(parts) == 2 and all(p.stat().st_mode & 0o777 == 0o600 for p in parts), parts
+    finally:
+        os.umask(old)
+
+
+def test_tenant_column(tmp_path: Path, crops: list[np.ndarray]) -> None:
+    """The tenant offered comes back in its column (empty without keys); a part written before the column
+    existed reads back with a null tenant."""
+    folder = tmp_path / "s"
+    folder.mkdir()
+    legacy = make_sample(crops[0], 0, False, t=time.time() - 10)
+    table = pa.table({k: [getattr(legacy, k) if k != "image" else legacy.crop_png]
+                      for k in ("model", "version", "request_id", "image", "top1_label", "top1_score")})
+    table = table.append_column("time", pa.array([int(legacy.time * 1e6)], pa.timestamp("us", tz="UTC")))
+    pq.write_table(table, folder / part_name(legacy.time, 1, "0123abcd", False))
+    with PayloadSampler(SamplerSettings(rate=1.0, folder=folder), part_rows=2) as sampler:
+        for i, tenant in ((1, "alice"), (2, "key-0a1b2c3d")):
+            sampler.offer(Sample(**{**make_sample(crops[i], i, False).__dict__, "tenant": tenant}))
+        sampler.offer(make_sample(crops[3], 3, True))
+    rows = {r["request_id"]: r for r in read_samples(folder).to_pylist()}
+    assert {k: r["tenant"] for k, r in rows.items()} == {"req-0": None, "req-1": "alice", "req-2": "key-0a1b2c3d",
+                                                         "req-3": ""}
+    assert rows["req-0"]["image"] == legacy.crop_png
+
+
+DISK_FULL_SCRIPT = """
+import json, logging, resource, sys, time
+from pathlib import Path
+import numpy as np
+from vit_serve.runtime.payload_sampler import PayloadSampler, Sample, SamplerSettings, png_bytes, list_parts
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
+folder, limit = Path(sys.argv[1]), int(sys.argv[2])
+# the crops' PNGs: noise (7 KB each, all different), so that a part of one is under the limit, of eight over it
+rng = np.random.default_rng(0)
+pngs = [png_bytes(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8)) for _ in range(10)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+dropped = {}
+
+def sample(i):
+    return Sample(time=time.time(), model="m", version="1", request_id=f"r{i}", crop_png=pngs[i], top1_label="a",
+                  top1_score=0.5, ood_score=None, ood_flag=None)
+
+def count(reason, n):
+    dropped[reason] = dropped.get(reason, 0) + n
+
+sampler = PayloadSampler(SamplerSettings(rate=1.0, folder=folder), part_rows=1, dropped=count)
+sampler.offer(sample(0))  # one row: a part under the limit
+deadline = time.monotonic() + 20
+while sampler.stats.written < 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+sampler.part_rows = 8  # eight rows: over the limit
+for i in range(1, 9):
+    sampler.offer(sample(i))
+while not sampler.stats.errors and time.monotonic() < deadline:
+    time.sleep(0.01)
+after = [sampler.wants(None) for _ in range(5)]  # stopped: drawn, counted, not kept
+sampler.offer(sample(9))
+sampler.close()
+print(json.dumps({"written": sampler.stats.written, "disk_full": sampler.stats.disk_full, "dropped": dropped,
+                  "after": after, "parts": len(list_parts(folder)),
+                  "leftovers": sorted(p.name for p in folder.iterdir() if p.name.startswith("."))}))
+"""
+
+
+def test_a_full_disk_stops_sampling_with_one_warning(tmp_path: Path) -> None:
+    """A part that the process's file size limit (RLIMIT_FSIZE, in a subprocess: the real OS path of a full disk,
+    EFBIG) cuts short stops sampling: one warning, its samples and every later draw counted as dropped with reason
+    disk_full, no temporary file left; the part written before stays; the process goes on."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "s"
+    run = subprocess.run([sys.executable, "-c", DISK_FULL_SCRIPT, str(folder), str(40_000)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["written"] == 1 and got["parts"] == 1 and got["leftovers"] == [], got
+    assert got["after"] == [False] * 5
+    assert got["dropped"] == {"disk_full": 8 + 5 + 1} and got["disk_full"] == 14, got  # the part, 5 draws, 1 offer
+    warnings = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING") and "full" in ln]
+    assert len(warnings) == 1 and "sampling has stopped" in warnings[0], run.stderr
+
+
+def test_queue_drops_are_reported(tmp_path: Path, crops: list[np.ndarray]) -> None:
+    """Drops of a full queue reach the `dropped` callback with reason queue_full."""
+    dropped: dict[str, int] = {}
+    sampler = PayloadSampler(SamplerSettings(rate=1.0, folder=tmp_path / "s"), part_rows=100, part_seconds=3600,
+                             queue_size=2, dropped=lambda reason, n: dropped.update({reason: dropped.get(reason, 0)
+                                                                                    + n}))
+    with sampler._cond:
+        for i in range(5):
+            sampler.offer(make_sample(crops[0], i, False))
+    sampler.close()
+    assert dropped == {"queue_full": 3} and sampler.stats.dropped == 3
+
+
+def test_redis_password_file_and_ttl(redis_with_password: tuple[str, str, Any], crops: list[np.ndarray],
+                                     tmp_path: Path) -> None:
+    """A Redis that needs a password: read from redis_password_file, the samples are added; the stream's key
+    expires redis_ttl_s after the last batch; without the password the batch is lost and counted; a password in
+    both the URL and the file is a one-line error."""
+    url, password, client = redis_with_password
+    secret = tmp_path / "redis-password"
+    secret.write_text(password + "\n")
+    stream = f"test:auth:{os.getpid()}"
+    settings = SamplerSettings(rate=1.0, redis_url=url, redis_stream=stream, redis_password_file=secret,
+                               redis_ttl_s=600)
+    with PayloadSampler(settings, part_rows=2) as sampler:
+        for i in range(4):
+            sampler.offer(make_sample(crops[0], i, False))
+    assert sampler.stats.written == 4 and client.xlen(stream) == 4
+    assert 590_000 < client.pttl(stream) <= 600_000
+    dropped: dict[str, int] = {}
+    no_password = SamplerSettings(rate=1.0, redis_url=url, redis_stream=stream)
+    with PayloadSampler(no_password, part_rows=2, dropped=lambda r, n: dropped.update({r: n})) as sampler:
+        sampler.offer(make_sample(crops[0], 9, False))
+        sampler.offer(make_sample(crops[0], 10, False))
+    assert sampler.stats.failed == 2 and dropped == {"write_failed": 2} and client.xlen(stream) == 4
+    both = SamplerSettings(rate=1.0, redis_url=url.replace("redis://", f"redis://:{password}@"),
+                           redis_stream=stream, redis_password_file=secret)
+    with pytest.raises(ValueError, match="give it one way") as err:
+        PayloadSampler(both)
+    assert password not in str(err.value)
+    client.delete(stream)
+
+
+def test_redis_that_never_answers_times_out(crops: list[np.ndarray]) -> None:
+    """A Redis address that accepts connections and never answers: with redis_timeout_s the batch is lost and
+    counted after the timeout, and close() returns (without a timeout the writer would wait forever)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel accepts; nothing reads or answers
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        settings = SamplerSettings(rate=1.0, redis_url=url, redis_timeout_s=0.3)
+        sampler = PayloadSampler(settings, part_rows=1)
+        sampler.offer(make_sample(crops[0], 0, False))
+        sampler.close(timeout=20)
+        assert not sampler._thread.is_alive()
+        assert sampler.stats.failed == 1 and sampler.stats.written == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"redis_ttl_s": 0}, "redis_ttl_s must be a positive number"),
+    ({"redis_timeout_s": float("nan")}, "redis_timeout_s must be a positive number"),
+])
+def test_redis_settings_validation(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match="payload sampler") as err:
+        SamplerSettings(**kwargs)
+    assert message in str(err.value)

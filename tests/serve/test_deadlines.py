@@ -10,6 +10,7 @@ bad values are 422 / INVALID_ARGUMENT with a message. What the model ran: the ba
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,8 +140,29 @@ def test_http_deadline_the_work_ahead_cannot_meet_is_refused_before_the_body(liv
     assert after.since(before) == {"rows": 4, "deadline": 1, "cancelled": 0}
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_http_zero_timeout_is_no_deadline(live, photos, route):
+    """httpx: timeout_ms=0 and X-Request-Timeout-Ms: 0 (the schema's minimum) mean no deadline, as Triton's timeout
+    0: each is answered 200, none refused for its deadline."""
+
+    async def scenario():
+        before = await Counts.of(live.url)
+        async with httpx.AsyncClient(timeout=60) as client:
+            answers = [await client.post(_url(live.url, route, timeout_ms=0), content=photos["coffee.jpg"],
+                                         headers=JPEG),
+                       await client.post(_url(live.url, route), content=photos["coffee.jpg"],
+                                         headers={**JPEG, "X-Request-Timeout-Ms": "0"}),
+                       await client.post(_url(live.url, route, timeout_ms="0.0"), content=photos["coffee.jpg"],
+                                         headers={**JPEG, "X-Request-Timeout-Ms": "0"})]
+        return before, answers, await Counts.of(live.url)
+
+    before, answers, after = asyncio.run(scenario())
+    assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+    assert after.since(before) == {"rows": 3, "deadline": 0, "cancelled": 0}
+
+
 @pytest.mark.parametrize("route", ROUTES[1:])  # /classify: test_priorities
-@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf", "1e400"])
 def test_http_bad_timeouts_are_422(live, photos, route, value):
     """httpx: a negative or non-numeric timeout_ms / X-Request-Timeout-Ms is 422 naming it."""
     with httpx.Client(timeout=30) as client:
@@ -188,13 +210,15 @@ def test_v2_parameters_timeout_in_microseconds(live, photos):
     assert after.since(before) == {"rows": 2, "deadline": 1, "cancelled": 0}
 
 
-@pytest.mark.parametrize("timeout", [-5, "soon"])
+@pytest.mark.parametrize("timeout", [-5, "soon", float("nan"), float("inf"), float("-inf")])
 def test_v2_bad_parameters_timeout_is_422(live, photos, timeout):
     """httpx (the JSON body tritonclient would not send): parameters.timeout negative or not a number -> 422."""
     h, w = live.mv.info.resolution
     pixels = {"name": "pixel_values", "datatype": "FP32", "shape": [1, 3, h, w], "data": [0.0] * (3 * h * w)}
     body = {"inputs": [pixels], "parameters": {"timeout": timeout}}
-    r = httpx.post(f"{live.url}/v2/models/tiny/infer", json=body, timeout=30)
+    # NaN / inf as Python's json writes them (JSON has no such numbers; the gateway's parser reads them)
+    r = httpx.post(f"{live.url}/v2/models/tiny/infer", content=json.dumps(body), timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 422, r.text
     assert "parameters.timeout" in r.text
 

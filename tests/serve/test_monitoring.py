@@ -132,8 +132,9 @@ def direct(watched) -> Direct:
 
 @pytest.fixture(scope="module")
 def live(repo):
-    """The gateway serving REPO (both models), gRPC on, drift window WINDOW (alarm from 40 images)."""
-    settings = settings_for(repo, drift_window=WINDOW, drift_min_window=40, grpc_port=0)
+    """The gateway serving REPO (both models), gRPC on, drift window WINDOW (alarm from 40 images); /metrics'
+    drift is computed again at each scrape that follows new answers (a refresh period of 1 us)."""
+    settings = settings_for(repo, drift_window=WINDOW, drift_min_window=40, grpc_port=0, drift_refresh_s=1e-6)
     with live_app(settings) as (url, app), httpx.Client(base_url=url, timeout=30) as client:
         yield client, app
 
@@ -250,6 +251,59 @@ def test_drift_is_scipys_ks_and_alarms_out_of_distribution(live, direct):
         text, "vit_serve_ood_score_ratio_bucket", le="1.0", **labels)
     assert above >= WINDOW * 0.9  # the noise images: above the threshold (ratio > 1)
     assert "vit_serve_drift{" in text and 'model="plain"' not in text.split("vit_serve_drift{", 1)[1].split("\n")[0]
+
+
+def test_a_scrape_shows_the_last_drift_and_never_computes_it_itself(repo):
+    """With a refresh period longer than the test, /metrics shows the drift of the window as it was at the first
+    scrape, however many answers and scrapes follow; GET /models/NAME/drift (behind the key when keys are on)
+    computes the window as it is."""
+    settings = settings_for(repo, drift_window=WINDOW, drift_min_window=5, drift_refresh_s=3600)
+    labels = {"model": "watched", "version": "1"}
+    with live_app(settings) as (url, _), httpx.Client(base_url=url, timeout=30) as client:
+        for data in structured(6, 70):
+            _classify(client, "watched", data)
+        first = client.get("/metrics").text
+        for data in noise(6, 71):
+            _classify(client, "watched", data)
+        later = [client.get("/metrics").text for _ in range(3)]
+        fresh = client.get("/models/watched/drift").json()
+    assert metric(first, "vit_serve_drift_window_images", **labels) == 6
+    assert fresh["window"] == 12
+    for text in later:
+        assert metric(text, "vit_serve_drift_window_images", **labels) == 6
+        for name in ("vit_serve_drift", "vit_serve_drift_p_value", "vit_serve_drift_alarm"):
+            assert metric(text, name, **labels) == metric(first, name, **labels), name
+    assert metric(later[-1], "vit_serve_confidence_count", **labels) == 12  # the answers were counted
+
+
+def test_scraped_drift_is_computed_again_once_the_period_has_passed_and_the_window_grew(live):
+    """`VersionMonitor.scraped` on a clock the test moves: the same report object until both the period has
+    passed and the window has grown; `report` (the route's) follows the window at once."""
+    from vit_serve.serve.monitoring import VersionMonitor
+    from vit_serve.serve.settings import MonitoringSettings
+
+    _, app = live
+    served = app.state.gateway.model("watched").monitor
+    now = [100.0]
+    mon = VersionMonitor(served.ref, served.scores, MonitoringSettings(drift_window=WINDOW, drift_min_window=5,
+                                                                       drift_refresh_s=10.0), clock=lambda: now[0])
+    rng = np.random.default_rng(0)
+
+    def answers(n: int) -> None:
+        mon.observe({"logits": rng.normal(size=(n, len(LABELS))).astype(np.float32),
+                     "embedding": rng.normal(size=(n, served.ref.dim)).astype(np.float32)})
+
+    answers(8)
+    first = mon.scraped()
+    assert first.window == 8 and mon.scraped() is first
+    answers(4)
+    now[0] += 9.9
+    assert mon.scraped() is first and mon.report().window == 12  # within the period: the last one
+    now[0] += 0.2
+    second = mon.scraped()
+    assert second is not first and second.window == 12
+    now[0] += 60
+    assert mon.scraped() is second  # the period passed but the window did not grow
 
 
 def _v2_body(x: np.ndarray, outputs: list[str] | None) -> dict:

@@ -54,7 +54,7 @@ def test_over_rate_requests_get_429_with_the_drafts_headers(gateway, photos):
         others = [c.get("/v2/models/tiny", headers=b) for _ in range(6)]
         time.sleep(int(quick[2].headers["RateLimit-Reset"]))  # the bucket is full again
         later = c.post("/classify", content=photos["coffee.jpg"], headers={**JPEG, **a})
-        text = c.get("/metrics").text
+        text = c.get("/metrics", headers=b).text  # /metrics needs a key (it is not rated)
     assert probes == [200] * 4
     assert [r.status_code for r in quick] == [200, 200, 429, 429], [r.text for r in quick]
     policy = "1;w=1;burst=2"
@@ -98,7 +98,7 @@ def test_grpc_over_rate_is_resource_exhausted_with_retry_after(gateway):
                 outcomes.append(e.code().name)
                 refusal = e
     over_http = httpx.get(f"{url}/v2/models/tiny", headers={"X-API-Key": GRPC_KEY}, timeout=60)
-    text = httpx.get(f"{url}/metrics", timeout=60).text
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OTHER}"}, timeout=60).text
     assert live == [True] * 4  # the probes do not count
     assert outcomes == ["OK", "OK", "RESOURCE_EXHAUSTED"], outcomes
     assert refusal is not None and "rate limit" in refusal.details()
@@ -140,20 +140,27 @@ def test_bad_fields_are_named(line, says):
     assert "half-of-key" not in str(e.value)
 
 
-def test_fields_and_defaults():
+def _caller(ring: KeyRing, key: str | None) -> Caller | None:
+    identity = ring.identify(key)
+    return None if identity is None else identity.caller
+
+
+def test_fields_and_defaults(tmp_path):
     e = key_entry("k name=jobs priority=4 rate=2.5", "-")
     assert (e.name, e.priority, e.rate, e.burst) == ("jobs", 4, 2.5, 3)  # burst: ceil(rate)
-    ring = KeyRing.of((e.hash,), (), True, False, [e])
-    assert ring.caller("k") == Caller("jobs", 4) and ring.take("k").remaining == 2
+    keys = tmp_path / "keys"
+    keys.write_text("k name=jobs priority=4 rate=2.5\n")
+    ring = KeyRing(keys_file=str(keys))
+    assert _caller(ring, "k") == Caller("jobs", 4) and ring.take(ring.identify("k").scope).remaining == 2
     e = key_entry("k rate=0.2", "-")
-    assert (e.rate, e.burst, e.priority) == (0.2, 1, DEFAULT_PRIORITY)
+    assert (e.rate, e.burst, e.priority) == (0.2, 1, None)  # no level given: the ring's default level
     assert e.name == "key-" + hashlib.sha256(b"k").hexdigest()[:8]
     from vit_serve.serve.settings import SecuritySettings
 
     ring = KeyRing.from_settings(SecuritySettings(api_keys=["given"]))
-    assert ring.caller("given") == Caller("key-" + hashlib.sha256(b"given").hexdigest()[:8], DEFAULT_PRIORITY)
-    assert ring.caller("wrong") == Caller() and ring.take("given") is None
-    assert KeyRing().caller(None) == Caller()  # keys off: the anonymous caller
+    assert _caller(ring, "given") == Caller("key-" + hashlib.sha256(b"given").hexdigest()[:8], DEFAULT_PRIORITY)
+    assert _caller(ring, "wrong") is None and ring.take(ring.identify("given").scope) is None
+    assert _caller(KeyRing(), None) == Caller()  # keys off: the anonymous caller
     assert rated("/classify") and rated("/v2/models/tiny/infer") and rated("/v2")
     assert not (rated("/v2/health/ready") or rated("/healthz") or rated("/metrics") or rated("/"))
 

@@ -39,10 +39,11 @@ def test_a_key_is_needed_and_probes_stay_open(tiny_ckpt, photos):
              ("POST", "/classify", {"content": jpeg, "headers": {**JPEG, "Authorization": f"Basic {KEY}"}}),
              ("GET", "/v2/models/tiny", {}),
              ("GET", "/models", {}),
-             ("GET", "/healthz", {}), ("GET", "/readyz", {}), ("GET", "/metrics", {}),
-             ("GET", "/v2/health/ready", {}), ("GET", "/", {}), ("GET", "/openapi.json", {})]
+             ("GET", "/healthz", {}), ("GET", "/readyz", {}), ("GET", "/metrics", {"headers": {"X-API-Key": KEY}}),
+             ("GET", "/v2/health/ready", {}), ("GET", "/", {}), ("GET", "/openapi.json", {}),
+             ("GET", "/metrics", {})]  # every key's name and traffic: not a probe (metrics_port serves scrapers)
     r = _statuses(settings_for(tiny_ckpt, api_keys=[KEY]), calls)
-    assert [x.status_code for x in r] == [401, 200, 200, 401, 401, 401, 401, 200, 200, 200, 200, 200, 200]
+    assert [x.status_code for x in r] == [401, 200, 200, 401, 401, 401, 401, 200, 200, 200, 200, 200, 200, 401]
     assert r[0].headers["www-authenticate"] == 'Bearer realm="vit-serve"'
     assert "an API key is needed" in r[0].json()["detail"] and "not valid" in r[3].json()["detail"]
     assert "error" in r[5].json()  # /v2 answers its own error shape

@@ -4,6 +4,8 @@ weights (so their logits differ), compared with the versions' own ONNX files run
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import shutil
@@ -102,6 +104,9 @@ def repo(tmp_path_factory, export_tiny) -> Path:
                 noisy = w + rng.normal(0, 0.5 * float(w.std()) + 1e-3, w.shape).astype(np.float32)
                 init.CopyFrom(numpy_helper.from_array(noisy, init.name))
         onnx.save(graph, str(folder / "model.onnx"))
+        side = json.loads((folder / "model.json").read_text())  # the manifest records the graph's new bytes
+        side["file_sha256"] = hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest()
+        (folder / "model.json").write_text(json.dumps(side))
     # the model's own split, which the flags of the `url` server override
     (root / "vit" / "config.pbtxt").write_text(_config("3", "1:50"))
     return root
@@ -194,7 +199,7 @@ def _settle(client: httpx.Client, version: int, pairs: int) -> dict:
 
 
 def _dropped(client: httpx.Client) -> float:
-    return metric(client.get("/metrics").text, "vit_serve_shadow_dropped_total", model="vit")
+    return metric(client.get("/metrics", headers=USER).text, "vit_serve_shadow_dropped_total", model="vit")
 
 
 def _expected(pairs: list[tuple[dict, dict]]) -> dict:
@@ -244,7 +249,7 @@ def test_shadow_pairs_equal_the_offline_computation(url, offline):
         for k in ("top1_agreement", "logit_abs_delta", "embedding_cosine"):
             assert entry[k] == pytest.approx(want[k], abs=1e-4), k
         assert entry["primary_latency"]["p50_ms"] > 0 and entry["other_latency"]["p99_ms"] > 0
-        text = client.get("/metrics").text
+        text = client.get("/metrics", headers=USER).text
         assert metric(text, "vit_serve_compare_pairs_total", model="vit", version="3", role="shadow") >= 12
         assert metric(text, "vit_serve_compare_top1_agreement", model="vit", version="3") == pytest.approx(
             want["top1_agreement"], abs=1e-4)

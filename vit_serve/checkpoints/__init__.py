@@ -35,7 +35,7 @@ KNOWN_FORMATS = (
     "Hugging Face transformers ViT (folder with config.json and weights)",
     "torchvision vit_* state dict (.pth)",
     "open_clip state dict (.pth/.bin/.safetensors, with --arch open_clip:NAME)",
-    "hub ids: timm/<name>, google/vit-*, hf-hub:<repo>",
+    "hub ids: hf-hub:<owner>/<name> (bare timm/<name>, google/vit-*: deprecated)",
 )
 
 
@@ -66,7 +66,8 @@ def read_checkpoint(src: str | os.PathLike, arch: str | None = None, **overrides
     """Detect the format of `src` and convert it to our layout.
 
     Args:
-        src: a file (.safetensors, .npz, .pth, .bin), a folder (transformers or timm hub layout), or a hub id.
+        src: a file (.safetensors, .npz, .pth, .bin), a folder (transformers or timm hub layout), or a hub id
+            (hf-hub:OWNER/NAME); a local path that does not exist is a one-line CheckpointError.
         arch: a preset / timm / torchvision architecture name, for formats that do not record the head count;
             "open_clip:NAME" for open_clip state dicts (NAME as open_clip.list_models()).
         overrides: ViTConfig fields to replace (e.g. layer_norm_eps) — not applied to our own format.

@@ -431,12 +431,15 @@ def _one_file(name: str, path: Path, backend: Literal["torch", "onnxruntime", "t
 def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, ModelEntry]:
     """The repository at `path` (a model file or a folder), by model name; `name` renames a one-file repository.
 
-    FileNotFoundError when `path` does not exist; a folder with no model in it is an empty repository.
+    FileNotFoundError when `path` does not exist and is no hub id (`hf-hub:OWNER/NAME`, for the torch backend); a
+    folder with no model in it is an empty repository.
     """
+    from vit_serve.checkpoints.hub import missing_path, parse_hub_id  # lazy: the checkpoint readers are heavy
+
     root = Path(path)
     checkpoint_folder = root.is_dir() and (root / "config.json").is_file()  # transformers / timm hub layout
-    if checkpoint_folder or (not root.exists() and backend_for(root) is None and root.suffix == ""):
-        model = name or root.name  # a checkpoint folder, or a hub id (`timm/<name>`) for the torch backend
+    if checkpoint_folder or (not root.exists() and parse_hub_id(str(path)) is not None):
+        model = name or root.name  # a checkpoint folder, or a hub id (`hf-hub:timm/<name>`) for the torch backend
         return {model: ModelEntry(model, {1: VersionSource(model, 1, root, "torch", fingerprint([root]))})}
     if root.is_file():
         backend = backend_for(root)
@@ -446,7 +449,7 @@ def scan(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Mod
         model = name or root.stem
         return {model: _one_file(model, root, backend)}
     if not root.is_dir():
-        raise FileNotFoundError(f"no such file or folder: {root}")
+        raise FileNotFoundError(missing_path(str(path)))
     entries: dict[str, ModelEntry] = {}
     for child in _visible(root):
         if child.is_dir():

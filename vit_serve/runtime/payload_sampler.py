@@ -18,8 +18,11 @@ The details:
   take unflagged ones first. A part is written when `part_rows` samples of one kind wait (default 256), when the
   oldest of them has waited `part_seconds` (default 30 s), and on `close()`. One part is one Parquet file of one
   row group with the columns `time` (timestamp[us, UTC]), `model`, `version`, `request_id` (nullable), `image`
-  (binary: the PNG), `top1_label`, `top1_score` (float64), `ood_score` (float64, nullable) and `ood_flag` (bool,
-  nullable); the PNG column is stored uncompressed (PNG already is), the rest with zstd.
+  (binary: the PNG), `top1_label`, `top1_score` (float64), `ood_score` (float64, nullable), `ood_flag` (bool,
+  nullable) and `tenant` (the verified caller's key name; empty without API keys; null in parts written before
+  it existed); the PNG column is stored uncompressed (PNG already is), the rest with zstd.
+- Permissions: the folder is made (or tightened to) 0700 and every part is created 0600: the crops are the
+  callers' images.
 - Names: ``part-<UTC time of the part's newest sample, YYYYmmddTHHMMSS.ffffffZ>-<seq>-<token>-<flagged|normal>
   .parquet``: sortable by time, unique (a per-process sequence number and a random token per sampler, so that
   replicas may share a folder). A part is written to a hidden temporary file in the same folder and moved into
@@ -32,11 +35,17 @@ The details:
   an hour old); anything else in the folder is left alone. Several replicas writing to one folder share the cap.
 - Redis (`redis_url` instead of `folder`): each sample is one `XADD` to `redis_stream` (pipelined per batch, the
   same batching as the parts), its fields as bytes: time (unix seconds), model, version, image, top1_label,
-  top1_score, flagged (b"1"/b"0"), and request_id, ood_score, ood_flag (b"1"/b"0") only when known. The stream is
-  trimmed with ``MAXLEN ~ n``, n being `redis_maxlen` or else `max_bytes` over the mean size of the entries sent
-  so far, and by ``XTRIM MINID ~`` to `retention_s`. Redis trims oldest first whatever the flag: there the
-  flagged-first rule holds only in the queue (and through `flagged_rate`).
-- Failures (a full disk, Redis away) never reach the caller: the batch is lost, logged and counted (`stats`).
+  top1_score, flagged (b"1"/b"0"), tenant, and request_id, ood_score, ood_flag (b"1"/b"0") only when known. The
+  stream is trimmed with ``MAXLEN ~ n``, n being `redis_maxlen` or else `max_bytes` over the mean size of the
+  entries sent so far, and by ``XTRIM MINID ~`` to `retention_s`; its key expires `redis_ttl_s` after the last
+  batch (so that a Redis whose `maxmemory-policy` is volatile-* can evict it before the explain store's crops,
+  and an abandoned stream goes). Redis trims oldest first whatever the flag: there the flagged-first rule holds
+  only in the queue (and through `flagged_rate`). The connection has socket timeouts (`redis_timeout_s`); the
+  password comes from the URL or from `redis_password_file`.
+- Failures never reach the caller: the batch is lost, logged and counted (`stats`, and the `dropped` callback:
+  reason `write_failed`). A full disk (ENOSPC, EDQUOT, or EFBIG from RLIMIT_FSIZE) stops sampling for good with
+  one warning: the batch and every sample drawn afterwards are counted as dropped with reason `disk_full`;
+  serving goes on.
 
 `read_samples(folder)` reads every part of a folder back as one pyarrow Table, sorted by time. pyarrow (folder
 mode) and redis (Redis mode) are imported only when the sampler is on.
@@ -45,6 +54,7 @@ mode) and redis (Redis mode) are imported only when the sampler is on.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import math
 import os
@@ -53,6 +63,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +84,10 @@ TIME_FORMAT = "%Y%m%dT%H%M%S.%fZ"
 STALE_TEMP_S = 3600.0
 # The latest time a part's name can carry (9999-12-31T23:59:59Z): sample times are clamped to [0, this].
 MAX_TIME = 253402300799.0
+# The errors of a full disk: no space, over the quota, over the process's file size limit (RLIMIT_FSIZE).
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# The reasons samples are dropped for (`PayloadSampler`'s `dropped` callback).
+DROP_REASONS = ("queue_full", "write_failed", "disk_full")
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,9 @@ class SamplerSettings:
     redis_stream: str = "vit_serve:samples"
     flagged_rate: float = 1.0  # share of OOD-flagged requests kept (flagged ones first)
     redis_maxlen: int | None = None  # the stream's MAXLEN ~; None: max_bytes / the mean entry size
+    redis_ttl_s: float = 86400.0  # the stream's key expires this long after the last batch
+    redis_timeout_s: float = 2.0  # socket (connect, read, write) timeout of the Redis connection
+    redis_password_file: Path | None = None  # the Redis password, read from this file (not in the URL)
 
     def __post_init__(self) -> None:
         def bad(message: str) -> None:
@@ -104,10 +122,16 @@ class SamplerSettings:
         if self.redis_maxlen is not None and (isinstance(self.redis_maxlen, bool) or not isinstance(
                 self.redis_maxlen, int) or self.redis_maxlen <= 0):
             bad(f"redis_maxlen must be a positive integer or None, not {self.redis_maxlen!r}")
+        for name in ("redis_ttl_s", "redis_timeout_s"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                    or value <= 0):
+                bad(f"{name} must be a positive number of seconds, not {value!r}")
         if not self.redis_stream:
             bad("redis_stream must not be empty")
-        if self.folder is not None and not isinstance(self.folder, Path):
-            object.__setattr__(self, "folder", Path(self.folder))
+        for name in ("folder", "redis_password_file"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Path):
+                object.__setattr__(self, name, Path(getattr(self, name)))
         if self.rate > 0 and (self.folder is None) == (self.redis_url is None):
             bad("with rate > 0 give either a folder (--sample-dir) or a Redis URL, not "
                 + ("both" if self.folder is not None else "neither"))
@@ -131,6 +155,7 @@ class Sample:
     top1_score: float
     ood_score: float | None
     ood_flag: bool | None
+    tenant: str = ""  # the verified caller's key name; empty without API keys
 
     @property
     def flagged(self) -> bool:
@@ -150,6 +175,7 @@ class SamplerStats:
     failed: int = 0  # samples lost to a failed write
     errors: int = 0  # failed writes
     deleted: int = 0  # parts deleted (retention or cap)
+    disk_full: int = 0  # samples dropped because the disk was full (the lost batch, and every draw after it)
 
 
 def png_bytes(image: Image.Image | np.ndarray, compress_level: int = 1) -> bytes:
@@ -203,6 +229,7 @@ def schema() -> pa.Schema:
         ("top1_score", pa.float64()),
         ("ood_score", pa.float64()),
         ("ood_flag", pa.bool_()),
+        ("tenant", pa.string()),
     ])
 
 
@@ -212,12 +239,17 @@ def read_samples(folder: str | os.PathLike[str]) -> pa.Table:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    want = schema()
     tables = []
     for path in list_parts(Path(folder)):
         try:
-            tables.append(pq.read_table(path, schema=schema()))
+            table = pq.read_table(path)
         except FileNotFoundError:
             continue
+        for column in want:  # a column added since the part was written (tenant): null there
+            if column.name not in table.column_names:
+                table = table.append_column(column, pa.nulls(table.num_rows, column.type))
+        tables.append(table.select(want.names).cast(want))
     if not tables:
         return schema().empty_table()
     return pa.concat_tables(tables).sort_by("time")
@@ -240,13 +272,15 @@ def _to_table(samples: list[Sample]) -> pa.Table:
         "top1_score": [float(s.top1_score) for s in samples],
         "ood_score": [None if s.ood_score is None else float(s.ood_score) for s in samples],
         "ood_flag": [None if s.ood_flag is None else bool(s.ood_flag) for s in samples],
+        "tenant": [s.tenant for s in samples],
     }, schema=schema())
 
 
 def _redis_fields(s: Sample) -> dict[bytes, bytes]:
     fields = {b"time": repr(float(s.time)).encode(), b"model": s.model.encode(), b"version": s.version.encode(),
               b"image": bytes(s.crop_png), b"top1_label": s.top1_label.encode(),
-              b"top1_score": repr(float(s.top1_score)).encode(), b"flagged": b"1" if s.flagged else b"0"}
+              b"top1_score": repr(float(s.top1_score)).encode(), b"flagged": b"1" if s.flagged else b"0",
+              b"tenant": s.tenant.encode()}
     if s.request_id is not None:
         fields[b"request_id"] = s.request_id.encode()
     if s.ood_score is not None:
@@ -271,15 +305,18 @@ class _Waiting:
 
 class PayloadSampler:
     """Keeps a share of requests (`SamplerSettings`) as Parquet parts or Redis stream entries, written by a
-    background thread; see the module's docstring for the rules."""
+    background thread; see the module's docstring for the rules. `dropped(reason, n)` is called for samples
+    dropped (`DROP_REASONS`), from any thread: the gateway counts them in a metric."""
 
     PART_ROWS = 256  # a part (or a Redis batch) at this many samples of one kind...
     PART_SECONDS = 30.0  # ...or once the oldest of them has waited this long
     QUEUE_SIZE = 512  # samples waiting at most (flagged and unflagged together)
 
     def __init__(self, settings: SamplerSettings, seed: int | None = None, *, part_rows: int | None = None,
-                 part_seconds: float | None = None, queue_size: int | None = None) -> None:
+                 part_seconds: float | None = None, queue_size: int | None = None,
+                 dropped: Callable[[str, int], None] | None = None) -> None:
         self.settings = settings
+        self._dropped = dropped
         self.part_rows = self.PART_ROWS if part_rows is None else part_rows
         self.part_seconds = self.PART_SECONDS if part_seconds is None else part_seconds
         self.queue_size = self.QUEUE_SIZE if queue_size is None else queue_size
@@ -300,18 +337,24 @@ class PayloadSampler:
         self._redis_bytes = 0  # the bytes of the entries sent so far (their mean sizes MAXLEN)
         self._redis_entries = 0
         self._last_enforced = time.monotonic()
+        self._disk_full = False  # set once by the writer: sampling has stopped
         if not settings.enabled:
             return
         if settings.folder is not None:
             import pyarrow.parquet  # noqa: F401  (fail at start, not in the thread, when pyarrow is missing)
 
-            settings.folder.mkdir(parents=True, exist_ok=True)
+            _private_folder(settings.folder)
             self._remove_stale_temps()
             self.enforce()
         else:
             import redis
 
-            self._redis = redis.Redis.from_url(settings.redis_url)
+            auth = {}
+            if settings.redis_password_file is not None:
+                auth["password"] = _read_password(settings.redis_password_file, settings.redis_url or "")
+            t = settings.redis_timeout_s
+            self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=t, socket_connect_timeout=t,
+                                               **auth)
         self._thread = threading.Thread(target=self._run, name="vit-serve-payload-sampler", daemon=True)
         self._thread.start()
 
@@ -327,22 +370,33 @@ class PayloadSampler:
             return False
         p = self.settings.flagged_rate if flagged is True else self.settings.rate
         if p >= 1:
-            return True
-        if p <= 0:
+            yes = True
+        elif p <= 0:
+            yes = False
+        else:
+            with self._draw_lock:
+                yes = self._rng.random() < p
+        if yes and self._disk_full:  # stopped: what would have been kept is counted, nothing is encoded
+            self.stats.disk_full += 1
+            self._drop("disk_full", 1)
             return False
-        with self._draw_lock:
-            return self._rng.random() < p
+        return yes
 
     def offer(self, sample: Sample) -> None:
         """Queue `sample` for writing; never blocks. When the queue is full the oldest unflagged sample waiting
         (or this one, when it is unflagged and only flagged ones wait) is dropped and counted. Ignored when off."""
         if not self.enabled:
             return
+        if self._disk_full:
+            self.stats.disk_full += 1
+            self._drop("disk_full", 1)
+            return
         flagged = sample.flagged
         with self._cond:
             if self._closing:
                 return
             if len(self._waiting[True].items) + len(self._waiting[False].items) >= self.queue_size:
+                self._drop("queue_full", 1)
                 if self._waiting[False].items:
                     self._waiting[False].items.popleft()
                     self.stats.dropped += 1
@@ -410,17 +464,37 @@ class PayloadSampler:
             if self.settings.folder is not None and time.monotonic() - self._last_enforced >= self.part_seconds:
                 self._enforce_logged()
 
+    def _drop(self, reason: str, n: int) -> None:
+        if self._dropped is not None and n:
+            try:
+                self._dropped(reason, n)
+            except Exception:  # a counter must not stop the writer
+                log.exception("payload sampler: counting dropped samples failed")
+
     def _write(self, flagged: bool, samples: list[Sample]) -> None:
+        if self._disk_full:  # stopped: what was queued before the stop is dropped too
+            self.stats.disk_full += len(samples)
+            self._drop("disk_full", len(samples))
+            return
         try:
             if self.settings.folder is not None:
                 self._write_part(flagged, samples)
             else:
                 self._send(samples)
             self.stats.written += len(samples)
-        except Exception:
+        except Exception as e:
             self.stats.errors += 1
             self.stats.failed += len(samples)
-            log.exception("payload sampler: %d samples lost", len(samples))
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                self._disk_full = True
+                self.stats.disk_full += len(samples)
+                self._drop("disk_full", len(samples))
+                log.warning("payload sampler: %s is full (%s); sampling has stopped until the gateway restarts "
+                            "(vit_serve_samples_dropped_total{reason=\"disk_full\"} counts what it would have "
+                            "kept); serving goes on", self.settings.folder, os.strerror(e.errno or 0))
+            else:
+                self._drop("write_failed", len(samples))
+                log.exception("payload sampler: %d samples lost", len(samples))
         if self.settings.folder is not None:
             self._enforce_logged()
 
@@ -438,7 +512,10 @@ class PayloadSampler:
         temp = folder / f".{path.name}.tmp"
         try:
             compression = {name: ("none" if name == "image" else "zstd") for name in schema().names}
-            pq.write_table(_to_table(samples), temp, compression=compression)
+            # created 0600 (O_EXCL: never through a planted link), whatever the umask allows
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(fd, "wb") as out:
+                pq.write_table(_to_table(samples), out, compression=compression)
             os.replace(temp, path)
         finally:
             temp.unlink(missing_ok=True)
@@ -458,6 +535,7 @@ class PayloadSampler:
         min_ms = int((time.time() - self.settings.retention_s) * 1000)
         if min_ms > 0:
             pipe.xtrim(stream, minid=f"{min_ms}-0", approximate=True)
+        pipe.pexpire(stream, max(1, round(self.settings.redis_ttl_s * 1000)))
         pipe.execute()
 
     # -- retention and the cap --------------------------------------------------------------------------------
@@ -517,3 +595,33 @@ class PayloadSampler:
                         os.unlink(entry.path)
                 except FileNotFoundError:
                     continue
+
+
+def _private_folder(folder: Path) -> None:
+    """Make `folder` 0700, or tighten an existing one that others may read to 0700."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = folder.stat().st_mode & 0o777
+    if mode & 0o077:
+        try:
+            os.chmod(folder, 0o700)
+        except PermissionError:
+            log.warning("payload sampler: %s is open to others (mode %o) and not ours to change", folder, mode)
+        else:
+            log.info("payload sampler: %s was mode %o, made 0700 (the samples are callers' images)", folder, mode)
+
+
+def _read_password(path: Path, url: str) -> str:
+    """The Redis password of `path` (a Secret mount: one trailing newline dropped); ValueError (one line)."""
+    from urllib.parse import urlsplit
+
+    if urlsplit(url).password:
+        raise ValueError("payload sampler: a Redis password file is given and the sample Redis URL has a password "
+                         "too: give it one way")
+    try:
+        password = path.read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"payload sampler: cannot read the Redis password file {path}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
+    if not password:
+        raise ValueError(f"payload sampler: the Redis password file {path} is empty")
+    return password

@@ -129,8 +129,13 @@ def check(spec: LoadSpec) -> str:
     backend = resolve_backend(spec)
     path = Path(spec.path)
     is_file = backend in ("onnxruntime", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES
-    if backend != "triton" and is_file and not path.exists():
-        raise FileNotFoundError(f"no such file: {path}")
+    if backend != "triton" and not path.exists():
+        from vit_serve.checkpoints.hub import missing_path, parse_hub_id  # lazy: the checkpoint readers are heavy
+
+        if is_file:
+            raise FileNotFoundError(f"no such file: {path}")
+        if parse_hub_id(str(spec.path)) is None:  # a mistyped path is never a hub download
+            raise FileNotFoundError(missing_path(str(spec.path)))
     if spec.tome is not None and (backend != "torch" or path.suffix.lower() in (".onnx", *ENGINE_SUFFIXES)):
         what = path.name or "a Triton model"
         raise ValueError(f"--tome sets token merging on checkpoints (the torch backend); {what} runs the merging "

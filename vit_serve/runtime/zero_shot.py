@@ -18,20 +18,33 @@ from vit_serve.embedding import l2_normalize
 
 MAX_LABELS_SETTING = "VIT_SERVE_MAX_LABELS"
 MAX_LABEL_CHARS_SETTING = "VIT_SERVE_MAX_LABEL_CHARS"
+MAX_LABEL_BYTES_SETTING = "VIT_SERVE_MAX_LABEL_BYTES"
+MAX_LABEL_PROMPTS_SETTING = "VIT_SERVE_MAX_LABEL_PROMPTS"
 
 
 @dataclass(frozen=True)
 class LabelLimits:
-    """Requests with labels: at most `max_labels` labels of `max_label_chars` characters each; each text tower
-    caches the class embeddings of `cache_size` labels (LRU). The gateway's settings of the same names."""
+    """Requests with labels: at most `max_labels` labels of `max_label_bytes` UTF-8 bytes (and `max_label_chars`
+    code points) each, and `max_label_prompts` labels x templates; each text tower caches the class embeddings of
+    `cache_size` labels (LRU), encodes `chunk_size` prompts per run and holds `queue_size` requests (waiting or
+    running). The gateway's settings of the same names (`chunk_size`: text_chunk_size, `queue_size`:
+    text_queue_size)."""
 
     max_labels: int = 64
     max_label_chars: int = 100
     cache_size: int = 1024
+    max_label_bytes: int = 256
+    max_label_prompts: int = 8192
+    chunk_size: int = 256
+    queue_size: int = 16
 
-    def parse(self, value: str | list[str]) -> list[str]:
-        """`parse_labels` within these limits."""
-        return parse_labels(value, self.max_labels, self.max_label_chars)
+    def parse(self, value: str | list[str], num_templates: int = 1) -> list[str]:
+        """`parse_labels` within these limits (and labels x `num_templates` within max_label_prompts)."""
+        labels = parse_labels(value, self.max_labels, self.max_label_chars, self.max_label_bytes)
+        if len(labels) * num_templates > self.max_label_prompts:
+            raise ValueError(f"{len(labels)} labels x {num_templates} templates = {len(labels) * num_templates} "
+                             f"prompts, over the limit of {self.max_label_prompts} ({MAX_LABEL_PROMPTS_SETTING})")
+        return labels
 
 
 def class_embeddings(prompt_embeds: np.ndarray, num_templates: int) -> np.ndarray:
@@ -67,9 +80,10 @@ def prompts(labels: list[str], templates: tuple[str, ...]) -> list[str]:
     return [t.replace("{}", label) for label in labels for t in templates]
 
 
-def parse_labels(value: str | list[str], max_labels: int, max_chars: int) -> list[str]:
+def parse_labels(value: str | list[str], max_labels: int, max_chars: int, max_bytes: int | None = None) -> list[str]:
     """"cat, dog" or ["cat", "dog"] -> the labels (stripped, empty ones dropped; duplicates refused); ValueError
-    naming the limit (`max_labels` labels, `max_chars` characters each) or the fault."""
+    naming the limit (`max_labels` labels, `max_bytes` UTF-8 bytes and `max_chars` code points each) or the
+    fault."""
     if isinstance(value, str):
         items = value.split(",")
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -81,6 +95,14 @@ def parse_labels(value: str | list[str], max_labels: int, max_chars: int) -> lis
         raise ValueError("labels is empty: give at least one label (labels=cat,dog)")
     if len(labels) > max_labels:
         raise ValueError(f"{len(labels)} labels, over the limit of {max_labels} ({MAX_LABELS_SETTING})")
+    for v in labels:
+        try:
+            size = len(v.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800")
+            raise ValueError(f"label {v[:24]!r} is not valid Unicode text") from None
+        if max_bytes is not None and size > max_bytes:
+            raise ValueError(f"label {v[:24]!r}... has {size} UTF-8 bytes, over the limit of {max_bytes} "
+                             f"({MAX_LABEL_BYTES_SETTING})")
     long = next((v for v in labels if len(v) > max_chars), None)
     if long is not None:
         raise ValueError(f"label {long[:24]!r}... has {len(long)} characters, over the limit of {max_chars} "

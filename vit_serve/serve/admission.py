@@ -6,10 +6,11 @@ comes from the keys file (`security.KeyRing`); a request may lower its own (`/v2
 `priority` parameter) but never raise it (`lowered`). Shadow copies (`traffic`) run at `SHADOW`, below every
 level: they are the first work shed.
 
-Deadlines: `?timeout_ms=` or `X-Request-Timeout-Ms` (HTTP routes), `parameters.timeout` in microseconds (`/v2`
-and gRPC, Triton's meaning: 0 is no timeout), and the gRPC call's own deadline; the earliest wins, counted from
-the request's arrival. A request whose deadline has passed, or that the batcher predicts it cannot answer in
-time, is refused with 504 / DEADLINE_EXCEEDED instead of being run late (`runner`).
+Deadlines: `?timeout_ms=` or `X-Request-Timeout-Ms` (HTTP routes, milliseconds), `parameters.timeout` in
+microseconds (`/v2` and gRPC), and the gRPC call's own deadline. 0 in the first two is no deadline (Triton's
+meaning of its `timeout`); a negative or non-finite value is 422. The earliest wins, counted from the request's
+arrival. A request whose deadline has passed, or that the batcher predicts it cannot answer in time, is refused
+with 504 / DEADLINE_EXCEEDED instead of being run late (`runner`).
 
 Stages, for `vit_serve_cancelled_total{stage}` (a client that hung up, `hangup`): read (its body), decode, queue,
 infer (its batch had started: the answer is thrown away).
@@ -17,6 +18,7 @@ infer (its batch had started: the answer is thrown away).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -72,29 +74,41 @@ class Admission:
         """Tighten the deadline to `seconds` after arrival (None: no change); 422 for a negative value."""
         if seconds is None:
             return
-        if seconds < 0 or seconds != seconds:
+        if not seconds >= 0:  # NaN too
             raise InvalidValueError(f"{what} must be a number >= 0")
         deadline = self.arrived + seconds
         self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
 
-    def lowered(self, level: Any) -> None:
+    def within_ms(self, ms: float | None, what: str) -> None:
+        """A deadline in milliseconds (`?timeout_ms=`, `X-Request-Timeout-Ms`): None or 0 is none (as Triton's
+        `timeout` 0), else `within`; 422 for a negative or non-finite value."""
+        if ms is None or ms == 0:
+            return
+        if not math.isfinite(ms):
+            raise InvalidValueError(f"{what} must be a finite number of milliseconds >= 0 (0: no deadline)")
+        self.within(ms / 1e3, what)
+
+    def lowered(self, level: Any, levels: int) -> None:
         """Apply a request's own priority level: it may lower (a larger number) but never raise the key's; 0 or
-        None keeps it (Triton's default)."""
+        None keeps it (Triton's default); 422 beyond `levels` (VIT_SERVE_PRIORITY_LEVELS)."""
         if level is None or level == 0:
             return
-        if isinstance(level, bool) or not isinstance(level, int) or level < 0:
-            raise InvalidValueError("priority must be an integer >= 0 (1 is the most urgent; 0: the key's level)")
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= levels:
+            raise InvalidValueError(f"priority must be an integer from 0 to {levels} (1 is the most urgent; 0: the "
+                                    f"key's level; VIT_SERVE_PRIORITY_LEVELS is {levels})")
         self.priority = max(self.priority, level, self.caller.priority)
 
-    def v2_parameters(self, parameters: dict[str, Any]) -> None:
-        """`parameters.timeout` (microseconds; 0: none) and `parameters.priority` of a /v2 or gRPC request."""
+    def v2_parameters(self, parameters: dict[str, Any], levels: int) -> None:
+        """`parameters.timeout` (microseconds; 0: none) and `parameters.priority` (at most `levels`) of a /v2 or
+        gRPC request."""
         timeout = parameters.get("timeout")
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-                raise InvalidValueError("parameters.timeout is in microseconds: a number >= 0 (0: no timeout)")
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < math.inf:
+                raise InvalidValueError("parameters.timeout is in microseconds: a finite number >= 0 (0: no "
+                                        "timeout)")
             if timeout > 0:
                 self.within(timeout / 1e6, "parameters.timeout")
-        self.lowered(parameters.get("priority"))
+        self.lowered(parameters.get("priority"), levels)
 
     # ---- progress ---------------------------------------------------------------------------------------
 

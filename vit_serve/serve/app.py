@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -21,6 +22,7 @@ from vit_serve.serve.errors import install_error_handlers
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.grpc import GrpcServer
 from vit_serve.serve.hangup import HangUp
+from vit_serve.serve.metrics_listener import MetricsListener
 from vit_serve.serve.middleware import (
     BodyLimit,
     ErrorBoundary,
@@ -34,7 +36,11 @@ from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.security import ApiKeys, KeyRing
 from vit_serve.serve.settings import ServeSettings
+from vit_serve.serve.slow_clients import BodyDeadline, http_protocol
 from vit_serve.serve.tracing import instrument
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -52,6 +58,7 @@ under `/v2`. Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
     app.state.grpc = None  # the GrpcServer (its `port`) when grpc_port is set
+    app.state.metrics_listener = None  # the MetricsListener (its `port`) when metrics_port is set
     s = gateway.settings
     ring: KeyRing = app.state.keyring  # create_app's: one set of rate buckets for HTTP and gRPC
     if s.security.allow_any_key_admin and s.repository.repository_api and not ring.admin:
@@ -63,8 +70,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if gateway.settings.grpc_port is not None:
             app.state.grpc = GrpcServer(gateway, getattr(app.state, "tracer_provider", None), ring)
             await app.state.grpc.start()
+        if s.metrics_port is not None:  # GET /metrics for anyone, on a port of its own
+            app.state.metrics_listener = MetricsListener(gateway)
+            await app.state.metrics_listener.start()
     except Exception as e:
         log.error("cannot serve %s: %s", gateway.settings.model, " ".join(str(e).split()))
+        if app.state.grpc is not None:
+            await app.state.grpc.stop()
         await gateway.stop()
         raise
     try:
@@ -74,6 +86,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await stopping  # the drain's stop(grace), started when the listeners closed (vit_serve.serve.shutdown)
         elif app.state.grpc is not None:
             await app.state.grpc.stop()
+        if app.state.metrics_listener is not None:
+            await app.state.metrics_listener.stop()
         await gateway.stop()
 
 
@@ -91,7 +105,8 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # Outermost last: HangUp -> RequestId -> CORS -> RequestMetrics -> ApiKeys -> ErrorBoundary -> BodyLimit -> routes.
+    # Outermost last: BodyDeadline -> HangUp -> RequestId -> CORS -> RequestMetrics -> ApiKeys -> ErrorBoundary ->
+    # BodyLimit -> routes.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ErrorBoundary)
     security = settings.security
@@ -107,6 +122,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     if settings.request_ids:
         app.add_middleware(RequestId)
     app.add_middleware(HangUp, metrics=gateway.metrics)  # each request's Admission; hang-ups cancel inference
+    app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)  # its clock starts with the headers
     instrument(app, settings)  # OpenTelemetry's server span outside them all, when settings.otel
     return app
 
@@ -133,6 +149,14 @@ class OneLineStartupFailure:
         await self.app(scope, receive, send_quietly)
 
 
+def server_config(app: Callable, settings: ServeSettings, **options: Any) -> uvicorn.Config:
+    """uvicorn's Config for a gateway app: its HTTP protocol with the header timeout, the connection cap and the
+    half-close answer of `settings` (`slow_clients`), and uvicorn's `options` (host, port, TLS, ...)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=http_protocol(settings.header_timeout_s, settings.max_connections), **options)
+
+
 def run(settings: ServeSettings) -> None:
     """Serve until interrupted (one process: each model version runs in its own thread). A one-model repository
     that cannot be served ends the process with exit code 3 and one logged line."""
@@ -148,10 +172,10 @@ def run(settings: ServeSettings) -> None:
     app = create_app(settings)
     # SIGTERM / SIGINT: drain, close, grace, then 503 what still waits (vit_serve.serve.shutdown); uvicorn's own
     # timeout only cancels what is left a margin after the grace, once those 503s have gone out.
-    config = uvicorn.Config(OneLineStartupFailure(app), host=settings.host, port=settings.port, log_level="info",
-                            timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s),
-                            ssl_certfile=settings.security.ssl_certfile, ssl_keyfile=settings.security.ssl_keyfile,
-                            root_path=settings.root_path)
+    config = server_config(OneLineStartupFailure(app), settings, host=settings.host, port=settings.port,
+                           log_level="info", timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s),
+                           ssl_certfile=settings.security.ssl_certfile, ssl_keyfile=settings.security.ssl_keyfile,
+                           root_path=settings.root_path)
     server = DrainingServer(config, app)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()

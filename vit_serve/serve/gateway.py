@@ -50,7 +50,7 @@ class Gateway:
         # the waiting ones.
         self.draining = False
         self.closing = False
-        # Drift gauges, computed when /metrics is scraped (vit_serve.serve.monitoring).
+        # Drift gauges, read when /metrics is scraped (computed at most once per drift_refresh_s: monitoring).
         self.metrics.drift_reports = self.drift_reports
         # A sample of /classify requests kept for labelling (the lifespan opens it when sample_rate > 0).
         self.sampler: PayloadSampler | None = None
@@ -69,7 +69,9 @@ class Gateway:
         if s.monitor.sample_rate > 0:
             from vit_serve.runtime.payload_sampler import PayloadSampler
 
-            self.sampler = PayloadSampler(s.monitor.sampler_settings())
+            dropped = self.metrics.samples_dropped
+            self.sampler = PayloadSampler(s.monitor.sampler_settings(),
+                                          dropped=lambda reason, n: dropped.labels(reason).inc(n))
         self.repository = ModelRepository(LoadSpec.of(s), s.repository, self.metrics, self.decode_pool, self.store,
                                           max_pixels=s.max_pixels, gpu_decode=s.gpu_decode,
                                           label_limits=s.label_limits, monitoring=s.monitor)
@@ -94,7 +96,7 @@ class Gateway:
         """(model, version, its drift report) of every version in service whose answers are watched."""
         for v in self.repository.loaded() if self.repository is not None else []:
             if v.monitor is not None:
-                yield v.name, str(v.version), v.monitor.report()
+                yield v.name, str(v.version), v.monitor.scraped()  # at most once per drift_refresh_s
 
     def model(self, name: str | None = None, version: str | int | None = None,
               session: str | None = None) -> ModelVersion:

@@ -17,7 +17,8 @@ traceback. Messages either way are limited to `grpc_max_message_bytes` (gRPC's o
 a 12 MP JPEG: kserve#3717); a larger one answers RESOURCE_EXHAUSTED; so do calls beyond `grpc_max_concurrent_calls`
 in flight. With API keys on, a call
 sends one as metadata (`authorization: Bearer KEY` or `x-api-key: KEY`), checked by a server interceptor
-(`KeyCheck`) from the call's metadata before its message is read: UNAUTHENTICATED without, whatever the message;
+(`KeyCheck`) from the call's metadata before its message is read: UNAUTHENTICATED without, whatever the message
+(INVALID_ARGUMENT with more than one key; a presented sha256:HEX is not a key);
 load / unload need an admin key (PERMISSION_DENIED), or, with no admin keys, `--allow-any-key-admin`. TLS uses
 the HTTP server's certificate and key.
 """
@@ -25,6 +26,7 @@ the HTTP server's certificate and key.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -39,6 +41,7 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add
 from vit_serve.runtime.errors import ServingError
 from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission, Caller
+from vit_serve.serve.caller import ANYONE, Identity
 from vit_serve.serve.errors import (
     BadRequestError,
     NotReadyError,
@@ -48,8 +51,17 @@ from vit_serve.serve.errors import (
     grpc_status_code,
 )
 from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.in_flight import RETRY_AFTER_S
+from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.rate_limit import KeyCounts
-from vit_serve.serve.security import GRPC_ADMIN_METHODS, GRPC_PROBE_METHODS, KeyRing, presented_key
+from vit_serve.serve.security import (
+    GRPC_ADMIN_METHODS,
+    GRPC_PROBE_METHODS,
+    KeyRing,
+    TwoKeysError,
+    count_refusal,
+    presented_key,
+)
 from vit_serve.serve.tracing import grpc_server_span
 from vit_serve.serve.v2_protocol import (
     DTYPES,
@@ -75,6 +87,8 @@ CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_conte
 # API keys (vit_serve.serve.security) come as metadata; the probes stay open with open_probes, as over HTTP.
 PROBES = frozenset(GRPC_PROBE_METHODS)
 ADMIN_RPCS = frozenset(GRPC_ADMIN_METHODS)
+# The call's identity, as KeyCheck verified it (`caller.Identity`): set while its handler runs.
+CALL_IDENTITY: contextvars.ContextVar[Identity] = contextvars.ContextVar("vit_serve_call_identity", default=ANYONE)
 
 R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
@@ -180,8 +194,9 @@ class Servicer(GRPCInferenceServiceServicer):
         self.ring = ring if ring is not None else KeyRing()  # the keys (KeyCheck has checked them): `caller`
 
     def caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        """The call's Caller (its key's name and priority level; anonymous without keys), for its Admission."""
-        return self.ring.caller(metadata_key(context.invocation_metadata()))
+        """The call's Caller (its verified key's name and priority level, `KeyCheck`; anonymous without keys), for
+        its Admission."""
+        return CALL_IDENTITY.get().caller
 
     @_answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
@@ -194,10 +209,17 @@ class Servicer(GRPCInferenceServiceServicer):
 
     @_answers_errors
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:  # noqa: N802
-        """ready false while the model is loading or unloaded; NOT_FOUND for a name the repository lacks."""
+        """ready false while the model is loading or unloaded. A probe open to anyone (open_probes) tells an
+        anonymous caller ready true or false and nothing else: a name or version the repository lacks is ready
+        false too, so that it learns neither which models exist nor why one is not ready; a caller with a valid
+        key (or anyone, with keys off) gets NOT_FOUND / INVALID_ARGUMENT for those, as ModelMetadata answers."""
         try:
             mv = self.gateway.model(request.name or None, request.version or None)
         except NotReadyError:
+            return pb.ModelReadyResponse(ready=False)
+        except ServingError:
+            if self.ring.allows(metadata_key(context.invocation_metadata())):
+                raise
             return pb.ModelReadyResponse(ready=False)
         ok, _ = await mv.readiness()
         return pb.ModelReadyResponse(ready=ok)
@@ -226,9 +248,11 @@ class Servicer(GRPCInferenceServiceServicer):
             with mv.using(), mv.arriving(admission.priority) as arrival:
                 admission.at("decode", mv)
                 req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings.limits))
-                admission.v2_parameters(req.parameters)
+                admission.v2_parameters(req.parameters, self.gateway.settings.priority_levels)
                 admission.check(mv)
-                outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers, admission)
+                labels = LabelCaller(CALL_IDENTITY.get().scope, self.ring.limits)  # whose label cache and rate
+                outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers, admission,
+                                               labels)
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc.aio cancels the call
             admission.cancelled = True
             self.gateway.metrics.cancelled.labels(admission.stage, admission.model, admission.version).inc()
@@ -261,17 +285,19 @@ class Servicer(GRPCInferenceServiceServicer):
 
 
 def metadata_key(metadata: Any) -> str | None:
-    """The key of a call's metadata (`authorization: Bearer KEY` or `x-api-key: KEY`; None without)."""
-    md = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
-    return presented_key(md.get("authorization"), md.get("x-api-key"))
+    """The key of a call's metadata (`authorization: Bearer KEY` or `x-api-key: KEY`; None without); more than
+    one of them is a TwoKeysError (INVALID_ARGUMENT)."""
+    return presented_key(metadata or ())
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
     """API keys from the call's metadata, before its message is read: a call without the right key is answered
     by a handler that never reads the request (UNAUTHENTICATED, or PERMISSION_DENIED on load / unload), so that
-    an anonymous caller's message is neither received whole nor parsed; so is a key over its rate (every RPC but
-    the probes counts: RESOURCE_EXHAUSTED with `retry-after` and the `ratelimit-*` numbers as trailing metadata).
-    `counts`: the per-key counts (`rate_limit.KeyCounts`)."""
+    an anonymous caller's message is neither received whole nor parsed; so is a call with more than one key
+    (INVALID_ARGUMENT) and a key over its rate (every RPC but the probes counts: RESOURCE_EXHAUSTED with
+    `retry-after` and the `ratelimit-*` numbers as trailing metadata). The key is verified once: its
+    `caller.Identity` is the handler's (`CALL_IDENTITY`), and a key with `max_concurrent_per_key` calls running
+    is refused RESOURCE_EXHAUSTED. `counts`: the per-key counts (`rate_limit.KeyCounts`)."""
 
     def __init__(self, ring: KeyRing, counts: KeyCounts | None = None) -> None:
         self.ring, self.counts = ring, counts
@@ -282,25 +308,48 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         admin, ring = name in ADMIN_RPCS, self.ring
         if not admin and (not ring.on or (ring.open_probes and name in PROBES)):
             return await continuation(details)
-        key = metadata_key(details.invocation_metadata)
-        verdict = ring.allows(key, admin=admin)
-        if verdict:
-            if not ring.on or name in PROBES:
-                return await continuation(details)
-            limit = ring.take(key)
-            if self.counts is not None:
-                self.counts.count(ring.caller(key).name, limit is None or limit.allowed)
-            if limit is None or limit.allowed:
-                return await continuation(details)
-            trailing = tuple((k.lower(), v) for k, v in limit.headers())
-            return _refusal(grpc_status_code(RateLimitedError.status), limit.message(), trailing)
-        if verdict is None:
-            code, message = grpc.StatusCode.UNAUTHENTICATED, (
-                "an API key is needed: send metadata authorization: Bearer KEY or x-api-key: KEY" if key is None
-                else "the API key is not valid")
-        else:
-            code, message = grpc.StatusCode.PERMISSION_DENIED, ring.refusal()
-        return _refusal(code, message)
+        ring.refresh()
+        try:
+            key = metadata_key(details.invocation_metadata)
+        except TwoKeysError as e:
+            return _refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        identity = ring.identify(key)
+        if identity is None:
+            return _refusal(grpc.StatusCode.UNAUTHENTICATED,
+                            "an API key is needed: send metadata authorization: Bearer KEY or x-api-key: KEY"
+                            if key is None else "the API key is not valid")
+        if not ring.admits(identity, admin):
+            return _refusal(grpc.StatusCode.PERMISSION_DENIED, ring.refusal())
+        if not ring.on or name in PROBES:
+            return self._as(identity, await continuation(details), counted=False)
+        limit = ring.take(identity.scope)
+        if self.counts is not None:
+            self.counts.count(identity.name, limit is None or limit.allowed)
+        if limit is None or limit.allowed:
+            return self._as(identity, await continuation(details), counted=True)
+        trailing = tuple((k.lower(), v) for k, v in limit.headers())
+        return _refusal(grpc_status_code(RateLimitedError.status), limit.message(), trailing)
+
+    def _as(self, identity: Identity, handler: Any, counted: bool) -> Any:
+        """`handler` run as `identity` (`CALL_IDENTITY`), within its key's cap on calls in flight (`counted`)."""
+        if handler is None or handler.unary_unary is None:
+            return handler
+        behavior, ring, counts = handler.unary_unary, self.ring, self.counts
+
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if counted and not ring.in_flight.enter(identity.scope):
+                count_refusal(counts, identity.name, "too_many_in_flight")
+                context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
+                await context.abort(grpc_status_code(RateLimitedError.status), ring.in_flight.message())
+            token = CALL_IDENTITY.set(identity)
+            try:
+                return await behavior(request, context)
+            finally:
+                CALL_IDENTITY.reset(token)
+                if counted:
+                    ring.in_flight.leave(identity.scope)
+
+        return handler._replace(unary_unary=run)
 
 
 def _refusal(code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str], ...] = ()) -> grpc.RpcMethodHandler:

@@ -10,6 +10,9 @@ leaves its queue and any batch that has not started (`runner`), and a Triton cal
 backend's gRPC call is cancelled, its HTTP request closed). The request's `Admission` (made here, as the request
 arrives) says where it was: `vit_serve_cancelled_total{stage, model, version}` counts it there. Nothing is sent
 to a client that has gone; the access line and the request counter say 499 (nginx's "client closed request").
+A client that half-closes after a complete request (`shutdown(SHUT_WR)`) has not gone: under `vit-serve serve`
+its EOF does not close the connection (`slow_clients`, which tells it from a socket closed entirely), so no
+`http.disconnect` comes and it gets its answer.
 
 Other routes (the repository API's load / unload above all, which must not stop half-way) are not watched.
 """

@@ -57,6 +57,9 @@ class GatewayMetrics:
         self.store_rejected = Counter("vit_serve_store_rejected", "explain-store entries ignored because their "
                                       "seal (an HMAC with the store secret) failed: written without the secret, or "
                                       "moved from another key", registry=r)
+        self.samples_dropped = Counter("vit_serve_samples_dropped", "requests the payload sampler drew but did not "
+                                       "keep, by reason: queue_full, write_failed, disk_full (sampling has stopped)",
+                                       ["reason"], registry=r)
         self.ready = Gauge("vit_serve_ready", "1 when the model version is loaded, warmed and answering", MODEL,
                            registry=r)
         self.memory = Gauge("vit_serve_model_memory_bytes", "resident memory the model version took to load and "
@@ -69,8 +72,9 @@ class GatewayMetrics:
                                    "threshold, so that models compare (1: the threshold; above: flagged): score / "
                                    "threshold for Mahalanobis, (score - calibration median) / (threshold - "
                                    "calibration median) for energy", MODEL, buckets=OOD_RATIO_BUCKETS, registry=r)
-        # The drift gauges (vit_serve_drift, _alarm, _p_value), computed at scrape time from `drift_reports()`
-        # (the gateway sets it: (model, version, report) of each monitored version).
+        # The drift gauges (vit_serve_drift, _alarm, _p_value, _window_images), read at scrape time from
+        # `drift_reports()` (the gateway sets it: (model, version, report) of each monitored version; a report is
+        # computed at most once per drift_refresh_s, never by the scrape's own count).
         self.drift_reports: Callable[[], Iterable[tuple[str, str, DriftReport]]] = tuple
         r.register(DriftCollector(lambda: self.drift_reports()))
         self._owners: dict[tuple[str, str], ModelMetrics] = {}  # whose values the gauges of a label set show
@@ -171,13 +175,14 @@ class ModelMetrics:
 
 class DriftCollector(Collector):
     """The drift gauges of every monitored version, from `reports()`: (model, version, its drift report), asked
-    when /metrics is scraped (`vit_serve.serve.monitoring.VersionMonitor.report`: cached until its window grows)."""
+    when /metrics is scraped (`vit_serve.serve.monitoring.VersionMonitor.scraped`: the last report, computed again
+    at most once per drift_refresh_s)."""
 
     def __init__(self, reports: Callable[[], Iterable[tuple[str, str, DriftReport]]]) -> None:
         self.reports = reports
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def _families() -> tuple[GaugeMetricFamily, ...]:
         labels = list(MODEL)
         return (GaugeMetricFamily("vit_serve_drift", "the largest two-sample KS distance between the version's "
                                   "window of recent answers and its reference (confidence, OOD score, embedding "
@@ -186,15 +191,19 @@ class DriftCollector(Collector):
                                   "p-value is below drift_significance, with at least drift_min_window images",
                                   labels=labels),
                 GaugeMetricFamily("vit_serve_drift_p_value", "the window's smallest KS p-value times the number of "
-                                  "features compared (Bonferroni, at most 1)", labels=labels))
+                                  "features compared (Bonferroni, at most 1)", labels=labels),
+                GaugeMetricFamily("vit_serve_drift_window_images", "images of the window the drift gauges were "
+                                  "computed on (they are computed again at most once per drift_refresh_s)",
+                                  labels=labels))
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         yield from self._families()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        drift, alarm, p_value = self._families()
+        drift, alarm, p_value, images = families = self._families()
         for name, version, r in self.reports():
             drift.add_metric([name, version], r.statistic)
             alarm.add_metric([name, version], float(r.alarm))
             p_value.add_metric([name, version], r.p_value)
-        yield from (drift, alarm, p_value)
+            images.add_metric([name, version], r.window)
+        yield from families

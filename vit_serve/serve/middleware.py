@@ -29,6 +29,16 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("vit_serve_requ
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # visible ASCII, as load balancers and tracers make them
 
 
+def loggable(text: str) -> str:
+    """`text` (a request's path, as the client chose it) fit for one log line: every character that is not
+    printable (CR, LF, NEL, U+2028, ESC, ...) becomes its Python escape and `\\` becomes `\\\\`, so that a
+    percent-encoded line break in a URL cannot start a forged line nor colour a terminal."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 class _Answer:
     """The status an app answers with, seen on its way out (500 until a response starts); `headers` are added
     to the response's."""
@@ -70,7 +80,8 @@ class RequestId:
         try:
             await self.app(scope, receive, answer.send)
         finally:
-            access.info("%s %s %s %d %.1f ms", rid, scope["method"], scope["path"], answer.final(scope),
+            access.info("%s %s %s %d %.1f ms", rid, loggable(scope["method"]), loggable(scope["path"]),
+                        answer.final(scope),
                         (time.perf_counter() - t0) * 1e3)
             request_id.reset(token)
 
@@ -84,7 +95,9 @@ class QueryRedaction(logging.Filter):
         args = record.args
         # uvicorn.access records: (client address, method, path with its query, HTTP version, status)
         if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
-            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<redacted>", *args[3:])
+            record.args = (*args[:2], loggable(args[2].split("?", 1)[0]) + "?<redacted>", *args[3:])
+        elif isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], loggable(args[2]), *args[3:])
         return True
 
 
@@ -143,7 +156,7 @@ class ErrorBoundary:
         try:
             await self.app(scope, receive, send_started)
         except Exception:
-            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            log.exception("unhandled error in %s %s", loggable(scope["method"]), loggable(scope["path"]))
             if started:
                 raise
             body = envelope(scope).body("internal server error; the gateway logged it")

@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -40,6 +40,7 @@ from vit_serve.runtime.text_tower import TextTower
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.admission import DEFAULT_PRIORITY, Admission
 from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyError
+from vit_serve.serve.labels import LabelCaller, encode_labels, parse_labels
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.monitoring import VersionMonitor
 from vit_serve.serve.runner import Arrival, BatchingRunner, Result, Runner
@@ -303,11 +304,9 @@ class ModelVersion:
         return EMBED
 
     def parse_labels(self, value: str | list[str], what: str = "labels") -> list[str]:
-        """A request's labels within the limits (`label_limits`); 400 naming `what` beyond them."""
-        try:
-            return self.label_limits.parse(value)
-        except ValueError as e:
-            raise BadRequestError(f"{what}: {e}") from None
+        """A request's labels within the limits (`label_limits`) and its text tower's tokenizer; 400 naming
+        `what` beyond them (`labels.parse_labels`)."""
+        return parse_labels(self, value, what)
 
     def zero_shot_task(self) -> Task:
         """The Task of a request with labels (the image embedding, which the text tower's label embeddings are
@@ -323,23 +322,11 @@ class ModelVersion:
                                   f"which adds the embedding output)")
         return EMBED
 
-    async def label_logits(self, labels: list[str], image_embeds: np.ndarray) -> tuple[np.ndarray, float]:
-        """Image embeddings [B, E] -> (zero-shot logits [B, n] over `labels`, ms spent), in the text tower's
-        thread (its label cache first)."""
-        text = self.text
-        assert text is not None  # `zero_shot_task` checked it
-        t0 = time.perf_counter()
-
-        def run() -> tuple[np.ndarray, int, int]:  # one at a time in the tower's thread: the counts are ours
-            hits, misses = text.cache.stats.hits, text.cache.stats.misses
-            logits = text.logits(image_embeds, text.classes(labels))
-            return logits, text.cache.stats.hits - hits, text.cache.stats.misses - misses
-
-        logits, hits, misses = await asyncio.get_running_loop().run_in_executor(text.executor, run)
-        if self.label_cache_counter is not None:
-            self.label_cache_counter("hit", hits)
-            self.label_cache_counter("miss", misses)
-        return logits, (time.perf_counter() - t0) * 1e3
+    async def label_logits(self, labels: list[str], image_embeds: np.ndarray, admission: Admission | None = None,
+                           caller: LabelCaller | None = None) -> tuple[np.ndarray, float]:
+        """Image embeddings [B, E] -> (zero-shot logits [B, n] over `labels`, ms spent): the caller's cached
+        labels, the others encoded in the text tower's thread under the request's terms (`labels.encode_labels`)."""
+        return await encode_labels(self, labels, image_embeds, admission, caller)
 
     def text_info(self) -> dict | None:
         """What clients need to know of the text tower (model metadata), None without one."""
@@ -400,6 +387,14 @@ class Announcement:
     def version(self) -> ModelVersion | None:
         """The version announced to (None once it is gone)."""
         return self._version()
+
+    def heard_from(self, clock: Any) -> Announcement:
+        """Count the request as coming only while its body's bytes keep coming: `clock.last` is when the latest
+        came (`slow_clients.BodyClock`; None: always); a stalled upload makes no batch wait (`runner.Arrival`)."""
+        arrival = self._arrival()
+        if arrival is not None:
+            arrival.heard_from(clock)
+        return self
 
     def done(self) -> None:
         version, arrival = self._version(), self._arrival()

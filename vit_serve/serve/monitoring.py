@@ -1,16 +1,21 @@
 """What the gateway watches of a served version whose model carries a reference (`vit_serve.monitor`): each
 answer's OOD score, from the pass that answered, and a window of recent answers whose drift from the reference
-is measured when asked (GET /models/NAME/drift, a /metrics scrape), never on a request's path.
+is measured when asked (GET /models/NAME/drift; for /metrics at most once per `drift_refresh_s`), never on a
+request's path.
 
 `VersionMonitor` is one version's: `observe` takes a pass's outputs (the logits, and the embedding for a
 Mahalanobis reference: such versions answer /classify with the embed task, which gives both, and batches with
 /embed), scores them, adds them to the window and to the per-image histograms; its `report` is computed when
-asked (cached until its window grows): `metrics.DriftCollector` asks at each /metrics scrape.
+asked (cached until its window grows). /metrics is open to scrapers and may be scraped at any rate, so what a
+scrape shows is `scraped()`: the last report, computed again only when `drift_refresh_s` has passed since and the
+window has grown (a scrape costs a lookup, whatever the rate: the KS tests run at most once per period).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,10 +37,12 @@ class VersionMonitor:
     """One served version's OOD scoring and drift window (not thread-safe: the event loop observes and reads)."""
 
     def __init__(self, ref: Reference, scores: str, settings: MonitoringSettings,
-                 metrics: ModelMetrics | None = None) -> None:
+                 metrics: ModelMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.ref, self.scores = ref, scores
         self.window = Window(ref, settings.drift_window)
         self.significance, self.min_window = settings.drift_significance, settings.drift_min_window
+        self.refresh_s, self._clock = settings.drift_refresh_s, clock
+        self._scraped: tuple[float, int, DriftReport] | None = None  # /metrics': (when, window count, report)
         # the per-image histograms' series of this version (made only for versions with a reference)
         self._histograms = None if metrics is None else (metrics.confidence, metrics.ood_ratio)
         # score -> its ratio to the threshold (vit_serve_ood_score_ratio): 1 is the flag's threshold
@@ -103,6 +110,15 @@ class VersionMonitor:
         if self._report is None or self._report[0] != count:
             self._report = (count, self.window.report(self.significance, self.min_window))
         return self._report[1]
+
+    def scraped(self) -> DriftReport:
+        """The report /metrics shows: the last one computed, computed again only once `refresh_s` has passed
+        since and the window has grown (a scrape, at whatever rate, is otherwise a lookup)."""
+        now, count = self._clock(), self.window.count
+        shown = self._scraped
+        if shown is None or (shown[1] != count and now - shown[0] >= self.refresh_s):
+            self._scraped = shown = (now, count, self.report())
+        return shown[2]
 
     def describe(self) -> dict[str, Any]:
         """What GET /models shows of it (`schemas.MonitoringInfo`)."""

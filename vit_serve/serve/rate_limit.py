@@ -3,10 +3,12 @@
 and the per-key counters of /metrics (`KeyCounts`, labelled by the key's name, never by the key).
 
 A bucket holds up to `burst` tokens and gains `rate` a second; each request takes one, and a request that finds
-less than one is refused (HTTP 429 with `Retry-After`, gRPC RESOURCE_EXHAUSTED with `retry-after` metadata).
-A bucket starts full. The headers: `RateLimit-Limit` is the burst (the requests a full bucket holds),
-`RateLimit-Remaining` the whole tokens left, `RateLimit-Reset` the seconds (rounded up) until the bucket is full
-again, and `RateLimit-Policy: R;w=1;burst=B`. Only the requests that run the model count (`security.rated`).
+less than one is refused (HTTP 429 with `Retry-After`, gRPC RESOURCE_EXHAUSTED with `retry-after` metadata). A
+request with labels also takes one per prompt its text tower encodes beyond the first, which may leave the bucket
+below zero (`TokenBucket.take`'s `cost`): the key's next requests wait until it has refilled. A bucket starts
+full. The headers: `RateLimit-Limit` is the burst (the requests a full bucket holds), `RateLimit-Remaining` the
+whole tokens left, `RateLimit-Reset` the seconds (rounded up) until the bucket is full again, and
+`RateLimit-Policy: R;w=1;burst=B`. Only the requests that run the model count (`security.rated`).
 """
 
 from __future__ import annotations
@@ -74,19 +76,23 @@ class TokenBucket:
         self.updated = clock()
         self._lock = threading.Lock()
 
-    def take(self) -> Verdict:
-        """Take a token if there is one: the Verdict, with the numbers after this request."""
+    def take(self, cost: float = 1.0, need: float = 1.0) -> Verdict:
+        """Take `cost` tokens if the bucket holds `need` (a request: one of one): the Verdict, with the numbers
+        after this request. A cost above what the bucket holds leaves it below zero (the text stage of a request
+        with labels charges its prompts so, `need` 0: the key's next requests wait until it has refilled)."""
         per_s, burst = self.rate.per_s, self.rate.burst
         with self._lock:
             now = self.clock()
             self.tokens = min(float(burst), self.tokens + max(0.0, now - self.updated) * per_s)
             self.updated = now
-            allowed = self.tokens >= 1 - EPSILON
+            allowed = self.tokens >= need - EPSILON
             if allowed:
-                self.tokens = max(0.0, self.tokens - 1)
+                left = self.tokens - cost
+                self.tokens = left if left < -EPSILON else max(0.0, left)
             tokens = self.tokens
-        retry = None if allowed else max(1, _ceil((1 - tokens) / per_s))
-        return Verdict(allowed, self.rate, math.floor(tokens + EPSILON), _ceil((burst - tokens) / per_s), retry)
+        retry = None if allowed else max(1, _ceil((need - tokens) / per_s))
+        return Verdict(allowed, self.rate, max(0, math.floor(tokens + EPSILON)), _ceil((burst - tokens) / per_s),
+                       retry)
 
 
 class RateLimits:
@@ -95,10 +101,11 @@ class RateLimits:
     def __init__(self, rates: Mapping[str, Rate] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.buckets = {h: TokenBucket(r, clock) for h, r in (rates or {}).items()}
 
-    def take(self, hashed: str) -> Verdict | None:
-        """The verdict for a request of the key whose hash is `hashed` (None: the key has no limit)."""
+    def take(self, hashed: str, cost: float = 1.0, need: float = 1.0) -> Verdict | None:
+        """The verdict for a request of the key whose hash is `hashed` (None: the key has no limit); `cost` and
+        `need` as `TokenBucket.take`."""
         bucket = self.buckets.get(hashed)
-        return None if bucket is None else bucket.take()
+        return None if bucket is None else bucket.take(cost, need)
 
 
 class KeyCounts:
@@ -110,7 +117,8 @@ class KeyCounts:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.counter = Counter("vit_serve_key_requests", "requests by API key name (never the key) that count "
-                               "against rate limits: accepted, or rate_limited (429 / RESOURCE_EXHAUSTED)",
+                               "against rate limits: accepted, rate_limited or too_many_in_flight (429 / "
+                               "RESOURCE_EXHAUSTED)",
                                ["key", "result"], registry=registry)
 
     @classmethod

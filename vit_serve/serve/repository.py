@@ -437,7 +437,7 @@ class ModelRepository:
         device = "cpu" if version.info.device in ("cpu", "remote") else spec.device
         try:
             version.text = await asyncio.get_running_loop().run_in_executor(
-                version.thread, lambda: TextTower(path, self.label_limits.cache_size, device, spec.threads))
+                version.thread, lambda: TextTower(path, None, device, spec.threads, self.label_limits))
         except Exception as e:
             version.text_error = f"{path.name}: {' '.join(str(e).split()) or type(e).__name__}"
             log.warning("%s: its text tower is not served: %s", version.label, version.text_error)

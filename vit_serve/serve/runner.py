@@ -50,8 +50,8 @@ import contextlib
 import logging
 import math
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -73,6 +73,22 @@ T = TypeVar("T")
 # meanwhile. 2 s is some six gaps between arrivals of a level at a few requests a second (a Poisson gap
 # that long is rarer than 1 in 300), short enough to let the less urgent level batch again soon after.
 ACTIVE_S = 2.0
+# An upload being read counts as coming (the batcher may wait for it; deadlines count it as work ahead) while its
+# latest bytes came at most this long ago. A live upload's bytes come every few milliseconds, and a lost segment
+# stalls it for one TCP retransmission timeout (200 ms at least on Linux); one stalled longer is slow or abusive.
+# Taking a live upload for stalled costs little (it joins the next batch); the other way round, batches wait and
+# deadlines are refused for uploads that may never come.
+STALL_S = 0.25
+
+
+def live_arrivals(heard: Iterable[tuple[int, float | None]], now: float, cap: int, level: int | None = None,
+                  stall_s: float = STALL_S) -> int:
+    """How many announced requests count as coming at `now`: those at `level` or a more urgent one (every level
+    without one) whose latest bytes came within `stall_s` (a time of None: no body being read, e.g. one being
+    decoded, never stalls), at most `cap` (the batches the model can run next hold no more). `heard`: (level,
+    when its latest bytes came) per request."""
+    n = sum(1 for lv, t in heard if (level is None or lv <= level) and (t is None or now - t <= stall_s))
+    return min(n, cap)
 
 
 @dataclass(frozen=True)
@@ -105,16 +121,28 @@ class Arrival:
 
     Use as a context manager around reading + decoding + `submit(..., arrival)`; it stops counting when the
     request is queued or when it fails before that. `priority`: its level as far as known (the caller's key).
+    While its body is read, `heard_from(clock)` tells when its latest bytes came (an object with `last`,
+    `time.perf_counter()` seconds): once they stall it no longer counts as coming (`live_arrivals`).
     """
 
     def __init__(self, batcher: BatchingRunner | DirectRunner, priority: int = DEFAULT_PRIORITY) -> None:
         self._batcher: BatchingRunner | DirectRunner | None = batcher
         self.priority = priority
-        batcher._incoming_at[priority] += 1
+        self.clock: Any = None  # when its latest bytes came (`last`), while its body is read
+        batcher._incoming.add(self)
+
+    @property
+    def heard(self) -> float | None:
+        """When its latest bytes came (None: not reading a body: it does not stall)."""
+        return None if self.clock is None else self.clock.last
+
+    def heard_from(self, clock: Any) -> None:
+        """Age this arrival by `clock.last` (the request's body clock) from now on; None: never."""
+        self.clock = clock
 
     def done(self) -> None:
         if self._batcher is not None:
-            self._batcher._incoming_at[self.priority] -= 1
+            self._batcher._incoming.discard(self)
             self._batcher._arrival.set()  # the collector re-checks whether to keep waiting
             self._batcher = None
 
@@ -182,7 +210,7 @@ class _Runner:
         self.timeout_s = limits.request_timeout_s
         self.retry_after = str(limits.retry_after_s)
         self._arrival = asyncio.Event()
-        self._incoming_at: Counter[int] = Counter()  # Arrivals not yet queued, by priority level
+        self._incoming: set[Arrival] = set()  # Arrivals not yet queued
 
     def arriving(self, priority: int = DEFAULT_PRIORITY) -> Arrival:
         """Announce a request (at level `priority`) that will be submitted once its image is decoded."""
@@ -195,8 +223,8 @@ class _Runner:
 
     @property
     def incoming(self) -> int:
-        """Requests announced and not yet queued."""
-        return sum(self._incoming_at.values())
+        """Requests announced and not yet queued (stalled uploads too)."""
+        return len(self._incoming)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the model thread (between batches): loading, warm-up, maintenance."""
@@ -372,6 +400,13 @@ class BatchingRunner(_Runner):
         """Requests waiting (not yet in a running batch)."""
         return len(self._pending)
 
+    def coming(self, level: int | None = None, now: float | None = None) -> int:
+        """Requests announced and not yet queued that count as coming (`live_arrivals`: not stalled, at most
+        max_batch x instances), at `level` or a more urgent one (all levels without one)."""
+        now = time.perf_counter() if now is None else now
+        return live_arrivals(((a.priority, a.heard) for a in self._incoming), now, self.max_batch * self.instances,
+                             level)
+
     @property
     def _running(self) -> list[_Item]:
         """The requests in the batches the model is running now (paused ones included)."""
@@ -507,8 +542,9 @@ class BatchingRunner(_Runner):
         if admission.deadline is None:
             return
         ahead = sum(i.rows for i in self._pending if i.task == task and i.admission.priority <= level)
-        coming = sum(n for lv, n in self._incoming_at.items() if lv <= level)  # itself among them
-        self._refuse_unless_in_time(task, admission, ahead + max(0, coming - 1), 1, time.perf_counter())
+        now = time.perf_counter()
+        coming = self.coming(level, now)  # itself among them (just announced: not stalled)
+        self._refuse_unless_in_time(task, admission, ahead + max(0, coming - 1), 1, now)
 
     def _refuse_unless_in_time(self, task: Task, admission: Admission, ahead: int, rows: int, now: float) -> None:
         """504 (counted `deadline`) if the batches running, the `ahead` images of `task` before it and then its
@@ -678,12 +714,12 @@ class BatchingRunner(_Runner):
             return
         if self.max_batch > 1 and self.delay_s > 0 and self._rows[first.task] < self.max_batch:
             deadline = first.t0 + self.delay_s
-            while self.incoming > 0 and (remaining := deadline - time.perf_counter()) > 0:
+            while self.coming() > 0 and (remaining := deadline - time.perf_counter()) > 0:
                 self._arrival.clear()
-                try:
-                    await asyncio.wait_for(self._arrival.wait(), remaining)
+                try:  # no longer than until the newest of them would count as stalled: then count again
+                    await asyncio.wait_for(self._arrival.wait(), min(remaining, STALL_S))
                 except TimeoutError:
-                    break
+                    continue
                 if first not in self._pending or min(self._pending, key=lambda i: i.order) is not first:
                     return  # the first request left, or a more urgent one came: start over
                 if self._rows[first.task] >= self.max_batch:

@@ -12,30 +12,52 @@ Paths are matched as Starlette routes them (`get_route_path`: the path without `
 under a proxy prefix (`--root-path /vit`) or mounted in another app guards the same routes as at `/`.
 
 Open without a key: the web page and its files, the OpenAPI document and /docs (the page asks for a key when
-the API needs one), and, unless `open_probes` is off, health, readiness and metrics, so that probes and
-scrapers keep working when keys are switched on.
+the API needs one), and, unless `open_probes` is off, health and readiness, so that probes keep working when keys
+are switched on. /metrics needs a key (a scraper without one uses `metrics_port`: vit_serve.serve.metrics_listener).
 
-Each key is a `Caller` (`KeyRing.caller`): the keys file's name and priority level (`keys.KeyEntry`), handed to
-the request's `Admission` once the key is allowed; a key with a rate (`rate_limit`) is refused 429 with
-`Retry-After` once its bucket is empty, and its answers carry the IETF draft's `RateLimit-*` headers. Only the
+One request has one identity: it sends at most one key header (two X-API-Key, two Authorization, or one of each
+are a 400 / INVALID_ARGUMENT, `presented_key`), the key is verified once (`KeyRing.identify`), and the verified
+`caller.Identity` (the key's hash, the keys file's name and priority level, `keys.KeyEntry`) is what every later
+step reads: the explain scope, the label cache, the rate bucket, the payload sampler's tenant, the request's
+`Admission`. A presented `sha256:HEX` is never a key (`keys.presented_hash`). A key with a rate (`rate_limit`)
+is refused 429 with `Retry-After` once its bucket is empty, and its answers carry the IETF draft's `RateLimit-*`
+headers; a key with `max_concurrent_per_key` requests in flight is refused 429 too (`in_flight`). Only the
 requests that run the model count (`rated`: /classify, /embed, /explain and /v2, not the probes or the page),
-in `vit_serve_key_requests_total{key,result}` by the key's name.
+in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and caps are per replica.
+
+The key files are read again on SIGHUP and when they change (`KeyRing.refresh`), so that a key is revoked
+without a restart; a file that cannot be read keeps the keys read before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import re
-from collections.abc import Mapping
+import signal
+import threading
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette._utils import get_route_path  # the path Starlette's router matches routes on
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vit_serve.serve.admission import Caller, admission_of
-from vit_serve.serve.errors import RateLimitedError, envelope
-from vit_serve.serve.keys import HASH_PREFIX, KeyEntry, key_hash, read_key_file
+from vit_serve.serve.admission import DEFAULT_PRIORITY, Caller, admission_of
+from vit_serve.serve.caller import ANYONE, IDENTITY, SHARED, Identity
+from vit_serve.serve.errors import BadRequestError, RateLimitedError, envelope
+from vit_serve.serve.in_flight import RETRY_AFTER_S, InFlight
+from vit_serve.serve.keys import (
+    HASH_PREFIX,
+    KeyEntry,
+    default_name,
+    file_stamp,
+    key_hash,
+    presented_hash,
+    read_key_file,
+)
 from vit_serve.serve.rate_limit import KeyCounts, Rate, RateLimits, Verdict
 from vit_serve.serve.schemas import json_bytes
 from vit_serve.serve.settings import SecuritySettings, ServeSettings
@@ -43,16 +65,22 @@ from vit_serve.serve.settings import SecuritySettings, ServeSettings
 if TYPE_CHECKING:
     from vit_serve.serve.metrics import GatewayMetrics
 
-__all__ = ["ADMIN_PATH", "GRPC_ADMIN_METHODS", "GRPC_PROBE_METHODS", "HASH_PREFIX", "PAGE_PATHS", "PROBE_PATHS",
-           "RATED_PATHS", "REALM", "ApiKeys", "KeyRing", "key_hash", "presented_key", "rated", "read_key_file"]
+__all__ = ["ADMIN_PATH", "GRPC_ADMIN_METHODS", "GRPC_PROBE_METHODS", "HASH_PREFIX", "KEY_HEADERS", "PAGE_PATHS",
+           "PROBE_PATHS", "RATED_PATHS", "REALM", "ApiKeys", "KeyRing", "KeySet", "KeySources", "TwoKeysError",
+           "key_hash", "middle_level", "presented_key", "rated", "read_key_file"]
+
+log = logging.getLogger("vit_serve.serve")
 
 REALM = 'Bearer realm="vit-serve"'
 PAGE_PATHS = ("/", "/static/", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/favicon.ico")
-PROBE_PATHS = ("/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready")
+# /metrics is not one: it shows every key's name and traffic (an open scrape has its own port: metrics_listener).
+PROBE_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 ADMIN_PATH = re.compile(r"^/v2/repository/models/[^/]+/(load|unload|traffic)$")
 GRPC_ADMIN_METHODS = ("RepositoryModelLoad", "RepositoryModelUnload")
 GRPC_PROBE_METHODS = ("ServerLive", "ServerReady", "ModelReady")
 RATED_PATHS = ("/classify", "/embed", "/explain")  # with all of /v2 but its health probes: what rates count
+KEY_HEADERS = ("authorization", "x-api-key")  # HTTP header names, and gRPC metadata keys
+CHECK_EVERY_S = 1.0  # how often, at most, the key files are looked at for a change
 
 
 def rated(path: str) -> bool:
@@ -62,17 +90,127 @@ def rated(path: str) -> bool:
     return path in RATED_PATHS or path == "/v2" or path.startswith("/v2/")
 
 
+class TwoKeysError(BadRequestError):
+    """More than one key header (400 / INVALID_ARGUMENT): a request has one identity, so it sends one key."""
+
+
+def presented_key(headers: Iterable[tuple[str | bytes, str | bytes]]) -> str | None:
+    """The key of a request's one `Authorization: Bearer KEY` or `X-API-Key: KEY` header (HTTP headers or gRPC
+    metadata, as (name, value) pairs); None when neither is sent (or Authorization is not Bearer). More than one
+    of them (two X-API-Key, two Authorization, or one of each) is a TwoKeysError: which one counts would otherwise
+    depend on who reads them."""
+    found: list[tuple[str, str]] = []
+    for k, v in headers:
+        name = (k.decode("latin-1") if isinstance(k, bytes) else k).lower()
+        if name in KEY_HEADERS:
+            found.append((name, v.decode("latin-1") if isinstance(v, bytes) else v))
+    if len(found) > 1:
+        raise TwoKeysError(f"{len(found)} API key headers: send one key, as either Authorization: Bearer KEY or "
+                           f"X-API-Key: KEY, once")
+    if not found:
+        return None
+    name, value = found[0]
+    if name == "x-api-key":
+        return value.strip() or None
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def middle_level(entries: Iterable[KeyEntry]) -> int:
+    """The level of keys given no priority: the middle of the levels `entries` give, rounded toward the less
+    urgent (a larger number); `DEFAULT_PRIORITY` when they give none."""
+    levels = [e.priority for e in entries if e.priority is not None]
+    return (min(levels) + max(levels) + 1) // 2 if levels else DEFAULT_PRIORITY
+
+
+def _among(hashed: str, hashes: tuple[str, ...]) -> bool:
+    """Whether `hashed` is one of `hashes`: every hash compared, in constant time each (no early exit to time)."""
+    found = False
+    for h in hashes:
+        found |= hmac.compare_digest(hashed.encode(), h.encode())
+    return found
+
+
 @dataclass(frozen=True)
-class KeyRing:
-    """The hashes of the API keys and of the admin keys; the Callers of the keys files' entries (by hash) and the
-    buckets of the keys with a rate (`limits`, shared by HTTP and gRPC: one ring per app)."""
+class KeySet:
+    """The keys in use at one time: the hashes of the valid keys (admin keys among them) and of the admin keys,
+    the Callers of the key files' entries (by hash), the level of the other keys, and the buckets of the keys
+    with a rate."""
 
     keys: tuple[str, ...] = ()
     admin: tuple[str, ...] = ()
-    open_probes: bool = True
-    any_key_admin: bool = False  # without admin keys: may any caller load / unload (allow_any_key_admin)?
-    callers: Mapping[str, Caller] = field(default_factory=dict, compare=False)  # by hash; others: `KeyEntry.of`
-    limits: RateLimits = field(default_factory=RateLimits, compare=False)
+    callers: Mapping[str, Caller] = field(default_factory=dict)
+    default_priority: int = DEFAULT_PRIORITY
+    limits: RateLimits = field(default_factory=RateLimits)
+
+    @classmethod
+    def of(cls, keys: tuple[str, ...], admin: tuple[str, ...], entries: list[KeyEntry],
+           default_priority: int | None = None, previous: RateLimits | None = None) -> KeySet:
+        """The set whose key files' `entries` give names, levels and rates (the first entry of a key wins);
+        `default_priority` None: `middle_level`. The buckets of `previous` whose rate is unchanged carry on (a
+        reload refills no bucket)."""
+        default = middle_level(entries) if default_priority is None else default_priority
+        callers: dict[str, Caller] = {}
+        rates: dict[str, Rate] = {}
+        for e in entries:
+            if e.hash in callers:
+                continue
+            callers[e.hash] = Caller(e.name, default if e.priority is None else e.priority)
+            if e.rate is not None and e.burst is not None:
+                rates[e.hash] = Rate(e.rate, e.burst)
+        limits = RateLimits(rates)
+        for h, bucket in (previous.buckets if previous is not None else {}).items():
+            if h in limits.buckets and limits.buckets[h].rate == bucket.rate:
+                limits.buckets[h] = bucket
+        return cls(keys, admin, callers, default, limits)
+
+
+@dataclass(frozen=True)
+class KeySources:
+    """Where a ring's keys come from: the settings' keys and admin keys (hashes already) and the key files."""
+
+    keys: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
+    keys_file: str | None = None
+    admin_file: str | None = None
+    default_priority: int | None = None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.keys_file, self.admin_file) if f)
+
+    def stamps(self) -> tuple[tuple[int, int, int, int] | None, ...]:
+        """What tells that a key file changed (`keys.file_stamp`), one per file."""
+        return tuple(file_stamp(f) for f in self.files)
+
+    def read(self, previous: RateLimits | None = None) -> KeySet:
+        """The keys, the files read now (ValueError naming a file that cannot be read or a bad line)."""
+        keys, admin = list(self.keys), list(self.admin)
+        entries: list[KeyEntry] = []
+        if self.keys_file:
+            entries += (found := read_key_file(self.keys_file))
+            keys += [e.hash for e in found]
+        if self.admin_file:
+            entries += (found := read_key_file(self.admin_file))
+            admin += [e.hash for e in found]
+        return KeySet.of(tuple(keys) + tuple(admin), tuple(admin), entries, self.default_priority, previous)
+
+
+class KeyRing:
+    """The gateway's keys (`current`, a KeySet, swapped whole when the key files change: `refresh`), whether the
+    probes are open, whether any key may load / unload without admin keys, and the per-key count of requests in
+    flight (`in_flight`). One ring per app, shared by HTTP and gRPC (one set of buckets and counts)."""
+
+    def __init__(self, keys: Iterable[str] = (), admin: Iterable[str] = (), open_probes: bool = True,
+                 any_key_admin: bool = False, *, keys_file: str | None = None, admin_file: str | None = None,
+                 default_priority: int | None = None, max_in_flight: int = 0) -> None:
+        self.sources = KeySources(tuple(keys), tuple(admin), keys_file, admin_file, default_priority)
+        self.open_probes, self.any_key_admin = open_probes, any_key_admin
+        self.in_flight = InFlight(max_in_flight)
+        self._lock = threading.Lock()
+        self._stamps = self.sources.stamps()  # before reading: a change while it is read is read next time
+        self.current = self.sources.read()  # ValueError: a file that cannot be read
+        self._checked = time.monotonic()
 
     @classmethod
     def from_settings(cls, s: SecuritySettings | ServeSettings, repository_api: bool = True) -> KeyRing:
@@ -81,67 +219,85 @@ class KeyRing:
         themselves, saying so: no refusal here first."""
         if isinstance(s, ServeSettings):
             s, repository_api = s.security, s.repository.repository_api
-        keys, admin = list(s.api_keys), list(s.admin_api_keys)  # hashed by the settings already
-        entries: list[KeyEntry] = []
-        if s.api_keys_file:
-            entries += (found := read_key_file(s.api_keys_file))
-            keys += [e.hash for e in found]
-        if s.admin_api_keys_file:
-            entries += (found := read_key_file(s.admin_api_keys_file))
-            admin += [e.hash for e in found]
-        any_key_admin = s.allow_any_key_admin or not repository_api
-        return cls.of(tuple(keys) + tuple(admin), tuple(admin), s.open_probes, any_key_admin, entries)
-
-    @classmethod
-    def of(cls, keys: tuple[str, ...], admin: tuple[str, ...], open_probes: bool, any_key_admin: bool,
-           entries: list[KeyEntry]) -> KeyRing:
-        """A ring whose keys files' `entries` give names, levels and rates (the first entry of a key wins)."""
-        callers: dict[str, Caller] = {}
-        rates: dict[str, Rate] = {}
-        for e in entries:
-            if e.hash in callers:
-                continue
-            callers[e.hash] = Caller(e.name, e.priority)
-            if e.rate is not None and e.burst is not None:
-                rates[e.hash] = Rate(e.rate, e.burst)
-        return cls(keys, admin, open_probes, any_key_admin, callers, RateLimits(rates))
+        return cls(s.api_keys, s.admin_api_keys, s.open_probes, s.allow_any_key_admin or not repository_api,
+                   keys_file=s.api_keys_file, admin_file=s.admin_api_keys_file,
+                   default_priority=s.default_key_priority, max_in_flight=s.max_concurrent_per_key)
 
     @property
     def on(self) -> bool:
-        return bool(self.keys)
+        return bool(self.current.keys)
 
-    @staticmethod
-    def _matches(key: str | None, hashes: tuple[str, ...]) -> bool:
-        if key is None:
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.current.keys
+
+    @property
+    def admin(self) -> tuple[str, ...]:
+        return self.current.admin
+
+    @property
+    def limits(self) -> RateLimits:
+        return self.current.limits
+
+    def refresh(self, force: bool = False) -> bool:
+        """Read the key files again when they changed (looked at, at most, every `CHECK_EVERY_S`) or when `force`
+        (SIGHUP); True when new keys are in use. A file that cannot be read, or holds a bad line, keeps the keys
+        read before, and the error is logged (once per change)."""
+        if not self.sources.files:
             return False
-        presented = key_hash(key) if not key.startswith(HASH_PREFIX) else "-"  # a hash is not a key
-        found = False
-        for h in hashes:  # every hash compared, in constant time each: no early exit to time
-            found |= hmac.compare_digest(presented.encode(), h.encode())
-        return found
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._checked < CHECK_EVERY_S:
+                return False
+            self._checked, stamps = now, self.sources.stamps()
+            if not force and stamps == self._stamps:
+                return False
+            self._stamps = stamps
+        try:
+            found = self.sources.read(self.current.limits)
+        except ValueError as e:
+            log.error("API keys not read again: %s; the keys read before stay in use", e)
+            return False
+        self.current = found
+        log.info("API keys read again from %s: %d keys, %d of them admin keys", ", ".join(self.sources.files),
+                 len(set(found.keys)), len(set(found.admin)))
+        return True
+
+    def identify(self, key: str | None) -> Identity | None:
+        """The verified identity of a presented key (`presented_key`): its hash, name and level; `ANYONE` when
+        keys are off; None when the key is missing or not valid (401). A presented "sha256:HEX" is not a key."""
+        found = self.current
+        if not found.keys:
+            return ANYONE
+        if key is None or key.startswith(HASH_PREFIX):
+            return None
+        hashed = presented_hash(key)
+        if not _among(hashed, found.keys):
+            return None
+        caller = found.callers.get(hashed)
+        if caller is None:
+            return Identity(hashed, default_name(hashed), found.default_priority)
+        return Identity(hashed, caller.name, caller.priority)
+
+    def admits(self, identity: Identity, admin: bool = False) -> bool:
+        """Whether a verified `identity` may do this: anything but load / unload (`admin`), which needs an admin
+        key, or, without admin keys, `any_key_admin` (403: `refusal`)."""
+        if not admin:
+            return True
+        found = self.current
+        if found.admin:
+            return identity.scope != SHARED and _among(identity.scope, found.admin)
+        return self.any_key_admin
 
     def allows(self, key: str | None, admin: bool = False) -> bool | None:
         """True: allowed; None: no valid key (401); False: a valid key (or, with keys off, anyone) that may not do
-        this (403: `refusal`)."""
-        if self.on and not self._matches(key, self.keys):
-            return None
-        if not admin:
-            return True
-        return self._matches(key, self.admin) if self.admin else self.any_key_admin
+        this (403)."""
+        identity = self.identify(key)
+        return None if identity is None else self.admits(identity, admin)
 
-    def caller(self, key: str | None) -> Caller:
-        """The Caller of a presented key: its name and level (`keys.KeyEntry`); the anonymous caller when keys are
-        off or the key is not valid."""
-        if not self.on or not self._matches(key, self.keys):
-            return Caller()
-        hashed = key_hash(key or "")
-        return self.callers.get(hashed) or Caller(KeyEntry.of(hashed).name)
-
-    def take(self, key: str | None) -> Verdict | None:
-        """A request of `key` against its rate (None: no rate; call once the key is allowed)."""
-        if not self.on or key is None or key.startswith(HASH_PREFIX):
-            return None
-        return self.limits.take(key_hash(key))
+    def take(self, hashed: str) -> Verdict | None:
+        """A request of the verified key whose hash is `hashed` against its rate (None: no rate)."""
+        return None if hashed == SHARED else self.current.limits.take(hashed)
 
     def refusal(self) -> str:
         """The message of a 403 on load / unload."""
@@ -156,59 +312,103 @@ class KeyRing:
         return self.open_probes and path in PROBE_PATHS
 
 
-def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
-    """The key of `Authorization: Bearer KEY` or `X-API-Key: KEY` (None when neither is sent)."""
-    if x_api_key:
-        return x_api_key.strip()
-    if authorization:
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
-    return None
+def count_refusal(counts: KeyCounts | None, name: str, result: str) -> None:
+    """Count a request of the key `name` refused for its number in flight (`result`: too_many_in_flight)."""
+    if counts is not None:
+        counts.counter.labels(name, result).inc()
 
 
 class ApiKeys:
-    """Pure ASGI middleware: 401 / 403 before anything else runs for requests without the right key, 429 for a key
-    over its rate; an allowed key's Caller goes to the request's Admission (`metrics`: the per-key counts)."""
+    """Pure ASGI middleware: the request's one key header read and its key verified, once: 400 for more than one
+    key header, 401 / 403 before anything else runs for requests without the right key, 429 for a key with
+    `max_concurrent_per_key` requests in flight or over its rate. The verified `caller.Identity` goes into the
+    scope (`caller.IDENTITY`: the explain scope, the label cache, the sampler read it there) and its Caller to
+    the request's Admission (`metrics`: the per-key counts). While the app runs (its lifespan), SIGHUP reads the
+    key files again (`KeyRing.refresh`; only where the app runs in the main thread, as `vit-serve serve`)."""
 
     def __init__(self, app: ASGIApp, ring: KeyRing, metrics: GatewayMetrics | None = None) -> None:
         self.app, self.ring = app, ring
         self.counts = None if metrics is None else KeyCounts.on(metrics.registry)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        path = get_route_path(scope)
+        path, ring = get_route_path(scope), self.ring
         admin = bool(ADMIN_PATH.match(path))
-        if not admin and (not self.ring.on or self.ring.is_open(path)):
+        if not admin and (not ring.on or ring.is_open(path)):
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        key = presented_key(headers.get("authorization"), headers.get("x-api-key"))
-        verdict = self.ring.allows(key, admin=admin)
-        if not verdict:
-            await self._refuse(scope, send, key, verdict)
+        ring.refresh()
+        try:
+            key = presented_key(scope["headers"])
+        except TwoKeysError as e:
+            await _answer(scope, send, 400, str(e), [])
             return
-        if not self.ring.on or not rated(path):
+        identity = ring.identify(key)
+        if identity is None or not ring.admits(identity, admin):
+            await self._refuse(scope, send, key, identity)
+            return
+        scope[IDENTITY] = identity
+        admission_of(scope).identify(identity.caller)
+        if not ring.on or not rated(path):
             await self.app(scope, receive, send)
             return
-        caller, limit = self.ring.caller(key), self.ring.take(key)
-        if self.counts is not None:
-            self.counts.count(caller.name, limit is None or limit.allowed)
-        if limit is not None and not limit.allowed:
-            await _answer(scope, send, RateLimitedError.status, limit.message(), limit.headers())
+        if not ring.in_flight.enter(identity.scope):
+            count_refusal(self.counts, identity.name, "too_many_in_flight")
+            await _answer(scope, send, RateLimitedError.status, ring.in_flight.message(),
+                          [("Retry-After", str(RETRY_AFTER_S))])
             return
-        admission_of(scope).identify(caller)
-        await self.app(scope, receive, send if limit is None else _with_headers(send, limit.headers()))
+        left = False
 
-    async def _refuse(self, scope: Scope, send: Send, key: str | None, verdict: bool | None) -> None:
-        if verdict is None:
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                ring.in_flight.leave(identity.scope)
+
+        async def answering(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                leave()  # answered: the key's next request may come at once, whatever runs after the answer
+            await send(message)
+
+        try:
+            limit = ring.take(identity.scope)
+            if self.counts is not None:
+                self.counts.count(identity.name, limit is None or limit.allowed)
+            if limit is not None and not limit.allowed:
+                await _answer(scope, send, RateLimitedError.status, limit.message(), limit.headers())
+                return
+            await self.app(scope, receive, answering if limit is None else _with_headers(answering, limit.headers()))
+        finally:
+            leave()
+
+    async def _refuse(self, scope: Scope, send: Send, key: str | None, identity: Identity | None) -> None:
+        if identity is None:
             status, message = 401, ("an API key is needed: send Authorization: Bearer KEY or X-API-Key: KEY"
                                     if key is None else "the API key is not valid")
         else:
             status, message = 403, self.ring.refusal()
         await _answer(scope, send, status, message, [("WWW-Authenticate", REALM)] if status == 401 else [])
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's lifespan, with SIGHUP reading the key files again while it runs."""
+        hup, loop = getattr(signal, "SIGHUP", None), asyncio.get_running_loop()
+        hooked = False
+        if hup is not None and self.ring.sources.files and threading.current_thread() is threading.main_thread():
+            try:
+                loop.add_signal_handler(hup, self.ring.refresh, True)
+                hooked = True
+            except (NotImplementedError, RuntimeError, ValueError):  # a loop without signal handlers
+                log.debug("SIGHUP cannot be handled here: the key files are read again when they change")
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if hooked:
+                loop.remove_signal_handler(hup)
 
 
 async def _answer(scope: Scope, send: Send, status: int, message: str, headers: list[tuple[str, str]]) -> None:

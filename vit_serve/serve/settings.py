@@ -65,20 +65,33 @@ class SecuritySettings(BaseSettings):
         "keys (or sha256:HEX hashes), one a line, each optionally with name=, priority=, rate=, burst=",
         metavar="FILE")] = Field(
         None, description="a file of keys (or sha256:HEX hashes), one a line, each optionally followed by name=NAME "
-        "priority=LEVEL rate=R burst=B (security.KeyRing)")
+        "priority=LEVEL rate=R burst=B (vit_serve.serve.keys); rates are per replica (each process keeps its own "
+        "buckets). Read again on SIGHUP and when it changes (checked at most once a second): write a new file and "
+        "rename it over the old one to revoke a key without a restart; a file that cannot be read then keeps the "
+        "keys read before and logs an error")
     admin_api_keys: Annotated[list[str], NoDecode, Flag(
         "a key that may also load and unload models (repeatable)", name="--admin-api-key", metavar="KEY")] = Field(
         default_factory=list, description="keys that may also load and unload models (the repository API); "
         "none: nobody may, unless allow_any_key_admin")
     admin_api_keys_file: Annotated[str | None, Flag("admin keys, one a line", metavar="FILE")] = Field(
-        None, description="a file of admin keys, one a line")
+        None, description="a file of admin keys, one a line (the fields of api_keys_file); read again on SIGHUP and "
+        "when it changes, as api_keys_file")
+    default_key_priority: int | None = Field(
+        None, ge=1, description="the priority level (1 the most urgent) of the keys given without priority= "
+        "(api_keys, key-file lines without it); unset: the middle of the levels the key files give, rounded "
+        "toward the less urgent (levels 1 and 4: 3), so that a key nobody ranked outranks no ranked key; 1 when "
+        "the files give none")
+    max_concurrent_per_key: int = Field(
+        64, ge=0, description="requests of one API key in flight at once on this replica (HTTP and gRPC); beyond "
+        "it 429 with Retry-After (RESOURCE_EXHAUSTED); 0: no cap")
     allow_any_key_admin: Annotated[bool, Flag(
         "without admin keys, any valid key (anyone, with no API key set) may load and unload models (default: "
         "nobody may)")] = Field(
         False, description="without admin keys, let any caller with a valid key (anyone, when no API key is set) "
         "load and unload models; off: load / unload answer 403")
     open_probes: Annotated[bool, Flag("health, readiness and metrics need a key too")] = Field(
-        True, description="health, readiness and metrics answer without a key (probes and scrapers keep working)")
+        True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
+        "one on the main port: scrapers use metrics_port, or send a key)")
     cors_origins: Annotated[list[str], NoDecode, Flag(
         "an origin browsers may call from (repeatable; * for any); default: CORS off", name="--cors-origin",
         metavar="ORIGIN")] = Field(
@@ -176,6 +189,10 @@ class MonitoringSettings(BaseSettings):
                                       "on when the Bonferroni-corrected KS p-value is below it")
     drift_min_window: int = Field(DEFAULT_MIN_WINDOW, ge=1, description="images the window needs before the "
                                   "alarm can turn on (at most drift_window)")
+    drift_refresh_s: float = Field(15.0, gt=0, description="seconds between two computations of a version's "
+                                   "drift for /metrics (and only when its window has grown since): a scrape "
+                                   "reads the last one, whatever the scrape rate; GET /models/NAME/drift computes "
+                                   "its own")
     sample_rate: Annotated[float, Flag(
         "share of /classify requests whose crop and answer are kept (0, the default: none; needs --sample-dir or "
         "--sample-redis-url)", metavar="RATE")] = Field(
@@ -195,6 +212,13 @@ class MonitoringSettings(BaseSettings):
         "folder")
     sample_redis_stream: str = Field("vit_serve:samples", min_length=1, description="the Redis stream of the "
                                      "samples")
+    sample_redis_password_file: str | None = Field(None, description="a file holding the password of the "
+                                                   "samples' Redis (a Secret mount), so that it is not in the URL")
+    sample_redis_timeout_s: float = Field(2.0, gt=0, description="socket timeout (connect, read, write) of the "
+                                          "samples' Redis connection; a batch that times out is dropped, counted")
+    sample_redis_ttl_s: float = Field(86400.0, gt=0, description="the samples' stream expires this long after its "
+                                      "last entry, so that a volatile-* maxmemory policy can evict it before the "
+                                      "explain store's crops")
 
     @model_validator(mode="after")
     def _consistent(self) -> MonitoringSettings:
@@ -219,7 +243,10 @@ class MonitoringSettings(BaseSettings):
         return SamplerSettings(rate=self.sample_rate, folder=None if self.sample_dir is None else Path(self.sample_dir),
                                max_bytes=self.sample_max_bytes, retention_s=self.sample_retention_s,
                                redis_url=self.sample_redis_url, redis_stream=self.sample_redis_stream,
-                               flagged_rate=self.sample_flagged_rate)
+                               flagged_rate=self.sample_flagged_rate, redis_ttl_s=self.sample_redis_ttl_s,
+                               redis_timeout_s=self.sample_redis_timeout_s,
+                               redis_password_file=None if self.sample_redis_password_file is None
+                               else Path(self.sample_redis_password_file))
 
     def __repr_args__(self) -> Any:
         for name, value in super().__repr_args__():
@@ -285,6 +312,11 @@ class ServeSettings(BaseSettings):
     grpc_port: Annotated[int | None, Flag(
         "serve the Open Inference Protocol over gRPC on this port (off by default; 0 picks a free port)")] = Field(
         None, ge=0, le=65535, description="serve gRPC on this port (off when unset)")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve GET /metrics to anyone on this port of its own, for Prometheus "
+        "(its scrape annotations and ServiceMonitor name it; deploy/ uses 8002) and nothing else there; 0 picks a "
+        "free port. /metrics on the main port needs an API key when keys are on (it shows every model's traffic "
+        "and every key's name), so set this where a scraper has no key; with TLS it serves HTTPS. Off when unset")
     grpc_max_message_bytes: Annotated[int, Flag("largest gRPC message either way (default {default})")] = Field(
         64 * 1024 * 1024, ge=1024, description="largest gRPC message either way (gRPC's own default, 4 MiB, is "
         "smaller than a 12 MP JPEG)")
@@ -310,7 +342,21 @@ class ServeSettings(BaseSettings):
 
     # Untrusted input.
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="largest request body (413 beyond)")
+    # Slow clients (vit_serve.serve.slow_clients): what a slowloris or a stalled upload may hold, and for how long.
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection that has not sent a request's complete "
+                                    "headers within this many seconds of opening, or of its previous answer, is "
+                                    "closed")
+    body_timeout_s: float = Field(60.0, gt=0, description="a request's whole body must arrive within this many "
+                                  "seconds of its headers, else 408 and the connection is closed (60 s: 10 MiB at "
+                                  "1.4 Mbit/s; raise it with max_body_bytes for slow links)")
+    max_connections: int = Field(1000, ge=1, description="HTTP connections (or requests in progress) at once; a "
+                                 "request beyond it is answered 503 + Retry-After. Each may hold up to "
+                                 "max_body_bytes while its body is read; keep it under the open-files limit")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+    priority_levels: int = Field(10, ge=1, le=2**31 - 1, description="the priority levels a /v2 or gRPC request "
+                                 "may ask for with parameters.priority (1 the most urgent .. this; 0: its key's "
+                                 "level), as Triton's dynamic_batching priority_levels; a level beyond is 422 / "
+                                 "INVALID_ARGUMENT")
     # Zero-shot labels (POST /classify?labels=, the v2 `labels` parameter) on models served with a text tower.
     max_labels: int = Field(DEFAULT_LABELS.max_labels, ge=1, description="most labels in one request with labels "
                             "(400 beyond)")
@@ -318,6 +364,16 @@ class ServeSettings(BaseSettings):
                                  "characters (400 beyond)")
     label_cache_size: int = Field(DEFAULT_LABELS.cache_size, ge=0, description="labels whose text embeddings each "
                                   "text tower keeps (LRU); 0 encodes every label every time")
+    max_label_bytes: int = Field(DEFAULT_LABELS.max_label_bytes, ge=1, description="longest label of a request, in "
+                                 "UTF-8 bytes (400 beyond; a label must also fit the text tower's context length "
+                                 "in every template, in tokens)")
+    max_label_prompts: int = Field(DEFAULT_LABELS.max_label_prompts, ge=1, description="most labels x templates "
+                                   "(prompts) in one request with labels (400 beyond)")
+    text_chunk_size: int = Field(DEFAULT_LABELS.chunk_size, ge=1, description="prompts a text tower encodes per "
+                                 "run: a request with labels is encoded this many at a time, so that its memory "
+                                 "is one chunk's whatever labels x templates is")
+    text_queue_size: int = Field(DEFAULT_LABELS.queue_size, ge=1, description="requests with labels each text "
+                                 "tower holds, waiting or being encoded (503 + Retry-After beyond)")
 
     threads: Annotated[int | None, Flag("intra-op threads of the model runtime (default: its own)")] = Field(
         None, ge=1, description="intra-op threads of the model runtime (default: its own)")
@@ -432,8 +488,10 @@ class ServeSettings(BaseSettings):
 
     @property
     def label_limits(self) -> LabelLimits:
-        """The limits and cache size of requests with labels (max_labels, max_label_chars, label_cache_size)."""
-        return LabelLimits(self.max_labels, self.max_label_chars, self.label_cache_size)
+        """The limits, cache size and scheduling of requests with labels (max_labels, max_label_chars,
+        label_cache_size, max_label_bytes, max_label_prompts, text_chunk_size, text_queue_size)."""
+        return LabelLimits(self.max_labels, self.max_label_chars, self.label_cache_size, self.max_label_bytes,
+                           self.max_label_prompts, self.text_chunk_size, self.text_queue_size)
 
     def __getattr__(self, name: str) -> Any:
         group = FLAT.get(name)

@@ -31,6 +31,7 @@ from vit_serve.runtime.task import CLASSIFY, EMBED, Task
 from vit_serve.serve.admission import Admission
 from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.runner import Arrival
@@ -136,7 +137,12 @@ async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int
             raise BadRequestError(f"{PIXEL_VALUES} must be FP32 (got {t.datatype})")
         if len(t.shape) != 4 or t.shape[1:] != [3, h, w] or t.shape[0] < 1:
             raise BadRequestError(f"{PIXEL_VALUES} must have shape [B, 3, {h}, {w}] (got {t.shape})")
-        return np.asarray(t.data, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            x = np.asarray(t.data, dtype=np.float32)
+        if not np.isfinite(x).all():  # the parsers refused NaN / inf: an FP64 value beyond float32's range
+            raise BadRequestError(f"{PIXEL_VALUES}: {t.datatype} values beyond float32's range (|x| > "
+                                  f"{float(np.finfo(np.float32).max):.4g})")
+        return x
     t = inputs[IMAGE]
     if t.datatype != "BYTES" or not t.data:
         raise BadRequestError(f"{IMAGE} must be BYTES holding at least one encoded image")
@@ -189,7 +195,7 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, labels: list[str
 
 
 async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int,
-                admission: Admission | None = None) -> list[OutputTensor]:
+                admission: Admission | None = None, caller: LabelCaller | None = None) -> list[OutputTensor]:
     """Run `req` (parsed within `request_bounds`) on the version (held by the caller, announced as `arrival`),
     its images decoded `decode_window` at a time (the settings' decode_workers): its outputs, in the order asked
     (all of them when it names none); 400 for an output the model does not have.
@@ -197,7 +203,8 @@ async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_wi
     With the request parameter `labels` (a model served with its text tower) `logits` is [B, n] over those labels,
     zero-shot (`vit_serve.runtime.zero_shot`), and its classification names them; at most VIT_SERVE_MAX_LABELS
     labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond). `admission`: the request's level and deadline
-    (`parameters.priority`, `parameters.timeout`, a gRPC deadline)."""
+    (`parameters.priority`, `parameters.timeout`, a gRPC deadline); `caller`: whose label cache and rate the
+    labels use (`labels.LabelCaller`)."""
     monitor = mv.monitor
     available = [o["name"] for o in output_specs(mv.info, monitor is not None)]
     wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available if n != OOD_SCORE]
@@ -215,6 +222,6 @@ async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_wi
         if scores is not None:
             outputs[OOD_SCORE] = scores.astype(np.float32)
     if labels is not None and EMBEDDING in outputs:
-        outputs[LOGITS], _ = await mv.label_logits(labels, outputs[EMBEDDING])
+        outputs[LOGITS], _ = await mv.label_logits(labels, outputs[EMBEDDING], admission, caller)
     names = labels if labels is not None else mv.info.labels
     return [_output(o, outputs[o["name"]], req.binary_output(o), names) for o in wanted]

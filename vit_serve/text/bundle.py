@@ -18,17 +18,21 @@ META_CONFIG = "text_config"
 META_TOKENIZER = "text_tokenizer"
 META_SCALE = "text_logit_scale"
 META_BIAS = "text_logit_bias"
+META_TEMPLATES = "text_templates"  # the prompt templates a zero-shot head was built with (convert --templates)
 
 
 @dataclass
 class TextBundle:
     """A text tower with its tokenizer. `logit_scale` is the stored log-scale (logits use exp of it, as
-    open_clip's `logit_scale.exp()`); `logit_bias` is SigLIP's (None for CLIP: softmax scores)."""
+    open_clip's `logit_scale.exp()`); `logit_bias` is SigLIP's (None for CLIP: softmax scores); `templates` the
+    prompt templates of the zero-shot head built with it (`zeroshot.zero_shot_classifier`), which travel with it
+    into the checkpoint and the exported text tower's manifest."""
 
     tower: TextTransformer
     tokenizer: Tokenizer
     logit_scale: float
     logit_bias: float | None = None
+    templates: tuple[str, ...] | None = None  # the prompt templates its zero-shot head was built with, if any
 
     @property
     def config(self) -> TextConfig:
@@ -55,6 +59,8 @@ def text_payload(bundle: TextBundle) -> tuple[dict[str, torch.Tensor], dict[str,
     tensors = {TEXT_PREFIX + k: v for k, v in bundle.tower.state_dict().items()}
     meta = {META_CONFIG: bundle.config.to_json(), META_TOKENIZER: spec_to_json(bundle.tokenizer.to_spec()),
             META_SCALE: json.dumps(bundle.logit_scale), META_BIAS: json.dumps(bundle.logit_bias)}
+    if bundle.templates is not None:
+        meta[META_TEMPLATES] = json.dumps(list(bundle.templates))
     return tensors, meta
 
 
@@ -83,7 +89,13 @@ def bundle_from_checkpoint(tensors: Mapping[str, torch.Tensor], meta: Mapping[st
         tok = tokenizer_from_spec(json.loads(meta[META_TOKENIZER]))
         scale = json.loads(meta[META_SCALE])
         bias = json.loads(meta.get(META_BIAS, "null"))
+        templates = json.loads(meta.get(META_TEMPLATES, "null"))
+        if templates is not None and not (isinstance(templates, list) and templates
+                                          and all(isinstance(t, str) and "{}" in t for t in templates)):
+            raise ValueError(f"{META_TEMPLATES} must be a list of templates, each with a {{}}")
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{source}: bad text tower metadata ({one_line(e)})") from e
     state = {k[len(TEXT_PREFIX):]: v for k, v in tensors.items() if k.startswith(TEXT_PREFIX)}
-    return bundle_from_state(cfg, state, tok, scale, bias, source)
+    bundle = bundle_from_state(cfg, state, tok, scale, bias, source)
+    bundle.templates = None if templates is None else tuple(templates)
+    return bundle

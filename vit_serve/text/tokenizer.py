@@ -5,11 +5,18 @@ Both turn a list of K strings into ids [K, L] (L = the tower's context length), 
 reference does: open_clip's SimpleTokenizer.__call__ (zeros after the end-of-text token, truncation keeps it
 last), and for tokenizer.json the tokenizer's own post-processor, padded to L with `pad_id` (SigLIP and
 HF CLIPProcessor's padding="max_length"). A spec (`to_spec()`, JSON) rebuilds the same tokenizer.
+
+Text from requests (`strict=True`, `check`): a text that does not fit the context length is refused
+(`TextTooLongError`) where the reference truncates it, and a word of more than `MAX_WORD_BYTES` UTF-8 bytes is
+refused before its BPE (the BPE's work grows with the square of a word's length). open_clip's word cache, which
+keeps every distinct word forever, is a bounded LRU here (`WordCache`, `WORD_CACHE_SIZE` words).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,12 +25,42 @@ import torch
 
 TOKENIZER_FILE = "tokenizer.json"
 CLEANS = ("lower", "whitespace", "canonicalize")
+WORD_CACHE_SIZE = 10_000  # distinct words whose BPE open_clip's tokenizer keeps (a few MB at most)
+MAX_WORD_BYTES = 96  # longest word (UTF-8 bytes: BPE symbols) a request's text may hold: 32 CJK characters
 
 
 class TokenizerError(ValueError):
     """A tokenizer that is not local or cannot be read; the message names the file it needs (CLI exit 2)."""
 
     exit_code = 2
+
+
+class TextTooLongError(ValueError):
+    """A request's text that the tokenizer would truncate, or with a word too long for the BPE (`MAX_WORD_BYTES`)."""
+
+
+class WordCache(OrderedDict):
+    """open_clip SimpleTokenizer's `cache` (word -> its BPE), bounded: the `size` words used last, and the special
+    tokens it starts with always (evicted, they would be split by the BPE). Used under the tokenizer's lock."""
+
+    def __init__(self, pinned: dict[str, str], size: int = WORD_CACHE_SIZE) -> None:
+        super().__init__()
+        self.pinned, self.size = dict(pinned), size
+
+    def __contains__(self, word: object) -> bool:
+        return word in self.pinned or super().__contains__(word)
+
+    def __getitem__(self, word: str) -> str:
+        if word in self.pinned:
+            return self.pinned[word]
+        self.move_to_end(word)
+        return super().__getitem__(word)
+
+    def __setitem__(self, word: str, bpe: str) -> None:
+        super().__setitem__(word, bpe)
+        self.move_to_end(word)
+        while len(self) > self.size:
+            self.popitem(last=False)
 
 
 def _clean_fn(clean: str):
@@ -53,10 +90,42 @@ class OpenClipTokenizer:
         self.bpe_path = bpe_path
         kw = {"bpe_path": str(bpe_path)} if bpe_path is not None else {}
         self._tok = SimpleTokenizer(context_length=context_length, clean=clean, **kw)
+        self._tok.cache = WordCache(self._tok.cache)
+        self._lock = threading.Lock()  # the word cache is shared by the threads that tokenize
 
-    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
-        """K strings -> LongTensor [K, context_length]."""
-        return self._tok(list(texts), context_length=self.context_length)
+    def words(self, text: str) -> list[str]:
+        """The words the BPE runs on, one by one (open_clip's cleaning and split)."""
+        return self._tok.pat.findall(self._tok.clean_fn(text))
+
+    def check(self, text: str) -> int:
+        """The tokens of `text` with its start and end tokens (TextTooLongError beyond the context length, or for
+        a word of more than MAX_WORD_BYTES bytes, which the BPE never sees)."""
+        return len(self._ids(text))
+
+    def _ids(self, text: str) -> list[int]:
+        tok = self._tok
+        long = next((w for w in self.words(text) if len(w.encode("utf-8")) > MAX_WORD_BYTES), None)
+        if long is not None:
+            raise TextTooLongError(f"{text[:24]!r}... has a word of {len(long.encode('utf-8'))} bytes, over the "
+                                   f"tokenizer's limit of {MAX_WORD_BYTES}")
+        with self._lock:
+            ids = [tok.sot_token_id, *tok.encode(text), tok.eot_token_id]
+        if len(ids) > self.context_length:
+            raise TextTooLongError(f"{text[:24]!r}... is {len(ids)} tokens, over the text tower's context length of "
+                                   f"{self.context_length}")
+        return ids
+
+    def __call__(self, texts: Sequence[str], strict: bool = False) -> torch.Tensor:
+        """K strings -> LongTensor [K, context_length]; `strict`: TextTooLongError for a text the reference would
+        truncate (`check`), else truncated as open_clip's SimpleTokenizer does."""
+        if not strict:
+            with self._lock:
+                return self._tok(list(texts), context_length=self.context_length)
+        out = torch.zeros(len(texts), self.context_length, dtype=torch.long)
+        for i, text in enumerate(texts):
+            ids = self._ids(text)
+            out[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
 
     def to_spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {"kind": self.kind, "context_length": self.context_length, "clean": self.clean}
@@ -99,14 +168,30 @@ class HFTokenizer:
                                  "(nothing is downloaded)")
         return cls(path.read_text(encoding="utf-8"), context_length, pad_id, clean)
 
-    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
-        """K strings -> LongTensor [K, context_length]."""
-        texts = list(texts)
-        if self.clean:
-            fn = _clean_fn(self.clean)
-            texts = [fn(t) for t in texts]
+    def check(self, text: str) -> int:
+        """The tokens of `text` (TextTooLongError beyond the context length or for a word of more than
+        MAX_WORD_BYTES bytes)."""
+        self([text], strict=True)
+        return len(self._tok.encode(self._clean(text)).ids)
+
+    def _clean(self, text: str) -> str:
+        return _clean_fn(self.clean)(text) if self.clean else text
+
+    def __call__(self, texts: Sequence[str], strict: bool = False) -> torch.Tensor:
+        """K strings -> LongTensor [K, context_length]; `strict`: TextTooLongError for a text the tokenizer would
+        truncate, else truncated as its post-processor does."""
+        texts = [self._clean(t) for t in texts]
+        if strict:
+            long = next((w for t in texts for w in t.split() if len(w.encode("utf-8")) > MAX_WORD_BYTES), None)
+            if long is not None:
+                raise TextTooLongError(f"{long[:24]!r}... is a word of {len(long.encode('utf-8'))} bytes, over the "
+                                       f"tokenizer's limit of {MAX_WORD_BYTES}")
         out = torch.full((len(texts), self.context_length), self.pad_id, dtype=torch.long)
-        for i, enc in enumerate(self._tok.encode_batch(texts)):
+        for i, (text, enc) in enumerate(zip(texts, self._tok.encode_batch(texts), strict=True)):
+            if strict and enc.overflowing:
+                n = len(enc.ids) + sum(len(o.ids) for o in enc.overflowing)
+                raise TextTooLongError(f"{text[:24]!r}... is about {n} tokens, over the text tower's context length "
+                                       f"of {self.context_length}")
             ids = enc.ids[: self.context_length]
             out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         return out

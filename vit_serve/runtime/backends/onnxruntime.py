@@ -16,7 +16,7 @@ import numpy as np
 
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings
 from vit_serve.runtime.backends.base import LocalBackend
-from vit_serve.runtime.backends.sidecar import read_export
+from vit_serve.runtime.backends.sidecar import check_bytes, read_export
 
 
 def session_providers(device: str) -> list[str]:
@@ -59,6 +59,7 @@ class OnnxRuntimeBackend(LocalBackend):
 
         path = Path(onnx_path)
         self.info, explain = read_export(path, model_name, self.name, "graph")
+        check_bytes(path, explain)
 
         opts = session_options(threads, spinning)
         providers = session_providers(device)

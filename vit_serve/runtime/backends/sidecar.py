@@ -4,14 +4,15 @@
 `<name>_explain.json`; an engine's explain twin may also be the explain ONNX graph its export came with. In a
 Triton repository written by `vit-export --format triton`, `MODEL/VERSION/model.onnx` has `sidecar.json` beside it
 and its explain twin is the explain model its config names (`vit_serve.runtime.discovery.triton_explain_of`). Only the
-manifest is read here (`vit_serve.manifest`); the gateway never imports the exporter.
+manifest is read here (`vit_serve.manifest`); the gateway never imports the exporter. A file whose sha256 is not
+the one its manifest records (`file_sha256`) is refused when a backend loads it (`check_bytes`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from vit_serve.manifest import ExportManifest, manifest_path, read_manifest
+from vit_serve.manifest import ExportManifest, check_file_sha256, manifest_path, read_manifest
 from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.discovery import triton_explain_of
 
@@ -45,6 +46,15 @@ def read_export(path: Path, name: str | None, backend: str, kind: str) -> tuple[
     if triton is not None and explain_side is not None and not _same_export(side, explain_side):
         explain_side = None  # the explain model's version of the same number is another export's
     return model_info(path, side, name, explain_side, backend), explain if explain_side is not None else None
+
+
+def check_bytes(path: Path, explain: Path | None) -> None:
+    """ValueError (one line) unless the exported file at `path` and its explain twin are the bytes their manifests
+    record: a version half-copied into a polled repository is refused (the loaded one serves on) until its files
+    agree. Reads each file once: a backend calls it as it loads, never per request."""
+    for f in (path, explain):
+        if f is not None:
+            check_file_sha256(f, read_manifest(f))
 
 
 def _same_export(side: ExportManifest, explain: ExportManifest) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 from vit_serve.manifest import LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings, manifest_path, read_manifest
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.onnxruntime import session_providers
-from vit_serve.runtime.backends.sidecar import read_export
+from vit_serve.runtime.backends.sidecar import check_bytes, read_export
 from vit_serve.tensorrt_engine import TensorRTEngine
 
 
@@ -68,6 +68,7 @@ class TensorRTBackend(LocalBackend):
     def __init__(self, engine_path: str | Path, model_name: str | None = None) -> None:
         path = Path(engine_path)
         self.info, explain = read_export(path, model_name, self.name, "engine")
+        check_bytes(path, explain)
         trt = require_tensorrt()
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)

@@ -17,10 +17,11 @@ from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
 from vit_serve.runtime import zero_shot
 from vit_serve.runtime.postprocess import rollout_payload, top_k
 from vit_serve.runtime.task import Task
-from vit_serve.serve.caller import ScopeDep
+from vit_serve.serve.caller import ScopeDep, keys_required
 from vit_serve.serve.deps import GatewayDep, ModelChoiceDep
 from vit_serve.serve.errors import BadRequestError
 from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.middleware import request_id
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
@@ -72,9 +73,9 @@ async def classify(
     zero-shot, as open_clip's recipe: the image embedding (normalised) . each label's text embedding (its prompts'
     normalised embeddings averaged, normalised) x exp(logit_scale) (+ logit_bias); scores softmax over the labels
     (CLIP) or each label's sigmoid (SigLIP); `index` is the label's position in `labels`. Label embeddings are
-    cached (VIT_SERVE_LABEL_CACHE_SIZE); at most VIT_SERVE_MAX_LABELS labels of VIT_SERVE_MAX_LABEL_CHARS
-    characters each, 400 beyond, and 400 for a model without a text tower or with explain=true (GET /explain?id=
-    explains the image).
+    cached per API key (VIT_SERVE_LABEL_CACHE_SIZE); labels within VIT_SERVE_MAX_LABELS, VIT_SERVE_MAX_LABEL_BYTES
+    and the text tower's context length, labels x templates within VIT_SERVE_MAX_LABEL_PROMPTS (400 beyond; also
+    for a model without a text tower or with explain=true: GET /explain?id= explains the image).
 
     A model carrying a reference (`vit-export --reference-images DIR`, `vit-serve train`; GET /models shows it)
     adds `"ood": {"score", "flag", "method", "threshold"}`: how unlike the reference the image is, from the same
@@ -82,9 +83,8 @@ async def classify(
     threshold (the reference's calibration quantile). Not with labels, nor with explain=true for a Mahalanobis
     reference (the explain pass gives no embedding); never with `--no-monitoring`.
 
-    The `Server-Timing` header splits the same time finer (ms): read (receiving and hashing the body),
-    decode_wait (waiting for a decode thread), decode, queue, infer, text (the labels' embeddings and logits)
-    and total.
+    `Server-Timing` splits the same time finer (ms): read (receiving and hashing the body), decode_wait (waiting
+    for a decode thread), decode, queue, infer, text (the labels' embeddings and logits) and total.
     """
     t0 = time.perf_counter()
     if labels is not None and explain:
@@ -105,7 +105,8 @@ async def classify(
     async with infer_upload(request, choice, scope, task_of, admission) as done:
         mv, decoded, result = done.mv, done.decoded, done.result
         if names is not None:
-            logits, text_ms = await mv.label_logits(names, result.outputs[EMBEDDING])
+            who = LabelCaller.of(request.app, scope)  # its label cache and rate
+            logits, text_ms = await mv.label_logits(names, result.outputs[EMBEDDING], admission, who)
             assert mv.text is not None
             predictions = label_top_k(logits[0], names, top_k_, mv.text.scores)
         else:
@@ -135,11 +136,18 @@ async def classify(
     if explain:  # the explain task carries its resolved rollout settings
         answer["explanation"] = rollout_payload("rollout", done.task.rollout, result.outputs[ROLLOUT][0], info)
     if gateway.sampler is not None and names is None:
-        offer_sample(gateway, mv, decoded.crop, predictions[0], ood)
+        offer_sample(gateway, mv, decoded.crop, predictions[0], ood, tenant_of(gateway, admission.caller.name))
     return answer
 
 
-def offer_sample(gateway: Gateway, mv: ModelVersion, crop: Image.Image, top1: dict, ood: dict | None) -> None:
+def tenant_of(gateway: Gateway, name: str) -> str:
+    """The sampler's tenant column: the name of the key the key check verified (`Admission.caller`), empty when
+    the gateway takes no keys."""
+    return name if keys_required(gateway.settings.security) else ""
+
+
+def offer_sample(gateway: Gateway, mv: ModelVersion, crop: Image.Image, top1: dict, ood: dict | None,
+                 tenant: str = "") -> None:
     """Hand the answer to the payload sampler when its draw keeps it: the crop is encoded as PNG in the decode
     pool, and offered from the event loop once it is (the answer does not wait for either)."""
     from vit_serve.runtime.payload_sampler import Sample, png_bytes
@@ -150,7 +158,7 @@ def offer_sample(gateway: Gateway, mv: ModelVersion, crop: Image.Image, top1: di
     rid = request_id.get() if gateway.settings.request_ids else None
     sample = functools.partial(Sample, time=time.time(), model=mv.name, version=str(mv.version), request_id=rid,
                                top1_label=top1["label"], top1_score=float(top1["score"] or 0.0),
-                               ood_score=None if ood is None else ood["score"], ood_flag=flag)
+                               ood_score=None if ood is None else ood["score"], ood_flag=flag, tenant=tenant)
 
     def offer(png: asyncio.Future[bytes]) -> None:
         if png.cancelled():

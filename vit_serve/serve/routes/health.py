@@ -1,7 +1,9 @@
 """GET /healthz (the process answers) and GET /readyz (model loaded, warmed up, backend reachable).
 
 /readyz is open to anyone (probes), so its `reason` is a short state that names no file, host or exception text;
-the full reason is logged (once, when it changes) and shown, behind the key, by GET /models.
+the full reason is logged (once, when it changes) and shown, behind the key, by GET /models. The other open
+readiness probes answer the same state (`public_reason`): /v2/health/ready's `error`; gRPC ServerReady and
+ModelReady answer true / false only.
 """
 
 from __future__ import annotations

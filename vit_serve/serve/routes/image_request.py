@@ -22,6 +22,7 @@ from vit_serve.serve.deps import ModelChoice
 from vit_serve.serve.model_version import Announcement, ModelVersion
 from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ErrorBody
+from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.uploads import Upload, read_image
 
 # The OpenAPI link to GET /explain of the image just answered: its id, and the model and version that answered.
@@ -44,16 +45,17 @@ ERRORS = {
 
 async def get_admission(
     request: Request,
-    timeout_ms: Annotated[float | None, Query(ge=0, description="answer within this many milliseconds of the "
-                                                              "request's arrival, or 504 without running it (the "
-                                                              "smaller of this and X-Request-Timeout-Ms)")] = None,
-    x_request_timeout_ms: Annotated[float | None, Header(ge=0, description="as timeout_ms")] = None,
+    timeout_ms: Annotated[float | None, Query(ge=0, allow_inf_nan=False, description=(
+        "answer within this many milliseconds of the request's arrival, or 504 without running it (the smaller "
+        "of this and X-Request-Timeout-Ms); 0 is no deadline, as Triton's timeout 0"))] = None,
+    x_request_timeout_ms: Annotated[float | None, Header(ge=0, allow_inf_nan=False, description=(
+        "as timeout_ms (0: no deadline)"))] = None,
 ) -> Admission:
     """The request's Admission (`hangup.HangUp` made it; the key check named its caller) with its deadline
     (checked once the version that would answer is known: `infer_upload`)."""
     admission = admission_of(request.scope)
     for value, what in ((timeout_ms, "timeout_ms"), (x_request_timeout_ms, "X-Request-Timeout-Ms")):
-        admission.within(None if value is None else value / 1e3, what)
+        admission.within_ms(value, what)  # 0: no deadline
     return admission
 
 
@@ -82,6 +84,7 @@ async def infer_upload(request: Request, choice: ModelChoice, scope: str, task_o
     answer that still uses it, e.g. a PNG overlay, is made inside the block). `admission` follows it through
     (its stage, for a client that hangs up; its deadline and level, for the queue)."""
     with choice.announce(task_of, admission.priority) as announced:
+        announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
         admission.at("read", announced.version)
         admission.check(announced.version)  # a deadline past on arrival: 504 before the body is read
         _check_arrival(announced, task_of, admission)  # or one the work ahead leaves no time for

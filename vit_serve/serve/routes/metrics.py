@@ -1,4 +1,9 @@
-"""GET /metrics: Prometheus text format (this app's own registry)."""
+"""GET /metrics: Prometheus text format (this app's own registry).
+
+It shows every model's traffic and every API key's name and request counts, so with keys on it needs one like any
+route (it is not a probe: `open_probes` leaves it closed). Scrapers without a key use the metrics port
+(`metrics_port`, vit_serve.serve.metrics_listener), which serves the same text and nothing else. A scrape computes
+nothing expensive: the drift gauges are the last reports, computed at most once per `drift_refresh_s`."""
 
 from __future__ import annotations
 

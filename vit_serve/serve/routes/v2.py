@@ -25,13 +25,16 @@ from pydantic import BaseModel
 
 from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission, admission_of
+from vit_serve.serve.caller import caller_scope
 from vit_serve.serve.deps import SESSION_HEADER, GatewayDep, ModelChoice
 from vit_serve.serve.errors import V2, BadRequestError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
+from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes import repository
+from vit_serve.serve.routes import health, repository
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.v2_model import model_metadata, versions
 from vit_serve.serve.v2_protocol import HEADER_LENGTH, encode_infer_response, parse_infer_request
 
@@ -84,9 +87,11 @@ async def live() -> dict:
 @protocol.get("/health/ready", response_model=ServerReady, responses={503: {"model": ServerReady}})
 async def ready(gateway: GatewayDep) -> StrictJSONResponse:
     """200 `{"ready": true}` once the model is loaded, warmed up and its backend answers; 503 `{"ready": false,
-    "error": why}` before, and `"error": "draining"` once the server is shutting down (vit_serve.serve.shutdown)."""
-    ok, why = await gateway.readiness()
-    return StrictJSONResponse({"ready": True} if ok else {"ready": False, "error": why}, 200 if ok else 503)
+    "error": why}` before, `why` the short state /readyz answers (open to anyone: no file, host or exception
+    text; GET /models says more), and `"error": "draining"` once the server is shutting down."""
+    ok, _ = await gateway.readiness()
+    body = {"ready": True} if ok else {"ready": False, "error": health.public_reason(gateway)}
+    return StrictJSONResponse(body, 200 if ok else 503)
 
 
 @protocol.get("/models/{name}", responses={200: MODEL_LINKS, 404: V2_ERROR, 503: V2_ERROR})
@@ -154,15 +159,15 @@ INFER_DOC = {
 
 @protocol.post("/models/{name}/infer", **INFER_DOC)
 async def infer(name: NameDep, request: Request, gateway: GatewayDep) -> Response:
-    """Inference: `{"id"?, "inputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}],
-    "outputs"?: [{"name", "parameters": {"binary_data", "classification"}}], "parameters"?:
-    {"binary_data_output", "head_fusion", "discard_ratio", "timeout" (µs, Triton's: 0 none), "priority" (Triton's
-    levels: 1 first; it may lower the API key's level, never raise it)}}` -> `{"model_name", "model_version", "id"?,
-    "outputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}]}` (+ raw tensors after the
-    JSON, with the `Inference-Header-Content-Length` header, when any output is binary). `classification: k`
-    answers BYTES [B, k] of "logit:index:label" (Triton's classification extension); NaN / inf in JSON data
-    are null. The model's newest version in service answers, or its traffic split's draw (sticky per
-    `X-Session-Id`; `model_version` says which)."""
+    """Inference: `{"id"?, "inputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}], "outputs"?:
+    [{"name", "parameters": {"binary_data", "classification"}}], "parameters"?: {"binary_data_output", "head_fusion",
+    "discard_ratio", "timeout" (µs, Triton's: 0 none), "priority" (Triton's levels: 1 first, up to
+    VIT_SERVE_PRIORITY_LEVELS; it may lower the API key's level, never raise it)}}` -> `{"model_name", "model_version",
+    "id"?, "outputs": [{"name", "datatype", "shape", "data" | parameters.binary_data_size}]}` (+ raw tensors after the
+    JSON, with the `Inference-Header-Content-Length` header, when any output is binary). `classification: k` answers
+    BYTES [B, k] of "logit:index:label" (Triton's classification extension); NaN / inf in JSON data are null. The
+    model's newest version in service answers, or its traffic split's draw (sticky per `X-Session-Id`; `model_version`
+    says which)."""
     session = request.headers.get(SESSION_HEADER) or None  # sticky traffic splits (deps.SessionHeader)
     return await _infer(request, gateway, ModelChoice(gateway, name, None, session))
 
@@ -177,6 +182,7 @@ async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Res
     admission = admission_of(request.scope)
     # 404 / 503 before the body is read; the version is chosen once it is
     with choice.announce(priority=admission.priority) as announced:
+        announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
         admission.at("read", announced.version)
         raw = await request.body()
     with choice.use() as mv, mv.arriving(admission.priority) as arrival:
@@ -190,9 +196,10 @@ async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVer
                        gateway.settings.max_body_bytes)
     bounds = v2_model.request_bounds(mv, gateway.settings.limits)
     req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
-    admission.v2_parameters(req.parameters)  # parameters.timeout (µs), parameters.priority
+    admission.v2_parameters(req.parameters, gateway.settings.priority_levels)  # timeout (µs), priority
     admission.check(mv)
-    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers, admission)
+    caller = LabelCaller.of(request.app, await caller_scope(request))  # whose label cache and rate
+    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers, admission, caller)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
 
