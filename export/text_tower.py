@@ -152,6 +152,7 @@ def export_text_tower(bundle, checkpoint: Path | None, out: Path, name: str, *, 
     if templates is None:
         templates = bundle.templates or DEFAULT_TEMPLATES
     import onnx
+    from vit_export.proto_file import save_proto
     from vit_export.sidecar import sha256
 
     from vit_serve.checkpoints.io import atomic_write
@@ -160,8 +161,12 @@ def export_text_tower(bundle, checkpoint: Path | None, out: Path, name: str, *, 
     out.mkdir(parents=True, exist_ok=True)
     ids = bundle.tokenize(["a photo of a cat.", "a dog"])
     proto, exporter = _export_proto(bundle.tower, ids, opset)
-    onnx.checker.check_model(proto)
-    atomic_write(onnx_path, lambda tmp: onnx.save(proto, tmp), overwrite=overwrite)
+
+    def write_checked(tmp: str) -> None:  # the checker reads the file: no second serialization of the weights
+        save_proto(proto, tmp)
+        onnx.checker.check_model(tmp)
+
+    atomic_write(onnx_path, write_checked, overwrite=overwrite)
     err = text_parity(bundle, onnx_path)
     if tok_dir.exists() and overwrite:
         shutil.rmtree(tok_dir)

@@ -19,6 +19,7 @@ import onnx
 import torch
 from vit_export.graph_info import GraphInfo, load_proto
 from vit_export.onnx_export import export_graph, prepare, to_fp16
+from vit_export.proto_file import save_proto
 
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.model import VisionTransformer
@@ -62,7 +63,7 @@ def export_typed(
     info = graph.info.replace(precision="bf16",
                               simplified="off: onnxruntime (CPU) cannot run a bf16 graph to check it")
     info.write(proto)
-    atomic_write(path, partial(onnx.save, proto), overwrite=True)
+    atomic_write(path, partial(save_proto, proto), overwrite=True)
     return graph.path
 
 
