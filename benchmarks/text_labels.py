@@ -101,7 +101,7 @@ class Gateway:
             self.proc.wait()
 
 
-def _templates() -> list[str]:
+def clip_templates() -> list[str]:
     from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
     return [t("{}") for t in OPENAI_IMAGENET_TEMPLATES]
@@ -132,7 +132,7 @@ def peak(folder: Path) -> dict:
 
     torch.manual_seed(0)
     model = open_clip.create_model("ViT-B-32", pretrained=None).eval()  # random weights: nothing downloaded
-    templates = _templates()
+    templates = clip_templates()
     repo = _build(folder, "b32", model, templates)
     del model
     gw = Gateway(repo, "b32", folder / "b32.log")
@@ -158,7 +158,7 @@ def peak(folder: Path) -> dict:
             "met": top - idle <= 300}
 
 
-def _random_label(rnd: random.Random) -> str:
+def random_label(rnd: random.Random) -> str:
     """1-8 code points from anywhere in Unicode but surrogates, commas and controls."""
     out: list[str] = []
     while len(out) < rnd.randint(1, 8):
@@ -187,7 +187,7 @@ def churn(folder: Path, requests: int) -> dict:
     statuses: dict[int, int] = {}
     try:
         def one() -> None:
-            r = gw.classify(",".join(_random_label(rnd) for _ in range(4)), timeout=60)
+            r = gw.classify(",".join(random_label(rnd) for _ in range(4)), timeout=60)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
 
         for _ in range(500):  # warm-up: the caches fill to their bounds

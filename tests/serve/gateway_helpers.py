@@ -64,16 +64,17 @@ def wait_ready(url: str, alive: Callable[[], bool], timeout: float = 60.0, poll:
 
 @contextmanager
 def live_app(settings) -> Iterator[tuple[str, object]]:
-    """A real uvicorn serving the app in a thread, on a free port; yields (base URL, app) once /readyz is 200."""
+    """A real uvicorn serving the app in a thread, on a free port, configured as `vit-serve serve` configures it
+    (`server_config`: header timeout, connection cap, half-close); yields (base URL, app) once /readyz is 200."""
     import uvicorn
 
-    from vit_serve.serve.app import create_app
+    from vit_serve.serve.app import create_app, server_config
 
     app = create_app(settings)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(server_config(app, settings, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

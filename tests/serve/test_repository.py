@@ -222,8 +222,15 @@ def test_load_and_unload_need_explicit_model_control(repo):
 
 
 def test_a_model_that_fails_to_load_leaves_the_others_serving(tmp_path, tiny_onnx, gap_ckpt, photos):
+    import hashlib
+    import json
+
     (tmp_path / "broken.onnx").write_bytes(b"not an onnx graph")
-    shutil.copy(tiny_onnx.with_suffix(".json"), tmp_path / "broken.json")
+    # its manifest records the broken file's own sha256, so that the file passes the integrity check and
+    # onnxruntime is what refuses it (a mismatch is test_graph_integrity's)
+    manifest = json.loads(tiny_onnx.with_suffix(".json").read_text())
+    manifest["file_sha256"] = hashlib.sha256(b"not an onnx graph").hexdigest()
+    (tmp_path / "broken.json").write_text(json.dumps(manifest))
     shutil.copy(gap_ckpt, tmp_path / "gap.safetensors")
 
     async def scenario():
