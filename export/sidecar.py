@@ -7,7 +7,6 @@ builds one from the exported graph, the source model and the checks, for a graph
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import platform
 from collections.abc import Mapping
@@ -28,19 +27,11 @@ from vit_serve.manifest import (
     SourceCheckpoint,
     TensorRTBuild,
     embedding_of,
+    file_sha256,
 )
 from vit_serve.model import VisionTransformer
 from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
-
-
-def sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file (streamed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def versions() -> dict[str, str]:
@@ -96,9 +87,9 @@ def build_sidecar(
     trained = trained or cfg
     return ExportManifest(
         file=path.name,
-        file_sha256=sha256(path),
+        file_sha256=file_sha256(path),
         format="onnx",
-        source_checkpoint=None if checkpoint is None else SourceCheckpoint(str(checkpoint), sha256(checkpoint)),
+        source_checkpoint=None if checkpoint is None else SourceCheckpoint(str(checkpoint), file_sha256(checkpoint)),
         architecture=Architecture(cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads,
                                   cfg.resnet_layers is not None, cfg.pool,
                                   (trained.img_size[0], trained.img_size[1]), trained.patch_size),
@@ -134,7 +125,7 @@ def engine_sidecar(onnx_manifest: ExportManifest, engine: TensorRTBuild | Mappin
         build = engine if built_from is None else dataclasses.replace(engine, built_from=built_from)
     else:
         build = dataclasses.replace(_build_of(engine), built_from=built_from)
-    return dataclasses.replace(onnx_manifest, format="tensorrt", file=build.file, file_sha256=sha256(build.path),
+    return dataclasses.replace(onnx_manifest, format="tensorrt", file=build.file, file_sha256=file_sha256(build.path),
                                precision=build.precision, source_onnx=onnx_manifest.file, tensorrt=build)
 
 

@@ -153,9 +153,9 @@ def export_text_tower(bundle, checkpoint: Path | None, out: Path, name: str, *, 
         templates = bundle.templates or DEFAULT_TEMPLATES
     import onnx
     from vit_export.proto_file import save_proto
-    from vit_export.sidecar import sha256
 
     from vit_serve.checkpoints.io import atomic_write
+    from vit_serve.manifest import file_sha256
 
     onnx_path, _, tok_dir = text_targets(out, name)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ def export_text_tower(bundle, checkpoint: Path | None, out: Path, name: str, *, 
         tokenizer=tokenizer, embedding_dim=bundle.config.embed_dim, logit_scale=bundle.logit_scale,
         logit_bias=bundle.logit_bias, scores="sigmoid" if bundle.sigmoid else "softmax", templates=tuple(templates),
         family=family, source_checkpoint=None if checkpoint is None else str(checkpoint),
-        source_checkpoint_sha256=None if checkpoint is None else sha256(checkpoint),
+        source_checkpoint_sha256=None if checkpoint is None else file_sha256(checkpoint),
         parity={"reference": "torch (vit_serve.text.tower)", "candidate": "onnxruntime CPU", "texts": len(PARITY_TEXTS),
                 "max_abs_err": err, "tol": tol, "ok": err <= tol, "exporter": exporter, "opset": opset})
     manifest = record.write(onnx_path)

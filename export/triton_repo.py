@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vit_export.sidecar import sha256
 from vit_export.triton_config import (
     Batching,
     Tensor,
@@ -60,6 +59,7 @@ from vit_serve.manifest import (
     ExportManifest,
     TensorRTBuild,
     TritonMeta,
+    file_sha256,
     manifest_path,
     read_manifest,
 )
@@ -120,7 +120,7 @@ def _read_sidecar(onnx_path: Path, explain: bool) -> tuple[ExportManifest, str]:
             f"{onnx_path} has a fixed batch size ({side.batch}); Triton's dynamic batcher needs a dynamic "
             "batch axis: export with --batch dynamic (the batch limit is --max-batch)"
         )
-    return side, sha256(side_path)
+    return side, file_sha256(side_path)
 
 
 def _warmup_image() -> bytes:

@@ -38,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from tests.triton_models import ECHO_MODEL
+
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -417,15 +419,6 @@ def test_the_triton_runtime_loads_what_vit_export_writes_and_the_gateway_serves(
 # Triton's flags that the harness owns (its own binary path, repository, ports and models); every other argument
 # of the ServingRuntime is passed to the real tritonserver as the manifest writes it.
 HARNESS_FLAGS = ("--model-store=", "--model-repository=", "--grpc-port=", "--http-port=", "--load-model=")
-ECHO_MODEL = {  # a Python-backend model, the one kind the bundled tritonserver can run
-    "config.pbtxt": 'backend: "python"\nmax_batch_size: 0\n'
-                    'input [{ name: "x", data_type: TYPE_FP32, dims: [ 1 ] }]\n'
-                    'output [{ name: "y", data_type: TYPE_FP32, dims: [ 1 ] }]\n',
-    "1/model.py": "import triton_python_backend_utils as pb\n\n\nclass TritonPythonModel:\n"
-                  "    def execute(self, requests):\n"
-                  "        return [pb.InferenceResponse([pb.Tensor('y', pb.get_input_tensor_by_name(r, 'x')\n"
-                  "                                                           .as_numpy())]) for r in requests]\n",
-}
 
 
 def _kubelet_expand(arg: str, env: dict[str, str]) -> str:

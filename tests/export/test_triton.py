@@ -35,11 +35,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 from vit_export.parity import session
-from vit_export.sidecar import sha256
 from vit_export.triton_repo import write_repository
 from vit_export.tritonserver import TritonServer, available
 
 from vit_serve.explain import rollout
+from vit_serve.manifest import file_sha256
 from vit_serve.preprocess import preprocess
 
 LABELS = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -173,7 +173,7 @@ def test_every_config_parses_against_tritons_schema(exported, tmp_path):
     assert meta["resolution"] == [RES, RES] and meta["patch_size"] == 16 and meta["labels"] == LABELS
     assert meta["preprocess"] == side["preprocess"] and meta["explain_model"] == f"{NAME}_explain_onnx"
     assert meta["rollout"] == {"head_fusion": "mean", "discard_ratio": 0.9, "pool": "token", "num_prefix_tokens": 1}
-    assert meta["sidecar_sha256"] == sha256(exported["onnx"].with_suffix(".json"))
+    assert meta["sidecar_sha256"] == file_sha256(exported["onnx"].with_suffix(".json"))
     ens = configs[f"{NAME}_ensemble"]
     assert ens.platform == "ensemble" and [s.model_name for s in ens.ensemble_scheduling.step] == [
         f"{NAME}_preprocess",

@@ -27,15 +27,7 @@ from vit_export.tritonserver import (
     shm_regions,
 )
 
-ECHO = {
-    "config.pbtxt": 'backend: "python"\nmax_batch_size: 0\n'
-                    'input [{ name: "x", data_type: TYPE_FP32, dims: [ 1 ] }]\n'
-                    'output [{ name: "y", data_type: TYPE_FP32, dims: [ 1 ] }]\n',
-    "1/model.py": "import triton_python_backend_utils as pb\n\n\nclass TritonPythonModel:\n"
-                  "    def execute(self, requests):\n"
-                  "        return [pb.InferenceResponse([pb.Tensor('y', pb.get_input_tensor_by_name(r, 'x')\n"
-                  "                                                           .as_numpy())]) for r in requests]\n",
-}
+from tests.triton_models import ECHO_MODEL
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +39,7 @@ def _needs_tritonserver() -> None:
 
 def _repo(folder: Path, model_py: str | None = None) -> Path:
     """A repository with one Python-backend model, `echo` (its model.py replaced by `model_py` if given)."""
-    for name, text in ECHO.items():
+    for name, text in ECHO_MODEL.items():
         path = folder / "echo" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(model_py if model_py is not None and name.endswith(".py") else text)

@@ -617,11 +617,6 @@ def _read_password(path: Path, url: str) -> str:
     if urlsplit(url).password:
         raise ValueError("payload sampler: a Redis password file is given and the sample Redis URL has a password "
                          "too: give it one way")
-    try:
-        password = path.read_text().rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"payload sampler: cannot read the Redis password file {path}: "
-                         f"{getattr(e, 'strerror', None) or e}") from None
-    if not password:
-        raise ValueError(f"payload sampler: the Redis password file {path} is empty")
-    return password
+    from vit_serve.runtime.password_file import read_password_file
+
+    return read_password_file(path, "payload sampler: the Redis password file")

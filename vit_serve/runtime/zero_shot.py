@@ -35,7 +35,9 @@ class LabelLimits:
     cache_size: int = 1024
     max_label_bytes: int = 256
     max_label_prompts: int = 8192
-    chunk_size: int = 256
+    # a ViT-B/32 text tower's peak above idle, 6 labels x 80 templates: 6 MB at 32, 318 MB at 64, 927 MB at 256,
+    # in the same time (benchmarks/text_labels.py)
+    chunk_size: int = 32
     queue_size: int = 16
 
     def parse(self, value: str | list[str], num_templates: int = 1) -> list[str]:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vit_serve.runtime.password_file import read_password_file
 from vit_serve.serve.stores.base import CropStore, Namespaced, StoreUnavailableError
 from vit_serve.serve.stores.redaction import redacted, url_has_password
 from vit_serve.serve.stores.secret import StoreSecret
@@ -90,11 +90,4 @@ def _password(settings: StoreSettings, url: str) -> str | None:
     if url_has_password(url):
         raise ValueError(f"--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE is given and --store "
                          f"{redacted(url)} has a password too: give it one way (store_password_file)")
-    try:
-        password = Path(path).read_text().rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE: cannot read {path}: "
-                         f"{getattr(e, 'strerror', None) or e}") from None
-    if not password:
-        raise ValueError(f"--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE: {path} is empty")
-    return password
+    return read_password_file(path, "--store-password-file / VIT_SERVE_STORE_PASSWORD_FILE")
