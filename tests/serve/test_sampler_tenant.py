@@ -74,3 +74,21 @@ def test_dropped_samples_are_counted_in_metrics(tmp_path: Path, save_tiny, ready
             time.sleep(0.02)
         metrics = client.get("/metrics").text
     assert 'vit_serve_samples_dropped_total{reason="write_failed"} 1.0' in metrics
+
+
+def test_a_crop_still_being_encoded_when_the_gateway_stops_is_written(tmp_path: Path, save_tiny, ready_client,
+                                                                       monkeypatch) -> None:
+    """The sampler's PNG encoding runs after the answer; a graceful stop right after the last answer (the client
+    leaving) waits for it, so that the sample is written, not cancelled with the decode pool."""
+    import time
+
+    import vit_serve.runtime.payload_sampler as payload_sampler
+
+    encode = payload_sampler.png_bytes
+    monkeypatch.setattr(payload_sampler, "png_bytes", lambda crop: (time.sleep(0.5), encode(crop))[1])
+    ckpt = save_tiny(tmp_path / "tiny.safetensors", (32, 32), 0, ["a", "b", "c"])
+    folder = tmp_path / "samples"
+    with ready_client(ServeSettings(model=str(ckpt), device="cpu", threads=1, sample_rate=1.0,
+                                    sample_dir=str(folder))) as client:
+        assert client.post("/classify", files={"file": ("x.png", _png(3), "image/png")}).status_code == 200
+    assert len(read_samples(folder).to_pylist()) == 1

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from vit_serve.runtime.payload_sampler import PayloadSampler
 
 log = logging.getLogger("vit_serve.serve")
+SAMPLE_ENCODE_WAIT_S = 10.0  # at a graceful stop, the longest wait for the last answers' crops to reach the sampler
 
 
 class Gateway:
@@ -54,6 +55,8 @@ class Gateway:
         self.metrics.drift_reports = self.drift_reports
         # A sample of /classify requests kept for labelling (the lifespan opens it when sample_rate > 0).
         self.sampler: PayloadSampler | None = None
+        # The crops of answered requests being encoded for the sampler (offered when done): stop() waits for them.
+        self.pending_samples: set[asyncio.Future] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -81,6 +84,9 @@ class Gateway:
     async def stop(self) -> None:
         if self.repository is not None:
             await self.repository.stop()
+        if self.pending_samples:  # the last answers' crops, offered to the sampler before it closes
+            await asyncio.wait(set(self.pending_samples), timeout=SAMPLE_ENCODE_WAIT_S)
+            await asyncio.sleep(0)  # their done callbacks (the offers) run before the sampler is closed
         if self.decode_pool is not None:
             self.decode_pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

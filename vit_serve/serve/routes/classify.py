@@ -169,7 +169,10 @@ def offer_sample(gateway: Gateway, mv: ModelVersion, crop: Image.Image, top1: di
         sampler.offer(sample(crop_png=png.result()))
 
     with contextlib.suppress(RuntimeError):  # the pool is shut down: the gateway is stopping, no sample
-        asyncio.get_running_loop().run_in_executor(gateway.decode_pool, png_bytes, crop).add_done_callback(offer)
+        encoding = asyncio.get_running_loop().run_in_executor(gateway.decode_pool, png_bytes, crop)
+        encoding.add_done_callback(offer)
+        gateway.pending_samples.add(encoding)  # a graceful stop waits for it (Gateway.stop)
+        encoding.add_done_callback(gateway.pending_samples.discard)
 
 
 def label_top_k(logits: np.ndarray, labels: list[str], k: int, scores: str) -> list[dict]:
