@@ -80,7 +80,7 @@ def flag_counts(root: Path) -> dict[str, tuple[int, int]]:
     total = {k: sum(1 for a in p._actions if a.option_strings and a.dest != "help") for k, p in parsers.items()}
     sources = {"vit-export": [root / "export" / "cli.py"]}
     hand: dict[str, int] = {}
-    serve_sources = [p for p in (root / "vit_serve").glob("cli*.py")]
+    serve_sources = [*(root / "vit_serve").glob("cli*.py"), *(root / "vit_serve" / "cli").glob("*.py")]
     text = "\n".join(p.read_text() for p in serve_sources)
     # A command's hand-written options: add_argument calls between its add_parser(...) and the next one.
     blocks = re.split(r"add_parser\(\s*['\"]", text)

@@ -1,4 +1,4 @@
-"""What `vit-serve predict` can be told: `PredictOptions`, one field per flag (its `vit_serve.flags.Flag` in the
+"""What `vit-serve predict` can be told: `PredictOptions`, one field per flag (its `vit_serve.flag.Flag` in the
 field's metadata; the field order is the order of `vit-serve predict --help`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vit_serve.flags import FLAG_KEY, Flag
+from vit_serve.flag import FLAG_KEY, Flag
 from vit_serve.predict_writers import output_format
 from vit_serve.tome import parse_tome
 

@@ -3,7 +3,7 @@ backend's client) and `RepositorySettings` (which models and versions are served
 
 Each group reads its own `VIT_SERVE_<FIELD>` variables (the names are flat: VIT_SERVE_MAX_BATCH, not
 VIT_SERVE_LIMITS__MAX_BATCH) and is nested in `vit_serve.serve.settings.ServeSettings`; a `Flag` marks the
-fields that `vit-serve serve` has a flag for (`vit_serve.flags`). Also the default size of a decode pool
+fields that `vit-serve serve` has a flag for (`vit_serve.cli.flags`). Also the default size of a decode pool
 (`default_decode_workers`), the gateway's and offline prediction's.
 """
 
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from vit_serve.flags import Flag
+from vit_serve.flag import Flag
 from vit_serve.runtime.discovery import VersionPolicy, parse_shadow, parse_weights
 
 # At most this many decode threads by default: each holds one full-size decode at a time, so this (with

@@ -23,7 +23,7 @@ from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_valid
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from vit_serve.flags import Flag
+from vit_serve.flag import Flag
 from vit_serve.monitor import DEFAULT_MIN_WINDOW, DEFAULT_SIGNIFICANCE
 from vit_serve.runtime.settings import (
     DECODE_WORKERS_CAP,
@@ -292,7 +292,7 @@ class ServeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
 
-    # The field order is the order of `vit-serve serve --help` (vit_serve.flags; a Flag's `after` moves one).
+    # The field order is the order of `vit-serve serve --help` (vit_serve.cli.flags; a Flag's `after` moves one).
     model: Annotated[str, Flag(
         "a folder of models, or one: checkpoint, NAME.onnx (NAME.json beside it), NAME.engine, or a Triton model "
         "name (default: $VIT_SERVE_MODEL)", metavar="REPO|MODEL", positional=True)] = Field(

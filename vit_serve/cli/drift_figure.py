@@ -26,7 +26,7 @@ try:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 except ImportError as e:  # pragma: no cover - matplotlib is in the [test] extra
-    raise ImportError(f"vit_serve.drift_figure needs matplotlib (pip install matplotlib): {e}") from e
+    raise ImportError(f"vit_serve.cli.drift_figure needs matplotlib (pip install matplotlib): {e}") from e
 
 __all__ = ["DriftInputError", "check_report", "draw_drift", "fetch_drift", "load_drift", "read_drift"]
 

@@ -1,5 +1,5 @@
-"""Command-line flags made from typed fields: the `Flag` a field carries, and `add_flags`, which turns fields into
-argparse arguments (name, type, choices from a `Literal`, append for a list, store_const for a bool).
+"""Command-line flags made from typed fields: `add_flags`, which turns the fields that carry a `vit_serve.flag.Flag`
+into argparse arguments (name, type, choices from a `Literal`, append for a list, store_const for a bool).
 
 A field gets a flag when it carries a `Flag`: in a pydantic model as `Annotated[T, Flag(...)]`, in a dataclass as
 `field(metadata={"flag": Flag(...)})`. The flag's default is always None (unset): the settings keep the defaults,
@@ -15,28 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-FLAG_KEY = "flag"  # a dataclass field's metadata key
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a field is spelled on a command line.
-
-    help: the help text ("{default}" becomes the field's default, as `shown`; default: the field's description);
-    name: the flag (default --field-name, or --no-field-name for a bool whose default is True); metavar;
-    positional: an argument rather than a flag (optional, nargs "?", when the field has a default); none: the
-    choice that means None (a `Literal[...] | None` field); after: the field whose flag this one follows in
-    --help (default: the field order); section: the argument group it is listed under (None: the command's own
-    options).
-    """
-
-    help: str | None = None
-    name: str | None = None
-    metavar: str | None = None
-    positional: bool = False
-    none: str | None = None
-    after: str | None = None
-    section: str | None = None
+from vit_serve.flag import FLAG_KEY, Flag
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from PIL import Image
 
 from vit_serve import monitor
 from vit_serve.cli import main
-from vit_serve.drift_figure import DriftInputError, draw_drift, fetch_drift, read_drift
+from vit_serve.cli.drift_figure import DriftInputError, draw_drift, fetch_drift, read_drift
 
 HAND: dict[str, Any] = {
     "model": "digits", "version": "1", "method": "mahalanobis", "window": 500, "window_size": 500,

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vit_serve import __version__, quickstart
+from vit_serve.cli.flags import add_flags, dataclass_fields, pydantic_fields
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.config import RESAMPLE_MODES
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
-from vit_serve.flags import add_flags, dataclass_fields, pydantic_fields
 from vit_serve.predict_options import PredictOptions
 from vit_serve.resolution import parse_resolution
 
@@ -57,7 +57,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_inspect_drift(args: argparse.Namespace) -> int:
     """`vit-serve inspect --drift SOURCE --out FILE.png`: SOURCE (CKPT's place) is a gateway URL or a saved JSON."""
     try:
-        from vit_serve import drift_figure
+        from vit_serve.cli import drift_figure
     except ImportError as e:  # matplotlib is not a runtime dependency
         raise OSError(str(e)) from e
 

@@ -1,0 +1,31 @@
+"""How a typed field is spelled on a command line: the `Flag` a field carries (`Annotated[T, Flag(...)]` in a
+pydantic model, `field(metadata={FLAG_KEY: Flag(...)})` in a dataclass). Only a mark: the CLI
+(`vit_serve.cli.flags`) turns marked fields into argparse arguments, so that the settings' modules import no CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLAG_KEY = "flag"  # a dataclass field's metadata key
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field is spelled on a command line.
+
+    help: the help text ("{default}" becomes the field's default, as `shown`; default: the field's description);
+    name: the flag (default --field-name, or --no-field-name for a bool whose default is True); metavar;
+    positional: an argument rather than a flag (optional, nargs "?", when the field has a default); none: the
+    choice that means None (a `Literal[...] | None` field); after: the field whose flag this one follows in
+    --help (default: the field order); section: the argument group it is listed under (None: the command's own
+    options).
+    """
+
+    help: str | None = None
+    name: str | None = None
+    metavar: str | None = None
+    positional: bool = False
+    none: str | None = None
+    after: str | None = None
+    section: str | None = None
