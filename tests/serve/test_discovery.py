@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vit_serve.runtime.discovery import ModelLimits, VersionPolicy, scan
+from vit_serve.runtime.discovery import VersionPolicy, scan
+from vit_serve.runtime.model_config import ModelConfig
 
 
 def _touch(path: Path, data: bytes = b"x") -> Path:
@@ -86,7 +87,7 @@ def test_triton_style_versions_policy_and_limits(tmp_path, tiny_ckpt):
     assert sorted(entry.versions) == [1, 2, 3]
     assert entry.policy == VersionPolicy("specific", versions=(1, 3))
     assert entry.policy.select(list(entry.versions)) == [1, 3]
-    assert entry.limits == ModelLimits(max_batch=8, max_delay_ms=2.5, max_queue=32)
+    assert entry.config == ModelConfig(max_batch=8, max_delay_ms=2.5, max_queue=32)
 
 
 def test_instance_group_counts_are_the_models_instances(tmp_path, tiny_ckpt):
@@ -105,9 +106,9 @@ def test_instance_group_counts_are_the_models_instances(tmp_path, tiny_ckpt):
         _triton_config(tmp_path / name, max_batch_size=4, instance_group=groups)
     entries = scan(tmp_path)
     for name, want in (("two", 2), ("three", 3), ("none", None)):
-        assert entries[name].limits.instances == want, name
-    assert entries["two"].limits.over(RunnerLimits(instances=1)).instances == 2
-    assert entries["none"].limits.over(RunnerLimits(instances=3)).instances == 3
+        assert entries[name].config.instances == want, name
+    assert entries["two"].config.over(RunnerLimits(instances=1)).instances == 2
+    assert entries["none"].config.over(RunnerLimits(instances=3)).instances == 3
 
 
 def test_triton_latest_and_all_policies_from_config(tmp_path, tiny_ckpt):

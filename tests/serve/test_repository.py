@@ -429,3 +429,34 @@ def test_poll_reloads_a_version_rewritten_in_place(tmp_path, tiny_ckpt, second_c
     before, again, _ = run(scenario())
     assert again is not None, "the rewritten version was never switched in"
     assert again["version"] == before["version"] == "1"
+
+
+def test_each_model_batches_by_its_own_config_toml(tmp_path, tiny_ckpt, photos):
+    """Two models of one repository, each with a config.toml: "a" batches up to 4 with a long window on two
+    instances, "b" runs one image at a time as a TorchScript trace; the server's flags (max_batch 16, 5 ms) are
+    only the defaults."""
+    for name, toml in (("a", "max_batch = 4\nmax_delay_ms = 1000\ninstances = 2\n"),
+                       ("b", "max_batch = 1\ntorchscript = true\n")):
+        (tmp_path / name / "1").mkdir(parents=True)
+        shutil.copy(tiny_ckpt, tmp_path / name / "1" / "w.safetensors")
+        (tmp_path / name / "config.toml").write_text(toml)
+
+    async def scenario():
+        async with serving(settings_for(tmp_path, max_batch=16, max_delay_ms=5)) as (client, _):
+            answers = {name: await asyncio.gather(*(client.post(f"/classify?model={name}", content=photo,
+                                                                headers=JPEG)
+                                                    for photo in [photos["coffee.jpg"]] * 8))
+                       for name in ("a", "b")}
+            return answers, (await client.get("/models")).json(), (await client.get("/metrics")).text
+
+    answers, listing, text = run(scenario())
+    assert all(r.status_code == 200 for rs in answers.values() for r in rs)
+    sizes = {name: [r.json()["timing_ms"]["batch_size"] for r in rs] for name, rs in answers.items()}
+    assert max(sizes["a"]) > 1 and max(sizes["a"]) <= 4  # batched, never beyond its own max_batch
+    assert sizes["b"] == [1] * 8
+    assert metric(text, "vit_serve_batch_size_count", task="classify", model="b") == 8
+    rows = {m["name"]: m["versions"][0] for m in listing["models"]}
+    assert rows["a"]["batching"]["max_batch"] == 4 and rows["a"]["batching"]["instances"] == 2
+    assert rows["a"]["batching"]["max_delay_ms"] == 1000
+    assert (rows["b"]["batching"]["max_batch"], rows["b"]["batching"]["max_delay_ms"]) == (1, 5)  # server's delay
+    assert (rows["a"]["torchscript"], rows["b"]["torchscript"]) == (False, True)

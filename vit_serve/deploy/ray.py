@@ -312,9 +312,9 @@ def resource_shortfall(request: ResourceRequest, total: Mapping[str, float],
 
 
 def _limits(settings: ServeSettings, entry: ModelEntry) -> tuple[int, float]:
-    """(max_batch, max_delay_ms) of a model: its config.pbtxt's, else the settings' (as the gateway's repository
-    reads them, `ModelLimits.over`); (1, 0) when batching is off."""
-    limits = entry.limits.over(settings.limits)
+    """(max_batch, max_delay_ms) of a model: its own config's, else the settings' (as the gateway's repository
+    reads them, `ModelConfig.over`); (1, 0) when batching is off."""
+    limits = entry.config.over(settings.limits)
     return (limits.max_batch, limits.max_delay_ms) if limits.batching else (1, 0.0)
 
 

@@ -10,6 +10,8 @@ Modules:
   reads an export's manifest.
 * `task`: `Task` (classify, explain, embed, grad_rollout) and `Outputs`.
 * `discovery`: what a repository holds (`scan`), the version policy (`VersionPolicy`, `select_versions`).
+* `model_config`: a model's own configuration (`ModelConfig`: limits, batching, instances, compute, decode,
+  monitoring) from REPO/NAME/config.toml and its config.pbtxt, laid over the server's model defaults.
 * `decode`: upload bytes -> the model input (one decode, the crop kept), and the PNG overlay; `gpu_decode`: the
   same on CUDA (nvJPEG).
 * `postprocess`: top-k classes, the rollout payload, embedding normalisation.

@@ -12,7 +12,9 @@
   `NAME/config.pbtxt` (Triton's model configuration, read with Triton's own schema from tritonclient) may set
   the model's `version_policy`, `max_batch_size` and `dynamic_batching` limits, and its traffic split between
   versions: `parameters { key: "traffic" value { string_value: "1:90,2:10" } }` and `shadow` ("3" or "3:25"),
-  in the forms of `parse_weights` and `parse_shadow` (`--traffic` / `--shadow` win over them).
+  in the forms of `parse_weights` and `parse_shadow` (`--traffic` / `--shadow` win over them). `NAME/config.toml`
+  (`vit_serve.runtime.model_config.ModelConfig`) sets the model's own limits, batching, instances, compute,
+  decoding and monitoring; where both files set a value, config.toml's wins.
 
 The Triton repository `vit-export --format triton` writes is one of these: NAME_onnx/VERSION/model.onnx with its
 manifest `sidecar.json` is served (with its explain graph NAME_explain_onnx, named by its config's "vit_serve"
@@ -33,9 +35,10 @@ import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal
 
 from vit_serve.manifest import TRITON_ONNX, TritonMeta, find_manifest
+from vit_serve.runtime.model_config import MODEL_CONFIG, ModelConfig, read_model_config
 from vit_serve.text.manifest import TEXT_SUFFIX, text_manifest_path, text_path_of
 
 log = logging.getLogger("vit_serve.serve")
@@ -47,13 +50,6 @@ TRITON_CONFIG = "config.pbtxt"
 
 
 SkipKind = Literal["python", "ensemble", "explain", "engine"]
-
-
-class _Copyable(Protocol):
-    def model_copy(self: L, *, update: dict[str, Any] | None = None) -> L: ...
-
-
-L = TypeVar("L", bound=_Copyable)
 
 
 @dataclass(frozen=True)
@@ -167,23 +163,6 @@ def parse_shadow(text: str) -> tuple[int, float]:
 
 
 @dataclass(frozen=True)
-class ModelLimits:
-    """Batching limits a model's own configuration sets (None: the gateway's settings)."""
-
-    max_batch: int | None = None
-    max_delay_ms: float | None = None
-    max_queue: int | None = None
-    instances: int | None = None  # instance_group's count
-
-    def over(self, limits: L) -> L:
-        """`limits` (the gateway's `runtime.settings.RunnerLimits`) with this model's own values in their place
-        (a max_batch, max_queue or instances of 0 is none)."""
-        own = {"max_batch": self.max_batch or None, "max_delay_ms": self.max_delay_ms,
-               "max_queue": self.max_queue or None, "instances": self.instances or None}
-        return limits.model_copy(update={k: v for k, v in own.items() if v is not None})
-
-
-@dataclass(frozen=True)
 class VersionSource:
     """One version of a model on disk: the file to serve and which backend serves it.
 
@@ -205,7 +184,7 @@ class ModelEntry:
     name: str
     versions: dict[int, VersionSource] = field(default_factory=dict)
     policy: VersionPolicy | None = None  # None: the gateway's default policy
-    limits: ModelLimits = ModelLimits()
+    config: ModelConfig = field(default_factory=ModelConfig)  # its config.toml over its config.pbtxt
     error: str | None = None  # the model as a whole is unusable (e.g. an unreadable config.pbtxt)
     broken: dict[int, str] = field(default_factory=dict)  # versions found but unusable, with the reason
     # A model only Triton serves (Python backend, ensemble, an engine without its manifest) or served with
@@ -232,7 +211,7 @@ class TritonConfig:
     """What the gateway reads of a Triton config.pbtxt."""
 
     policy: VersionPolicy | None = None
-    limits: ModelLimits = ModelLimits()
+    config: ModelConfig = field(default_factory=ModelConfig)  # max_batch_size, dynamic_batching, instance_group
     platform: str = ""
     backend: str = ""
     meta: TritonMeta | None = None  # the "vit_serve" parameter of a vit-export model
@@ -296,10 +275,10 @@ def read_triton_config(path: Path) -> TritonConfig:
             policy = VersionPolicy("specific", versions=tuple(sorted(config.version_policy.specific.versions)))
     # instance_group: the instances a local backend runs at once (Triton's count, a group without one has 1)
     instances = sum(g.count or 1 for g in config.instance_group) or None
-    limits = ModelLimits(max_batch=config.max_batch_size or None, instances=instances)
+    limits = ModelConfig(max_batch=config.max_batch_size or None, instances=instances)
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
-        limits = ModelLimits(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
+        limits = ModelConfig(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
                              max_queue=db.default_queue_policy.max_queue_size or None, instances=instances)
     meta = None
     if "vit_serve" in config.parameters:
@@ -394,7 +373,14 @@ def _triton_style(folder: Path) -> ModelEntry | None:
         except ValueError as e:
             entry.error = str(e)
             return entry
-    entry.policy, entry.limits, entry.meta = config.policy, config.limits, config.meta
+    own = ModelConfig()
+    if (folder / MODEL_CONFIG).is_file():
+        try:
+            own = read_model_config(folder / MODEL_CONFIG)
+        except ValueError as e:
+            entry.error = str(e)
+            return entry
+    entry.policy, entry.config, entry.meta = config.policy, own.merged_over(config.config), config.meta
     entry.traffic, entry.shadow = config.traffic, config.shadow
     skip = _skip_kind(folder, config)
     if skip is not None:

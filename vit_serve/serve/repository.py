@@ -47,7 +47,8 @@ from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource
 from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.runtime.metrics import MODEL
-from vit_serve.runtime.settings import RepositorySettings, RunnerLimits
+from vit_serve.runtime.model_config import ModelConfig
+from vit_serve.runtime.settings import RepositorySettings
 from vit_serve.runtime.spec import LoadSpec, resolve_backend
 from vit_serve.runtime.text_tower import TextTower, text_tower_of
 from vit_serve.runtime.zero_shot import LabelLimits
@@ -372,9 +373,12 @@ class ModelRepository:
         n = max(1, len(self._wanted)) * instances
         return None if n == 1 else max(1, available_cpus() // n)
 
-    def _limits(self, entry: ModelEntry | None) -> RunnerLimits:
-        """The gateway's limits, with those of the model's own config."""
-        return self.spec.limits if entry is None else entry.limits.over(self.spec.limits)
+    def _monitoring_of(self, config: ModelConfig) -> MonitoringSettings:
+        """The gateway's monitoring settings, with the model's own `monitoring` and `drift_window`."""
+        changes = config.monitoring_changes()
+        if "drift_window" in changes:  # the alarm's minimum window never above the window
+            changes["drift_min_window"] = min(self.monitoring.drift_min_window, changes["drift_window"])
+        return self.monitoring.model_copy(update=changes) if changes else self.monitoring
 
     async def _load_version(self, source: VersionSource, warm_first: bool) -> ModelVersion | None:
         """Load, then warm up (`warm_first`; else in the background), one version in its own new model thread;
@@ -382,12 +386,15 @@ class ModelRepository:
         key = (source.name, source.version)
         self._loading.add(key)
         loop = asyncio.get_running_loop()
-        limits = self._limits(self.entries.get(source.name))
+        entry = self.entries.get(source.name)
+        config = ModelConfig() if entry is None else entry.config  # the model's own; None: the gateway's
+        limits = config.over(self.spec.limits)
         thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
         spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
                                  threads=self._threads(limits.instances))
         if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
             spec = spec.replace(tome=None, compile=False, torchscript=False)
+        spec = config.spec(spec)
         version: ModelVersion | None = None
         rss0 = rss_bytes()
         t0 = time.perf_counter()
@@ -411,7 +418,7 @@ class ModelRepository:
             version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, self.pool,
                                    self.store, self.max_pixels, gpu, off, source.fingerprint)
             version.label_limits = self.label_limits
-            version.monitor = VersionMonitor.of(info, self.monitoring, metrics)
+            version.monitor = VersionMonitor.of(info, self._monitoring_of(config), metrics)
             await self._attach_text_tower(version, source, spec)
             if not warm_first:
                 version.warm_up_soon()
