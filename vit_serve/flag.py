@@ -14,12 +14,13 @@ FLAG_KEY = "flag"  # a dataclass field's metadata key
 class Flag:
     """How a field is spelled on a command line.
 
-    help: the help text ("{default}" becomes the field's default, as `shown`; default: the field's description);
+    help: the help text of a field without a description ("{default}" becomes the field's default); a field with
+    one leaves it unset: its description is the help, with the default it leaves said after it (one text);
     name: the flag (default --field-name, or --no-field-name for a bool whose default is True); metavar;
     positional: an argument rather than a flag (optional, nargs "?", when the field has a default); none: the
     choice that means None (a `Literal[...] | None` field); after: the field whose flag this one follows in
     --help (default: the field order); section: the argument group it is listed under (None: the command's own
-    options).
+    options; `vit-serve serve`: "model" for the model defaults, "triton", "store", "sampler", "ray").
     """
 
     help: str | None = None

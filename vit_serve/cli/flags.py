@@ -86,10 +86,23 @@ def shown(default: Any) -> str:
     return str(default)
 
 
+def help_text(field: FlagField) -> str:
+    """A flag's help: its `Flag.help` ("{default}" replaced), else the field's description, the one text of the
+    setting, with the default it leaves alone said after it."""
+    if field.flag.help is not None:
+        return field.flag.help.replace("{default}", shown(field.default))
+    text = (field.description or "").replace("%", "%%")  # argparse formats help with %
+    if field.default is True:
+        return f"{text} (on by default: this flag turns it off)"
+    if field.default is None or field.default is False or field.default == [] or field.default == "":
+        return text
+    return f"{text} (default {shown(field.default)})"
+
+
 def argument(field: FlagField) -> tuple[list[str], dict[str, Any]]:
     """The `add_argument` names and keywords of one field (its default is always None, i.e. unset)."""
     flag, (base, optional) = field.flag, _base(field.annotation)
-    kw: dict[str, Any] = {"help": (flag.help or field.description or "").replace("{default}", shown(field.default))}
+    kw: dict[str, Any] = {"help": help_text(field)}
     if flag.metavar is not None:
         kw["metavar"] = flag.metavar
     if flag.positional:
@@ -114,10 +127,15 @@ def argument(field: FlagField) -> tuple[list[str], dict[str, Any]]:
     return [name], kw
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, fields: list[FlagField],
-              section: str | None = None) -> None:
-    """Add the flags of `fields` listed under `section` to `parser`, in --help order."""
+Container = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_flags(parser: Container, fields: list[FlagField], section: str | None = None,
+              groups: dict[str, Container] | None = None) -> None:
+    """Add the flags of `fields` listed under `section` to `parser`, and those of the sections `groups` names to
+    their group, in --help order (one pass: the usage line keeps the field order whatever the groups)."""
     for field in ordered(fields):
-        if field.flag.section == section:
+        target = parser if field.flag.section == section else (groups or {}).get(field.flag.section or "")
+        if target is not None:
             names, kw = argument(field)
-            parser.add_argument(*names, **kw)
+            target.add_argument(*names, **kw)

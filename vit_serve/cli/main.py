@@ -385,7 +385,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--config", metavar="FILE",
                    help="settings from a .toml or .json file of setting names (max_batch = 8; paths relative to the "
                         "file's folder); flags and VIT_SERVE_* variables win over it")
-    add_flags(s, settings)
+    server = s.add_argument_group("server (listeners, TLS, keys, stores, telemetry, repository control)")
+    groups = {"model": s.add_argument_group(
+        "model defaults (each model's own REPO/NAME/config.toml or config.pbtxt wins over them)"),
+        "triton": s.add_argument_group("Triton backend (--backend triton)"),
+        "store": s.add_argument_group("explain store (the crops kept for GET /explain?id=)"),
+        "sampler": s.add_argument_group("payload sampler (requests kept for labelling)")}
+    add_flags(server, settings, groups=groups)
     r = s.add_argument_group("Ray Serve (--engine ray; pip install 'vit-serve[ray]')")
     add_flags(r, settings, section="ray")
     # Ray Serve's launch options (deploy.ray.run's arguments), not settings of the gateway.

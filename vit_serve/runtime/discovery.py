@@ -381,6 +381,12 @@ def _triton_style(folder: Path) -> ModelEntry | None:
             entry.error = str(e)
             return entry
     entry.policy, entry.config, entry.meta = config.policy, own.merged_over(config.config), config.meta
+    if own.version_policy is not None:
+        try:
+            entry.policy = VersionPolicy.parse(own.version_policy)
+        except ValueError as e:
+            entry.error = f"{folder / MODEL_CONFIG}: version_policy: {e}"
+            return entry
     entry.traffic, entry.shadow = config.traffic, config.shadow
     skip = _skip_kind(folder, config)
     if skip is not None:

@@ -52,8 +52,9 @@ _ZERO_IS_NONE = ("max_batch", "max_queue", "instances")
 class ModelConfig:
     """A model's own settings (None: the server's). Limits and batching: max_batch, max_delay_ms, max_queue,
     request_timeout_s, retry_after_s, max_images_per_request, batch_curve, batch_curve_budget_s; instances;
-    compute: threads, compile, torchscript, tome; decode ("fast", "exact" or "contract"); monitoring (OOD scores
-    and drift on or off) and drift_window. Each means what the server setting of the same name means."""
+    compute: threads, intra_op_spinning, device, compile, torchscript, tome; decode ("fast", "exact" or
+    "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy (which versions are
+    served). Each means what the server setting of the same name means."""
 
     max_batch: Annotated[int, Field(ge=0)] | None = None
     max_delay_ms: Annotated[float, Field(ge=0)] | None = None
@@ -65,12 +66,15 @@ class ModelConfig:
     batch_curve: bool | None = None
     batch_curve_budget_s: Annotated[float, Field(gt=0)] | None = None
     threads: Annotated[int, Field(ge=1)] | None = None
+    intra_op_spinning: bool | None = None
+    device: Literal["auto", "cpu", "cuda"] | None = None
     compile: bool | None = None
     torchscript: bool | None = None
     tome: str | None = None
     decode: Literal["fast", "exact", "contract"] | None = None
     monitoring: bool | None = None
     drift_window: Annotated[int, Field(ge=1)] | None = None
+    version_policy: str | None = None  # `discovery.VersionPolicy.parse`'s forms, as config.pbtxt's version_policy
 
     def __post_init__(self) -> None:
         if self.tome is not None:
@@ -93,8 +97,10 @@ class ModelConfig:
 
     def spec(self, spec: S) -> S:
         """`spec` (the server's, for this model) with this model's compute and decoding in their place."""
-        changes: dict[str, Any] = {k: getattr(self, k) for k in ("threads", "compile", "torchscript")
+        changes: dict[str, Any] = {k: getattr(self, k) for k in ("threads", "compile", "torchscript", "device")
                                    if getattr(self, k) is not None}
+        if self.intra_op_spinning is not None:
+            changes["spinning"] = self.intra_op_spinning
         if self.tome is not None:
             changes["tome"] = parse_tome(self.tome)
         if self.decode is not None:

@@ -71,30 +71,25 @@ class RunnerLimits(BaseSettings):
 
     model_config = GROUP_CONFIG
 
-    max_batch: Annotated[int, Flag("largest batch (default {default}; 1 turns batching off)")] = Field(
+    max_batch: Annotated[int, Flag(section="model")] = Field(
         16, ge=1, description="largest batch the model runs")
-    max_delay_ms: Annotated[float, Flag("longest wait for a batch to fill (default {default}; 0: off)")] = Field(
+    max_delay_ms: Annotated[float, Flag(section="model")] = Field(
         5.0, ge=0, description="longest wait for a batch to fill, from its first request")
-    max_queue: Annotated[int, Flag("requests waiting before 503 (default {default})")] = Field(
+    max_queue: Annotated[int, Flag(section="model")] = Field(
         256, ge=1, description="requests waiting for the model; beyond it answers 503")
     request_timeout_s: float = Field(30.0, gt=0, description="queue + inference time before answering 504")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
-    max_images_per_request: Annotated[int, Flag(
-        "images one /v2 or gRPC inference request may carry (default {default}: the model's max_batch; more run "
-        "as several batches)")] = Field(
+    max_images_per_request: Annotated[int, Flag(section="model")] = Field(
         0, ge=0, description="images one /v2 or gRPC inference request may carry (BYTES elements, or pixel_values "
         "rows), checked from the tensor's shape before anything is decoded (400 beyond); 0: the model's "
         "max_batch. Above max_batch, a request runs as several batches")
 
-    instances: Annotated[int, Flag(
-        "model instances, each running its own batch at once (Triton's instance_group count; default "
-        "{default})")] = Field(
+    instances: Annotated[int, Flag(section="model")] = Field(
         1, ge=1, description="copies of the model's execution that run batches at once (Triton's instance_group "
         "count): on a CPU, n instances of cores / n intra-op threads each keep the cores busy where one instance's "
         "threads wait on each other")
 
-    batch_curve: Annotated[bool, Flag(
-        "batch as configured, without measuring what batching buys the model at warm-up")] = Field(
+    batch_curve: Annotated[bool, Flag(section="model")] = Field(
         True, description="measure the model's time per image at batch 1, 2, 4, ... max_batch when a version "
         "warms up (vit_serve.runtime.batch_curve), then batch no larger than pays and wait for a batch to fill "
         "only where it pays; off: max_batch and max_delay_ms as given")
@@ -114,14 +109,12 @@ class TritonClientSettings(BaseSettings):
 
     model_config = GROUP_CONFIG
 
-    triton_url: Annotated[str, Flag("Triton server for --backend triton (default {default})")] = Field(
+    triton_url: Annotated[str, Flag(section="triton")] = Field(
         "localhost:8000", description="Triton server host:port (HTTP) for --backend triton")
-    triton_timeout_s: Annotated[float, Flag(
-        "longest wait for one Triton call before answering 504 (default {default})")] = Field(
+    triton_timeout_s: Annotated[float, Flag(section="triton")] = Field(
         10.0, gt=0, description="longest wait for one Triton call (inference, health) before answering 504; the "
         "others in flight are not affected")
-    triton_startup_timeout_s: Annotated[float, Flag(
-        "how long start-up waits for the Triton server and model (default {default})")] = Field(
+    triton_startup_timeout_s: Annotated[float, Flag(section="triton")] = Field(
         30.0, ge=0, description="how long start-up waits for the Triton server and model to be ready")
 
 
@@ -130,45 +123,31 @@ class RepositorySettings(BaseSettings):
 
     model_config = GROUP_CONFIG
 
-    default_model: Annotated[str | None, Flag(
-        "the model of requests that name none (default: the only one)")] = Field(
+    default_model: Annotated[str | None, Flag()] = Field(
         None, description="the model of requests that name none (default: the only model of REPO)")
-    model_control: Annotated[Literal["none", "poll", "explicit"], Flag(
-        "none (default: load REPO at start), poll (follow REPO's changes), explicit (--load-model and the "
-        "repository API)")] = Field(
+    model_control: Annotated[Literal["none", "poll", "explicit"], Flag()] = Field(
         "none", description="Triton's model control modes: none (load REPO at start), poll (and follow its "
         "changes), explicit (load what --load-model and the repository API say)")
-    repository_poll_s: Annotated[float, Flag(
-        "seconds between scans with --model-control poll (default {default})")] = Field(
+    repository_poll_s: Annotated[float, Flag()] = Field(
         15.0, gt=0, description="seconds between scans of REPO with --model-control poll")
-    unload_grace_s: Annotated[float, Flag(
-        "longest wait of an unloaded or replaced version for its requests in flight, which then get 503 (default "
-        "{default})")] = Field(
+    unload_grace_s: Annotated[float, Flag()] = Field(
         30.0, ge=0, description="how long an unloaded or replaced version waits for the requests it is "
         "answering; those still in flight then get 503")
-    load_models: Annotated[list[str], Flag(
-        "--model-control explicit: load NAME at start (repeatable; * loads all)", name="--load-model",
+    load_models: Annotated[list[str], Flag(name="--load-model",
         metavar="NAME")] = Field(
         default_factory=list, description="--model-control explicit: models to load at start (* for all)")
-    version_policy: Annotated[str, Flag(
-        "versions of each model to serve: latest (default), latest:N, all, specific:V1,V2 (a model's "
-        "config.pbtxt version_policy wins)")] = Field(
+    version_policy: Annotated[str, Flag(section="model")] = Field(
         "latest:1", description="versions served of each model without its own config.pbtxt policy: latest, "
         "latest:N, all, or specific:V1,V2")
-    repository_api: Annotated[bool, Flag(
-        "answer 403 on POST /v2/repository/... (index, load, unload)", after="otel")] = Field(
+    repository_api: Annotated[bool, Flag(after="otel")] = Field(
         True, description="serve the repository API (POST /v2/repository/...); off: those routes answer 403")
 
-    traffic: Annotated[list[str], NoDecode, Flag(
-        "NAME=V:W,...: split NAME's requests between its versions by weight, e.g. vit=1:90,2:10 (repeatable; "
-        "sticky per X-Session-Id; ?version= still wins; over the model's config.pbtxt)", name="--traffic",
+    traffic: Annotated[list[str], NoDecode, Flag(name="--traffic",
         metavar="NAME=V:W,...")] = Field(
         default_factory=list, description="traffic splits, NAME=V:W,... each (VIT_SERVE_TRAFFIC: a JSON list, or "
         "entries separated by ';'): the versions named are loaded too, and requests naming no version go to one "
         "of them by weight (sticky per X-Session-Id)")
-    shadow: Annotated[list[str], NoDecode, Flag(
-        "NAME=V[:SHARE]: copy SHARE %% (default 100) of NAME's primary answers to version V as shadow work, "
-        "compared, never answered (repeatable)", name="--shadow", metavar="NAME=V[:SHARE]")] = Field(
+    shadow: Annotated[list[str], NoDecode, Flag(name="--shadow", metavar="NAME=V[:SHARE]")] = Field(
         default_factory=list, description="shadow versions, NAME=V[:SHARE] each (VIT_SERVE_SHADOW as for "
         "traffic): a sampled share (percent, default 100) of the primary's requests also runs on V, off the "
         "answer's path and shed first; the pairs are compared (GET /models/NAME/compare)")

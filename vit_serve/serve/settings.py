@@ -55,25 +55,20 @@ class SecuritySettings(BaseSettings):
 
     model_config = GROUP_CONFIG
 
-    api_keys: Annotated[list[str], NoDecode, Flag(
-        "a key requests must send (Authorization: Bearer KEY or X-API-Key; repeatable; sha256:HEX for a hash); "
-        "default: no key needed", name="--api-key", metavar="KEY")] = Field(
+    api_keys: Annotated[list[str], NoDecode, Flag(name="--api-key", metavar="KEY")] = Field(
         default_factory=list, description="keys a client sends as Authorization: Bearer KEY or X-API-Key "
         "(VIT_SERVE_API_KEYS: a JSON list or comma-separated; sha256:HEX entries are taken as hashes); none: no "
         "key needed")
-    api_keys_file: Annotated[str | None, Flag(
-        "keys (or sha256:HEX hashes), one a line, each optionally with name=, priority=, rate=, burst=",
-        metavar="FILE")] = Field(
+    api_keys_file: Annotated[str | None, Flag(metavar="FILE")] = Field(
         None, description="a file of keys (or sha256:HEX hashes), one a line, each optionally followed by name=NAME "
         "priority=LEVEL rate=R burst=B (vit_serve.serve.keys); rates are per replica (each process keeps its own "
         "buckets). Read again on SIGHUP and when it changes (checked at most once a second): write a new file and "
         "rename it over the old one to revoke a key without a restart; a file that cannot be read then keeps the "
         "keys read before and logs an error")
-    admin_api_keys: Annotated[list[str], NoDecode, Flag(
-        "a key that may also load and unload models (repeatable)", name="--admin-api-key", metavar="KEY")] = Field(
+    admin_api_keys: Annotated[list[str], NoDecode, Flag(name="--admin-api-key", metavar="KEY")] = Field(
         default_factory=list, description="keys that may also load and unload models (the repository API); "
         "none: nobody may, unless allow_any_key_admin")
-    admin_api_keys_file: Annotated[str | None, Flag("admin keys, one a line", metavar="FILE")] = Field(
+    admin_api_keys_file: Annotated[str | None, Flag(metavar="FILE")] = Field(
         None, description="a file of admin keys, one a line (the fields of api_keys_file); read again on SIGHUP and "
         "when it changes, as api_keys_file")
     default_key_priority: int | None = Field(
@@ -84,22 +79,19 @@ class SecuritySettings(BaseSettings):
     max_concurrent_per_key: int = Field(
         64, ge=0, description="requests of one API key in flight at once on this replica (HTTP and gRPC); beyond "
         "it 429 with Retry-After (RESOURCE_EXHAUSTED); 0: no cap")
-    allow_any_key_admin: Annotated[bool, Flag(
-        "without admin keys, any valid key (anyone, with no API key set) may load and unload models (default: "
-        "nobody may)")] = Field(
+    allow_any_key_admin: Annotated[bool, Flag()] = Field(
         False, description="without admin keys, let any caller with a valid key (anyone, when no API key is set) "
         "load and unload models; off: load / unload answer 403")
-    open_probes: Annotated[bool, Flag("health, readiness and metrics need a key too")] = Field(
+    open_probes: Annotated[bool, Flag()] = Field(
         True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
         "one on the main port: scrapers use metrics_port, or send a key)")
-    cors_origins: Annotated[list[str], NoDecode, Flag(
-        "an origin browsers may call from (repeatable; * for any); default: CORS off", name="--cors-origin",
+    cors_origins: Annotated[list[str], NoDecode, Flag(name="--cors-origin",
         metavar="ORIGIN")] = Field(
         default_factory=list, description="origins browsers may call from (Starlette's CORSMiddleware; * for "
         "any); none: CORS off")
-    ssl_certfile: Annotated[str | None, Flag("TLS certificate (PEM): HTTPS and gRPC over TLS")] = Field(
+    ssl_certfile: Annotated[str | None, Flag()] = Field(
         None, description="TLS certificate (PEM) for HTTPS and gRPC")
-    ssl_keyfile: Annotated[str | None, Flag("TLS private key (PEM)")] = Field(
+    ssl_keyfile: Annotated[str | None, Flag()] = Field(
         None, description="TLS private key (PEM) for HTTPS and gRPC")
 
     @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
@@ -126,20 +118,15 @@ class StoreSettings(BaseSettings):
     model_config = GROUP_CONFIG
     _store_secret_made: bool = PrivateAttr(False)
 
-    store: Annotated[str, Flag(
-        "where crops for GET /explain?id= live: memory (default, this process) or redis://HOST:PORT/DB (shared by "
-        "every replica)", metavar="URL")] = Field(
+    store: Annotated[str, Flag(section="store", metavar="URL")] = Field(
         "memory", description="where the crops for GET /explain?id= live: memory (this process), or "
         "redis://HOST:PORT/DB (shared by every replica)")
     store_size: int = Field(256, ge=0, description="recent images kept (model-input crops); 0 keeps none")
     store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
-    store_password_file: Annotated[str | None, Flag(
-        "the Redis password, read from FILE (a Secret mount) rather than the URL", metavar="FILE")] = Field(
+    store_password_file: Annotated[str | None, Flag(section="store", metavar="FILE")] = Field(
         None, description="a file holding the Redis password (a Secret mount), so that it is in neither the "
         "--store URL nor the environment")
-    store_secret_file: Annotated[str | None, Flag(
-        "the store secret (16+ bytes, the same on every replica) that explain ids and Redis entries are HMACs "
-        "with; default: one made per process (or VIT_SERVE_STORE_SECRET)", metavar="FILE")] = Field(
+    store_secret_file: Annotated[str | None, Flag(section="store", metavar="FILE")] = Field(
         None, description="a file holding the store secret (16 bytes or more, the same on every replica): "
         "explain ids and Redis entries are HMACs with it (vit_serve.serve.stores.secret); unset, and without "
         "store_secret, the process makes one, so replicas in other processes cannot explain each other's images")
@@ -179,11 +166,9 @@ class MonitoringSettings(BaseSettings):
 
     model_config = GROUP_CONFIG
 
-    monitoring: Annotated[bool, Flag(
-        "no OOD scores in answers, no drift windows (models with a reference are served as without one)")] = Field(
+    monitoring: Annotated[bool, Flag(section="model")] = Field(
         True, description="models carrying a reference get OOD scores in their answers and a drift window")
-    drift_window: Annotated[int, Flag("recent answers each model version's drift is measured on (default "
-                                      "{default})", metavar="N")] = Field(
+    drift_window: Annotated[int, Flag(section="model", metavar="N")] = Field(
         500, ge=1, description="answered images kept per model version, compared with its reference")
     drift_significance: float = Field(DEFAULT_SIGNIFICANCE, gt=0, lt=1, description="the drift alarm's level: "
                                       "on when the Bonferroni-corrected KS p-value is below it")
@@ -193,21 +178,17 @@ class MonitoringSettings(BaseSettings):
                                    "drift for /metrics (and only when its window has grown since): a scrape "
                                    "reads the last one, whatever the scrape rate; GET /models/NAME/drift computes "
                                    "its own")
-    sample_rate: Annotated[float, Flag(
-        "share of /classify requests whose crop and answer are kept (0, the default: none; needs --sample-dir or "
-        "--sample-redis-url)", metavar="RATE")] = Field(
+    sample_rate: Annotated[float, Flag(section="sampler", metavar="RATE")] = Field(
         0.0, ge=0, le=1, description="share of /classify requests sampled (their model-input crop as PNG, top-1 "
         "and OOD score) for labelling later; 0: off")
     sample_flagged_rate: float = Field(1.0, ge=0, le=1, description="share of OOD-flagged requests sampled "
                                        "(kept before the others)")
-    sample_dir: Annotated[str | None, Flag("folder the sampled requests are written to (Parquet parts)",
-                                           metavar="DIR")] = Field(
+    sample_dir: Annotated[str | None, Flag(section="sampler", metavar="DIR")] = Field(
         None, description="folder the sampled requests are written to, as Parquet parts")
     sample_max_bytes: int = Field(256 * 2**20, ge=1, description="the sample folder's cap in bytes: the oldest "
                                   "unflagged parts are removed first")
     sample_retention_s: float = Field(7 * 86400.0, gt=0, description="seconds sampled parts are kept")
-    sample_redis_url: Annotated[str | None, Flag(
-        "instead of a folder, XADD the samples to a Redis stream (redis://HOST:PORT/DB)", metavar="URL")] = Field(
+    sample_redis_url: Annotated[str | None, Flag(section="sampler", metavar="URL")] = Field(
         None, description="a Redis server the samples are added to (stream sample_redis_stream) instead of a "
         "folder")
     sample_redis_stream: str = Field("vit_serve:samples", min_length=1, description="the Redis stream of the "
@@ -293,51 +274,40 @@ class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VIT_SERVE_", extra="forbid", protected_namespaces=())
 
     # The field order is the order of `vit-serve serve --help` (vit_serve.cli.flags; a Flag's `after` moves one).
-    model: Annotated[str, Flag(
-        "a folder of models, or one: checkpoint, NAME.onnx (NAME.json beside it), NAME.engine, or a Triton model "
-        "name (default: $VIT_SERVE_MODEL)", metavar="REPO|MODEL", positional=True)] = Field(
+    model: Annotated[str, Flag(metavar="REPO|MODEL", positional=True)] = Field(
         "", description="REPO: a folder of models (exports, checkpoints, or NAME/VERSION/ folders), or one model: "
         "a checkpoint, NAME.onnx, a TensorRT engine, or a Triton model name")
-    backend: Annotated[BackendName, Flag(
-        "default {default}: from MODEL's suffix (.onnx, .engine/.plan, else torch)")] = Field(
+    backend: Annotated[BackendName, Flag()] = Field(
         "auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
     triton: TritonClientSettings = Field(default_factory=TritonClientSettings)
-    model_name: Annotated[str | None, Flag(
-        "name shown to clients and under /v2 (default: MODEL's file stem)")] = Field(
+    model_name: Annotated[str | None, Flag()] = Field(
         None, description="name shown to clients (default: MODEL's file stem)")
-    host: Annotated[str, Flag("default {default}")] = "127.0.0.1"
-    port: Annotated[int, Flag("default {default}")] = Field(8000, ge=0, le=65535)
+    host: Annotated[str, Flag()] = Field("127.0.0.1", description="the address HTTP listens on")
+    port: Annotated[int, Flag()] = Field(8000, ge=0, le=65535, description="the HTTP port (0 picks a free one)")
 
     # The Open Inference Protocol over gRPC (KServe v2 GRPCInferenceService), beside HTTP.
-    grpc_port: Annotated[int | None, Flag(
-        "serve the Open Inference Protocol over gRPC on this port (off by default; 0 picks a free port)")] = Field(
+    grpc_port: Annotated[int | None, Flag()] = Field(
         None, ge=0, le=65535, description="serve gRPC on this port (off when unset)")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve GET /metrics to anyone on this port of its own, for Prometheus "
         "(its scrape annotations and ServiceMonitor name it; deploy/ uses 8002) and nothing else there; 0 picks a "
         "free port. /metrics on the main port needs an API key when keys are on (it shows every model's traffic "
         "and every key's name), so set this where a scraper has no key; with TLS it serves HTTPS. Off when unset")
-    grpc_max_message_bytes: Annotated[int, Flag("largest gRPC message either way (default {default})")] = Field(
+    grpc_max_message_bytes: Annotated[int, Flag()] = Field(
         64 * 1024 * 1024, ge=1024, description="largest gRPC message either way (gRPC's own default, 4 MiB, is "
         "smaller than a 12 MP JPEG)")
-    grpc_max_concurrent_calls: Annotated[int, Flag(
-        "gRPC calls in flight at once; beyond: RESOURCE_EXHAUSTED (default {default})")] = Field(
+    grpc_max_concurrent_calls: Annotated[int, Flag()] = Field(
         32, ge=1, description="gRPC calls in flight at once (grpcio's maximum_concurrent_rpcs; RESOURCE_EXHAUSTED "
         "beyond): the messages held are at most this x grpc_max_message_bytes")
-    root_path: Annotated[str, Flag(
-        "the URL prefix a proxy serves the gateway under (e.g. /vit; uvicorn's root_path)")] = Field(
+    root_path: Annotated[str, Flag()] = Field(
         "", pattern=r"^(/[^/?#\s]+)*$", description="the URL prefix a proxy serves the gateway under (uvicorn's "
         "root_path, e.g. /vit): routes and key checks see the path without it")
     # Graceful shutdown (vit_serve.serve.shutdown): on SIGTERM / SIGINT, drain, then grace, then 503 the rest.
-    shutdown_drain_s: Annotated[float, Flag(
-        "on SIGTERM, seconds /readyz answers 503 while requests are still served, before the listener closes "
-        "(default {default})")] = Field(5.0, ge=0, description="on SIGTERM / SIGINT: seconds the readiness "
-        "probes answer 503 (draining) while the server still accepts and answers, so that a load balancer "
+    shutdown_drain_s: Annotated[float, Flag()] = Field(5.0, ge=0, description="on SIGTERM / SIGINT: seconds the "
+        "readiness probes answer 503 (draining) while the server still accepts and answers, so that a load balancer "
         "stops sending before the listener closes")
-    shutdown_grace_s: Annotated[float, Flag(
-        "then, seconds the queued and running requests have to finish; those still waiting get 503 "
-        "(default {default})")] = Field(20.0, ge=0, description="after the drain: seconds the queued and "
-        "running requests have to finish; the requests still waiting then are answered 503 + Retry-After")
+    shutdown_grace_s: Annotated[float, Flag()] = Field(20.0, ge=0, description="after the drain: seconds the queued "
+        "and running requests have to finish; the requests still waiting then are answered 503 + Retry-After")
     limits: RunnerLimits = Field(default_factory=RunnerLimits)
 
     # Untrusted input.
@@ -375,30 +345,21 @@ class ServeSettings(BaseSettings):
     text_queue_size: int = Field(DEFAULT_LABELS.queue_size, ge=1, description="requests with labels each text "
                                  "tower holds, waiting or being encoded (503 + Retry-After beyond)")
 
-    threads: Annotated[int | None, Flag("intra-op threads of the model runtime (default: its own)")] = Field(
+    threads: Annotated[int | None, Flag(section="model")] = Field(
         None, ge=1, description="intra-op threads of the model runtime (default: its own)")
-    intra_op_spinning: Annotated[bool, Flag(
-        "onnxruntime's intra-op threads spin between parallel sections (faster where decoding is cheap; off by "
-        "default: spinning takes the cores 12 MP uploads need)")] = Field(
+    intra_op_spinning: Annotated[bool, Flag(section="model")] = Field(
         False, description="onnxruntime's session.intra_op.allow_spinning: on, the model runs 14-25% faster "
         "where uploads are cheap to decode (small photos); off (the default), its idle threads leave the cores "
         "to the decode threads, 15-25% faster with 12 MP uploads")
-    device: Annotated[Literal["auto", "cpu", "cuda"], Flag("torch / onnxruntime device (default {default})")] = (
+    device: Annotated[Literal["auto", "cpu", "cuda"], Flag(section="model")] = (
         Field("auto", description="torch / onnxruntime device"))
-    tome: Annotated[str | None, Flag(
-        "token merging on checkpoints served with the torch backend: R tokens merged in every layer (13), one R "
-        "per layer (13,13,8) or R:inflection (16:-1); exports run the merging they were exported with "
-        "(vit-export --tome)", metavar="R")] = Field(
+    tome: Annotated[str | None, Flag(section="model", metavar="R")] = Field(
         None, description="token merging (ToMe) set on every checkpoint the torch backend loads: r per layer "
         "(`vit_serve.tome.parse_tome`'s forms); exported models keep their own")
-    compile: Annotated[bool, Flag(
-        "run checkpoints served with the torch backend through torch.compile (inductor): compiled at load, "
-        "checked against eager")] = Field(
+    compile: Annotated[bool, Flag(section="model")] = Field(
         False, description="torch.compile (inductor) the checkpoints the torch backend loads: compiled and "
         "warmed up at load, its logits checked against eager's; exports are unaffected")
-    torchscript: Annotated[bool, Flag(
-        "run checkpoints served with the torch backend as a TorchScript trace (classify, embed): traced at load, "
-        "checked against eager; it runs without Python's GIL, so the event loop's work does not stall it")] = Field(
+    torchscript: Annotated[bool, Flag(section="model")] = Field(
         False, description="trace the checkpoints the torch backend loads with torch.jit (classify / embed; "
         "explain stays eager), checked against eager at load: the model threads then run without Python's GIL; "
         "exports are unaffected; not with compile")
@@ -406,25 +367,19 @@ class ServeSettings(BaseSettings):
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
     monitor: MonitoringSettings = Field(default_factory=MonitoringSettings)
-    request_ids: Annotated[bool, Flag("neither echo X-Request-ID nor log a line per request")] = Field(
+    request_ids: Annotated[bool, Flag()] = Field(
         True, description="echo X-Request-ID (made when absent) and log one line per request with it")
-    otel: Annotated[bool, Flag(
-        "OpenTelemetry tracing (needs vit-serve[otel]): a span per request, context passed on to Triton; "
-        "endpoint, service name, sampler from the standard OTEL_* variables")] = Field(
+    otel: Annotated[bool, Flag()] = Field(
         False, description="OpenTelemetry tracing (the otel extra): a span per request, the trace context passed "
         "on to Triton; exporter, endpoint, service name and sampler from the standard OTEL_* variables "
         "(vit_serve.serve.tracing)")
     # fast by default: unique 12 MP uploads 2.9-4x faster through the gateway, within 44.8-47.6 dB of the exact
     # input, top-1 unchanged on the digits scans (README, "Decoding uploads").
-    decode: Annotated[Literal["fast", "exact"] | None, Flag(
-        "upload decoding: fast (the default: JPEG DCT-domain downscaling), exact (timm's transform, bit for bit) "
-        "or contract (the model's own contract field)", none="contract")] = Field(
+    decode: Annotated[Literal["fast", "exact"] | None, Flag(section="model", none="contract")] = Field(
         "fast", description="how uploads are decoded and resized: fast (the default: JPEG DCT-domain "
         "downscaling, integer reduction first), exact (timm's transform, bit for bit), or contract (None here): "
         "the model's own contract field")
-    engine: Annotated[Literal["local", "ray"], Flag(
-        "local (default: this process) or ray (the gateway as a Ray Serve application, each model version its "
-        "own deployment)", section="ray")] = Field(
+    engine: Annotated[Literal["local", "ray"], Flag(section="ray")] = Field(
         "local", description="where the models run: local (in this process), or ray (each model version a Ray "
         "Serve deployment that this gateway, a Ray Serve ingress, calls; vit_serve.deploy.ray sets it)")
 

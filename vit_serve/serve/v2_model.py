@@ -95,9 +95,11 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
 
 
 def request_bounds(mv: ModelVersion, limits: RunnerLimits) -> RequestBounds:
-    """What one request to `mv` may carry: `max_images_per_request` images (0: the version's max_batch, its own
-    config's or the settings'), and for pixel_values that many rows of [3, H, W]."""
-    images = limits.max_images_per_request or mv.runner.limits.max_batch
+    """What one request to `mv` may carry: `max_images_per_request` images (0: the version's max_batch), the
+    version's own (its model's config, over `limits`, the settings'), and for pixel_values that many rows of
+    [3, H, W]."""
+    own = mv.runner.limits
+    images = own.max_images_per_request or own.max_batch
     h, w = mv.info.resolution
     return RequestBounds(images, images * 3 * h * w)
 

@@ -1,0 +1,43 @@
+"""`vit-serve serve --help` by scope: at most 30 server options, then the model defaults (each one a key a model's
+config.toml may set), the Triton backend, the explain store, the payload sampler and Ray Serve; one help text per
+setting (the field's description, the flag says nothing else)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vit_serve.cli import build_parser
+from vit_serve.cli.flags import pydantic_fields
+from vit_serve.runtime.model_config import KEYS
+from vit_serve.serve.settings import ServeSettings
+
+
+def _serve() -> argparse.ArgumentParser:
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def _groups() -> dict[str, list[str]]:
+    return {g.title.split(" (")[0]: [a.dest for a in g._group_actions] for g in _serve()._action_groups
+            if g._group_actions}
+
+
+def test_serve_help_lists_server_options_apart_from_the_model_defaults():
+    groups = _groups()
+    assert len([d for d in groups["server"] if d != "model"]) <= 30  # REPO|MODEL is an argument, not an option
+    assert set(groups["model defaults"]) <= set(KEYS)  # a model's own config.toml can set each of them
+    assert {"max_batch", "max_delay_ms", "max_queue", "instances", "threads", "compile", "torchscript", "tome",
+            "decode", "monitoring"} <= set(groups["model defaults"])
+    assert {"host", "port", "api_keys", "ssl_certfile", "otel", "model_control"} <= set(groups["server"])
+    help_text = _serve().format_help()
+    assert "model defaults (each model's own REPO/NAME/config.toml" in help_text
+
+
+def test_each_flag_says_its_settings_description():
+    """No second help text: a serve flag's help is its field's description (and the default it leaves)."""
+    by_dest = {a.dest: a for a in _serve()._actions}
+    for field in pydantic_fields(ServeSettings.flat_fields()):
+        assert field.flag.help is None, field.name
+        assert field.description, field.name
+        assert by_dest[field.name].help.replace("%%", "%").startswith(field.description), field.name
