@@ -90,7 +90,7 @@ def test_the_production_example_names_real_settings():
     fields = set(ServeSettings.flat_fields())
     assert {n.lower() for n in named} <= fields, {n.lower() for n in named} - fields
     s = ServeSettings(**{n.lower(): v for n, v in named.items()})
-    assert s.grpc_port == 8001 and s.store.startswith("redis://") and s.model_control == "poll"
+    assert s.grpc_port == 8001 and s.explain_store.store.startswith("redis://") and s.repository.model_control == "poll"
 
 
 def test_healthchecks_are_python_that_compiles():

@@ -349,7 +349,7 @@ def test_kserve_transformer_turns_kserves_arguments_into_settings(tmp_path):
     assert seen["args"]["command"] == "serve"
     settings = ServeSettings(**_settings_kwargs(seen["env"]))
     assert settings.backend == "triton" and settings.host == "0.0.0.0"
-    assert parse_url(settings.triton_url) == ("grpc", f"vit-predictor.{NAMESPACE}:80")
+    assert parse_url(settings.triton.triton_url) == ("grpc", f"vit-predictor.{NAMESPACE}:80")
     ports = [p["containerPort"] for p in container["ports"]]
     assert ports == [settings.port] == [8080]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -589,7 +589,8 @@ def replicas(tmp_path_factory, exported, redis_from_manifest, ready_client) -> I
     env |= {"VIT_SERVE_STORE": redis_url, "VIT_SERVE_GRPC_PORT": "0", "VIT_SERVE_METRICS_PORT": "0"}
     model = str(mounts["models"])
     settings = ServeSettings(**_settings_kwargs(env), model=model, host="127.0.0.1", device="cpu")
-    assert not settings.store_secret_generated  # the pods share the Secret's store secret, not a process's own
+    # the pods share the Secret's store secret, not a process's own
+    assert not settings.explain_store.store_secret_generated
     with ready_client(settings) as a, ready_client(settings) as b:
         yield [a, b], key
 
@@ -871,5 +872,5 @@ def test_the_store_secrets_placeholder_stops_a_gateway_in_one_line(tmp_path):
     secret = _doc("Secret", "vit-serve-redis")["stringData"]["store_secret"]
     (tmp_path / "store_secret").write_text(secret)
     with pytest.raises(ValueError, match="it needs at least 16") as e:
-        StoreSecret.from_settings(ServeSettings(store_secret_file=str(tmp_path / "store_secret")))
+        StoreSecret.from_settings(ServeSettings(store_secret_file=str(tmp_path / "store_secret")).explain_store)
     assert "\n" not in str(e.value) and secret not in str(e.value)

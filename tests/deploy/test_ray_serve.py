@@ -220,7 +220,8 @@ def test_explain_by_id_works_across_ingress_replicas_through_redis(cluster, ckpt
             classified.setdefault(r.json()["id"], r.headers[REPLICA])
             uploads[r.json()["id"]] = data
         stored = [k.decode() for k in redis.Redis.from_url(redis_url).keys(f"{PREFIX}*")]
-        secret = StoreSecret.from_settings(cluster["settings"])  # the ingress replicas get these settings' secret
+        # the ingress replicas get these settings' secret
+        secret = StoreSecret.from_settings(cluster["settings"].explain_store)
         slots = {image: secret.slot("", image) for image in classified}  # no API keys: the shared scope
         assert all(any(key.startswith(f"{PREFIX}{slots[image]}:") for key in stored) for image in classified), stored
 

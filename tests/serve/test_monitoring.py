@@ -387,7 +387,8 @@ def test_monitoring_settings_refused():
     from vit_serve.serve.settings import ServeSettings
 
     s = ServeSettings(model="m", drift_window=50)  # the minimum follows a smaller window
-    assert (s.monitoring, s.drift_window, s.drift_min_window, s.sample_rate) == (True, 50, 50, 0.0)
+    m = s.monitor
+    assert (m.monitoring, m.drift_window, m.drift_min_window, m.sample_rate) == (True, 50, 50, 0.0)
     for bad, match in (({"sample_rate": 0.1}, "sample_dir"), ({"sample_rate": 0.1, "sample_dir": "d",
                                                               "sample_redis_url": "redis://x"}, "not both"),
                        ({"drift_significance": 1.0}, "drift_significance"), ({"drift_window": 0}, "drift_window"),
@@ -403,4 +404,4 @@ def test_monitoring_flags(monkeypatch):
     monkeypatch.setenv("VIT_SERVE_MONITORING", "false")
     monkeypatch.setenv("VIT_SERVE_DRIFT_WINDOW", "200")
     s = ServeSettings(model="m")
-    assert s.monitoring is False and s.drift_window == 200 and s.monitor.drift_min_window == 100
+    assert s.monitor.monitoring is False and s.monitor.drift_window == 200 and s.monitor.drift_min_window == 100

@@ -205,6 +205,6 @@ def test_the_setting_is_a_serve_flag_and_a_variable(monkeypatch):
     args = build_parser().parse_args(["serve", "model.onnx", "--max-images-per-request", "64"])
     assert args.max_images_per_request == 64
     monkeypatch.setenv(LIMIT_SETTING, "32")
-    assert ServeSettings().max_images_per_request == 32
+    assert ServeSettings().limits.max_images_per_request == 32
     monkeypatch.delenv(LIMIT_SETTING)
-    assert ServeSettings().max_images_per_request == 0  # the model's max_batch
+    assert ServeSettings().limits.max_images_per_request == 0  # the model's max_batch

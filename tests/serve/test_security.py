@@ -60,8 +60,8 @@ def test_keys_are_kept_as_hashes_read_from_files_and_never_logged(tiny_ckpt, pho
 
     hashed = "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()
     s = ServeSettings(model=str(tiny_ckpt), api_keys=[KEY, "other"])
-    assert s.api_keys[0] == hashed and KEY not in s.model_dump_json()
-    assert ServeSettings(model="m.onnx", api_keys=[hashed]).api_keys == [hashed]  # a hash is kept as given
+    assert s.security.api_keys[0] == hashed and KEY not in s.model_dump_json()
+    assert ServeSettings(model="m.onnx", api_keys=[hashed]).security.api_keys == [hashed]  # a hash is kept as given
     keys = tmp_path / "keys.txt"
     keys.write_text(f"# the gateway's keys\n\n{hashed}\n")  # the file may hold hashes only
     caplog.set_level(logging.DEBUG)
@@ -203,8 +203,9 @@ def test_https_with_a_self_signed_certificate(tiny_ckpt, tmp_path):
                    check=True, capture_output=True)
     settings = settings_for(tiny_ckpt, ssl_certfile=str(cert), ssl_keyfile=str(key))
     port = _free_port()
+    tls = settings.security
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                           ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile))
+                                           ssl_certfile=tls.ssl_certfile, ssl_keyfile=tls.ssl_keyfile))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -36,8 +36,8 @@ def test_settings_from_environment_and_overrides(monkeypatch):
     monkeypatch.setenv("VIT_SERVE_MAX_BATCH", "3")
     monkeypatch.setenv("VIT_SERVE_MAX_DELAY_MS", "0")
     s = ServeSettings(model="m.onnx")
-    assert (s.max_batch, s.max_delay_ms, s.batching) == (3, 0.0, False)
-    assert ServeSettings(model="m.onnx", max_batch=5, max_delay_ms=2).batching
+    assert (s.limits.max_batch, s.limits.max_delay_ms, s.limits.batching) == (3, 0.0, False)
+    assert ServeSettings(model="m.onnx", max_batch=5, max_delay_ms=2).limits.batching
     with pytest.raises(ValueError, match="extra"):
         ServeSettings(model="m.onnx", max_batchsize=5)
 

@@ -48,7 +48,7 @@ def test_parse_forms_and_refusals():
     from vit_serve.serve.settings import ServeSettings
 
     s = ServeSettings(model="m", traffic=["vit=1:90,2:10"], shadow=["vit=3:25"])
-    assert s.traffic_weights == {"vit": {1: 90.0, 2: 10.0}} and s.shadows == {"vit": (3, 25.0)}
+    assert s.repository.traffic_weights == {"vit": {1: 90.0, 2: 10.0}} and s.repository.shadows == {"vit": (3, 25.0)}
     for bad in ({"traffic": ["vit"]}, {"traffic": ["vit=1:-2"]}, {"shadow": ["vit=3:0"]},
                 {"traffic": ["a=1", "a=2"]}):
         with pytest.raises(ValueError):

@@ -418,7 +418,7 @@ def test_triton_timeouts_are_settings(monkeypatch):
     monkeypatch.setenv("VIT_SERVE_TRITON_TIMEOUT_S", "2.5")
     monkeypatch.setenv("VIT_SERVE_TRITON_STARTUP_TIMEOUT_S", "7")
     s = ServeSettings()
-    assert (s.triton_timeout_s, s.triton_startup_timeout_s) == (2.5, 7.0)
+    assert (s.triton.triton_timeout_s, s.triton.triton_startup_timeout_s) == (2.5, 7.0)
     args = build_parser().parse_args(["serve", MODEL, "--triton-timeout-s", "1.5", "--triton-startup-timeout-s", "0"])
     assert (args.triton_timeout_s, args.triton_startup_timeout_s) == (1.5, 0.0)
     with pytest.raises(ValueError, match="greater than 0"):

@@ -4,11 +4,15 @@ flags, in typed groups.
 `ServeSettings` nests `limits` (`RunnerLimits`), `triton` (`TritonClientSettings`), `repository`
 (`RepositorySettings`), `security` (`SecuritySettings`: who may call), `explain_store` (`StoreSettings`: the
 images kept for GET /explain?id=) and `monitor` (`MonitoringSettings`: OOD scores, drift, the payload sampler);
-the rest (the model, the listeners, decode, compute) is its own. The names stay
-flat everywhere: every field of every group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a keyword of
-`ServeSettings(max_batch=4)` (a group instance may be passed too: `ServeSettings(limits=RunnerLimits(...))`), a
-`model_copy(update=...)` key, and, for compatibility, an attribute (`settings.max_batch` reads
-`settings.limits.max_batch`). Components take their own group.
+the rest (the model, the listeners, decode, compute) is its own. Components take their own group, and read a
+group's field through it (`settings.limits.max_batch`). The names of the outside stay flat: every field of every
+group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch), a name in a settings
+file and a keyword of `ServeSettings(max_batch=4)` (a group instance may be passed too:
+`ServeSettings(limits=RunnerLimits(...))`).
+
+The settings a model's own REPO/NAME/config.toml may set (`vit_serve.runtime.model_config.ModelConfig`: its
+limits, instances, compute, decode, monitoring) are, here, the defaults of the models without their own: their
+flags are listed as "model defaults" (`Flag(section="model")`).
 
 A settings file (`vit-serve serve --config FILE`, `vit_serve.serve.config_file.settings_from_file`) holds the same
 flat names. Precedence: keywords (flags) > VIT_SERVE_* > the file > the defaults.
@@ -447,28 +451,6 @@ class ServeSettings(BaseSettings):
         label_cache_size, max_label_bytes, max_label_prompts, text_chunk_size, text_queue_size)."""
         return LabelLimits(self.max_labels, self.max_label_chars, self.label_cache_size, self.max_label_bytes,
                            self.max_label_prompts, self.text_chunk_size, self.text_queue_size)
-
-    def __getattr__(self, name: str) -> Any:
-        group = FLAT.get(name)
-        if group is None:
-            return super().__getattr__(name)  # type: ignore[misc]  # pydantic's (private attributes, errors)
-        return getattr(self.__dict__[group], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        group = FLAT.get(name)
-        if group is None:
-            super().__setattr__(name, value)
-        else:  # a new group: copies of these settings share the old one
-            super().__setattr__(group, getattr(self, group).model_copy(update={name: value}))
-
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> ServeSettings:
-        """A copy, `update` by flat names too (`{"max_batch": 4}` updates a copy of the `limits` group)."""
-        update = dict(update or {})
-        for name in GROUPS:
-            flat = {k: update.pop(k) for k in list(update) if FLAT.get(k) == name}
-            if flat:
-                update[name] = getattr(self, name).model_copy(update=flat, deep=deep)
-        return super().model_copy(update=update, deep=deep)
 
 
 def _given(group: BaseSettings) -> dict[str, Any]:
