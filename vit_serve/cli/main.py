@@ -374,7 +374,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
                                    "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH) "
                                    "and a name in a --config file: flags win over the variables, which win over "
-                                   "the file.")
+                                   "the file. The model defaults apply to the models without their own: a model's "
+                                   "REPO/NAME/config.toml (or config.pbtxt) sets its own.")
     try:
         from vit_serve.serve.settings import ServeSettings
     except ImportError as e:  # without the serve extra: `serve` takes anything and says what is missing
