@@ -36,7 +36,7 @@ def test_scan_pairs_model_onnx_with_its_sidecar_and_skips_tritons_own_models(exp
     assert sorted(n for n, e in entries.items() if not e.skipped) == ["tiny_onnx"]
     onnx = entries["tiny_onnx"]
     assert onnx.error is None and onnx.versions[1].path == repo / "tiny_onnx" / "1" / "model.onnx"
-    assert onnx.limits.max_batch == 16  # its config.pbtxt's max_batch_size
+    assert onnx.config.max_batch == 16  # its config.pbtxt's max_batch_size
     for name in ("tiny_py", "tiny_explain_py", "tiny_preprocess"):
         assert entries[name].skipped and "a Triton Python-backend model" in entries[name].error
     assert "ONNX sibling tiny_onnx" in entries["tiny_py"].error

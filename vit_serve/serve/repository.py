@@ -391,7 +391,7 @@ class ModelRepository:
         limits = config.over(self.spec.limits)
         thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
         spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
-                                 threads=self._threads(limits.instances))
+                                 threads=self._threads(limits.instances), limits=limits)
         if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
             spec = spec.replace(tome=None, compile=False, torchscript=False)
         spec = config.spec(spec)
