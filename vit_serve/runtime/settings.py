@@ -137,7 +137,8 @@ class RepositorySettings(BaseSettings):
         metavar="NAME")] = Field(
         default_factory=list, description="--model-control explicit: models to load at start (* for all)")
     version_policy: Annotated[str, Flag(section="model")] = Field(
-        "latest:1", description="versions served of each model without its own config.pbtxt policy: latest, "
+        "latest:1", description="versions served of each model without a policy of its own (config.toml "
+        "version_policy, config.pbtxt): latest, "
         "latest:N, all, or specific:V1,V2")
     repository_api: Annotated[bool, Flag(after="otel")] = Field(
         True, description="serve the repository API (POST /v2/repository/...); off: those routes answer 403")
