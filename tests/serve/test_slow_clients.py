@@ -338,7 +338,7 @@ def test_stalled_uploads_are_no_work_ahead_for_deadlines(slow_ckpt):
 def test_the_ageing_rule():
     """`live_arrivals`: announced requests count while their bytes keep coming (or while no body is read), at
     their level or a more urgent one, at most the cap."""
-    from vit_serve.serve.runner import STALL_S, live_arrivals
+    from vit_serve.runtime.scheduling import STALL_S, live_arrivals
 
     now = 100.0
     heard = [(1, now), (2, now - STALL_S / 2), (2, now - 2 * STALL_S), (3, None), (2, None)]
