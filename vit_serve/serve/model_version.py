@@ -375,7 +375,7 @@ class ModelVersion:
 
 
 class Announcement:
-    """A request announced to a version's batcher (a `runner.Arrival`) while its body is read, holding neither the
+    """A request announced to a version's batcher (a `scheduling.Arrival`) while its body is read, holding neither the
     version nor its runner: the version keeps the arrival and ends it when closed. Use as `with ...:` around the
     read; the version that answers is chosen after it."""
 
@@ -391,7 +391,7 @@ class Announcement:
 
     def heard_from(self, clock: Any) -> Announcement:
         """Count the request as coming only while its body's bytes keep coming: `clock.last` is when the latest
-        came (`slow_clients.BodyClock`; None: always); a stalled upload makes no batch wait (`runner.Arrival`)."""
+        came (`slow_clients.BodyClock`; None: always); a stalled upload makes no batch wait (`scheduling.Arrival`)."""
         arrival = self._arrival()
         if arrival is not None:
             arrival.heard_from(clock)

@@ -24,7 +24,7 @@ class SchedulerEvents(Protocol):
         """A request refused or dropped (`Reason`)."""
 
     def shed(self) -> None:
-        """A waiting request shed for a more urgent one (also counted as rejected "shed")."""
+        """A waiting request shed for a more urgent one (the gateway counts it as rejected "shed")."""
 
     def batch(self, kind: str, rows: int, waits_s: list[float]) -> None:
         """A batch of `rows` images of a task kind starts; `waits_s`: each request's time in the queue."""
