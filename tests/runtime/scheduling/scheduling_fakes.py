@@ -82,9 +82,14 @@ class ManualExecutor(concurrent.futures.Executor):
     def run_next(self) -> None:
         future, fn, args = self.waiting.popleft()
         try:
-            future.set_result(fn(*args))
+            result = fn(*args)
         except Exception as e:
-            future.set_exception(e)
+            # without its traceback (its frames hold the runner's coroutines, in a cycle through the futures
+            # that carry it): finalized later, in the middle of pytest rewriting a module's AST, they break
+            # CPython 3.11.7's AST recursion check (a SystemError at the end of the session)
+            future.set_exception(e.with_traceback(None))
+        else:
+            future.set_result(result)
 
 
 def image(value: float, rows: int = 1) -> np.ndarray:
