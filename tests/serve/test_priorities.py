@@ -1,4 +1,5 @@
-"""The batcher's order and refusals with the real gateway and model: the most urgent level runs first, a full queue
+"""The batcher's order and refusals with the real gateway and model (the scheduler's own rules, as tables over a
+fake backend and clock: tests/runtime/scheduling): the most urgent level runs first, a full queue
 sheds the least urgent newest request for a more urgent one, and a request that cannot meet its deadline is
 refused at the queue or dropped before its batch (504), never run late.
 
@@ -44,29 +45,6 @@ async def _hold(mv) -> tuple[threading.Event, asyncio.Task]:
     blocker = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 99), None, Admission()))
     await _until(lambda: mv.runner.running == 1)
     return gate, blocker
-
-
-def test_the_most_urgent_level_runs_first_and_arrival_order_within_a_level(tiny_ckpt):
-    async def scenario():
-        async with serving(settings_for(tiny_ckpt, max_batch=1)) as (_, app):
-            mv = app.state.gateway.model()
-            gate, blocker = await _hold(mv)
-            done: list[str] = []
-
-            async def one(name: str, level: int) -> None:
-                await mv.infer(CLASSIFY, _x(mv, len(done)), None, Admission(priority=level))
-                done.append(name)
-
-            tasks = []
-            for name, level in [("low-1", 3), ("mid-1", 2), ("low-2", 3), ("top-1", 1), ("mid-2", 2), ("top-2", 1)]:
-                tasks.append(asyncio.create_task(one(name, level)))
-                n = len(tasks)
-                await _until(lambda n=n: mv.runner.depth == n)
-            gate.set()
-            await asyncio.gather(blocker, *tasks)
-            return done
-
-    assert run(scenario()) == ["top-1", "top-2", "mid-1", "mid-2", "low-1", "low-2"]
 
 
 def test_a_full_queue_sheds_the_least_urgent_newest_for_a_more_urgent_request(tiny_ckpt):
