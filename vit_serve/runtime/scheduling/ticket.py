@@ -16,11 +16,11 @@ started: the answer is thrown away).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from vit_serve.runtime.errors import InvalidValueError
+from vit_serve.runtime.scheduling.clock import PERF_CLOCK
 from vit_serve.runtime.scheduling.errors import deadline_exceeded
 
 Stage = Literal["read", "decode", "queue", "infer"]
@@ -43,7 +43,7 @@ class Caller:
 class Ticket:
     """A request's terms (set as it arrives) and its progress (updated as it goes), one object per request."""
 
-    arrived: float = field(default_factory=time.perf_counter)  # clock seconds
+    arrived: float = field(default_factory=PERF_CLOCK.now)  # clock seconds
     deadline: float | None = None  # clock seconds; None: the runner's request_timeout_s alone
     caller: Caller = field(default_factory=Caller)
     priority: int = DEFAULT_PRIORITY
@@ -109,11 +109,11 @@ class Ticket:
     # ---- progress ---------------------------------------------------------------------------------------
 
     def remaining(self, now: float | None = None) -> float | None:
-        """Seconds left before the deadline at `now` (default: `time.perf_counter()`; None: no deadline; <= 0:
+        """Seconds left before the deadline at `now` (default: `PERF_CLOCK.now()`; None: no deadline; <= 0:
         past)."""
         if self.deadline is None:
             return None
-        return self.deadline - (time.perf_counter() if now is None else now)
+        return self.deadline - (PERF_CLOCK.now() if now is None else now)
 
     def check_deadline(self, where: str, now: float | None = None) -> None:
         """`DeadlineError` now if the deadline has already passed."""
