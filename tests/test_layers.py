@@ -48,3 +48,22 @@ def test_long_functions_are_found(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(100))
     (tmp_path / "vit_serve" / "m.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}")
     assert code_shape.function_lengths(tmp_path)[:2] == [(101, "vit_serve/m.py:5 long"), (2, "vit_serve/m.py:1 short")]
+
+
+SCHEDULING = ROOT / "vit_serve" / "runtime" / "scheduling"
+MAX_SCHEDULING_CLASS_LINES, MAX_SCHEDULING_FILE_LINES = 250, 400
+
+
+def test_the_scheduler_is_in_small_pieces():
+    """Issue 39: no class over 250 lines and no file over 400 in vit_serve/runtime/scheduling/."""
+    import ast
+
+    files = sorted(SCHEDULING.glob("*.py"))
+    assert files
+    long_files = [f"{p.name} ({n} lines)" for p in files if (n := len(p.read_text().splitlines())) >
+                  MAX_SCHEDULING_FILE_LINES]
+    classes = [(p.name, node) for p in files for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ClassDef)]
+    long_classes = [f"{name}:{node.name} ({n} lines)" for name, node in classes
+                    if (n := node.end_lineno - node.lineno + 1) > MAX_SCHEDULING_CLASS_LINES]
+    assert long_files == [] and long_classes == []

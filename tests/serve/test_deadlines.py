@@ -110,8 +110,9 @@ def test_http_deadline_the_work_ahead_cannot_meet_is_refused_before_the_body(liv
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
             gate, keeper = await hold(live, client, image)
-            saved = dict(live.mv.runner._row_s)
-            live.mv.runner._row_s["classify"] = 0.2
+            cost = live.mv.runner.cost
+            saved = cost.row_s("classify")
+            cost.seed("classify", 0.2)
             try:
                 patient = [asyncio.create_task(client.post(f"{live.url}/classify", content=image, headers=JPEG))
                            for _ in range(3)]
@@ -127,8 +128,10 @@ def test_http_deadline_the_work_ahead_cannot_meet_is_refused_before_the_body(liv
                 late = await Counts.of(live.url)
             finally:
                 gate.open()
-                live.mv.runner._row_s.clear()
-                live.mv.runner._row_s.update(saved)
+                if saved is None:
+                    cost.forget("classify")
+                else:
+                    cost.seed("classify", saved)
             answered = [await keeper, *await asyncio.gather(*patient)]
         return before, refused, late, answered, await Counts.of(live.url)
 

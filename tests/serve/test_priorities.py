@@ -1,4 +1,5 @@
-"""The batcher's order and refusals with the real gateway and model: the most urgent level runs first, a full queue
+"""The batcher's order and refusals with the real gateway and model (the scheduler's own rules, as tables over a
+fake backend and clock: tests/runtime/scheduling): the most urgent level runs first, a full queue
 sheds the least urgent newest request for a more urgent one, and a request that cannot meet its deadline is
 refused at the queue or dropped before its batch (504), never run late.
 
@@ -18,10 +19,9 @@ import pytest
 import torch
 from gateway_helpers import metric, run, serving, settings_for
 
+from vit_serve.runtime.scheduling import DeadlineError, QueueFullError
 from vit_serve.runtime.task import CLASSIFY
-from vit_serve.serve import runner
 from vit_serve.serve.admission import SHADOW, Admission
-from vit_serve.serve.errors import GatewayTimeoutError, QueueFullError
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:
@@ -45,29 +45,6 @@ async def _hold(mv) -> tuple[threading.Event, asyncio.Task]:
     blocker = asyncio.create_task(mv.infer(CLASSIFY, _x(mv, 99), None, Admission()))
     await _until(lambda: mv.runner.running == 1)
     return gate, blocker
-
-
-def test_the_most_urgent_level_runs_first_and_arrival_order_within_a_level(tiny_ckpt):
-    async def scenario():
-        async with serving(settings_for(tiny_ckpt, max_batch=1)) as (_, app):
-            mv = app.state.gateway.model()
-            gate, blocker = await _hold(mv)
-            done: list[str] = []
-
-            async def one(name: str, level: int) -> None:
-                await mv.infer(CLASSIFY, _x(mv, len(done)), None, Admission(priority=level))
-                done.append(name)
-
-            tasks = []
-            for name, level in [("low-1", 3), ("mid-1", 2), ("low-2", 3), ("top-1", 1), ("mid-2", 2), ("top-2", 1)]:
-                tasks.append(asyncio.create_task(one(name, level)))
-                n = len(tasks)
-                await _until(lambda n=n: mv.runner.depth == n)
-            gate.set()
-            await asyncio.gather(blocker, *tasks)
-            return done
-
-    assert run(scenario()) == ["top-1", "top-2", "mid-1", "mid-2", "low-1", "low-2"]
 
 
 def test_a_full_queue_sheds_the_least_urgent_newest_for_a_more_urgent_request(tiny_ckpt):
@@ -110,7 +87,7 @@ def test_deadlines_refuse_at_the_queue_and_drop_before_the_batch(tiny_ckpt):
             mv = app.state.gateway.model()
             for i in range(3):  # the batcher learns how long a batch takes
                 await mv.infer(CLASSIFY, _x(mv, i), None, Admission())
-            per_batch = mv.runner._row_s["classify"]  # batches of one: a batch's time
+            per_batch = mv.runner.cost.row_s("classify")  # batches of one: a batch's time
             gate, blocker = await _hold(mv)
             queued = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission())) for i in range(6)]
             await _until(lambda: mv.runner.depth == 6)
@@ -119,7 +96,7 @@ def test_deadlines_refuse_at_the_queue_and_drop_before_the_batch(tiny_ckpt):
             short = Admission(deadline=time.perf_counter() + 2 * per_batch, priority=2)
             try:
                 await mv.infer(CLASSIFY, _x(mv, 9), None, short)
-            except GatewayTimeoutError as e:
+            except DeadlineError as e:
                 outcome["predicted"] = str(e)
             outcome["depth"] = mv.runner.depth
             # 0.3 s left, the earliest deadline of its level: first in line, admitted; the model stays busy
@@ -129,11 +106,11 @@ def test_deadlines_refuse_at_the_queue_and_drop_before_the_batch(tiny_ckpt):
             past = Admission(deadline=time.perf_counter() - 0.001)
             try:
                 await mv.infer(CLASSIFY, _x(mv, 11), None, past)
-            except GatewayTimeoutError as e:
+            except DeadlineError as e:
                 outcome["past"] = str(e)
             try:
                 await urgent
-            except GatewayTimeoutError as e:
+            except DeadlineError as e:
                 outcome["expired"] = str(e)
             before = metric((await client.get("/metrics")).text, "vit_serve_batch_size_sum", task="classify")
             gate.set()
@@ -157,7 +134,7 @@ def test_the_arrival_check_counts_what_is_coming_at_its_level_or_above(tiny_ckpt
         async with serving(settings_for(tiny_ckpt, max_batch=8)) as (_, app):
             mv = app.state.gateway.model()
             gate, blocker = await _hold(mv)
-            mv.runner._row_s["classify"] = 0.1
+            mv.runner.cost.seed("classify", 0.1)
             coming = [mv.arriving(2) for _ in range(10)]
             outcomes = {}
             for name, admission in (("bronze", Admission(priority=2)), ("gold", Admission(priority=1)),
@@ -168,7 +145,7 @@ def test_the_arrival_check_counts_what_is_coming_at_its_level_or_above(tiny_ckpt
                 try:
                     mv.runner.check_arrival(CLASSIFY, admission)
                     outcomes[name] = "admitted"
-                except GatewayTimeoutError as e:
+                except DeadlineError as e:
                     outcomes[name] = str(e)
                 finally:
                     arrival.done()
@@ -235,47 +212,20 @@ def test_keys_priority_levels_order_the_queue_over_http(tiny_ckpt, photos, tmp_p
     assert order == ["gold", "gold", "bronze", "bronze", "gold@5"]
 
 
-def test_a_batch_holds_one_level_and_no_more_rows_than_its_deadline_allows(tiny_ckpt):
-    async def levels(mv, order: list[int], quiet: bool = False) -> list[int]:
-        gate, blocker = await _hold(mv)
-        jobs = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission(priority=level)))
-                for i, level in enumerate(order)]
-        await _until(lambda: mv.runner.depth == len(order))
-        if quiet:  # the more urgent levels last seen ACTIVE_S ago
-            mv.runner._seen = {lv: t - runner.ACTIVE_S for lv, t in mv.runner._seen.items()}
-        gate.set()
-        return [r.batch_size for r in await asyncio.gather(blocker, *jobs)]
-
+def test_a_batch_holds_one_level_beside_a_more_urgent_one(tiny_ckpt):
+    """While level 1 has traffic, level 2 runs one image a batch (level 1's next request waits behind no more).
+    The quiet level, and the rows a deadline allows, are tested with a fake clock in tests/runtime/scheduling."""
     async def scenario():
         async with serving(settings_for(tiny_ckpt, max_batch=8)) as (_, app):
             mv = app.state.gateway.model()
-            # level 1 has traffic: level 2 runs one image a batch (level 1's next request waits behind no more)
-            sizes = await levels(mv, [2, 1, 2, 1, 2])
-            # level 1 quiet for ACTIVE_S: level 2 batches together again
-            quiet = await levels(mv, [2, 2, 2], quiet=True)
-            mv.runner._seen.clear()
-            # the batcher taken to need 0.1 s an image (0.07 s once the blocker's fast batch is blended in): a
-            # first request with 0.25 s left leads a batch of three, not four; when recent batches ran 50% over
-            # their prediction (35% once the blocker's is blended in), room is kept for twice that: one row
-            timed_sizes = []
-            for overrun in (0.0, 0.5):
-                gate, blocker = await _hold(mv)
-                mv.runner._row_s["classify"] = 0.1
-                mv.runner._overrun["classify"] = overrun
-                timed = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission())) for i in range(4)]
-                await _until(lambda: mv.runner.depth == 4)
-                first = mv.runner._pending[0]
-                first.deadline = first.admission.deadline = time.perf_counter() + 0.25
-                gate.set()
-                timed_sizes.append([r.batch_size for r in await asyncio.gather(*timed)])
-                await blocker
-            return sizes, quiet, timed_sizes
+            gate, blocker = await _hold(mv)
+            jobs = [asyncio.create_task(mv.infer(CLASSIFY, _x(mv, i), None, Admission(priority=level)))
+                    for i, level in enumerate([2, 1, 2, 1, 2])]
+            await _until(lambda: mv.runner.depth == 5)
+            gate.set()
+            return [r.batch_size for r in await asyncio.gather(blocker, *jobs)]
 
-    sizes, quiet, timed_sizes = run(scenario())
-    assert sizes == [1, 1, 2, 1, 2, 1]  # the blocker; level 1's two together, then level 2's one by one
-    assert quiet == [1, 3, 3, 3]  # the blocker, then level 2's three together
-    assert timed_sizes[0] == [3, 3, 3, 1]  # the first's deadline: three rows; then the last one
-    assert timed_sizes[1][0] == 1  # the same deadline after batches that ran over their prediction
+    assert run(scenario()) == [1, 1, 2, 1, 2, 1]  # the blocker; level 1's two together, then level 2's one by one
 
 
 def _model_calls(mv) -> list[str]:

@@ -333,18 +333,3 @@ def test_stalled_uploads_are_no_work_ahead_for_deadlines(slow_ckpt):
             for sock in stalled:
                 sock.close()
         assert codes == [200] * 40
-
-
-def test_the_ageing_rule():
-    """`live_arrivals`: announced requests count while their bytes keep coming (or while no body is read), at
-    their level or a more urgent one, at most the cap."""
-    from vit_serve.serve.runner import STALL_S, live_arrivals
-
-    now = 100.0
-    heard = [(1, now), (2, now - STALL_S / 2), (2, now - 2 * STALL_S), (3, None), (2, None)]
-    assert live_arrivals(heard, now, cap=10) == 4
-    assert live_arrivals(heard, now, cap=10, level=1) == 1
-    assert live_arrivals(heard, now, cap=10, level=2) == 3
-    assert live_arrivals(heard, now, cap=2) == 2
-    assert live_arrivals(heard, now + 2 * STALL_S, cap=10) == 2  # later, only those not reading a body
-    assert live_arrivals([], now, cap=10) == 0

@@ -17,6 +17,9 @@ Modules:
 * `postprocess`: top-k classes, the rollout payload, embedding normalisation.
 * `errors`: what a request can be refused for (`ServingError` and its kinds); `vit_serve.serve.errors` maps them
   to HTTP and gRPC statuses.
+* `scheduling`: how a version's requests are queued, batched and run (`Ticket`, the pending queue, the cost
+  model, the batching policy, instances and preemption, `BatchingRunner` / `DirectRunner`, `runner_for`), with
+  an injected clock and an events protocol instead of metrics.
 * `settings`: the runtime's settings groups (`RunnerLimits`, `TritonClientSettings`, `RepositorySettings`).
 * `metrics`: the labels and buckets every model metric shares; `trace_context`: the trace context passed on to a
   model server.

@@ -4,7 +4,7 @@ version warms up (`measure`).
 On a GPU a batch of 16 costs about what one image does, and waiting a few milliseconds for more requests pays.
 On a CPU the work grows with the rows: onnxruntime runs ViT-S/16 as fast at batch 1 as at batch 10 (34.7 vs
 33.5 images/s on two AVX-512 cores), so a batcher that waits for a batch to fill only idles the model, and a
-large batch is slower per image than a small one. The batcher (`vit_serve.serve.runner.BatchingRunner`) asks the
+large batch is slower per image than a small one. The batcher (`vit_serve.runtime.scheduling.BatchingRunner`) asks the
 curve how large a batch may be (`limit`: the smallest batch within `TOLERANCE` of the best time per image) and
 whether waiting for one pays (`worth_waiting`: the best batch at least `MIN_GAIN` faster per image than batch 1).
 """

@@ -10,7 +10,10 @@ Deadlines: `?timeout_ms=` or `X-Request-Timeout-Ms` (HTTP routes, milliseconds),
 microseconds (`/v2` and gRPC), and the gRPC call's own deadline. 0 in the first two is no deadline (Triton's
 meaning of its `timeout`); a negative or non-finite value is 422. The earliest wins, counted from the request's
 arrival. A request whose deadline has passed, or that the batcher predicts it cannot answer in time, is refused
-with 504 / DEADLINE_EXCEEDED instead of being run late (`runner`).
+with 504 / DEADLINE_EXCEEDED instead of being run late (`vit_serve.runtime.scheduling`).
+
+`Admission` is the scheduler's `Ticket` (`vit_serve.runtime.scheduling.ticket`) with the gateway's errors;
+the HTTP parts (the ASGI scope, `X-Request-Timeout-Ms`) are here.
 
 Stages, for `vit_serve_cancelled_total{stage}` (a client that hung up, `hangup`): read (its body), decode, queue,
 infer (its batch had started: the answer is thrown away).
@@ -18,105 +21,25 @@ infer (its batch had started: the answer is thrown away).
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from starlette.types import Scope
 
+from vit_serve.runtime.scheduling.ticket import ANONYMOUS, DEFAULT_PRIORITY, SHADOW, STAGES, Caller, Stage, Ticket
 from vit_serve.serve.errors import GatewayTimeoutError, InvalidValueError
 
-Stage = Literal["read", "decode", "queue", "infer"]
-STAGES: tuple[Stage, ...] = ("read", "decode", "queue", "infer")
-DEFAULT_PRIORITY = 1  # Triton's most urgent level; a key without a level has this one
-SHADOW = 1 << 30  # below every level a key may have
-ANONYMOUS = "anonymous"  # the caller's name without API keys
+__all__ = ["ANONYMOUS", "DEFAULT_PRIORITY", "SCOPE_KEY", "SHADOW", "STAGES", "TIMEOUT_HEADER", "Admission", "Caller",
+           "Stage", "admission_of", "deadline_exceeded", "header_timeout_ms"]
+
 TIMEOUT_HEADER = "x-request-timeout-ms"
 SCOPE_KEY = "vit_serve.admission"  # where an HTTP request's Admission lives in its ASGI scope
 
 
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request, as the queue sees it: the key's name (metrics are labelled by it, never by the key)
-    and its priority level."""
+class Admission(Ticket):
+    """A request's `Ticket` as the gateway keeps it: its bad terms are the gateway's 422 (`InvalidValueError`), and
+    its progress names the model version it reached."""
 
-    name: str = ANONYMOUS
-    priority: int = DEFAULT_PRIORITY
-
-
-@dataclass(eq=False)
-class Admission:
-    """A request's terms (set as it arrives) and its progress (updated as it goes), one object per request."""
-
-    arrived: float = field(default_factory=time.perf_counter)  # perf_counter seconds
-    deadline: float | None = None  # perf_counter seconds; None: the runner's request_timeout_s alone
-    caller: Caller = field(default_factory=Caller)
-    priority: int = DEFAULT_PRIORITY
-    session: str | None = None  # X-Session-Id: sticky canary routing (`traffic`)
-    shadow: bool = False  # a shadow copy (`traffic`): nobody waits for its answer
-    stage: Stage = "read"
-    model: str = ""
-    version: str = ""
-    cancelled: bool = False
-
-    def __post_init__(self) -> None:
-        self.priority = max(self.priority, self.caller.priority)
-
-    # ---- terms ------------------------------------------------------------------------------------------
-
-    def identify(self, caller: Caller) -> None:
-        """The request comes from `caller` (the key check knows): its level is at most as urgent as the key's."""
-        self.caller = caller
-        self.priority = max(self.priority, caller.priority)
-
-    def within(self, seconds: float | None, what: str) -> None:
-        """Tighten the deadline to `seconds` after arrival (None: no change); 422 for a negative value."""
-        if seconds is None:
-            return
-        if not seconds >= 0:  # NaN too
-            raise InvalidValueError(f"{what} must be a number >= 0")
-        deadline = self.arrived + seconds
-        self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
-
-    def within_ms(self, ms: float | None, what: str) -> None:
-        """A deadline in milliseconds (`?timeout_ms=`, `X-Request-Timeout-Ms`): None or 0 is none (as Triton's
-        `timeout` 0), else `within`; 422 for a negative or non-finite value."""
-        if ms is None or ms == 0:
-            return
-        if not math.isfinite(ms):
-            raise InvalidValueError(f"{what} must be a finite number of milliseconds >= 0 (0: no deadline)")
-        self.within(ms / 1e3, what)
-
-    def lowered(self, level: Any, levels: int) -> None:
-        """Apply a request's own priority level: it may lower (a larger number) but never raise the key's; 0 or
-        None keeps it (Triton's default); 422 beyond `levels` (VIT_SERVE_PRIORITY_LEVELS)."""
-        if level is None or level == 0:
-            return
-        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= levels:
-            raise InvalidValueError(f"priority must be an integer from 0 to {levels} (1 is the most urgent; 0: the "
-                                    f"key's level; VIT_SERVE_PRIORITY_LEVELS is {levels})")
-        self.priority = max(self.priority, level, self.caller.priority)
-
-    def v2_parameters(self, parameters: dict[str, Any], levels: int) -> None:
-        """`parameters.timeout` (microseconds; 0: none) and `parameters.priority` (at most `levels`) of a /v2 or
-        gRPC request."""
-        timeout = parameters.get("timeout")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < math.inf:
-                raise InvalidValueError("parameters.timeout is in microseconds: a finite number >= 0 (0: no "
-                                        "timeout)")
-            if timeout > 0:
-                self.within(timeout / 1e6, "parameters.timeout")
-        self.lowered(parameters.get("priority"), levels)
-
-    # ---- progress ---------------------------------------------------------------------------------------
-
-    def remaining(self, now: float | None = None) -> float | None:
-        """Seconds left before the deadline (None: no deadline; <= 0: past)."""
-        if self.deadline is None:
-            return None
-        return self.deadline - (time.perf_counter() if now is None else now)
+    invalid: ClassVar[type[InvalidValueError]] = InvalidValueError
 
     def check(self, mv: Any = None, where: str = "on arrival") -> None:
         """504 now if the deadline has already passed (counted as `mv`'s, a ModelVersion, refusal)."""
@@ -134,7 +57,8 @@ class Admission:
 
 
 def deadline_exceeded(detail: str) -> GatewayTimeoutError:
-    """The 504 / DEADLINE_EXCEEDED of a request refused for its deadline."""
+    """The 504 / DEADLINE_EXCEEDED of a request refused for its deadline (the scheduler's own is
+    `vit_serve.runtime.scheduling.errors.deadline_exceeded`: the same answer)."""
     return GatewayTimeoutError(f"the request's deadline has passed ({detail}); it was not run")
 
 

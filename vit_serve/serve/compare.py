@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vit_serve.manifest import EMBEDDING, LOGITS
 from vit_serve.runtime.metrics import LATENCY_BUCKETS, MODEL
-from vit_serve.serve.runner import Result
+from vit_serve.runtime.scheduling import Result
 
 Role = Literal["shadow", "canary"]
 

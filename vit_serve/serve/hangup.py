@@ -6,7 +6,7 @@ request whose client left is still decoded, queued and run, for nobody. `HangUp`
 (`CANCELLABLE`: /classify, /embed, /explain and /v2 infer) in its own task and listens for
 `http.disconnect` beside it (while the body is read, and after it until the answer is sent); when it comes the
 request's task is cancelled: a decode not begun never starts (the decode pool's future is cancelled), the request
-leaves its queue and any batch that has not started (`runner`), and a Triton call is cancelled (the Triton
+leaves its queue and any batch that has not started (`runtime.scheduling`), and a Triton call is cancelled (the Triton
 backend's gRPC call is cancelled, its HTTP request closed). The request's `Admission` (made here, as the request
 arrives) says where it was: `vit_serve_cancelled_total{stage, model, version}` counts it there. Nothing is sent
 to a client that has gone; the access line and the request counter say 499 (nginx's "client closed request").

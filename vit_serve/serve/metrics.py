@@ -173,6 +173,39 @@ class ModelMetrics:
             gauge.remove()
 
 
+class RunnerEvents:
+    """A runner's events (`vit_serve.runtime.scheduling.events.SchedulerEvents`) counted in a version's metrics."""
+
+    def __init__(self, metrics: ModelMetrics) -> None:
+        self.metrics = metrics
+
+    def queued(self, depth: int) -> None:
+        self.metrics.queue_depth.set(depth)
+
+    def running(self, rows: int) -> None:
+        self.metrics.in_flight.set(rows)
+
+    def rejected(self, reason: str) -> None:
+        self.metrics.rejected(reason).inc()
+
+    def shed(self) -> None:
+        self.metrics.rejected("shed").inc()
+
+    def batch(self, kind: str, rows: int, waits_s: list[float]) -> None:
+        for wait in waits_s:
+            self.metrics.queue_wait.observe(wait)
+        self.metrics.batch_size(kind).observe(rows)
+
+    def ran(self, kind: str, seconds: float) -> None:
+        self.metrics.inference(kind).observe(seconds)
+
+    def preempted(self) -> None:
+        self.metrics.preempted.inc()
+
+    def cancelled(self, stage: str) -> None:
+        self.metrics.cancelled(stage).inc()
+
+
 class DriftCollector(Collector):
     """The drift gauges of every monitored version, from `reports()`: (model, version, its drift report), asked
     when /metrics is scraped (`vit_serve.serve.monitoring.VersionMonitor.scraped`: the last report, computed again

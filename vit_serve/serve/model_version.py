@@ -35,6 +35,8 @@ from vit_serve.runtime import decode as decoding
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.gpu_decode import GpuDecoder
+from vit_serve.runtime.scheduling import Arrival, Result, Runner
+from vit_serve.runtime.scheduling.errors import NotReadyError as SchedulerNotReady
 from vit_serve.runtime.task import CLASSIFY, EMBED, Task
 from vit_serve.runtime.text_tower import TextTower
 from vit_serve.runtime.zero_shot import LabelLimits
@@ -43,7 +45,6 @@ from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyE
 from vit_serve.serve.labels import LabelCaller, encode_labels, parse_labels
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.monitoring import VersionMonitor
-from vit_serve.serve.runner import Arrival, BatchingRunner, Result, Runner
 from vit_serve.serve.stores import CropStore, Namespaced
 
 log = logging.getLogger("vit_serve.serve")
@@ -146,12 +147,12 @@ class ModelVersion:
     async def _measure_batch_curve(self) -> None:
         """What batching buys this version's model (its batching runner's `use_curve`), measured in its thread."""
         runner, limits = self.runner, self.runner.limits
-        if not isinstance(runner, BatchingRunner) or runner.max_batch <= 1 or not limits.batch_curve:
+        if not runner.measures_curve:
             return
         image = np.zeros((1, 3, *self.info.resolution), np.float32)
         curve = await runner.call(batch_curve.measure, self.backend.classify, image, runner.max_batch,
                                   limits.batch_curve_budget_s)
-        runner.use_curve(curve)
+        runner.use_curve(curve)  # type: ignore[union-attr]  # a runner that measures its curve batches
         log.info("%s: batch curve %s", self.label, curve.describe())
 
     def warm_up_soon(self) -> None:
@@ -358,7 +359,7 @@ class ModelVersion:
             result = await waiting
         except NotImplementedError as e:  # the backend cannot do this task
             raise BadRequestError(str(e)) from e
-        except (NotReadyError, asyncio.CancelledError):
+        except (NotReadyError, SchedulerNotReady, asyncio.CancelledError):
             current = asyncio.current_task()
             if self._stopped and not (current is not None and current.cancelling()):  # cut by the unload, not
                 raise self._unloaded() from None  # by the client going away
@@ -374,7 +375,7 @@ class ModelVersion:
 
 
 class Announcement:
-    """A request announced to a version's batcher (a `runner.Arrival`) while its body is read, holding neither the
+    """A request announced to a version's batcher (a `scheduling.Arrival`) while its body is read, holding neither the
     version nor its runner: the version keeps the arrival and ends it when closed. Use as `with ...:` around the
     read; the version that answers is chosen after it."""
 
@@ -390,7 +391,7 @@ class Announcement:
 
     def heard_from(self, clock: Any) -> Announcement:
         """Count the request as coming only while its body's bytes keep coming: `clock.last` is when the latest
-        came (`slow_clients.BodyClock`; None: always); a stalled upload makes no batch wait (`runner.Arrival`)."""
+        came (`slow_clients.BodyClock`; None: always); a stalled upload makes no batch wait (`scheduling.Arrival`)."""
         arrival = self._arrival()
         if arrival is not None:
             arrival.heard_from(clock)

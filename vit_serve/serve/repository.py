@@ -16,7 +16,7 @@ Model control, with Triton's names (`--model-control`):
 A model that fails to load never takes the gateway down: it is shown with its reason (`index()`, `GET /models`)
 and the others serve on. Only a repository of one file fails the start-up (nothing else could be served).
 
-Each loaded version has its own model thread and runner (`runner.runner_for`) with the gateway's batching limits,
+Each loaded version has its own model thread and runner (`scheduling.runner_for`) with the gateway's batching limits,
 or those of the model's Triton config; the model threads share the machine: unless `--threads` is set, a
 repository of n models gives each model max(1, cores // n) intra-op threads (one model keeps its runtime's
 default).
@@ -48,16 +48,16 @@ from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.runtime.metrics import MODEL
 from vit_serve.runtime.model_config import ModelConfig
+from vit_serve.runtime.scheduling import runner_for
 from vit_serve.runtime.settings import RepositorySettings
 from vit_serve.runtime.spec import LoadSpec, resolve_backend
 from vit_serve.runtime.text_tower import TextTower, text_tower_of
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.compare import Compare
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
-from vit_serve.serve.metrics import GatewayMetrics
+from vit_serve.serve.metrics import GatewayMetrics, RunnerEvents
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.monitoring import VersionMonitor
-from vit_serve.serve.runner import runner_for
 from vit_serve.serve.schemas import TrafficSpec
 from vit_serve.serve.settings import DEFAULT_LABELS, MonitoringSettings, available_cpus
 from vit_serve.serve.stores import CropStore
@@ -407,7 +407,7 @@ class ModelRepository:
             log.info("loaded %s (%s backend), version %d: %dx%d, %d classes, explain=%s", source.name, backend.name,
                      source.version, *info.resolution, info.num_classes, info.explain)
             metrics = self.metrics.for_model(source.name, str(source.version))
-            runner = runner_for(backend, limits, metrics, thread)
+            runner = runner_for(backend, limits, RunnerEvents(metrics), thread)
             runner.start()
             device = model_device(backend)
             off = choose_decoder(device, self.gpu_decode, source.name)

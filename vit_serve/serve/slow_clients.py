@@ -18,7 +18,7 @@ route (and, announced to the batcher, makes batches wait). And a client that hal
     closes a half-closed connection itself: there it stays a hang-up.
 - `BodyDeadline`: ASGI middleware: the whole body must arrive within `body_timeout_s` of the headers, else 408
   with a message (and the connection is closed); it notes when the latest bytes came (`BodyClock`), which the
-  batcher reads to stop counting an upload that has stalled as coming (`runner.live_arrivals`).
+  batcher reads to stop counting an upload that has stalled as coming (`scheduling.live_arrivals`).
 """
 
 from __future__ import annotations

@@ -38,12 +38,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from vit_serve.runtime.discovery import check_share, check_version, check_weights, parse_shadow, parse_weights
 from vit_serve.runtime.metrics import MODEL
+from vit_serve.runtime.scheduling import Result
+from vit_serve.runtime.scheduling.errors import REFUSALS
 from vit_serve.runtime.task import Task
 from vit_serve.serve.admission import SHADOW, Admission
 from vit_serve.serve.compare import Compare, Role
 from vit_serve.serve.errors import GatewayTimeoutError, NotReadyError, QueueFullError
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ShadowSpec, TrafficSpec
 
 log = logging.getLogger("vit_serve.serve")
@@ -239,7 +240,7 @@ class Mirror:
         t0 = time.perf_counter()
         try:
             other = await target.infer(task, x, admission=admission)
-        except (QueueFullError, NotReadyError, GatewayTimeoutError):
+        except (QueueFullError, NotReadyError, GatewayTimeoutError, *REFUSALS):
             self._drop(copy, "shed")
             return
         except asyncio.CancelledError:

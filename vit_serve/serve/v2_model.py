@@ -26,6 +26,7 @@ import numpy as np
 from vit_serve import __version__
 from vit_serve.manifest import EMBEDDING, LOGITS, OOD_SCORE, PIXEL_VALUES, ROLLOUT
 from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.scheduling import Arrival
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import CLASSIFY, EMBED, Task
 from vit_serve.serve.admission import Admission
@@ -34,7 +35,6 @@ from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
-from vit_serve.serve.runner import Arrival
 from vit_serve.serve.v2_protocol import IMAGE, InferRequest, OutputTensor, RequestBounds, Tensor, classify
 
 SERVER_NAME = "vit-serve"

@@ -20,13 +20,13 @@ from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_F
 from vit_serve.manifest import LOGITS, ROLLOUT
 from vit_serve.overlay import COLORMAPS
 from vit_serve.runtime.postprocess import rollout_payload, top_k
+from vit_serve.runtime.scheduling import Result
 from vit_serve.runtime.task import Task
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep, ModelDep
 from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
-from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 

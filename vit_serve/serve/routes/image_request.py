@@ -16,11 +16,11 @@ from fastapi import Depends, Header, Query
 from starlette.requests import Request
 
 from vit_serve.runtime.decode import Decoded
+from vit_serve.runtime.scheduling import Result
 from vit_serve.runtime.task import Task
 from vit_serve.serve.admission import Admission, admission_of
 from vit_serve.serve.deps import ModelChoice
 from vit_serve.serve.model_version import Announcement, ModelVersion
-from vit_serve.serve.runner import Result
 from vit_serve.serve.schemas import ErrorBody
 from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.uploads import Upload, read_image

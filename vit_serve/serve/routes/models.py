@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
@@ -17,7 +18,6 @@ from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.monitoring import NO_REFERENCE
 from vit_serve.serve.repository import ModelRepository
-from vit_serve.serve.runner import BatchingRunner, Runner
 from vit_serve.serve.schemas import DriftResponse, ErrorBody, ModelsResponse, TrafficSpec
 
 router = APIRouter(tags=["models"])
@@ -63,13 +63,10 @@ def policy_of(repo: ModelRepository, name: str) -> TrafficSpec | None:
     return None if policy is None else policy.to_spec(repo.served.get(name, {}))
 
 
-def _batching(runner: Runner) -> dict | None:
+def _batching(mv: ModelVersion) -> dict | None:
     """A batching runner's batch limit, wait and measured curve (`schemas.BatchingInfo`); None for a direct one."""
-    if not isinstance(runner, BatchingRunner):
-        return None
-    curve = runner.curve.per_image_s if runner.curve is not None else {}
-    return {"max_batch": runner.max_batch, "max_delay_ms": runner.delay_s * 1e3,
-            "images_per_s": {b: 1 / s for b, s in sorted(curve.items())}, "instances": runner.instances}
+    info = mv.runner.batching
+    return None if info is None else asdict(info)
 
 
 def _unmonitored(gateway: Gateway, mv: ModelVersion) -> str:
@@ -111,7 +108,7 @@ async def models(gateway: GatewayDep) -> dict:
                            explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight,
                            token_merging=None if info.token_merging is None else {
                                "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
-                           batching=_batching(mv.runner), compiled=info.compiled, torchscript=info.torchscript,
+                           batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,
                            monitoring=_monitoring(gateway, mv))
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,

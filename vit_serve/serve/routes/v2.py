@@ -23,6 +23,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from vit_serve.runtime.scheduling import Arrival
 from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission, admission_of
 from vit_serve.serve.caller import caller_scope
@@ -32,7 +33,6 @@ from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes import health, repository
-from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.v2_model import model_metadata, versions
