@@ -430,3 +430,30 @@ def test_the_prompts_count_in_the_rate_limit(keyed, photos):
     assert after.status_code == 429, after.text
     assert int(after.headers["retry-after"]) >= 6
     assert _keyed(url, BOB, photo, "a rowboat").status_code == 200  # Bob has no rate
+
+
+# ---- one request, one pipeline (issue 39): one repository lookup, one arrival, its task resolved once ----
+
+def _counting(monkeypatch, owner, name: str, counts: dict[str, int]) -> None:
+    """Count the calls of `owner.name` (a real object's public method, called through)."""
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+def test_one_classify_with_labels_makes_one_lookup_one_arrival_and_resolves_its_task_once(gateway, photos,
+                                                                                           monkeypatch):
+    url, app = gateway
+    mv = _version(app, "zs")
+    counts: dict[str, int] = {}
+    _counting(monkeypatch, app.state.gateway.repository, "get", counts)  # every lookup of a version
+    for name in ("arriving", "zero_shot_task", "parse_labels"):
+        _counting(monkeypatch, mv, name, counts)
+    r = _classify(url, photos["chelsea.jpg"], top_k=2, labels=",".join(LABELS), model="zs")
+    assert r.status_code == 200, r.text
+    assert [p["label"] for p in r.json()["predictions"]] and "text;dur=" in r.headers["server-timing"]
+    assert counts == {"get": 1, "arriving": 1, "zero_shot_task": 1, "parse_labels": 1}

@@ -56,12 +56,32 @@ class ModelChoice:
         """Before the body is read: 404 / 400 / 503 now if nothing would answer (and `check`'s 400 for the version
         that would); that version counts the request (at level `priority`) as coming (`with choice.announce():
         read the body`)."""
-        mv = self.gateway.model(self.name, self.version, self.session)
+        mv = self.choose()
         if check is not None:
             check(mv)
+        return mv.announce(priority)
+
+    def choose(self) -> ModelVersion:
+        """The version that would answer now (one repository lookup: 404 / 400 / 503 when there is none); a
+        traffic split's draw is kept for `again`."""
+        mv = self.gateway.model(self.name, self.version, self.session)
         if self.version is None:
             self._drawn[:] = [mv.version]
-        return mv.announce(priority)
+        return mv
+
+    def still_serves(self, mv: ModelVersion) -> bool:
+        """Whether `mv`, chosen before the body was read, still serves the same name and version (no lookup, no
+        new draw): one replaced or unloaded meanwhile does not. 503 when the gateway is stopping."""
+        gateway = self.gateway
+        if gateway.closing:
+            raise gateway.shutting_down()
+        repo = gateway.repository
+        return repo is not None and repo.served.get(mv.name, {}).get(mv.version) is mv
+
+    def again(self) -> ModelVersion:
+        """The version that answers when the one chosen left service while the body was read: the same draw if it
+        is still in service, else a new one (`use`)."""
+        return self._resolve()
 
     def _resolve(self) -> ModelVersion:
         if self.version is None and self._drawn:
