@@ -1,5 +1,6 @@
 """One request through a model, whichever route asked: the one call every image route makes (`answer`; `answer_kept`
-for an image kept earlier, GET /explain?id=).
+for an image kept earlier, GET /explain?id=; /v2 infer takes its first steps, `arrive`, and runs its tensors
+through `v2_model`, as gRPC does).
 
 In order: announce the request to the version that would answer (one repository lookup, one arrival: the batcher
 may wait for it; 404 / 400 / 503 / 504 before the body is read), read the body, keep that version unless it left
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from PIL import Image
 from starlette.requests import Request
@@ -135,6 +137,7 @@ class Answered:
     timings: Timings
 
 
+B = TypeVar("B")  # a request's body, as its route reads it
 Hook = Callable[[Answered], None]  # run after the answer is made (it only schedules work)
 
 
@@ -143,7 +146,7 @@ class _Run:
     """What the held part of a request has so far: the version, the job, the arrival, when it began."""
 
     mv: ModelVersion
-    job: Job
+    job: Job | None
     arrival: Arrival
     t0: float
 
@@ -154,55 +157,75 @@ async def answer(request: Request, choice: ModelChoice, scope: str, admission: A
     `admission` follows it through (its stage, for a client that hangs up; its deadline and level, for the
     queue)."""
     t0 = time.perf_counter()
-    claimed, job, upload = await _arrive(request, choice, admission, ask)
+    job_of = functools.partial(resolve, ask)
+    arrived, job = await _announce_and_read(choice, job_of, request, admission, lambda: read_image(request))
     t_read = time.perf_counter()
-    run = _keep_or_choose_again(claimed, job, choice, admission, ask, t0)
+    run = _keep_or_choose_again(arrived, job, choice, admission, job_of, t0)
     with run.mv.using(), run.arrival:
         admission.at("decode", run.mv)
-        decoded = await decode_kept(run.mv, upload, scope)
+        decoded = await decode_kept(run.mv, arrived.body, scope)
         t_decoded = time.perf_counter()
         done = await _infer_and_answer(request, scope, admission, ask, run, decoded)
     wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
     return _finish(done, dataclasses.replace(done.timings, read=(t_read - t0) * 1e3, decode_wait=wait_ms), hooks)
 
 
-Claimed = tuple[ModelVersion, Arrival] | None  # the version announced to and the request's arrival, if it lives
+@dataclass(frozen=True)
+class Arrived(Generic[B]):
+    """A request whose body is read: the version it was announced to and its arrival, handed on (None when that
+    version is gone or was closed meanwhile), and the body."""
+
+    claimed: tuple[ModelVersion, Arrival] | None
+    body: B
 
 
-async def _arrive(request: Request, choice: ModelChoice, admission: Admission, ask: Ask
-                  ) -> tuple[Claimed, Job, Upload]:
-    """Announce the request to the version that would answer, then read its body. While the body is read only the
-    announcement (weak) holds that version, so that an unload frees it."""
+async def arrive(request: Request, choice: ModelChoice, admission: Admission,
+                 read: Callable[[], Awaitable[B]]) -> tuple[ModelVersion, Arrival, B]:
+    """Announce, read and choose the version once, for a request whose task is known only from its body (/v2): the
+    version that answers (not yet held: `with mv.using(), arrival:`), the request's one arrival, the body."""
+    arrived, _ = await _announce_and_read(choice, None, request, admission, read)
+    run = _keep_or_choose_again(arrived, None, choice, admission, None, 0.0)
+    return run.mv, run.arrival, arrived.body
+
+
+async def _announce_and_read(choice: ModelChoice, job_of: Callable[[ModelVersion], Job] | None, request: Request,
+                             admission: Admission, read: Callable[[], Awaitable[B]]) -> tuple[Arrived[B], Job | None]:
+    """Choose the version that would answer (one lookup) and resolve the job for it (`job_of`: 400 now), announce
+    the request to it, then read the body. While the body is read only the announcement (weak) holds that version,
+    so that an unload frees it. With a job: 504 before the body is read when the deadline has passed or the work
+    ahead leaves no time for it."""
     mv = choice.choose()
-    job = resolve(ask, mv)  # 400 before the body is read
+    job = job_of(mv) if job_of is not None else None
     announced = mv.announce(admission.priority)
     try:
         announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
         admission.at("read", mv)
-        admission.check(mv)  # a deadline past on arrival: 504 before the body is read
-        mv.runner.check_arrival(job.task, admission)  # or one the work ahead leaves no time for
+        if job is not None:
+            admission.check(mv)  # a deadline past on arrival
+            mv.runner.check_arrival(job.task, admission)  # or one the work ahead leaves no time for
         del mv
-        upload = await read_image(request)
+        body = await read()
     except BaseException:
         announced.done()
         raise
-    return announced.claim(), job, upload
+    return Arrived(announced.claim(), body), job
 
 
-def _keep_or_choose_again(claimed: Claimed, job: Job, choice: ModelChoice, admission: Admission, ask: Ask,
-                          t0: float) -> _Run:
+def _keep_or_choose_again(arrived: Arrived, job: Job | None, choice: ModelChoice, admission: Admission,
+                          resolve_for: Callable[[ModelVersion], Job] | None, t0: float) -> _Run:
     """The version announced to, with its arrival, while it still serves; else the version chosen now, its job
-    resolved again for it and a new arrival."""
+    resolved again for it (`resolve_for`) and a new arrival."""
+    claimed = arrived.claimed
     try:
         if claimed is not None and choice.still_serves(claimed[0]):
             return _Run(claimed[0], job, claimed[1], t0)
     except BaseException:
-        claimed[1].done()
+        claimed[1].done()  # type: ignore[index]
         raise
     if claimed is not None:
         claimed[1].done()
     mv = choice.again()
-    return _Run(mv, resolve(ask, mv), mv.arriving(admission.priority), t0)
+    return _Run(mv, resolve_for(mv) if resolve_for is not None else None, mv.arriving(admission.priority), t0)
 
 
 async def answer_kept(mv: ModelVersion, scope: str, admission: Admission, ask: Ask, image_id: str,
@@ -231,6 +254,7 @@ async def _infer_and_answer(request: Request | None, scope: str, admission: Admi
     """Infer, then post-process while the version is still held (the labels' text work, the OOD score, the
     overlay use it)."""
     mv, job = run.mv, run.job
+    assert job is not None
     result = await mv.infer(job.task, decoded.x, run.arrival, admission)
     text_ms = None
     if job.labels is not None:

@@ -159,7 +159,7 @@ def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str,
     names = {out["name"] for out in wanted}
     tasks = [_explain_task(mv, parameters)] if ROLLOUT in names else []
     if zero_shot and (LOGITS in names or EMBEDDING in names or OOD_SCORE in names):
-        tasks.append(mv.zero_shot_task())
+        tasks.append(EMBED)  # the zero-shot task, which `request_labels` resolved once already
     elif EMBEDDING in names or (OOD_SCORE in names and mv.classify_task() == EMBED):
         tasks.append(mv.embed_task())
     return tasks or [CLASSIFY]

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from vit_serve.serve import v2_model
+from vit_serve.serve import pipeline, v2_model
 from vit_serve.serve.admission import Admission, admission_of
 from vit_serve.serve.caller import caller_scope
 from vit_serve.serve.deps import SESSION_HEADER, GatewayDep, ModelChoice
@@ -34,7 +34,6 @@ from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes import health, repository
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import StrictJSONResponse
-from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.v2_model import model_metadata, versions
 from vit_serve.serve.v2_protocol import HEADER_LENGTH, encode_infer_response, parse_infer_request
 
@@ -180,12 +179,9 @@ async def version_infer(name: NameDep, version: VersionDep, request: Request, ga
 
 async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Response:
     admission = admission_of(request.scope)
-    # 404 / 503 before the body is read; the version is chosen once it is
-    with choice.announce(priority=admission.priority) as announced:
-        announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
-        admission.at("read", announced.version)
-        raw = await request.body()
-    with choice.use() as mv, mv.arriving(admission.priority) as arrival:
+    # 404 / 503 before the body is read; the version is chosen once, then kept unless it left service meanwhile
+    mv, arrival, raw = await pipeline.arrive(request, choice, admission, request.body)
+    with mv.using(), arrival:
         return await _infer_on(raw, request, gateway, mv, arrival, admission)
 
 
