@@ -459,15 +459,29 @@ def test_one_classify_with_labels_makes_one_lookup_one_arrival_and_resolves_its_
     assert counts == {"get": 1, "arriving": 1, "zero_shot_task": 1, "parse_labels": 1}
 
 
-def test_one_v2_infer_with_labels_makes_one_lookup_one_arrival_and_resolves_its_task_once(gateway, monkeypatch):
-    url, app = gateway
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_one_v2_infer_with_labels_makes_one_lookup_one_arrival_and_resolves_its_task_once(served, gateway, transport,
+                                                                                          monkeypatch):
+    url, address, _ = served
+    app = gateway[1]
     mv = _version(app, "zs")
     counts: dict[str, int] = {}
     _counting(monkeypatch, app.state.gateway.repository, "get", counts)
     for name in ("arriving", "zero_shot_task", "parse_labels"):
         _counting(monkeypatch, mv, name, counts)
     x = np.zeros((2, 3, 64, 64), np.float32)
-    r = _v2(url, x, labels=",".join(LABELS))
-    assert r.status_code == 200, r.text
-    assert np.asarray(r.json()["outputs"][0]["data"]).size == 2 * len(LABELS)
+    if transport == "http":
+        r = _v2(url, x, labels=",".join(LABELS))
+        assert r.status_code == 200, r.text
+        logits = np.asarray(r.json()["outputs"][0]["data"])
+    else:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            inp = grpcclient.InferInput("pixel_values", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            logits = client.infer("zs", [inp], outputs=[grpcclient.InferRequestedOutput("logits")],
+                                  parameters={"labels": ",".join(LABELS)}).as_numpy("logits")
+        finally:
+            client.close()
+    assert logits.size == 2 * len(LABELS)
     assert counts == {"get": 1, "arriving": 1, "zero_shot_task": 1, "parse_labels": 1}
