@@ -297,6 +297,7 @@ def _ood(mv: ModelVersion, ask: Ask, result: Result) -> Ood | None:
 
 
 def _finish(done: Answered, timings: Timings, hooks: Sequence[Hook]) -> Answered:
+    """The answer with its final timings, handed to each hook in order."""
     done = dataclasses.replace(done, timings=timings)
     for hook in hooks:
         hook(done)
