@@ -35,7 +35,13 @@ from vit_serve.serve.routes import health, repository
 from vit_serve.serve.runner import Arrival
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.v2_model import model_metadata, versions
-from vit_serve.serve.v2_protocol import HEADER_LENGTH, encode_infer_response, parse_infer_request
+from vit_serve.serve.v2_protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    RequestBounds,
+    encode_infer_response,
+    parse_infer_request,
+)
 
 __all__ = ["model_metadata", "router"]  # model_metadata lives in v2_model; importable from here as before
 
@@ -187,15 +193,15 @@ async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Res
 
 async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival,
                     admission: Admission) -> Response:
-    admission.at("decode", mv)
-    body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
-                       gateway.settings.max_body_bytes)
-    bounds = v2_model.request_bounds(mv, gateway.settings.limits)
-    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
-    admission.v2_parameters(req.parameters, gateway.settings.priority_levels)  # timeout (µs), priority
-    admission.check(mv)
-    caller = LabelCaller.of(request.app, await caller_scope(request))  # whose label cache and rate
-    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers, admission, caller)
+    def parse(bounds: RequestBounds) -> InferRequest:
+        body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
+                           gateway.settings.max_body_bytes)
+        return parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
+
+    async def caller() -> LabelCaller:
+        return LabelCaller.of(request.app, await caller_scope(request))  # whose label cache and rate
+
+    req, outputs = await v2_model.answer(gateway, mv, arrival, parse, admission, caller)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
 
