@@ -67,3 +67,39 @@ def test_the_scheduler_is_in_small_pieces():
     long_classes = [f"{name}:{node.name} ({n} lines)" for name, node in classes
                     if (n := node.end_lineno - node.lineno + 1) > MAX_SCHEDULING_CLASS_LINES]
     assert long_files == [] and long_classes == []
+
+
+MAX_ROUTE_LINES = 30
+HTTP_METHODS = {"get", "post", "put", "patch", "delete", "head", "options", "api_route", "websocket"}
+
+
+def route_handler_lengths(root: Path) -> list[tuple[int, str]]:
+    """(lines, "path:line name") of every route handler of vit_serve/serve/routes/ (a function decorated with
+    `router.get(...)`, `.post(...)`, ...), from its `def` to its last line (decorators apart), longest first."""
+    import ast
+
+    rows = []
+    for path in sorted((root / "vit_serve" / "serve" / "routes").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                    isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr in HTTP_METHODS
+                    for d in node.decorator_list):
+                rows.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(root)}:{node.lineno} {node.name}"))
+    return sorted(rows, key=lambda r: (-r[0], r[1]))
+
+
+def test_route_handlers_are_thin():
+    """Routes parse their query and shape their schema; the request itself is the pipeline's (issue 39)."""
+    assert [f"{where} ({n} lines)" for n, where in route_handler_lengths(ROOT) if n > MAX_ROUTE_LINES] == []
+
+
+def test_long_route_handlers_are_found(tmp_path):
+    """The check itself: a 31-line handler is reported with its length; its decorator and plain functions are
+    not counted."""
+    routes = tmp_path / "vit_serve" / "serve" / "routes"
+    routes.mkdir(parents=True)
+    body = "".join(f"    x{i} = {i}\n" for i in range(30))
+    (routes / "r.py").write_text(f"@router.post(\n    '/r',\n)\nasync def long():\n{body}\n\n\n"
+                                 f"def helper():\n{body}\n\n\n@router.get('/s')\ndef short():\n    pass\n")
+    assert route_handler_lengths(tmp_path) == [(31, "vit_serve/serve/routes/r.py:4 long"),
+                                               (2, "vit_serve/serve/routes/r.py:73 short")]

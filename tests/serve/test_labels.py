@@ -430,3 +430,58 @@ def test_the_prompts_count_in_the_rate_limit(keyed, photos):
     assert after.status_code == 429, after.text
     assert int(after.headers["retry-after"]) >= 6
     assert _keyed(url, BOB, photo, "a rowboat").status_code == 200  # Bob has no rate
+
+
+# ---- one request, one pipeline (issue 39): one repository lookup, one arrival, its task resolved once ----
+
+def _counting(monkeypatch, owner, name: str, counts: dict[str, int]) -> None:
+    """Count the calls of `owner.name` (a real object's public method, called through)."""
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+def test_one_classify_with_labels_makes_one_lookup_one_arrival_and_resolves_its_task_once(gateway, photos,
+                                                                                           monkeypatch):
+    url, app = gateway
+    mv = _version(app, "zs")
+    counts: dict[str, int] = {}
+    _counting(monkeypatch, app.state.gateway.repository, "get", counts)  # every lookup of a version
+    for name in ("arriving", "zero_shot_task", "parse_labels"):
+        _counting(monkeypatch, mv, name, counts)
+    r = _classify(url, photos["chelsea.jpg"], top_k=2, labels=",".join(LABELS), model="zs")
+    assert r.status_code == 200, r.text
+    assert [p["label"] for p in r.json()["predictions"]] and "text;dur=" in r.headers["server-timing"]
+    assert counts == {"get": 1, "arriving": 1, "zero_shot_task": 1, "parse_labels": 1}
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_one_v2_infer_with_labels_makes_one_lookup_one_arrival_and_resolves_its_task_once(served, gateway, transport,
+                                                                                          monkeypatch):
+    url, address, _ = served
+    app = gateway[1]
+    mv = _version(app, "zs")
+    counts: dict[str, int] = {}
+    _counting(monkeypatch, app.state.gateway.repository, "get", counts)
+    for name in ("arriving", "zero_shot_task", "parse_labels"):
+        _counting(monkeypatch, mv, name, counts)
+    x = np.zeros((2, 3, 64, 64), np.float32)
+    if transport == "http":
+        r = _v2(url, x, labels=",".join(LABELS))
+        assert r.status_code == 200, r.text
+        logits = np.asarray(r.json()["outputs"][0]["data"])
+    else:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            inp = grpcclient.InferInput("pixel_values", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            logits = client.infer("zs", [inp], outputs=[grpcclient.InferRequestedOutput("logits")],
+                                  parameters={"labels": ",".join(LABELS)}).as_numpy("logits")
+        finally:
+            client.close()
+    assert logits.size == 2 * len(LABELS)
+    assert counts == {"get": 1, "arriving": 1, "zero_shot_task": 1, "parse_labels": 1}

@@ -1,20 +1,118 @@
 """What a model's outputs become in an answer, whoever answers (HTTP, gRPC, offline prediction): the top-k classes of
-a row of logits, the rollout payload of a map, and the L2-normalised embedding. Pure numpy, no I/O.
+a row of logits (or of zero-shot logits over a request's labels), the rollout payload of a map, the L2-normalised
+embedding and the OOD verdict, gathered in one typed `Answer` (`answer`). Pure numpy, no I/O, no web framework.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from vit_serve.embedding import l2_normalize
+from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
 
 if TYPE_CHECKING:
     from vit_serve.manifest import RolloutSettings
     from vit_serve.runtime.backends.base import ModelInfo
+    from vit_serve.runtime.task import Outputs
 
-__all__ = ["l2_normalize", "normalize_embedding", "rollout_payload", "rollout_query", "scores", "top_k"]
+__all__ = ["Answer", "Explanation", "Ood", "Prediction", "Shape", "answer", "by_labels", "l2_normalize",
+           "normalize_embedding", "predictions", "rollout_payload", "rollout_query", "scores", "top_k"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One class of an answer: its label, its index (into the model's classes, or into the request's labels) and
+    its score (NaN for non-finite logits: the JSON encoder writes null)."""
+
+    label: str
+    index: int
+    score: float
+
+
+@dataclass(frozen=True)
+class Ood:
+    """How unlike the model's reference an image is (`vit_serve.monitor`): its score, whether it is above the
+    threshold, the method and the threshold."""
+
+    score: float
+    flag: bool
+    method: str
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """An attention map [gh, gw] and how it was made (`rollout_payload` writes it as the answers do)."""
+
+    method: str
+    rollout: RolloutSettings | None
+    heat: np.ndarray
+    query: str
+    grid: Any
+
+    def payload(self) -> dict[str, Any]:
+        """{"method", "head_fusion", "discard_ratio", "query", "grid", "map"}, as GET /explain?format=json."""
+        r = self.rollout
+        return {"method": self.method, "head_fusion": r.head_fusion if r is not None else None,
+                "discard_ratio": r.discard_ratio if r is not None else None, "query": self.query,
+                "grid": self.grid, "map": self.heat.tolist()}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One image's answer, whatever was asked: its best classes, its embedding, its attention map, its OOD
+    verdict (each empty when not asked for or not available)."""
+
+    predictions: tuple[Prediction, ...] = ()
+    embedding: np.ndarray | None = None
+    explanation: Explanation | None = None
+    ood: Ood | None = None
+
+    def prediction_dicts(self) -> list[dict[str, Any]]:
+        """The predictions as the answers' {"label", "index", "score"} objects."""
+        return [dataclasses.asdict(p) for p in self.predictions]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What an answer holds: `top_k` classes of the logits (None: none; `logits_optional`: none when the pass gave
+    no logits, as an explain pass may), the map of the `explain` method (with the `rollout` settings its task
+    ran with), the embedding (`normalize`d or not)."""
+
+    top_k: int | None = None
+    logits_optional: bool = False
+    explain: str | None = None
+    rollout: RolloutSettings | None = None
+    embedding: bool = False
+    normalize: bool = False
+
+
+def answer(outputs: Outputs, info: ModelInfo, shape: Shape, ood: Ood | None = None) -> Answer:
+    """The first row of a pass's `outputs` as the typed answer `shape` asks for (with the OOD verdict the caller's
+    monitor gave, if any)."""
+    found = None
+    if shape.top_k is not None and not (shape.logits_optional and LOGITS not in outputs):
+        found = predictions(outputs[LOGITS][0], shape.top_k, info)
+    explanation = None
+    if shape.explain is not None:
+        explanation = Explanation(shape.explain, shape.rollout, outputs[ROLLOUT][0], rollout_query(info.pool),
+                                  info.grid)
+    embedding = normalize_embedding(outputs[EMBEDDING][0], shape.normalize) if shape.embedding else None
+    return Answer(found or (), embedding, explanation, ood)
+
+
+def by_labels(logits: np.ndarray, labels: list[str], k: int, kind: str) -> Answer:
+    """Zero-shot logits [n] over a request's `labels` -> the answer of the k best, best first (ties by index);
+    `index` is the label's position in `labels`; scores softmax over the labels or sigmoid (`kind`)."""
+    from vit_serve.runtime.zero_shot import label_scores
+
+    p = label_scores(logits, kind)
+    best = np.argsort(-logits.astype(np.float64), kind="stable")[:min(k, len(labels))]
+    return Answer(tuple(Prediction(labels[i], int(i), float(p[i])) for i in best))
 
 
 def scores(logits: np.ndarray, kind: str = "softmax") -> np.ndarray:
@@ -28,14 +126,19 @@ def scores(logits: np.ndarray, kind: str = "softmax") -> np.ndarray:
         return p / p.sum()
 
 
-def top_k(logits: np.ndarray, k: int, info: ModelInfo) -> list[dict[str, Any]]:
-    """logits [K] -> the k best classes as {"label", "index", "score" (softmax, or sigmoid when `info.scores`
-    says so)}, best first (by logit: ties by index, NaN last). Non-finite logits give NaN scores, which the JSON
-    encoder writes as null."""
+def predictions(logits: np.ndarray, k: int, info: ModelInfo) -> tuple[Prediction, ...]:
+    """logits [K] -> the k best classes (scores softmax, or sigmoid when `info.scores` says so), best first (by
+    logit: ties by index, NaN last). Non-finite logits give NaN scores."""
     z = logits.astype(np.float64)
     p = scores(z, info.scores)
     best = np.argsort(-z, kind="stable")[:min(k, z.shape[0])]
-    return [{"label": info.label(int(i)), "index": int(i), "score": float(p[i])} for i in best]
+    return tuple(Prediction(info.label(int(i)), int(i), float(p[i])) for i in best)
+
+
+def top_k(logits: np.ndarray, k: int, info: ModelInfo) -> list[dict[str, Any]]:
+    """logits [K] -> the k best classes as {"label", "index", "score"} (`predictions`), best first. Non-finite
+    logits give NaN scores, which the JSON encoder writes as null."""
+    return [dataclasses.asdict(p) for p in predictions(logits, k, info)]
 
 
 def rollout_query(pool: str) -> str:
@@ -51,10 +154,7 @@ def rollout_payload(method: str, rollout: RolloutSettings | None, heat: np.ndarr
     """A map heat [gh, gw] -> {"method", "head_fusion", "discard_ratio", "query", "grid": [gh, gw], "map": gh x gw
     floats}, as GET /explain?format=json and POST /classify?explain=true answer it (head_fusion and discard_ratio
     None when the method runs without rollout settings)."""
-    return {"method": method,
-            "head_fusion": rollout.head_fusion if rollout is not None else None,
-            "discard_ratio": rollout.discard_ratio if rollout is not None else None,
-            "query": rollout_query(info.pool), "grid": info.grid, "map": heat.tolist()}
+    return Explanation(method, rollout, heat, rollout_query(info.pool), info.grid).payload()
 
 
 def normalize_embedding(emb: np.ndarray, normalize: bool) -> np.ndarray:

@@ -3,14 +3,15 @@ with `vit-serve serve REPO`.
 
 Layout: settings (ServeSettings and its groups: limits, triton, repository, security, explain_store), app (factory +
 lifespan), gateway (the running parts), repository (the loaded versions: model control, polling, load / unload),
-model_version (one loaded version; its runner is `vit_serve.runtime.scheduling`'s), admission (a request's
-scheduling `Ticket` with the gateway's errors), uploads, keys and security (API keys), caller (whose upload is
-whose), stores/ (recent images for GET /explain: memory, redis, the store secret), errors (runtime errors -> HTTP
-statuses and gRPC codes in one table, and the one /v2 error envelope), v2_protocol (the KServe v2 wire format) and
-v2_model (what HTTP /v2 and gRPC share), grpc, metrics, middleware, tracing, schemas, deps; routes/ (classify,
-embed, explain and what they share, image_request; health, metrics, models, page; v2: all of /v2 as one router
-group, the repository extension included). Backends, discovery, decode and postprocessing are the
-runtime's (`vit_serve.runtime`).
+model_version (one loaded version; its runner is `vit_serve.runtime.scheduling`'s), admission (a request's scheduling
+`Ticket` with the gateway's errors), pipeline (one request: announce, read, choose the version once, decode, infer,
+answer) and answer_hooks (what runs after an answer: Server-Timing, the payload sampler), uploads, keys and security
+(API keys), caller (whose upload is whose), stores/ (recent images for GET /explain: memory, redis, the store secret),
+errors (runtime errors -> HTTP statuses and gRPC codes in one table, and the one /v2 error envelope), v2_protocol (the
+KServe v2 wire format) and v2_model (what HTTP /v2 and gRPC share), grpc, metrics, middleware, tracing, schemas, deps;
+routes/ (classify, embed, explain and what they share, image_request: thin, their query and schema; health, metrics,
+models, page; v2: all of /v2 as one router group, the repository extension included). Backends, discovery, decode and
+postprocessing are the runtime's (`vit_serve.runtime`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """FastAPI dependencies: the app's Gateway, and the model version a request is routed to (`?model=&version=`).
 
 Everything here runs on the event loop (async dependencies: FastAPI runs plain ones in a worker thread, where
-holding a version would race the loop). A route with a body takes a `ModelChoice` and chooses the version once
-the body is read, so that a slow upload never keeps a replaced version (and its weights) alive; a route without
-one may take the version at once (`ModelDep`).
+holding a version would race the loop). A route with a body takes a `ModelChoice`: the pipeline chooses the version
+before the body is read and announces the request to it without holding it, then keeps it unless it left service
+meanwhile (`pipeline`), so that a slow upload never keeps a replaced version (and its weights) alive; a route
+without a body may take the version at once (`ModelDep`).
 
 With a traffic split (`traffic`), a request naming no version is routed by its draw, sticky per `X-Session-Id`;
 the version drawn when it is announced is the one that answers (unless it left service meanwhile).
@@ -12,16 +13,15 @@ the version drawn when it is announced is the one that answers (unless it left s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Header, Query, Request
 
-from vit_serve.serve.admission import DEFAULT_PRIORITY
 from vit_serve.serve.errors import NotFoundError
 from vit_serve.serve.gateway import Gateway
-from vit_serve.serve.model_version import Announcement, ModelVersion
+from vit_serve.serve.model_version import ModelVersion
 
 
 async def get_gateway(request: Request) -> Gateway:
@@ -48,20 +48,30 @@ class ModelChoice:
     name: str | None = None
     version: str | int | None = None
     session: str | None = None  # X-Session-Id: the client's session, for sticky traffic splits
-    # the version drawn by `announce` (a traffic split's random draw is made once per request)
+    # the version drawn by `choose` (a traffic split's random draw is made once per request)
     _drawn: list[int] = field(default_factory=list, compare=False, repr=False)
 
-    def announce(self, check: Callable[[ModelVersion], object] | None = None,
-                 priority: int = DEFAULT_PRIORITY) -> Announcement:
-        """Before the body is read: 404 / 400 / 503 now if nothing would answer (and `check`'s 400 for the version
-        that would); that version counts the request (at level `priority`) as coming (`with choice.announce():
-        read the body`)."""
+    def choose(self) -> ModelVersion:
+        """The version that would answer now (one repository lookup: 404 / 400 / 503 when there is none); a
+        traffic split's draw is kept for `again`."""
         mv = self.gateway.model(self.name, self.version, self.session)
-        if check is not None:
-            check(mv)
         if self.version is None:
             self._drawn[:] = [mv.version]
-        return mv.announce(priority)
+        return mv
+
+    def still_serves(self, mv: ModelVersion) -> bool:
+        """Whether `mv`, chosen before the body was read, still serves the same name and version (no lookup, no
+        new draw): one replaced or unloaded meanwhile does not. 503 when the gateway is stopping."""
+        gateway = self.gateway
+        if gateway.closing:
+            raise gateway.shutting_down()
+        repo = gateway.repository
+        return repo is not None and repo.served.get(mv.name, {}).get(mv.version) is mv
+
+    def again(self) -> ModelVersion:
+        """The version that answers when the one chosen left service while the body was read: the same draw if it
+        is still in service, else a new one (`use`)."""
+        return self._resolve()
 
     def _resolve(self) -> ModelVersion:
         if self.version is None and self._drawn:

@@ -246,18 +246,18 @@ class Servicer(GRPCInferenceServiceServicer):
                                 metadata.get("x-session-id"))
         try:
             with mv.using(), mv.arriving(admission.priority) as arrival:
-                admission.at("decode", mv)
-                req = infer_request(request, v2_model.request_bounds(mv, self.gateway.settings.limits))
-                admission.v2_parameters(req.parameters, self.gateway.settings.priority_levels)
-                admission.check(mv)
-                labels = LabelCaller(CALL_IDENTITY.get().scope, self.ring.limits)  # whose label cache and rate
-                outputs = await v2_model.infer(mv, req, arrival, self.gateway.settings.decode_workers, admission,
-                                               labels)
+                req, outputs = await v2_model.answer(self.gateway, mv, arrival,
+                                                     functools.partial(infer_request, request), admission,
+                                                     self._label_caller)
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc.aio cancels the call
             admission.cancelled = True
             self.gateway.metrics.cancelled.labels(admission.stage, admission.model, admission.version).inc()
             raise
         return infer_response(mv.name, str(mv.version), req.id, outputs)
+
+    async def _label_caller(self) -> LabelCaller:
+        """Whose label cache and rate a call's labels use: its verified key's."""
+        return LabelCaller(CALL_IDENTITY.get().scope, self.ring.limits)
 
     @_answers_errors
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:  # noqa: N802

@@ -397,6 +397,18 @@ class Announcement:
             arrival.heard_from(clock)
         return self
 
+    def claim(self) -> tuple[ModelVersion, Arrival] | None:
+        """The body is read: the version announced to and the request's arrival, handed on to decoding and the
+        queue (one arrival per request; its body no longer stalls it), or None (and `done`) when the version is
+        gone or was closed meanwhile (closing ended the arrival)."""
+        version, arrival = self._version(), self._arrival()
+        if version is None or arrival is None or arrival not in version._announced:
+            self.done()
+            return None
+        version._announced.discard(arrival)
+        arrival.heard_from(None)
+        return version, arrival
+
     def done(self) -> None:
         version, arrival = self._version(), self._arrival()
         if arrival is not None:

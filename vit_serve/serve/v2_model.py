@@ -19,6 +19,7 @@ ones not started never are.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -161,7 +162,7 @@ def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str,
     names = {out["name"] for out in wanted}
     tasks = [_explain_task(mv, parameters)] if ROLLOUT in names else []
     if zero_shot and (LOGITS in names or EMBEDDING in names or OOD_SCORE in names):
-        tasks.append(mv.zero_shot_task())
+        tasks.append(EMBED)  # the zero-shot task, which `request_labels` resolved once already
     elif EMBEDDING in names or (OOD_SCORE in names and mv.classify_task() == EMBED):
         tasks.append(mv.embed_task())
     return tasks or [CLASSIFY]
@@ -194,6 +195,20 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, labels: list[str
         return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
     shape, items = classify(arr, k, labels if out["name"] == LOGITS else None)
     return OutputTensor(out["name"], "BYTES", shape, items, binary)
+
+
+async def answer(gateway: Gateway, mv: ModelVersion, arrival: Arrival, parse: Callable[[RequestBounds], InferRequest],
+                 admission: Admission, caller: Callable[[], Awaitable[LabelCaller]]
+                 ) -> tuple[InferRequest, list[OutputTensor]]:
+    """One inference of the Open Inference Protocol on a held version, whatever the transport (HTTP /v2, gRPC):
+    the request parsed within the version's bounds (`parse`), its `timeout` and `priority` applied to `admission`
+    (504 now when its deadline has passed), then run (`infer`) with the label cache and rate of `caller()`."""
+    settings = gateway.settings
+    admission.at("decode", mv)
+    req = parse(request_bounds(mv, settings.limits))
+    admission.v2_parameters(req.parameters, settings.priority_levels)  # timeout (µs), priority
+    admission.check(mv)
+    return req, await infer(mv, req, arrival, settings.decode_workers, admission, await caller())
 
 
 async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int,

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from vit_serve.manifest import EMBEDDING
-from vit_serve.runtime.postprocess import normalize_embedding
+from vit_serve.serve import pipeline
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep
-from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep
 from vit_serve.serve.schemas import EmbedResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -39,20 +36,9 @@ async def embed(
     have one; an ONNX export has one when exported with `vit-export --outputs logits,embedding` (other models
     answer 400). The image is kept like /classify's, so `GET /explain?id=` works on it too.
     """
-    t0 = time.perf_counter()
-    async with infer_upload(request, choice, scope, ModelVersion.embed_task, admission) as done:
-        mv, decoded, result = done.mv, done.decoded, done.result
-        if mv.monitor is not None:  # its logits and embedding join the drift window (`monitoring`)
-            mv.monitor.observe(result.outputs)
-    vector = normalize_embedding(result.outputs[EMBEDDING][0], normalize)
-    info = mv.info
-    return {
-        "id": decoded.id,
-        "model": info.name,
-        "version": str(mv.version),
-        "resolution": info.resolution,
-        "dim": int(vector.shape[-1]),
-        "normalized": normalize,
-        "embedding": vector.tolist(),
-        "timing_ms": result.timing_ms(decoded.decode_ms, (time.perf_counter() - t0) * 1e3),
-    }
+    done = await pipeline.answer(request, choice, scope, admission, pipeline.Ask("embed", normalize=normalize))
+    vector = done.answer.embedding
+    assert vector is not None
+    return {"id": done.image_id, "model": done.info.name, "version": done.version, "resolution": done.info.resolution,
+            "dim": int(vector.shape[-1]), "normalized": normalize, "embedding": vector.tolist(),
+            "timing_ms": done.timings.timing_ms()}

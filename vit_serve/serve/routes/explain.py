@@ -7,26 +7,18 @@ have their head_fusion / discard_ratio baked in, other values answer 400 naming 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
-from PIL import Image
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
-from vit_serve.manifest import LOGITS, ROLLOUT
 from vit_serve.overlay import COLORMAPS
-from vit_serve.runtime.postprocess import rollout_payload, top_k
-from vit_serve.runtime.scheduling import Result
-from vit_serve.runtime.task import Task
+from vit_serve.serve import pipeline
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep, ModelDep
-from vit_serve.serve.errors import NotFoundError
-from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, infer_upload
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -73,28 +65,21 @@ async def explain_params(
 ParamsDep = Annotated[ExplainParams, Depends(explain_params)]
 
 
-def _task(mv: ModelVersion, p: ExplainParams) -> Task:
-    return mv.explain_task(p.method, p.head_fusion, p.discard_ratio, p.target)
+def _ask(p: ExplainParams) -> pipeline.Ask:
+    overlay = pipeline.Overlay(p.alpha, p.colormap) if p.format == "png" else None
+    return pipeline.Ask("explain", explain=pipeline.Explain(p.method, p.head_fusion, p.discard_ratio, p.target),
+                        overlay=overlay)
 
 
-async def _answer(mv: ModelVersion, task: Task, image_id: str, crop: Image.Image, result: Result,
-                  p: ExplainParams, t0: float, decode_ms: float) -> Response | dict:
-    """The explain task's result as GET /explain answers it: the PNG overlay over `crop`, or the JSON map."""
-    heat = result.outputs[ROLLOUT][0]
-    info = mv.info
-    if p.format == "png":
-        png = await mv.overlay(crop, heat, p.alpha, p.colormap)
-        return Response(png, media_type="image/png", headers={"X-Image-Id": image_id, "X-Model": info.name,
-                                                              "X-Model-Version": str(mv.version)})
-    logits = result.outputs.get(LOGITS)
-    return {
-        "id": image_id,
-        "model": info.name,
-        "version": str(mv.version),
-        **rollout_payload(p.method, task.rollout, heat, info),
-        "predictions": top_k(logits[0], 5, info) if logits is not None else [],
-        "timing_ms": result.timing_ms(decode_ms, (time.perf_counter() - t0) * 1e3),
-    }
+def _shaped(done: pipeline.Answered) -> Response | dict:
+    """The answer as GET /explain gives it: the PNG overlay over the model-input crop, or the JSON map."""
+    if done.overlay is not None:
+        return Response(done.overlay, media_type="image/png", headers={
+            "X-Image-Id": done.image_id, "X-Model": done.info.name, "X-Model-Version": done.version})
+    assert done.answer.explanation is not None
+    return {"id": done.image_id, "model": done.info.name, "version": done.version,
+            **done.answer.explanation.payload(), "predictions": done.answer.prediction_dicts(),
+            "timing_ms": done.timings.timing_ms()}
 
 
 @router.get("/explain", response_model=ExplainResponse, responses={200: PNG, 404: {"model": ErrorBody}, **ERRORS})
@@ -115,20 +100,7 @@ async def explain_by_id(
     model it was classified with (or any model with the same preprocessing contract), by the API key that sent
     it: another key's id is a 404, as an id nobody made.
     """
-    t0 = time.perf_counter()
-    task = _task(mv, params)
-    slot = mv.store.secret.slot(scope, id)  # the caller's own: another key's id names another slot
-    crop = await asyncio.get_running_loop().run_in_executor(mv.pool, mv.crop_of, slot)  # Redis: a round trip
-    if crop is None:
-        raise NotFoundError(f"no image with id {id} here for model {mv.name!r} (never sent to it, expired or "
-                            f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
-                            f"image/* body)")
-    admission.check(mv)
-    with mv.arriving(admission.priority) as arrival:
-        admission.at("decode", mv)
-        x = await mv.tensor_of(crop)
-        result = await mv.infer(task, x, arrival, admission)
-        return await _answer(mv, task, id, crop, result, params, t0, 0.0)
+    return _shaped(await pipeline.answer_kept(mv, scope, admission, _ask(params), id))
 
 
 @router.post("/explain", response_model=ExplainResponse, responses={200: {**PNG, **BY_ID_LINK}, **ERRORS},
@@ -136,8 +108,4 @@ async def explain_by_id(
 async def explain_upload(request: Request, choice: ModelChoiceDep, params: ParamsDep, scope: ScopeDep,
                          admission: AdmissionDep) -> Response | dict:
     """Explain an uploaded image (same body as POST /classify, same parameters and answers as GET /explain)."""
-    t0 = time.perf_counter()
-    async with infer_upload(request, choice, scope, lambda mv: _task(mv, params), admission) as done:
-        decoded = done.decoded  # the overlay is drawn while the version is still held
-        return await _answer(done.mv, done.task, decoded.id, decoded.crop, done.result, params, t0,
-                             decoded.decode_ms)
+    return _shaped(await pipeline.answer(request, choice, scope, admission, _ask(params)))

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from vit_serve.runtime.scheduling import Arrival
-from vit_serve.serve import v2_model
+from vit_serve.serve import pipeline, v2_model
 from vit_serve.serve.admission import Admission, admission_of
 from vit_serve.serve.caller import caller_scope
 from vit_serve.serve.deps import SESSION_HEADER, GatewayDep, ModelChoice
@@ -34,9 +34,14 @@ from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes import health, repository
 from vit_serve.serve.schemas import StrictJSONResponse
-from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.v2_model import model_metadata, versions
-from vit_serve.serve.v2_protocol import HEADER_LENGTH, encode_infer_response, parse_infer_request
+from vit_serve.serve.v2_protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    RequestBounds,
+    encode_infer_response,
+    parse_infer_request,
+)
 
 __all__ = ["model_metadata", "router"]  # model_metadata lives in v2_model; importable from here as before
 
@@ -180,26 +185,23 @@ async def version_infer(name: NameDep, version: VersionDep, request: Request, ga
 
 async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Response:
     admission = admission_of(request.scope)
-    # 404 / 503 before the body is read; the version is chosen once it is
-    with choice.announce(priority=admission.priority) as announced:
-        announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
-        admission.at("read", announced.version)
-        raw = await request.body()
-    with choice.use() as mv, mv.arriving(admission.priority) as arrival:
+    # 404 / 503 before the body is read; the version is chosen once, then kept unless it left service meanwhile
+    mv, arrival, raw = await pipeline.arrive(request, choice, admission, request.body)
+    with mv.using(), arrival:
         return await _infer_on(raw, request, gateway, mv, arrival, admission)
 
 
 async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival,
                     admission: Admission) -> Response:
-    admission.at("decode", mv)
-    body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
-                       gateway.settings.max_body_bytes)
-    bounds = v2_model.request_bounds(mv, gateway.settings.limits)
-    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
-    admission.v2_parameters(req.parameters, gateway.settings.priority_levels)  # timeout (µs), priority
-    admission.check(mv)
-    caller = LabelCaller.of(request.app, await caller_scope(request))  # whose label cache and rate
-    outputs = await v2_model.infer(mv, req, arrival, gateway.settings.decode_workers, admission, caller)
+    def parse(bounds: RequestBounds) -> InferRequest:
+        body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
+                           gateway.settings.max_body_bytes)
+        return parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
+
+    async def caller() -> LabelCaller:
+        return LabelCaller.of(request.app, await caller_scope(request))  # whose label cache and rate
+
+    req, outputs = await v2_model.answer(gateway, mv, arrival, parse, admission, caller)
     content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
 

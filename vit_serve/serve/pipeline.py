@@ -1,0 +1,314 @@
+"""One request through a model, whichever route asked: the one call every image route makes (`answer`; `answer_kept`
+for an image kept earlier, GET /explain?id=; /v2 infer takes its first steps, `arrive`, and runs its tensors
+through `v2_model`, as gRPC does).
+
+In order: announce the request to the version that would answer (one repository lookup, one arrival: the batcher
+may wait for it; 404 / 400 / 503 / 504 before the body is read), read the body, keep that version unless it left
+service meanwhile (then, and only then, choose again), decode (kept for GET /explain), infer, and post-process the
+outputs into one typed answer (`runtime.postprocess.Answer`). What the request asks of the version (`Ask`) is
+resolved against it once (`Job`: the task, the parsed `?labels=`). The hooks run after the answer is made, in
+order (`answer_hooks`: `Server-Timing`, the payload sampler); the access line is the middleware's, for every
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+from PIL import Image
+from starlette.requests import Request
+
+from vit_serve.manifest import EMBEDDING
+from vit_serve.runtime import postprocess
+from vit_serve.runtime.backends.base import ModelInfo
+from vit_serve.runtime.decode import Decoded
+from vit_serve.runtime.postprocess import Answer, Ood, Shape
+from vit_serve.runtime.scheduling import Arrival, Result
+from vit_serve.runtime.task import Task
+from vit_serve.serve.admission import Admission
+from vit_serve.serve.deps import ModelChoice
+from vit_serve.serve.errors import NotFoundError
+from vit_serve.serve.labels import LabelCaller
+from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.slow_clients import body_clock
+from vit_serve.serve.uploads import Upload, read_image
+
+
+@dataclass(frozen=True)
+class Explain:
+    """An attention map asked for: the method and its settings (None: the model's or the exported graph's)."""
+
+    method: Literal["rollout", "grad_rollout"] = "rollout"
+    head_fusion: str | None = None
+    discard_ratio: float | None = None
+    target: int | None = None
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """The map drawn over the model-input crop as a PNG (POST /explain?format=png)."""
+
+    alpha: float = 0.5
+    colormap: str = "jet"
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks of the model, as its route parsed it: classify (`top_k` classes, by the model's head
+    or among `labels`, zero-shot), embed (`normalize`d or not) or explain (`explain`, with an `overlay` or as
+    numbers). `explain` with kind classify: POST /classify?explain=true."""
+
+    kind: Literal["classify", "embed", "explain"] = "classify"
+    top_k: int = 5
+    labels: str | None = None
+    explain: Explain | None = None
+    normalize: bool = False
+    overlay: Overlay | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """An `Ask` resolved against the version that answers: its task, and the request's labels parsed within that
+    version's limits and tokenizer (None: no labels)."""
+
+    task: Task
+    labels: list[str] | None = None
+
+
+def resolve(ask: Ask, mv: ModelVersion) -> Job:
+    """The job `ask` is for `mv`, or 400 / 422 saying why `mv` cannot do it."""
+    if ask.labels is not None:
+        task = mv.zero_shot_task()
+        return Job(task, mv.parse_labels(ask.labels))
+    if ask.explain is not None:
+        e = ask.explain
+        return Job(mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target))
+    return Job(mv.embed_task() if ask.kind == "embed" else mv.classify_task())
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where one request's time went (ms): reading its body, waiting for a decode thread, decoding, queueing,
+    inferring, the labels' text work (None: no labels) and all of it; the size of its batch."""
+
+    read: float
+    decode_wait: float
+    decode: float
+    queue: float
+    infer: float
+    text: float | None
+    total: float
+    batch_size: int
+
+    def timing_ms(self) -> dict[str, float]:
+        """The answer's `timing_ms` (schemas.Timing)."""
+        return {"decode": self.decode, "queue": self.queue, "infer": self.infer, "total": self.total,
+                "batch_size": self.batch_size}
+
+    def server_timing(self) -> str:
+        """The `Server-Timing` header's value."""
+        parts = [("read", self.read), ("decode_wait", self.decode_wait), ("decode", self.decode),
+                 ("queue", self.queue), ("infer", self.infer)]
+        if self.text is not None:
+            parts.append(("text", self.text))
+        return ", ".join(f"{name};dur={ms:.3f}" for name, ms in (*parts, ("total", self.total)))
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One request answered: by which version (`info`: its model), the image's id for the caller and its crop,
+    what was asked and resolved, the typed answer, the PNG overlay when one was asked for, and the timings."""
+
+    model: str
+    version: str
+    info: ModelInfo
+    image_id: str
+    crop: Image.Image
+    ask: Ask
+    job: Job
+    answer: Answer
+    overlay: bytes | None
+    timings: Timings
+
+
+B = TypeVar("B")  # a request's body, as its route reads it
+Hook = Callable[[Answered], None]  # run after the answer is made (it only schedules work)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the held part of a request has so far: the version, the job, the arrival, when it began."""
+
+    mv: ModelVersion
+    job: Job | None
+    arrival: Arrival
+    t0: float
+
+
+async def answer(request: Request, choice: ModelChoice, scope: str, admission: Admission, ask: Ask,
+                 hooks: Sequence[Hook] = ()) -> Answered:
+    """The request's image through the version `choice` names, as `ask` asks (the module's order), then `hooks`.
+    `admission` follows it through (its stage, for a client that hangs up; its deadline and level, for the
+    queue)."""
+    t0 = time.perf_counter()
+    job_of = functools.partial(resolve, ask)
+    arrived, job = await _announce_and_read(choice, job_of, request, admission, lambda: read_image(request))
+    t_read = time.perf_counter()
+    run = _keep_or_choose_again(arrived, job, choice, admission, job_of, t0)
+    with run.mv.using(), run.arrival:
+        admission.at("decode", run.mv)
+        decoded = await decode_kept(run.mv, arrived.body, scope)
+        t_decoded = time.perf_counter()
+        done = await _infer_and_answer(request, scope, admission, ask, run, decoded)
+    wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
+    return _finish(done, dataclasses.replace(done.timings, read=(t_read - t0) * 1e3, decode_wait=wait_ms), hooks)
+
+
+@dataclass(frozen=True)
+class Arrived(Generic[B]):
+    """A request whose body is read: the version it was announced to and its arrival, handed on (None when that
+    version is gone or was closed meanwhile), and the body."""
+
+    claimed: tuple[ModelVersion, Arrival] | None
+    body: B
+
+
+async def arrive(request: Request, choice: ModelChoice, admission: Admission,
+                 read: Callable[[], Awaitable[B]]) -> tuple[ModelVersion, Arrival, B]:
+    """Announce, read and choose the version once, for a request whose task is known only from its body (/v2): the
+    version that answers (not yet held: `with mv.using(), arrival:`), the request's one arrival, the body."""
+    arrived, _ = await _announce_and_read(choice, None, request, admission, read)
+    run = _keep_or_choose_again(arrived, None, choice, admission, None, 0.0)
+    return run.mv, run.arrival, arrived.body
+
+
+async def _announce_and_read(choice: ModelChoice, job_of: Callable[[ModelVersion], Job] | None, request: Request,
+                             admission: Admission, read: Callable[[], Awaitable[B]]) -> tuple[Arrived[B], Job | None]:
+    """Choose the version that would answer (one lookup) and resolve the job for it (`job_of`: 400 now), announce
+    the request to it, then read the body. While the body is read only the announcement (weak) holds that version,
+    so that an unload frees it. With a job: 504 before the body is read when the deadline has passed or the work
+    ahead leaves no time for it."""
+    mv = choice.choose()
+    job = job_of(mv) if job_of is not None else None
+    announced = mv.announce(admission.priority)
+    try:
+        announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
+        admission.at("read", mv)
+        if job is not None:
+            admission.check(mv)  # a deadline past on arrival
+            mv.runner.check_arrival(job.task, admission)  # or one the work ahead leaves no time for
+        del mv
+        body = await read()
+    except BaseException:
+        announced.done()
+        raise
+    return Arrived(announced.claim(), body), job
+
+
+def _keep_or_choose_again(arrived: Arrived, job: Job | None, choice: ModelChoice, admission: Admission,
+                          resolve_for: Callable[[ModelVersion], Job] | None, t0: float) -> _Run:
+    """The version announced to, with its arrival, while it still serves; else the version chosen now, its job
+    resolved again for it (`resolve_for`) and a new arrival."""
+    claimed = arrived.claimed
+    try:
+        if claimed is not None and choice.still_serves(claimed[0]):
+            return _Run(claimed[0], job, claimed[1], t0)
+    except BaseException:
+        claimed[1].done()  # type: ignore[index]
+        raise
+    if claimed is not None:
+        claimed[1].done()
+    mv = choice.again()
+    return _Run(mv, resolve_for(mv) if resolve_for is not None else None, mv.arriving(admission.priority), t0)
+
+
+async def answer_kept(mv: ModelVersion, scope: str, admission: Admission, ask: Ask, image_id: str,
+                      hooks: Sequence[Hook] = ()) -> Answered:
+    """The image the caller sent earlier (its crop kept under `image_id`) through `mv` (held by the caller), as
+    `ask` asks; 404 when it is not kept (any more)."""
+    t0 = time.perf_counter()
+    job = resolve(ask, mv)
+    slot = mv.store.secret.slot(scope, image_id)  # the caller's own: another key's id names another slot
+    crop = await asyncio.get_running_loop().run_in_executor(mv.pool, mv.crop_of, slot)  # Redis: a round trip
+    if crop is None:
+        raise NotFoundError(f"no image with id {image_id} here for model {mv.name!r} (never sent to it, expired or "
+                            f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
+                            f"image/* body)")
+    admission.check(mv)
+    with mv.arriving(admission.priority) as arrival:
+        admission.at("decode", mv)
+        x = await mv.tensor_of(crop)
+        done = await _infer_and_answer(None, scope, admission, ask, _Run(mv, job, arrival, t0),
+                                       Decoded(image_id, crop, x, 0.0))
+    return _finish(done, done.timings, hooks)
+
+
+async def _infer_and_answer(request: Request | None, scope: str, admission: Admission, ask: Ask, run: _Run,
+                            decoded: Decoded) -> Answered:
+    """Infer, then post-process while the version is still held (the labels' text work, the OOD score, the
+    overlay use it)."""
+    mv, job = run.mv, run.job
+    assert job is not None
+    result = await mv.infer(job.task, decoded.x, run.arrival, admission)
+    text_ms = None
+    if job.labels is not None:
+        assert request is not None and mv.text is not None
+        who = LabelCaller.of(request.app, scope)  # its label cache and rate
+        logits, text_ms = await mv.label_logits(job.labels, result.outputs[EMBEDDING], admission, who)
+        made = postprocess.by_labels(logits[0], job.labels, ask.top_k, mv.text.scores)
+    else:
+        made = postprocess.answer(result.outputs, mv.info, _shape(ask, job), _ood(mv, ask, result))
+    overlay = None
+    if ask.overlay is not None and made.explanation is not None:
+        overlay = await mv.overlay(decoded.crop, made.explanation.heat, ask.overlay.alpha, ask.overlay.colormap)
+    total = (time.perf_counter() - run.t0) * 1e3
+    timings = Timings(0.0, 0.0, decoded.decode_ms, result.queue_ms, result.infer_ms, text_ms, total,
+                      result.batch_size)
+    return Answered(mv.name, str(mv.version), mv.info, decoded.id, decoded.crop, ask, job, made, overlay, timings)
+
+
+def _shape(ask: Ask, job: Job) -> Shape:
+    """What the answer to `ask` holds: /classify the top_k classes (and the map with explain=true), /explain the
+    map and the 5 best classes when the pass gave logits, /embed the embedding."""
+    method = ask.explain.method if ask.explain is not None else None
+    if ask.kind == "embed":
+        return Shape(embedding=True, normalize=ask.normalize)
+    if ask.kind == "explain":
+        return Shape(top_k=5, logits_optional=True, explain=method, rollout=job.task.rollout)
+    return Shape(top_k=ask.top_k, explain=method, rollout=job.task.rollout)
+
+
+def _ood(mv: ModelVersion, ask: Ask, result: Result) -> Ood | None:
+    """The pass joins the version's drift window (classify and embed, not explain); /classify's answer carries
+    the image's OOD verdict when the pass gave what the score needs."""
+    monitor = mv.monitor
+    if monitor is None or ask.kind == "explain":
+        return None
+    scores = monitor.observe(result.outputs)
+    if ask.kind != "classify" or scores is None:
+        return None
+    return Ood(**monitor.answer(float(scores[0])))
+
+
+def _finish(done: Answered, timings: Timings, hooks: Sequence[Hook]) -> Answered:
+    """The answer with its final timings, handed to each hook in order."""
+    done = dataclasses.replace(done, timings=timings)
+    for hook in hooks:
+        hook(done)
+    return done
+
+
+async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
+    """The upload decoded (none if the caller sent it before: its crop is in the store) and kept for GET
+    /explain, with the caller's id for it (`stores.secret`): another caller's identical upload neither finds
+    this crop nor gets this id."""
+    secret = mv.store.secret
+    image = secret.image_id(scope, upload.sha256)
+    decoded = await mv.decode(upload.data, secret.slot(scope, image))
+    return dataclasses.replace(decoded, id=image)
