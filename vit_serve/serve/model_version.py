@@ -1,10 +1,10 @@
 """One loaded model version: its backend, its own model thread and runner, and what a request asks of it.
 
-Routes choose a `ModelVersion` once the request's body is read (deps.ModelChoice), and hold it (`using()`) from
-then to the end of the request, so that a version being unloaded (a newer one switched in, or an unload call)
-finishes the requests that were routed to it before it is closed, waiting at most `unload_grace_s` for them
-(those still unanswered then get 503). While a body is being read the request is only announced to the version
-that would answer (`Announcement`), which does not keep that version alive.
+The request pipeline (`serve.pipeline`) chooses a `ModelVersion` once, announces the request to it while its body is
+read, and holds it (`using()`) from then to the end of the request, so that a version being unloaded (a newer one
+switched in, or an unload call) finishes the requests that were routed to it before it is closed, waiting at most
+`unload_grace_s` for them (those still unanswered then get 503). The announcement (`Announcement`) does not keep that
+version alive: a version that leaves service while a body is read is chosen again once it is read.
 
 Uploads are decoded in the gateway's shared decode pool with this version's own preprocessing contract; the crop
 kept for `GET /explain` is stored under the caller's slot for the image (`stores.secret`) and the contract (two
