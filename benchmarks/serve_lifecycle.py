@@ -1,9 +1,9 @@
 """Serving lifecycle benchmark (`serve_load.py --mode lifecycle`): every request accounted for, side by side in one
 run against today's gateway.
 
-One real uvicorn server per configuration in a subprocess (`serve_load.Server`), asyncio clients in this process
+One real uvicorn server per configuration in a subprocess (`harness.Server`), asyncio clients in this process
 (httpx for the closed loops; `LeanClient`, a minimal HTTP/1.1 client, for the open loops, whose attempts per second
-would otherwise spend the server's cores in httpx), a different image in every request (`serve_load.unique_jpeg`:
+would otherwise spend the server's cores in httpx), a different image in every request (`load_client.unique_jpeg`:
 small photos, 451x300; the multipart form is built by hand, `form`, since the client's CPU per request is what
 limits a storm on a small machine). The model:
 a random ViT (`--model`, default S/16 at `--res 224`, 1000 classes) on the torch backend (the issue's setting; the
@@ -77,7 +77,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_batching  # the sibling script: the server's CPU by thread
-import serve_load  # the sibling script: servers, photos, tables
+from harness import Server, print_checks, save_results
+from load_client import photo_jpeg, unique_jpeg
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("hangups", "storm", "priorities", "shadow")
@@ -124,7 +125,7 @@ def baseline_tree(commit: str, out: Path) -> Path:
 
 def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = None,
             baseline: Path | None = None, threads: int | None = None, instances: int | None = None
-            ) -> serve_load.Server:
+            ) -> Server:
     """A gateway (torch backend, `args.max_batch`, the settings' default queue, `instances` or `--instances` model
     instances, TorchScript traces unless --no-torchscript) on `model`; `baseline`: served from that code tree
     instead of this one (one instance, eager: it has neither setting)."""
@@ -134,7 +135,7 @@ def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = 
     else:
         env["VIT_SERVE_INSTANCES"] = str(instances or args.instances)
         env["VIT_SERVE_TORCHSCRIPT"] = "1" if args.torchscript else "0"
-    return serve_load.Server(model, threads or args.threads, "cpu", args.max_batch, args.max_delay_ms, env)
+    return Server(model, threads or args.threads, "cpu", args.max_batch, args.max_delay_ms, env)
 
 
 # ---- what the server counted ---------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ class CpuSplit:
     clients: float
 
     @staticmethod
-    def now(server: serve_load.Server) -> CpuSplit:
+    def now(server: Server) -> CpuSplit:
         pid = server.proc.pid
         if not Path(f"/proc/{pid}/task").is_dir():
             return CpuSplit(float("nan"), float("nan"), float("nan"))
@@ -249,14 +250,14 @@ class Images:
     """Unique small photos, never one twice in a run (one index for every server)."""
 
     def __init__(self) -> None:
-        self.base = serve_load.photo_jpeg()
+        self.base = photo_jpeg()
         self.index = itertools.count()
 
     def __iter__(self) -> Iterator[bytes]:
         return self
 
     def __next__(self) -> bytes:
-        return serve_load.unique_jpeg(self.base, next(self.index))
+        return unique_jpeg(self.base, next(self.index))
 
 
 BOUNDARY = "serve-lifecycle-7f3a"
@@ -498,7 +499,7 @@ def run(coro):  # one event loop per phase, as serve_load's levels
     return asyncio.run(coro)
 
 
-def warm(server: serve_load.Server, images: Images, concurrency: int, path: str = "/classify",
+def warm(server: Server, images: Images, concurrency: int, path: str = "/classify",
          headers: dict[str, str] | None = None) -> None:
     """4 x `concurrency` requests, `concurrency` at a time, so that the model has run full batches (and the
     runner measured them) before anything is measured."""
@@ -534,7 +535,7 @@ def reasons(c: Counter[str]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(c.items())) or "none"
 
 
-def scenario_hangups(args: argparse.Namespace, servers: dict[str, serve_load.Server], images: Images) -> Table:
+def scenario_hangups(args: argparse.Namespace, servers: dict[str, Server], images: Images) -> Table:
     """`--hangups` clients hang up `--hangup-s` after their upload: the images each gateway still ran for them
     (the images run minus the answers that came before the hang-up)."""
     rows = ["| gateway | clients | what the clients did | images the model ran | of them for clients that hung up | "
@@ -558,7 +559,7 @@ def scenario_hangups(args: argparse.Namespace, servers: dict[str, serve_load.Ser
     return rows, checks, results
 
 
-def capacity(server: serve_load.Server, args: argparse.Namespace, images: Images, path: str = "/classify",
+def capacity(server: Server, args: argparse.Namespace, images: Images, path: str = "/classify",
              headers: dict[str, str] | None = None) -> Window:
     """Images/s of `--capacity-clients` closed-loop clients for `--window-s`, the server idle after."""
     w = run(closed_loop(server.url, args.capacity_clients, args.window_s, images, path, headers))
@@ -566,7 +567,7 @@ def capacity(server: serve_load.Server, args: argparse.Namespace, images: Images
     return w
 
 
-def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Server], images: Images) -> Table:
+def scenario_storm(args: argparse.Namespace, servers: dict[str, Server], images: Images) -> Table:
     """Each gateway's capacity, then a retry storm at `--storm-load` x it: goodput against capacity."""
     caps = {}
     for name, server in servers.items():
@@ -633,7 +634,7 @@ def keys_file(folder: Path) -> Path:
     return path
 
 
-def gold_and_bronze(server: serve_load.Server, cap: float, args: argparse.Namespace, images: Images,
+def gold_and_bronze(server: Server, cap: float, args: argparse.Namespace, images: Images,
                     keys: bool) -> tuple[Window, Window, Window]:
     """Gold alone and gold beside bronze (open loop, Poisson), taking turns for `--priority-rounds` rounds (the
     order flips every round): (gold alone, gold beside bronze, bronze), each the rounds joined. Each round draws
@@ -720,7 +721,7 @@ def scenario_priorities(args: argparse.Namespace, model: Path, baseline: Path, o
     return rows, checks, results
 
 
-def take_turns(servers: dict[str, serve_load.Server], args: argparse.Namespace, clients: int, images: Images,
+def take_turns(servers: dict[str, Server], args: argparse.Namespace, clients: int, images: Images,
                path: str) -> tuple[dict[str, Window], dict[str, Counts]]:
     """`--rounds` rounds of `clients` closed-loop clients on each server in turn (the order flips every round):
     the rounds' windows joined, and what each server counted in them."""
@@ -885,8 +886,8 @@ def main(argv: list[str] | None = None) -> int:
           f"unique small photos (451x300) to /classify; "
           f"today's gateway: commit {args.baseline}, the same venv")
     print("\n".join(lines))
-    serve_load.print_checks(checks)
-    return serve_load.save_results(results_path, {
+    print_checks(checks)
+    return save_results(results_path, {
         "mode": "lifecycle", "model": args.model, "res": args.res, "backend": "torch",
         "args": {k: str(v) for k, v in vars(args).items()}, **results}, checks)
 

@@ -15,7 +15,6 @@ import asyncio
 import io
 import multiprocessing
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.data import find_images
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
 Tick = Callable[[], None]
 # The built-in photos: scikit-image's (when it is installed) and matplotlib's grace_hopper.
@@ -122,12 +122,6 @@ def unique_jpeg(jpeg: bytes, i: int, tag: str = "vit-serve tune") -> bytes:
 
 # ---- the gateway of a trial ------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(config: str, port: int, log: str) -> None:
     """A trial's gateway process: `vit-serve serve --config CONFIG` on 127.0.0.1:PORT (no drain on SIGTERM), its
     output into `log`, the caller's VIT_SERVE_* variables ignored (a trial runs what its file says), and the torch
@@ -175,32 +169,20 @@ class TrialServers:
     def serve(self, config: Path, log: Path, deadline: float, tick: Tick = lambda: None) -> Iterator[str]:
         """The gateway of `config` on a free port until the block ends; yields its URL once /readyz answers 200.
         TrialError when it exits first, or is not ready by `deadline` (time.monotonic())."""
-        import httpx
-
         port = free_port()
         proc = self.ctx.Process(target=_serve, args=(str(config), port, str(log)), daemon=True)
         proc.start()
-        url = f"http://127.0.0.1:{port}"
+        server = ServerProcess(proc, port)
         try:
-            while True:
-                tick()
-                if not proc.is_alive():
-                    raise TrialError(f"the gateway exited ({proc.exitcode}): {last_line(log)}")
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TrialError("the budget ran out while the gateway was starting")
-                time.sleep(0.1)
-            yield url
+            try:
+                server.wait_ready(deadline - time.monotonic(), tick=tick)
+            except ServerExitedError:
+                raise TrialError(f"the gateway exited ({server.exitcode}): {last_line(log)}") from None
+            except TimeoutError:
+                raise TrialError("the budget ran out while the gateway was starting") from None
+            yield server.url
         finally:
-            proc.terminate()
-            proc.join(15)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            server.stop(15)
 
 
 def last_line(log: Path) -> str:
