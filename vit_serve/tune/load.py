@@ -3,10 +3,11 @@ concurrent clients over real HTTP.
 
 Every upload is a different file: a JPEG made unique by a comment segment (`unique_jpeg`: other bytes and
 another sha256 each time, the same pixels and decode work), so that no cache and no deduplication can flatter
-a trial. A trial's gateway is `vit-serve serve --config TRIAL.toml` as a process of its own (`TrialServers`),
-forked from a server process that has imported the gateway once, so that a trial pays for loading its model but
-not for importing torch again. The clients are `concurrency` closed loops in this process (httpx, asyncio),
-each sending the next upload as soon as its answer came (POST /classify, the image as the body).
+a trial. A trial's gateway is `vit-serve serve --config TRIAL.toml` as a process of its own (`TrialServers`, on
+`server_process.ServerProcess`), forked from a server process that has imported the gateway once, so that a
+trial pays for loading its model but not for importing torch again. The clients are `concurrency` closed loops
+in this process (httpx, asyncio), each sending the next upload as soon as its answer came (POST /classify, the
+image as the body).
 """
 
 from __future__ import annotations
