@@ -27,14 +27,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROUTING_MODELS = ("a", "b", "c")
 
 # uvicorn as `vit-serve serve` configures it (server_config: header timeout, connection cap, half-close), the
-# settings it resolved printed first
-SERVER_CODE = ("import json, sys, uvicorn\n"
-               "from vit_serve.serve.app import create_app, server_config\n"
-               "from vit_serve.serve.settings import ServeSettings\n"
-               "s = ServeSettings()\n"
-               "print('SETTINGS ' + s.model_dump_json(), file=sys.stderr, flush=True)\n"
-               "config = server_config(create_app(s), s, host=s.host, port=s.port, log_level='warning')\n"
-               "uvicorn.Server(config).run()\n")
+# settings it resolved printed first. A gateway older than server_config (the lifecycle benchmark's baseline tree)
+# runs under uvicorn's own defaults, as it was served then.
+SERVER_CODE = """
+import sys, uvicorn
+from vit_serve.serve import app as gateway_app
+from vit_serve.serve.settings import ServeSettings
+s = ServeSettings()
+print('SETTINGS ' + s.model_dump_json(), file=sys.stderr, flush=True)
+app = gateway_app.create_app(s)
+if hasattr(gateway_app, 'server_config'):
+    config = gateway_app.server_config(app, s, host=s.host, port=s.port, log_level='warning')
+else:
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level='warning')
+uvicorn.Server(config).run()
+"""
 
 
 # ---- the model ---------------------------------------------------------------------------------------------
