@@ -7,7 +7,7 @@ benchmarks/predict.py serve it).
 
 Inputs, as benchmarks/predict.py's: `--corpus phone` (default) the 12 MP phone JPEGs of
 benchmarks/upload_corpus.py, `--corpus small` a 451x300 photo, each copy made unique with
-`serve_load.unique_jpeg` (a numbered comment segment: new bytes and sha256, the same pixels and decode work).
+`load_client.unique_jpeg` (a numbered comment segment: new bytes and sha256, the same pixels and decode work).
 
 * the gateway (serve_load's `Server`: uvicorn in a subprocess, server defaults, dynamic batching up to 16):
   `--images` unique uploads to `POST /embed` from 16 concurrent clients, after 16 warm-up requests, new bytes
@@ -35,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import families  # siblings: the family table, the load generator and server, predict's folder and table
 import predict as predict_bench
-import serve_load
+from harness import Server
+from load_client import load, payloads, photo_jpeg
 
 CONCURRENCY = 16
 DINOV2 = next(f for f in families.FAMILIES if f.key == "dinov2")
@@ -65,13 +66,13 @@ def export_dinov2(out: Path, res: int, tiny: bool) -> Path:
 
 def bases_for(corpus: str, folder: Path) -> list[bytes]:
     """The upload bodies' originals: the corpus's 12 MP phone JPEGs, or one small real photo."""
-    return predict_bench.phone_bases(folder) if corpus == "phone" else [serve_load.photo_jpeg()]
+    return predict_bench.phone_bases(folder) if corpus == "phone" else [photo_jpeg()]
 
 
 def gateway_round(url: str, bases: list[bytes], n: int, start: int) -> float:
     """images/s of n POST /embed (unique bodies numbered from `start`) from 16 clients, after 16 warm-up ones."""
-    bodies = serve_load.payloads(bases, start, n + CONCURRENCY)
-    return asyncio.run(serve_load.load(url, "/embed", bodies, CONCURRENCY, CONCURRENCY)).throughput
+    bodies = payloads(bases, start, n + CONCURRENCY)
+    return asyncio.run(load(url, "/embed", bodies, CONCURRENCY, CONCURRENCY)).throughput
 
 
 def predict_round(onnx: Path, src: Path, out: Path) -> tuple[float, float]:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     predict_bench.make_folder(folder, bases, args.images)
     preds = args.out / "embeddings.jsonl"
     gws, steady, whole = [], [], []
-    with serve_load.Server(onnx, None, "cpu", 16, 5.0) as server:
+    with Server(onnx, None, "cpu", 16, 5.0) as server:
         for r in range(args.rounds):
             gws.append(gateway_round(server.url, bases, args.images, (r + 1) * 100_000))
             s, w = predict_round(onnx, folder, preds)

@@ -40,6 +40,7 @@ from PIL import Image
 import vit_serve
 from vit_serve import monitor
 from vit_serve.preprocess import PreprocessConfig, preprocess
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess
 
 METHODS = ("max-softmax", "energy", "mahalanobis (monitor)", "class-cond. mahalanobis", "knn k=10")
 CHOSEN = "mahalanobis (monitor)"
@@ -204,40 +205,22 @@ def independent_windows(ref: monitor.Reference, digits: tuple[np.ndarray, ...], 
 # ---- (c) cost -----------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Gateway:
-    """`vit-serve serve MODEL` (with `flags`) in a subprocess on a free port."""
+class Gateway(ServerProcess):
+    """`vit-serve serve MODEL` (with `flags`) in a subprocess on a free port, its log kept for when it fails."""
 
     def __init__(self, model: Path, flags: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        exe = [sys.executable, "-m", "vit_serve.cli"]
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*exe, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                                      *flags], stdout=self.log, stderr=subprocess.STDOUT)
+        server = ServerProcess.serve([str(model), "--host", "127.0.0.1", *flags], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        super().__init__(server.proc, server.port)
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"the gateway exited: {self.log.read().decode(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.url} not ready after {timeout:.0f} s")
+    def wait_ready(self, timeout: float | None = None, poll: float = 0.2, tick=lambda: None) -> dict:
+        try:
+            return super().wait_ready(timeout, poll, tick)
+        except ServerExitedError:
+            self.log.seek(0)
+            raise ServerExitedError(f"the gateway exited: {self.log.read().decode(errors='replace')[-2000:]}") \
+                from None
 
     def batching(self) -> str:
         """How its batcher runs, from GET /models."""
@@ -246,14 +229,10 @@ class Gateway:
         v = httpx.get(f"{self.url}/models", timeout=10.0).json()["models"][0]["versions"][0]["batching"]
         return f"max batch {v['max_batch']}, wait {v['max_delay_ms']:g} ms"
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    def stop(self, grace: float = 30.0) -> int | None:
+        code = super().stop(grace)
         self.log.close()
+        return code
 
 
 def digit_jpeg(image: Image.Image) -> bytes:

@@ -1,7 +1,7 @@
 """Offline prediction benchmark: `vit-serve predict` against the gateway's `/classify`, and Ray Data against the
 local engine, side by side in one run.
 
-(a) A folder of 12 MP phone JPEGs (benchmarks/upload_corpus.py's, each copy made unique with `serve_load.unique_jpeg`,
+(a) A folder of 12 MP phone JPEGs (benchmarks/upload_corpus.py's, each copy made unique with `load_client.unique_jpeg`,
 so that every file is a different upload of the same decode work) through `predict` (local engine, its defaults:
 fast decode, batch 16, the gateway's decode-thread count) against the same files POSTed to `/classify` of a real
 gateway (serve_load's `Server`: uvicorn in a subprocess, server defaults) at concurrency 16. Same model and backend:
@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_load  # a sibling script: its gateway server, load generator, payloads and export)
 import upload_corpus
+from harness import Server, export_model
+from load_client import load, payloads
 
 if TYPE_CHECKING:
     from vit_serve.predict import PredictResult
@@ -54,7 +55,7 @@ def phone_bases(corpus: Path) -> list[bytes]:
 def make_folder(folder: Path, bases: list[bytes], n: int) -> None:
     """n unique 12 MP phone JPEGs in `folder` (the corpus's phone photos, numbered by a comment segment)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for i, body in enumerate(serve_load.payloads(bases, 0, n)):
+    for i, body in enumerate(payloads(bases, 0, n)):
         path = folder / f"photo_{i:04d}.jpg"
         if not path.exists():
             path.write_bytes(body)
@@ -73,11 +74,11 @@ def run_predict(onnx: Path, src: Path, out: Path, engine: str = "local") -> tupl
     return result, wall
 
 
-def run_gateway(server: serve_load.Server, bases: list[bytes], n: int, start: int) -> float:
+def run_gateway(server: Server, bases: list[bytes], n: int, start: int) -> float:
     """images/s of n POST /classify from 16 concurrent clients, after 16 warm-up requests: the folder's photos
     numbered from `start` (new bytes every round, so the gateway's crop store never answers: each is decoded)."""
-    bodies = serve_load.payloads(bases, start, n + CONCURRENCY)
-    return asyncio.run(serve_load.load(server.url, "/classify", bodies, CONCURRENCY, CONCURRENCY)).throughput
+    bodies = payloads(bases, start, n + CONCURRENCY)
+    return asyncio.run(load(server.url, "/classify", bodies, CONCURRENCY, CONCURRENCY)).throughput
 
 
 def checks(predict_ips: float, gateway_ips: float, ray_ips: float | None, local_ips: float | None
@@ -107,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ray", action="store_true", help="skip (b)")
     args = p.parse_args(argv)
 
-    onnx = serve_load.export_model(args.model, args.res, args.out)
+    onnx = export_model(args.model, args.res, args.out)
     bases = phone_bases(args.out / "corpus")
     make_folder(args.out / "photos", bases, args.images)
     preds, gws, whole = [], [], []
-    with serve_load.Server(onnx, None, "cpu", 16, 5.0) as server:
+    with Server(onnx, None, "cpu", 16, 5.0) as server:
         for r in range(args.rounds):
             gws.append(run_gateway(server, bases, args.images, (r + 1) * 100_000))
             result = run_predict(onnx, args.out / "photos", args.out / "preds.jsonl")[0]

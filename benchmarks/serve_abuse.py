@@ -52,7 +52,8 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import Server, check_unique, level_sizes, load, memory_ceiling, payloads, photo_jpeg
+from harness import Server, memory_ceiling
+from load_client import check_unique, level_sizes, load, payloads, photo_jpeg
 from text_labels import clip_templates, random_label
 
 ABUSE_RATIO = 0.8  # normal traffic's images/s beside the abusive requests, at least this much of it without them

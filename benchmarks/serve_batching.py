@@ -27,22 +27,52 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_load as sl
+from harness import Server
+from load_client import Load, check_unique, level_sizes, load, num, payloads, photo_jpeg
 
 GATEWAY_OVER_OFFLINE = 0.90
 ON_OVER_OFF = 0.98
 ROLES = ("model", "decode", "event loop", "other")
+
+
+def offline_throughput(onnx: Path, image: bytes, batch: int, threads: int, device: str, seconds: float,
+                       spinning: bool = False) -> float:
+    """Images/s of `session.run` on a preprocessed [batch, 3, H, W] batch, with the gateway's own session options
+    (`session_options`: `threads` intra-op threads, intra-op spinning as `spinning`)."""
+    import onnxruntime as ort
+
+    from vit_serve.preprocess import PreprocessConfig, preprocess
+    from vit_serve.runtime.backends.onnxruntime import session_options
+
+    side = json.loads(onnx.with_suffix(".json").read_text())
+    cfg = PreprocessConfig.from_dict(side["preprocess"])
+    x = preprocess(image, cfg).numpy()[None].repeat(batch, 0)
+    opts = session_options(threads, spinning)
+    cuda = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers()
+    if device == "cuda" and not cuda:
+        raise SystemExit("--device cuda: this onnxruntime has no CUDAExecutionProvider")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+    sess = ort.InferenceSession(str(onnx), opts, providers=providers)
+    for _ in range(3):
+        sess.run(["logits"], {"pixel_values": x})
+    n, t0 = 0, time.perf_counter()
+    while n < 5 or time.perf_counter() - t0 < seconds:
+        sess.run(["logits"], {"pixel_values": x})
+        n += 1
+    return n * batch / (time.perf_counter() - t0)
 
 
 def batching_checks(on: dict[int, float], off: dict[int, float]) -> list[tuple[str, str, str, bool]]:
@@ -95,26 +125,26 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float], names: dict[i
     return out
 
 
-def profile(server: sl.Server, bases: list[bytes], start: int, n: int, c: int) -> tuple[dict[str, float], float]:
+def profile(server: Server, bases: list[bytes], start: int, n: int, c: int) -> tuple[dict[str, float], float]:
     """The server's CPU ms per image by role under `n` requests at concurrency `c`, and the images/s."""
     names = thread_names(server.proc.pid)
     if names is None:
         return {}, float("nan")
     before = thread_cpu_s(server.proc.pid)
-    lv = asyncio.run(sl.load(server.url, "/classify", sl.payloads(bases, start, n), c, 0))
+    lv = asyncio.run(load(server.url, "/classify", payloads(bases, start, n), c, 0))
     by_role = cpu_by_role(before, thread_cpu_s(server.proc.pid), names)
     return {k: v * 1e3 / n for k, v in by_role.items()}, lv.throughput
 
 
 def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tuple[list[str], list, dict]:
-    bases = [sl.photo_jpeg()]
+    bases = [photo_jpeg()]
     threads = args.threads or os.cpu_count() or 1
     rounds = args.rounds
     modes = {"on": args.max_batch, "off": 1}
-    loads: dict[tuple[str, int], list[sl.Load]] = collections.defaultdict(list)
+    loads: dict[tuple[str, int], list[Load]] = collections.defaultdict(list)
     with contextlib.ExitStack() as stack:
         env = {"VIT_SERVE_INTRA_OP_SPINNING": "1" if args.spinning else "0"}
-        servers = {m: stack.enter_context(sl.Server(onnx, threads, args.device, mb, args.max_delay_ms, env))
+        servers = {m: stack.enter_context(Server(onnx, threads, args.device, mb, args.max_delay_ms, env))
                    for m, mb in modes.items()}
         shown = httpx.get(f"{servers['on'].url}/models").json()["models"][0]["versions"][0]["batching"]
         print(f"batching on: {shown}", file=sys.stderr)
@@ -124,28 +154,28 @@ def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
         offline: dict[int, list[float]] = {b: [] for b in sorted({1, int(shown["max_batch"])})}
         k = 0
         for c in levels:
-            warmup, n = sl.level_sizes(args.requests, c)
+            warmup, n = level_sizes(args.requests, c)
             per_round = max(n // rounds, 2 * c)
             for r in range(rounds):
                 for mode in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-                    bodies = sl.payloads(bases, k, (warmup if r == 0 else 0) + per_round)
+                    bodies = payloads(bases, k, (warmup if r == 0 else 0) + per_round)
                     k += len(bodies)
-                    lv = asyncio.run(sl.load(servers[mode].url, "/classify", bodies, c, warmup if r == 0 else 0))
-                    sl.check_unique(lv, 1)
+                    lv = asyncio.run(load(servers[mode].url, "/classify", bodies, c, warmup if r == 0 else 0))
+                    check_unique(lv, 1)
                     loads[mode, c].append(lv)
                 if c == c16:
                     for b, rates in offline.items():
-                        rates.append(sl.offline_throughput(onnx, bases[0], b, threads, args.device,
+                        rates.append(offline_throughput(onnx, bases[0], b, threads, args.device,
                                                            args.offline_seconds, args.spinning))
             print(f"  c={c}: on {_throughput(loads['on', c]):.1f}, off {_throughput(loads['off', c]):.1f} img/s",
                   file=sys.stderr)
         role_ms, profiled_tp = profile(servers["on"], bases, k, max(args.requests // 2, 4 * c16), c16)
         k += max(args.requests // 2, 4 * c16)
-        warmup, n = sl.level_sizes(max(10, args.requests // 4), 1)
-        classify_c1 = asyncio.run(sl.load(servers["on"].url, "/classify", sl.payloads(bases, k, warmup + n), 1,
+        warmup, n = level_sizes(max(10, args.requests // 4), 1)
+        classify_c1 = asyncio.run(load(servers["on"].url, "/classify", payloads(bases, k, warmup + n), 1,
                                           warmup))
         k += warmup + n
-        explain = asyncio.run(sl.load(servers["on"].url, "/explain?format=png", sl.payloads(bases, k, warmup + n),
+        explain = asyncio.run(load(servers["on"].url, "/explain?format=png", payloads(bases, k, warmup + n),
                                       1, warmup))
 
     offline_tp = {b: float(np.median(rates)) for b, rates in offline.items()}
@@ -157,11 +187,11 @@ def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
         lat = np.concatenate([lv.latencies for lv in lvs]) * 1e3
         rows.append(f"| POST /classify, batching {mode} | {c} | {len(lat)} | {_throughput(lvs):.1f} | "
                     f"{np.percentile(lat, 50):.2f} | {np.percentile(lat, 99):.2f} | "
-                    f"{sl.num(float(np.mean([lv.mean_batch for lv in lvs])))} | "
-                    f"{sl.num(float(np.mean([lv.mean_infer_ms for lv in lvs])))} |")
+                    f"{num(float(np.mean([lv.mean_batch for lv in lvs])))} | "
+                    f"{num(float(np.mean([lv.mean_infer_ms for lv in lvs])))} |")
     for name, lv in (("POST /classify", classify_c1), ("POST /explain?format=png", explain)):
         rows.append(f"| {name}, batching on | 1 | {len(lv.latencies)} | {lv.throughput:.1f} | {lv.p(50):.2f} | "
-                    f"{lv.p(99):.2f} | {sl.num(lv.mean_batch)} | {sl.num(lv.mean_infer_ms)} |")
+                    f"{lv.p(99):.2f} | {num(lv.mean_batch)} | {num(lv.mean_infer_ms)} |")
     for b, tp in offline_tp.items():
         rows.append(f"| offline session.run (median of {rounds}) | batch {b} | | {tp:.1f} | {b / tp * 1e3:.2f} | "
                     f"| {b} | {b / tp * 1e3:.2f} |")
@@ -201,6 +231,6 @@ def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
     return [head, "", *rows], checks, results
 
 
-def _throughput(lvs: list[sl.Load]) -> float:
+def _throughput(lvs: list[Load]) -> float:
     """Images/s over rounds: all their requests over all their wall time."""
     return sum(len(lv.latencies) for lv in lvs) / sum(lv.wall_s for lv in lvs)

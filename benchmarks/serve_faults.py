@@ -48,11 +48,20 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_load
+from harness import (
+    ServerExitedError,
+    ServerProcess,
+    free_port,
+    print_checks,
+    results_path,
+    routing_repository,
+    save_results,
+)
+from load_client import photo_jpeg, unique_jpeg
 
 FAULTS = ("redis", "triton", "disk", "sigterm")
 DISK_LIMIT = 4096  # the server's RLIMIT_FSIZE once the disk "fills": every part is bigger
-RESULTS = Path(__file__).resolve().parent / "results" / "serve_faults.json"
+RESULTS = results_path("serve_faults")
 
 SERVER_CODE = """
 import json, sys
@@ -66,20 +75,19 @@ run(s)
 """
 
 
-class GatewayProcess(serve_load.Server):
+class GatewayProcess(ServerProcess):
     """`vit-serve serve` as deployed (`app.run`: draining on SIGTERM), its log in `log`."""
 
     def __init__(self, model: str, env: dict[str, str], log: Path, threads: int | None) -> None:
-        self.port = serve_load.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         self.log = log
         full = {**os.environ, "VIT_SERVE_MODEL": model, "VIT_SERVE_HOST": "127.0.0.1",
-                "VIT_SERVE_PORT": str(self.port), "VIT_SERVE_DEVICE": "cpu", "VIT_SERVE_DECODE": "fast",
+                "VIT_SERVE_PORT": str(port), "VIT_SERVE_DEVICE": "cpu", "VIT_SERVE_DECODE": "fast",
                 "VIT_SERVE_MAX_QUEUE": "256", **({"VIT_SERVE_THREADS": str(threads)} if threads else {}), **env}
         # Through a pipe, as a container's log: the server's file size limit (the disk fault) must not cut it.
         self._log_file = open(log, "w")  # noqa: SIM115  (closed by stop)
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE], env=full, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        super().__init__(subprocess.Popen([sys.executable, "-c", SERVER_CODE], env=full, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True), port)
         self._relay = threading.Thread(target=self._copy_log, daemon=True)
         self._relay.start()
         self.settings: dict = {}
@@ -90,35 +98,31 @@ class GatewayProcess(serve_load.Server):
             self._log_file.write(line)
             self._log_file.flush()
 
-    def wait_ready(self, timeout: float = 300.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited with status {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(httpx.TransportError):
-                r = httpx.get(f"{self.url}/readyz", timeout=2.0)
-                if r.status_code == 200:
-                    for line in self.log.read_text().splitlines():
-                        if line.startswith("SETTINGS "):
-                            self.settings = json.loads(line.removeprefix("SETTINGS "))
-                    return r.json()
-            time.sleep(0.2)
-        raise TimeoutError(f"the gateway at {self.url} was not ready after {timeout:.0f} s:\n{self.tail()}")
+    def wait_ready(self, timeout: float | None = None, poll: float = 0.2, tick=lambda: None) -> dict:
+        try:
+            answer = super().wait_ready(timeout, poll, tick)
+        except (ServerExitedError, TimeoutError) as e:
+            raise type(e)(f"{e}:\n{self.tail()}") from None
+        for line in self.log.read_text().splitlines():
+            if line.startswith("SETTINGS "):
+                self.settings = json.loads(line.removeprefix("SETTINGS "))
+        return answer
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self) -> None:
-        super().stop()
+    def stop(self, grace: float = 30.0) -> int | None:
+        code = super().stop(grace)
         self._relay.join(10)
         self._log_file.close()
+        return code
 
 
 class RedisProcess:
     """A redis-server on a free port of 127.0.0.1, no persistence; `kill` (SIGKILL) and `start` again."""
 
     def __init__(self, folder: Path) -> None:
-        self.port, self.folder, self.proc = serve_load.free_port(), folder, None
+        self.port, self.folder, self.proc = free_port(), folder, None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
@@ -166,7 +170,7 @@ async def traffic(url: str, concurrency: int, stop: asyncio.Event, seen: Seen, e
                   keepalive: bool = True) -> None:
     """`concurrency` clients sending unique photos to /classify, and `explainers` asking GET /explain?id= for the
     latest ids, until `stop` is set (or the server refuses connections)."""
-    base = serve_load.photo_jpeg()
+    base = photo_jpeg()
     limits = httpx.Limits(max_connections=concurrency + explainers,
                           max_keepalive_connections=concurrency + explainers if keepalive else 0)
     counter = iter(range(10**9))
@@ -185,7 +189,7 @@ async def traffic(url: str, concurrency: int, stop: asyncio.Event, seen: Seen, e
 
         async def classifier() -> None:
             while not stop.is_set() and not closed.is_set():
-                body = serve_load.unique_jpeg(base, next(counter))
+                body = unique_jpeg(base, next(counter))
                 r = await send("/classify", files={"file": ("photo.jpg", body, "image/jpeg")})
                 if r is not None:
                     seen.add("/classify", r)
@@ -357,7 +361,7 @@ def fault_disk(args: argparse.Namespace, onnx: Path, work: Path) -> dict[str, An
 
 def fault_sigterm(args: argparse.Namespace, onnx: Path, work: Path) -> dict[str, Any]:
     repo = work / "repository"
-    serve_load.routing_repository(onnx, repo)  # a, b, c: version 1 each
+    routing_repository(onnx, repo)  # a, b, c: version 1 each
     server = GatewayProcess(str(repo), {"VIT_SERVE_MODEL_CONTROL": "poll", "VIT_SERVE_REPOSITORY_POLL_S": "0.2",
                                         "VIT_SERVE_DEFAULT_MODEL": "a", "VIT_SERVE_SHUTDOWN_DRAIN_S": "0.5",
                                         "VIT_SERVE_SHUTDOWN_GRACE_S": "10"},
@@ -452,17 +456,12 @@ def main(argv: list[str]) -> int:
           f"{args.concurrency}, {os.cpu_count()} cores; {args.pre_s:g} s before each fault, {args.down_s:g} s "
           f"down, {args.post_s:g} s after\n")
     print("\n".join(table(rows)))
-    serve_load.print_checks(checks)
+    print_checks(checks)
     results = {"mode": "faults", "model": args.model, "res": args.res, "concurrency": args.concurrency,
                "faults": rows}
-    from vit_serve.checkpoints.io import atomic_write
-
-    results["checks"] = [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]
-    for path in (args.results, out / "results.json"):  # the latest run replaces the last
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(results, indent=2).encode(), overwrite=True)
-        print(f"results: {path}")
-    return 0 if all(ok for *_, ok in checks) else 1
+    codes = [save_results(path, results, checks, overwrite=True)  # the latest run replaces the last
+             for path in (args.results, out / "results.json")]
+    return max(codes)
 
 
 if __name__ == "__main__":

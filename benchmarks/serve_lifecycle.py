@@ -1,9 +1,9 @@
 """Serving lifecycle benchmark (`serve_load.py --mode lifecycle`): every request accounted for, side by side in one
 run against today's gateway.
 
-One real uvicorn server per configuration in a subprocess (`serve_load.Server`), asyncio clients in this process
+One real uvicorn server per configuration in a subprocess (`harness.Server`), asyncio clients in this process
 (httpx for the closed loops; `LeanClient`, a minimal HTTP/1.1 client, for the open loops, whose attempts per second
-would otherwise spend the server's cores in httpx), a different image in every request (`serve_load.unique_jpeg`:
+would otherwise spend the server's cores in httpx), a different image in every request (`load_client.unique_jpeg`:
 small photos, 451x300; the multipart form is built by hand, `form`, since the client's CPU per request is what
 limits a storm on a small machine). The model:
 a random ViT (`--model`, default S/16 at `--res 224`, 1000 classes) on the torch backend (the issue's setting; the
@@ -77,12 +77,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_batching  # the sibling script: the server's CPU by thread
-import serve_load  # the sibling script: servers, photos, tables
+from harness import Server, print_checks, save_results
+from load_client import photo_jpeg, unique_jpeg
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("hangups", "storm", "priorities", "shadow")
 MODEL_NAME = "vit"  # the repository's model (shadow scenario)
 GOLD, BRONZE = "gold-key-0123456789", "bronze-key-0123456789"
+# What this script reads /metrics with: with keys on /metrics needs a key like any route (a gateway with keys off
+# ignores it), and a key of its own keeps the scrapes out of gold's and bronze's counts.
+METRICS_KEY = "metrics-key-0123456789"
 # The targets of issue 22.
 STORM_GOODPUT = 0.8
 GOLD_P99 = 1.5
@@ -124,7 +128,7 @@ def baseline_tree(commit: str, out: Path) -> Path:
 
 def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = None,
             baseline: Path | None = None, threads: int | None = None, instances: int | None = None
-            ) -> serve_load.Server:
+            ) -> Server:
     """A gateway (torch backend, `args.max_batch`, the settings' default queue, `instances` or `--instances` model
     instances, TorchScript traces unless --no-torchscript) on `model`; `baseline`: served from that code tree
     instead of this one (one instance, eager: it has neither setting)."""
@@ -134,7 +138,7 @@ def gateway(model: Path, args: argparse.Namespace, env: dict[str, str] | None = 
     else:
         env["VIT_SERVE_INSTANCES"] = str(instances or args.instances)
         env["VIT_SERVE_TORCHSCRIPT"] = "1" if args.torchscript else "0"
-    return serve_load.Server(model, threads or args.threads, "cpu", args.max_batch, args.max_delay_ms, env)
+    return Server(model, threads or args.threads, "cpu", args.max_batch, args.max_delay_ms, env)
 
 
 # ---- what the server counted ---------------------------------------------------------------------------------
@@ -168,7 +172,7 @@ class Counts:
 def metric_samples(url: str) -> list:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=30, headers={"Authorization": f"Bearer {METRICS_KEY}"}).text
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
@@ -196,7 +200,7 @@ def counts_of(text: str) -> Counts:
 
 def counts(url: str) -> Counts:
     """The server's `Counts` now."""
-    return counts_of(httpx.get(f"{url}/metrics", timeout=30).text)
+    return counts_of(httpx.get(f"{url}/metrics", timeout=30, headers={"Authorization": f"Bearer {METRICS_KEY}"}).text)
 
 
 def busy(url: str) -> float:
@@ -215,7 +219,7 @@ class CpuSplit:
     clients: float
 
     @staticmethod
-    def now(server: serve_load.Server) -> CpuSplit:
+    def now(server: Server) -> CpuSplit:
         pid = server.proc.pid
         if not Path(f"/proc/{pid}/task").is_dir():
             return CpuSplit(float("nan"), float("nan"), float("nan"))
@@ -249,14 +253,14 @@ class Images:
     """Unique small photos, never one twice in a run (one index for every server)."""
 
     def __init__(self) -> None:
-        self.base = serve_load.photo_jpeg()
+        self.base = photo_jpeg()
         self.index = itertools.count()
 
     def __iter__(self) -> Iterator[bytes]:
         return self
 
     def __next__(self) -> bytes:
-        return serve_load.unique_jpeg(self.base, next(self.index))
+        return unique_jpeg(self.base, next(self.index))
 
 
 BOUNDARY = "serve-lifecycle-7f3a"
@@ -498,7 +502,7 @@ def run(coro):  # one event loop per phase, as serve_load's levels
     return asyncio.run(coro)
 
 
-def warm(server: serve_load.Server, images: Images, concurrency: int, path: str = "/classify",
+def warm(server: Server, images: Images, concurrency: int, path: str = "/classify",
          headers: dict[str, str] | None = None) -> None:
     """4 x `concurrency` requests, `concurrency` at a time, so that the model has run full batches (and the
     runner measured them) before anything is measured."""
@@ -534,7 +538,7 @@ def reasons(c: Counter[str]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(c.items())) or "none"
 
 
-def scenario_hangups(args: argparse.Namespace, servers: dict[str, serve_load.Server], images: Images) -> Table:
+def scenario_hangups(args: argparse.Namespace, servers: dict[str, Server], images: Images) -> Table:
     """`--hangups` clients hang up `--hangup-s` after their upload: the images each gateway still ran for them
     (the images run minus the answers that came before the hang-up)."""
     rows = ["| gateway | clients | what the clients did | images the model ran | of them for clients that hung up | "
@@ -558,7 +562,7 @@ def scenario_hangups(args: argparse.Namespace, servers: dict[str, serve_load.Ser
     return rows, checks, results
 
 
-def capacity(server: serve_load.Server, args: argparse.Namespace, images: Images, path: str = "/classify",
+def capacity(server: Server, args: argparse.Namespace, images: Images, path: str = "/classify",
              headers: dict[str, str] | None = None) -> Window:
     """Images/s of `--capacity-clients` closed-loop clients for `--window-s`, the server idle after."""
     w = run(closed_loop(server.url, args.capacity_clients, args.window_s, images, path, headers))
@@ -566,7 +570,7 @@ def capacity(server: serve_load.Server, args: argparse.Namespace, images: Images
     return w
 
 
-def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Server], images: Images) -> Table:
+def scenario_storm(args: argparse.Namespace, servers: dict[str, Server], images: Images) -> Table:
     """Each gateway's capacity, then a retry storm at `--storm-load` x it: goodput against capacity."""
     caps = {}
     for name, server in servers.items():
@@ -629,11 +633,11 @@ def scenario_storm(args: argparse.Namespace, servers: dict[str, serve_load.Serve
 def keys_file(folder: Path) -> Path:
     """The priorities scenario's keys file: gold at level 1 (the most urgent), bronze at 2."""
     path = folder / "keys.txt"
-    path.write_text(f"{GOLD} name=gold priority=1\n{BRONZE} name=bronze priority=2\n")
+    path.write_text(f"{GOLD} name=gold priority=1\n{BRONZE} name=bronze priority=2\n{METRICS_KEY} name=metrics\n")
     return path
 
 
-def gold_and_bronze(server: serve_load.Server, cap: float, args: argparse.Namespace, images: Images,
+def gold_and_bronze(server: Server, cap: float, args: argparse.Namespace, images: Images,
                     keys: bool) -> tuple[Window, Window, Window]:
     """Gold alone and gold beside bronze (open loop, Poisson), taking turns for `--priority-rounds` rounds (the
     order flips every round): (gold alone, gold beside bronze, bronze), each the rounds joined. Each round draws
@@ -720,7 +724,7 @@ def scenario_priorities(args: argparse.Namespace, model: Path, baseline: Path, o
     return rows, checks, results
 
 
-def take_turns(servers: dict[str, serve_load.Server], args: argparse.Namespace, clients: int, images: Images,
+def take_turns(servers: dict[str, Server], args: argparse.Namespace, clients: int, images: Images,
                path: str) -> tuple[dict[str, Window], dict[str, Counts]]:
     """`--rounds` rounds of `clients` closed-loop clients on each server in turn (the order flips every round):
     the rounds' windows joined, and what each server counted in them."""
@@ -885,8 +889,8 @@ def main(argv: list[str] | None = None) -> int:
           f"unique small photos (451x300) to /classify; "
           f"today's gateway: commit {args.baseline}, the same venv")
     print("\n".join(lines))
-    serve_load.print_checks(checks)
-    return serve_load.save_results(results_path, {
+    print_checks(checks)
+    return save_results(results_path, {
         "mode": "lifecycle", "model": args.model, "res": args.res, "backend": "torch",
         "args": {k: str(v) for k, v in vars(args).items()}, **results}, checks)
 

@@ -88,338 +88,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
-from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the clients, siblings of this script
+from harness import (
+    Server,
+    export_model,
+    find_onnx,
+    memory_ceiling,
+    print_checks,
+    results_path,
+    routing_repository,
+    save_results,
+)
+from load_client import (
+    STAGES,
+    Load,
+    check_unique,
+    level_sizes,
+    load,
+    num,
+    payloads,
+    phone_jpegs,
+    photo_jpeg,
+)
 
 CONCURRENCY = (1, 4, 16, 64)
-
-
-# ---- the images ---------------------------------------------------------------------------------------------
-
-def photo_jpeg() -> bytes:
-    """A real photo as JPEG bytes (scikit-image's chelsea, 451x300), or a smooth synthetic image without it."""
-    try:
-        from skimage import data
-
-        arr = data.chelsea()
-    except ImportError:
-        yy, xx = np.mgrid[0:300, 0:451]
-        arr = np.stack([xx * 255 // 451, yy * 255 // 300, (xx + yy) * 255 // 751], -1).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def phone_jpegs(folder: Path) -> list[bytes]:
-    """The corpus's 12 MP phone JPEGs (benchmarks/upload_corpus.py, built into `folder` or reused from it)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import upload_corpus
-
-    paths = upload_corpus.build(folder, upload_corpus.PHONE_NAMES)
-    return [paths[n].read_bytes() for n in upload_corpus.PHONE_NAMES]
-
-
-def unique_jpeg(jpeg: bytes, i: int) -> bytes:
-    """`jpeg` with a comment segment "serve_load <i>" after its SOI and APPn segments (JFIF / EXIF stay first):
-    other bytes and another sha256 for every i, the same pixels and the same decode work (`vit-serve tune`'s
-    uploads, `vit_serve.tune.load.unique_jpeg`)."""
-    from vit_serve.tune.load import unique_jpeg as tagged
-
-    return tagged(jpeg, i, "serve_load")
-
-
-def payloads(bases: list[bytes], start: int, n: int, repeats: int = 1) -> list[bytes]:
-    """Request bodies start .. start + n - 1: image k = index // repeats, made unique by k and cycling through
-    `bases`, so each image is sent `repeats` times in a row (1: every request a different image)."""
-    return [unique_jpeg(bases[k % len(bases)], k) for k in ((start + j) // repeats for j in range(n))]
-
-
-# ---- the model ---------------------------------------------------------------------------------------------
-
-def export_model(arch: str, res: int, out: Path) -> Path:
-    """A random-weight `arch` checkpoint at `res`, exported by vit-export into out/export; returns model.onnx."""
-    import torch
-    import vit_export
-
-    import vit_serve
-
-    onnx = out / "export" / "model.onnx"
-    if onnx.is_file():
-        print(f"reusing {onnx}", file=sys.stderr)
-        return onnx
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = out / "model.safetensors"
-    if not ckpt.is_file():
-        torch.manual_seed(0)
-        vit_serve.save(vit_serve.create_model(arch, num_classes=1000, img_size=res), ckpt)
-    result = vit_export.export(ckpt, vit_export.ExportOptions(res=res, out=onnx.parent, name="model"),
-                               progress=lambda msg: print(msg, file=sys.stderr))
-    if not result.ok:
-        raise SystemExit(f"the export of {ckpt} failed its parity checks (tables above)")
-    return result.onnx
-
-
-def find_onnx(path: Path) -> Path:
-    """An export folder's one logits graph (NAME.onnx beside NAME_explain.onnx), or the .onnx file given."""
-    if path.is_file():
-        return path
-    graphs = sorted(p for p in path.glob("*.onnx") if not p.stem.endswith("_explain"))
-    if len(graphs) != 1:
-        raise SystemExit(f"--export {path}: expected one NAME.onnx there, found {[g.name for g in graphs] or 'none'}")
-    return graphs[0]
-
-
-# ---- the server --------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`vit-serve`'s gateway under uvicorn in a subprocess, configured through its VIT_SERVE_* variables (`env`:
-    more of them, e.g. {"VIT_SERVE_DECODE": "fast"})."""
-
-    def __init__(self, onnx: Path, threads: int | None, device: str, max_batch: int, max_delay_ms: float,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ,
-               "VIT_SERVE_MODEL": str(onnx), "VIT_SERVE_BACKEND": "onnxruntime", "VIT_SERVE_DEVICE": device,
-               "VIT_SERVE_MAX_BATCH": str(max_batch), "VIT_SERVE_MAX_DELAY_MS": str(max_delay_ms),
-               "VIT_SERVE_MAX_QUEUE": "1024", "VIT_SERVE_HOST": "127.0.0.1", "VIT_SERVE_PORT": str(self.port),
-               **({"VIT_SERVE_THREADS": str(threads)} if threads else {}), **(env or {})}
-        # uvicorn as `vit-serve serve` configures it (server_config: header timeout, connection cap, half-close)
-        code = ("import json, sys, uvicorn\n"
-                "from vit_serve.serve.app import create_app, server_config\n"
-                "from vit_serve.serve.settings import ServeSettings\n"
-                "s = ServeSettings()\n"
-                "print('SETTINGS ' + s.model_dump_json(), file=sys.stderr, flush=True)\n"
-                "config = server_config(create_app(s), s, host=s.host, port=s.port, log_level='warning')\n"
-                "uvicorn.Server(config).run()\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
-        self.settings: dict = {}
-
-    def wait_ready(self, timeout: float = 300.0) -> dict:
-        if not self.settings:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:  # the settings line, after whatever the runtimes warn at import
-                if line.startswith("SETTINGS "):
-                    dump = json.loads(line.removeprefix("SETTINGS "))
-                    # the groups' fields (limits, security, ...) by their flat names too, as VIT_SERVE_* names them
-                    self.settings = {**dump, **{k: v for group in dump.values() if isinstance(group, dict)
-                                                for k, v in group.items()}}
-                    break
-                sys.stderr.write(line)
-            else:
-                raise RuntimeError(f"the server exited with status {self.proc.wait()} before it started")
-            # the rest of its stderr goes to ours, so that it never blocks on a full pipe
-            self._relay = threading.Thread(target=lambda: [sys.stderr.write(ln) for ln in self.proc.stderr],
-                                           daemon=True)
-            self._relay.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode}")
-            try:
-                r = httpx.get(f"{self.url}/readyz", timeout=2.0)
-                if r.status_code == 200:
-                    return r.json()
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server at {self.url} was not ready after {timeout:.0f} s")
-
-    def cpu_s(self) -> float:
-        """CPU time (user + system, s) the server process has used so far (Linux; NaN elsewhere)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def memory_mb(self) -> tuple[float, float]:
-        """(VmRSS, VmHWM) of the server process in MB (Linux; NaN elsewhere)."""
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return float("nan"), float("nan")
-        kb = {ln.split(":")[0]: int(ln.split()[1]) for ln in status.splitlines() if ln.startswith(("VmRSS", "VmHWM"))}
-        return kb.get("VmRSS", float("nan")) / 1024, kb.get("VmHWM", float("nan")) / 1024
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> Server:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-# ---- the client --------------------------------------------------------------------------------------------
-
-STAGES = ("read", "decode_wait", "decode", "queue", "infer", "response")
-
-
-def server_timing(header: str) -> dict[str, float]:
-    """A `Server-Timing` header ("read;dur=1.2, decode;dur=30.5, ...") -> {name: ms}."""
-    out = {}
-    for metric in header.split(","):
-        name, *params = (p.strip() for p in metric.split(";"))
-        for p in params:
-            if p.startswith("dur="):
-                out[name] = float(p[4:])
-    return out
-
-
-def stage_split(latency_ms: float, timing: dict[str, float]) -> dict[str, float]:
-    """One request's latency (client side, ms) -> ms per stage (STAGES): the server's read, decode wait, decode +
-    preprocess, queue and inference, and "response", the rest (HTTP both ways, JSON, the event loop), so that
-    the stages sum to the latency."""
-    split = {k: timing.get(k, 0.0) for k in STAGES[:-1]}
-    split["response"] = latency_ms - sum(split.values())
-    return split
-
-
-@dataclass
-class Load:
-    """One load level: latencies (s), wall time (s), and per request the server's batch size, model time (ms) and
-    stage split (ms, `stage_split`; empty for PNG answers), and the images' ids (sha256); `cpu_ms`: the server's
-    CPU time per measured request (all its threads; NaN when not measured)."""
-
-    latencies: np.ndarray
-    wall_s: float
-    batch_sizes: np.ndarray
-    infer_ms: np.ndarray
-    stages: dict[str, np.ndarray]
-    ids: list[str]
-    cpu_ms: float = float("nan")
-
-    @property
-    def throughput(self) -> float:
-        return len(self.latencies) / self.wall_s
-
-    def p(self, q: float) -> float:
-        return float(np.percentile(self.latencies, q) * 1e3)
-
-    @property
-    def mean_batch(self) -> float:
-        return float(self.batch_sizes.mean()) if len(self.batch_sizes) else float("nan")
-
-    @property
-    def mean_infer_ms(self) -> float:
-        return float(self.infer_ms.mean()) if len(self.infer_ms) else float("nan")
-
-    def stage_ms(self, stage: str) -> float:
-        v = self.stages.get(stage, np.array([]))
-        return float(v.mean()) if len(v) else float("nan")
-
-
-async def load(url: str, path: str, bodies: list[bytes], concurrency: int, warmup: int,
-               server_cpu_s: Callable[[], float] | None = None, headers: dict[str, str] | None = None,
-               failures: Counter[int] | None = None) -> Load:
-    """POSTs of `bodies` (in order, each once) to `path` from `concurrency` concurrent clients; the first `warmup`
-    are sent before the clock starts and not measured. `server_cpu_s`: the server's CPU clock (`Server.cpu_s`),
-    read around the measured requests. An answer other than 200 raises, or with `failures` is counted there by
-    status (and left out of the Load's answers)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300.0, headers=headers) as client:
-
-        async def one(body: bytes) -> tuple[float, dict | None] | None:
-            t0 = time.perf_counter()
-            r = await client.post(path, files={"file": ("photo.jpg", body, "image/jpeg")})
-            dt = time.perf_counter() - t0
-            if r.status_code != 200 and failures is not None:
-                failures[r.status_code] += 1
-                return None
-            if r.status_code != 200:
-                raise RuntimeError(f"POST {path} answered {r.status_code}: {r.text[:300]}")
-            if r.headers.get("content-type", "").startswith("application/json"):
-                answer = r.json()
-                answer["server_timing"] = server_timing(r.headers.get("server-timing", ""))
-                return dt, answer
-            return dt, None
-
-        async def run(batch: list[bytes]) -> tuple[list[tuple[float, dict | None]], float]:
-            out: list[tuple[float, dict | None]] = []
-            it = iter(batch)
-
-            async def worker() -> None:
-                for body in it:  # one shared iterator: every client takes the next body when it is free
-                    if (answer := await one(body)) is not None:
-                        out.append(answer)
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(batch)))))
-            return out, time.perf_counter() - t0
-
-        await run(bodies[:warmup])
-        cpu0 = server_cpu_s() if server_cpu_s else float("nan")
-        results, wall = await run(bodies[warmup:])
-        cpu_s = (server_cpu_s() if server_cpu_s else float("nan")) - cpu0
-    lat = np.array([d for d, _ in results])
-    answers = [(d, a) for d, a in results if a is not None]
-    sizes = np.array([a["timing_ms"]["batch_size"] for _, a in answers])
-    infer = np.array([a["timing_ms"]["infer"] for _, a in answers])
-    splits = [stage_split(d * 1e3, a["server_timing"]) for d, a in answers if a["server_timing"]]
-    stages = {k: np.array([sp[k] for sp in splits]) for k in STAGES} if splits else {}
-    return Load(lat, wall, sizes, infer, stages, [a["id"] for _, a in answers], cpu_s * 1e3 / len(lat))
-
-
-# ---- offline -----------------------------------------------------------------------------------------------
-
-def offline_throughput(onnx: Path, image: bytes, batch: int, threads: int, device: str, seconds: float,
-                       spinning: bool = False) -> float:
-    """Images/s of `session.run` on a preprocessed [batch, 3, H, W] batch, with the gateway's own session options
-    (`session_options`: `threads` intra-op threads, intra-op spinning as `spinning`)."""
-    import onnxruntime as ort
-
-    from vit_serve.preprocess import PreprocessConfig, preprocess
-    from vit_serve.runtime.backends.onnxruntime import session_options
-
-    side = json.loads(onnx.with_suffix(".json").read_text())
-    cfg = PreprocessConfig.from_dict(side["preprocess"])
-    x = preprocess(image, cfg).numpy()[None].repeat(batch, 0)
-    opts = session_options(threads, spinning)
-    cuda = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers()
-    if device == "cuda" and not cuda:
-        raise SystemExit("--device cuda: this onnxruntime has no CUDAExecutionProvider")
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
-    sess = ort.InferenceSession(str(onnx), opts, providers=providers)
-    for _ in range(3):
-        sess.run(["logits"], {"pixel_values": x})
-    n, t0 = 0, time.perf_counter()
-    while n < 5 or time.perf_counter() - t0 < seconds:
-        sess.run(["logits"], {"pixel_values": x})
-        n += 1
-    return n * batch / (time.perf_counter() - t0)
 
 
 # ---- the report --------------------------------------------------------------------------------------------
@@ -449,44 +150,6 @@ def upload_checks(tp: dict[tuple[str, str, int], float], c: int = UPLOADS_C) -> 
         checks.append((f"small photos, fast / exact decode (c={c})", f"{r:.2f}",
                        f">= {SAME_PATH_SLACK:.2f} (no slower, within run-to-run noise)", r >= SAME_PATH_SLACK))
     return checks
-
-
-def memory_ceiling(idle_mb: float, settings: dict, concurrency: int, input_hw: tuple[int, int]) -> float:
-    """The most memory (MB) the server's settings let `concurrency` uploads take above its idle RSS.
-
-    * bodies being read: each at most max_body_bytes, twice (the parser's buffers and the joined bytes), one per
-      connection (how many connections is the client's, or uvicorn's --limit-concurrency, not a gateway setting);
-    * decodes: decode_workers threads, each one full-size decode of at most max_pixels, RGB, plus one
-      intermediate of that size (the fast path's are much smaller: the JPEG is decoded at 1/2 to 1/8 scale);
-    * model inputs waiting: max_queue float32 [3, H, W] tensors, and the store: store_size RGB H x W crops
-      (`input_hw`, the model's input).
-    """
-    pixels = input_hw[0] * input_hw[1]
-    body = 2 * settings["max_body_bytes"] * concurrency
-    decode = settings["decode_workers"] * 2 * 3 * settings["max_pixels"]
-    queue = settings["max_queue"] * 4 * 3 * pixels
-    store = settings["store_size"] * 3 * pixels
-    return idle_mb + (body + decode + queue + store) / 2**20
-
-
-def num(v: float) -> str:
-    return "" if np.isnan(v) else f"{v:.2f}"
-
-
-def print_checks(checks: list[tuple[str, str, str, bool]]) -> None:
-    print("\n| check | value | target | |\n|---|---:|---|---|")
-    for name, value, target, ok in checks:
-        print(f"| {name} | {value} | {target} | {'pass' if ok else 'FAIL'} |")
-
-
-def level_sizes(requests: int, c: int) -> tuple[int, int]:
-    """(warm-up, measured) requests of one load level: every client sends at least twice, and warms up once."""
-    return max(c, requests // 10), max(requests, 2 * c)
-
-
-def check_unique(lv: Load, repeats: int) -> None:
-    if repeats == 1 and len(set(lv.ids)) != len(lv.ids):
-        raise RuntimeError(f"{len(lv.ids) - len(set(lv.ids))} of {len(lv.ids)} answers repeat an image id")
 
 
 def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[int]) -> tuple[list[str], list, dict]:
@@ -565,22 +228,8 @@ def run_uploads(args: argparse.Namespace, onnx: Path, out: Path, levels: list[in
     return [head, "", *rows], checks, results
 
 
-ROUTING_MODELS = ("a", "b", "c")
 ROUTING_OVERHEAD = 0.02
 SECURITY_OVERHEAD = 0.02
-
-
-def routing_repository(onnx: Path, folder: Path) -> Path:
-    """A repository of three models, each a copy of the export (`NAME/1/model.onnx`, its manifest and explain
-    graph): what a gateway serving several models holds."""
-    for name in ROUTING_MODELS:
-        version = folder / name / "1"
-        version.mkdir(parents=True, exist_ok=True)
-        for suffix in (".onnx", ".json", "_explain.onnx", "_explain.json"):
-            src = onnx.with_name(onnx.stem + suffix)
-            if src.exists():
-                (version / f"model{suffix}").write_bytes(src.read_bytes())
-    return folder
 
 
 def compare(args: argparse.Namespace, targets: dict[str, tuple[Path, str, dict[str, str]]], levels: list[int],
@@ -729,12 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--mode")
     if pre.parse_known_args(argv)[0].mode == "lifecycle":  # its own flags (serve_lifecycle.py --help)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import serve_lifecycle
 
         return serve_lifecycle.main(argv)
     if pre.parse_known_args(argv)[0].mode == "faults":  # its own flags (serve_faults.py --help)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import serve_faults
 
         return serve_faults.main(argv)
@@ -800,9 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--decode {args.decode!r}: expected a comma list of fast / exact")
     out = args.out or Path(tempfile.mkdtemp(prefix="serve_load-"))
     out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.json"
-    if results_path.exists():
-        raise SystemExit(f"{results_path} exists: choose another --out (results are never overwritten)")
+    results_file = out / "results.json"
+    if results_file.exists():
+        raise SystemExit(f"{results_file} exists: choose another --out (results are never overwritten)")
 
     onnx = find_onnx(args.export) if args.export else export_model(args.model, args.res, out)
     if args.mode == "uploads":
@@ -812,12 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "security":
         rows, checks, results = run_security(args, onnx, out, levels)
     elif args.mode == "abuse":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import serve_abuse
 
         rows, checks, results = serve_abuse.run_abuse(args, onnx, levels, out)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import serve_batching
 
         rows, checks, results = serve_batching.run_batching(args, onnx, levels)
@@ -832,19 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"mode": args.mode, "onnx": str(onnx), "model": None if args.export else args.model,
                "res": None if args.export else args.res, "device": args.device, "repeats": args.repeats, **results}
     if args.mode == "abuse":  # the docs' table is rendered from the copy in benchmarks/results/
-        save_results(Path(__file__).resolve().parent / "results" / "serve_abuse.json", results, checks, True)
-    return save_results(results_path, results, checks)
-
-
-def save_results(path: Path, results: dict, checks: list[tuple[str, str, str, bool]], overwrite: bool = False) -> int:
-    """Write `results` with the checks to `path` (atomically; an existing file only with `overwrite`) and say
-    where; the exit code: 0 when every check passed, else 1."""
-    from vit_serve.checkpoints.io import atomic_write
-
-    results = {**results, "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]}
-    atomic_write(path, json.dumps(results, indent=2).encode(), overwrite=overwrite)
-    print(f"\nresults: {path}")
-    return 0 if all(ok for *_, ok in checks) else 1
+        save_results(results_path("serve_abuse"), results, checks, True)
+    return save_results(results_file, results, checks)
 
 
 if __name__ == "__main__":

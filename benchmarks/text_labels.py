@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "text_labels.json"
@@ -41,12 +41,6 @@ def _status(pid: int, field: str) -> float:
     raise KeyError(field)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _photo() -> bytes:
     import io
 
@@ -57,27 +51,22 @@ def _photo() -> bytes:
     return buf.getvalue()
 
 
-class Gateway:
-    """`vit-serve serve REPO` on a free port, in its own process."""
+class Gateway(ServerProcess):
+    """`vit-serve serve REPO` on a free port, in its own process, ready when made."""
 
     def __init__(self, repo: Path, model: str, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VIT_SERVE_DEFAULT_MODEL": model}
-        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "vit-serve"), "serve", str(repo), "--port",
-                                      str(self.port), "--threads", "2"], stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, env=env)
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited {self.proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the gateway did not become ready")
+        port = free_port()
+        super().__init__(subprocess.Popen([str(Path(sys.executable).parent / "vit-serve"), "serve", str(repo),
+                                           "--port", str(port), "--threads", "2"], stdout=log.open("w"),
+                                          stderr=subprocess.STDOUT,
+                                          env={**os.environ, "VIT_SERVE_DEFAULT_MODEL": model}), port)
+        try:
+            self.wait_ready(300, poll=0.5)
+        except ServerExitedError:
+            raise RuntimeError(f"the gateway exited {self.exitcode}: {log.read_text()[-2000:]}") from None
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError("the gateway did not become ready") from None
 
     def rss(self) -> float:
         return _status(self.proc.pid, "VmRSS")
@@ -92,14 +81,6 @@ class Gateway:
         params = {} if labels is None else {"labels": labels}
         return httpx.post(f"{self.url}/classify", params=params, content=_photo(),
                           headers={"Content-Type": "image/jpeg"}, timeout=timeout)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def chunk_size() -> int:

@@ -31,7 +31,7 @@ from vit_serve.config import ViTConfig
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
-from vit_serve.monitor import Reference
+from vit_serve.reference_sketch import Reference
 from vit_serve.resolution import parse_resolution
 from vit_serve.tome import TomeR, parse_tome
 

@@ -30,8 +30,8 @@ from vit_serve.manifest import (
     file_sha256,
 )
 from vit_serve.model import VisionTransformer
-from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
+from vit_serve.reference_sketch import Reference
 
 
 def versions() -> dict[str, str]:

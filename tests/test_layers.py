@@ -5,8 +5,10 @@ without web frameworks, predict and deploy off the gateway's internals), no impo
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -23,6 +25,18 @@ def test_import_contracts_hold():
     done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+def test_every_top_level_module_is_in_a_layer():
+    """The layers contract names each top-level module of vit_serve (a new one is placed, not forgotten), and only
+    modules that exist."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in config if c["type"] == "layers")["layers"]
+    named = {m for layer in layers for m in re.split(r"\s*[|:]\s*", layer.strip())}
+    package = ROOT / "vit_serve"
+    modules = {f"vit_serve.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"}
+    modules |= {f"vit_serve.{p.parent.name}" for p in package.glob("*/__init__.py")}
+    assert modules | {"vit_export"} == named
 
 
 def test_no_import_cycles():

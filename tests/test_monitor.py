@@ -13,7 +13,7 @@ import pytest
 from scipy import special, stats
 from scipy.spatial import distance
 
-from vit_serve import monitor
+from vit_serve import monitor, reference_sketch
 
 
 def _ref(rng: np.random.Generator, d: int = 6, k: int = 4, n_fit: int = 200, n_cal: int = 150,
@@ -52,7 +52,7 @@ def test_mahalanobis_at_full_rank_is_scipys():
     e = rng.normal(size=(100, 5)) @ rng.normal(size=(5, 5))
     mean, basis, eigvals, resid = monitor.fit_gaussian(e)
     assert basis.shape == (5, 5) and resid == 0.0
-    s = monitor.SHRINKAGE * eigvals.mean()
+    s = reference_sketch.SHRINKAGE * eigvals.mean()
     vi = np.linalg.inv(np.cov(e, rowvar=False) + s * np.eye(5))
     x = rng.normal(size=(7, 5)) * 3
     got = monitor.mahalanobis(x, mean, basis, eigvals, resid)
@@ -68,7 +68,7 @@ def test_mahalanobis_low_rank_counts_the_residual():
     x = rng.normal(size=(4, 8))
     d = x - mean
     p = d @ basis
-    s = monitor.SHRINKAGE * eigvals.mean()
+    s = reference_sketch.SHRINKAGE * eigvals.mean()
     want = (p ** 2 / (eigvals + s)).sum(1) + ((d ** 2).sum(1) - (p ** 2).sum(1)) / (resid + s)
     np.testing.assert_allclose(monitor.mahalanobis(x, mean, basis, eigvals, resid), want, rtol=1e-4)
 
@@ -128,7 +128,7 @@ def test_reference_round_trip_and_refusals():
     ref, _ = _ref(np.random.default_rng(6))
     d = ref.to_dict()
     back = monitor.Reference.from_dict(copy.deepcopy(d))
-    for k in monitor.ARRAYS:
+    for k in reference_sketch.ARRAYS:
         np.testing.assert_array_equal(getattr(back, k), getattr(ref, k))
     assert (back.method, back.threshold, back.quantile, back.n_fit, back.num_classes, back.source) == (
         ref.method, ref.threshold, ref.quantile, ref.n_fit, ref.num_classes, ref.source)

@@ -11,48 +11,38 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
+
 pytest.importorskip("fastapi")
 pytest.importorskip("onnxruntime")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"quickstart exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"not ready after {timeout} s")
+def _wait_ready(server: ServerProcess, timeout: float) -> None:
+    try:
+        server.wait_ready(timeout, poll=0.5)
+    except ServerExitedError:
+        out = server.proc.stdout.read()[-3000:]
+        raise AssertionError(f"quickstart exited with {server.exitcode}:\n{out}") from None
+    except TimeoutError:
+        raise AssertionError(f"not ready after {timeout} s") from None
 
 
 def test_quickstart_end_to_end(tmp_path):
-    out, port = tmp_path / "qs", _free_port()
+    out, port = tmp_path / "qs", free_port()
     argv = [sys.executable, "-m", "vit_serve", "quickstart", "--out", str(out), "--port", str(port),
             "--pretrain-steps", "300", "--finetune-steps", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, timeout=600)
+        _wait_ready(ServerProcess(proc, port), timeout=600)
         page = httpx.get(url + "/", timeout=10)
         assert page.status_code == 200 and "<html" in page.text.lower()
         correct = 0

@@ -18,7 +18,8 @@ from PIL import Image
 import vit_serve
 from vit_serve.cli import main
 from vit_serve.data import build_dataset, digits_images
-from vit_serve.monitor import DEFAULT_QUANTILE, SHRINKAGE
+from vit_serve.monitor import DEFAULT_QUANTILE
+from vit_serve.reference_sketch import SHRINKAGE
 from vit_serve.train.augment import eval_transform
 
 SMALL = dict(model_args=dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64, patch_size=2), res=(8, 8),

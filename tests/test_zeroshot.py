@@ -4,6 +4,7 @@ on tiny open_clip models with random weights: a CLIP config and a SigLIP-like co
 last-token text tower with projection bias and a logit bias, on open_clip's own ViT, with the CLIP tokenizer;
 tests/text/tiny_clip.py)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ import vit_serve
 from vit_serve.checkpoints import convert
 from vit_serve.cli import main
 from vit_serve.text import load_text_tower
-from vit_serve.zeroshot import ZeroShotError, check_templates, class_embeddings, zero_shot_logits
+from vit_serve.zeroshot import ZeroShotError, check_templates, class_embeddings, label_logits, prompts
 
 open_clip = pytest.importorskip("open_clip")
 from tests.text import tiny_clip  # noqa: E402
@@ -50,11 +51,16 @@ def open_clip_recipe(ref, name, x, labels, templates):
 
 
 def test_class_embeddings_math():
+    """The one recipe (numpy) against torch's normalize: prompts label-major, [C * T, E] -> [C, E], logits."""
+    assert prompts(["cat", "dog"], ["a {}", "{}!"]) == ["a cat", "cat!", "a dog", "dog!"]
     e = torch.randn(4, 3, 8)
     expected = torch.stack([F.normalize(F.normalize(e[c], dim=-1).mean(0), dim=0) for c in range(4)])
-    assert torch.allclose(class_embeddings(e), expected, atol=1e-7)
+    got = class_embeddings(e.reshape(12, 8).numpy(), 3)
+    assert got.dtype == np.float32
+    assert torch.allclose(torch.from_numpy(got), expected, atol=1e-7)
     img = torch.randn(2, 8)
-    assert torch.allclose(zero_shot_logits(img, expected, 2.0, -1.0),
+    logits = label_logits(img.numpy(), expected.numpy(), 2.0, -1.0)
+    assert torch.allclose(torch.from_numpy(logits),
                           torch.tensor(2.0).exp() * F.normalize(img, dim=-1) @ expected.T - 1.0, atol=1e-6)
 
 

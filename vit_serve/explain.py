@@ -20,16 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vit_serve.rollout_options import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.tome import LayerMerge, merge_wavg
 
 if TYPE_CHECKING:
     from vit_serve.model import VisionTransformer
 
-HEAD_FUSIONS = ("mean", "max", "min")
-# The rollout settings used when none are asked for: vit-explain's defaults (mean fusion, drop the weakest 90%).
-# Every default in the project (exports, the gateway, the CLIs, the manifest) is these two names.
-DEFAULT_HEAD_FUSION = "mean"
-DEFAULT_DISCARD_RATIO = 0.9
 
 
 def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:

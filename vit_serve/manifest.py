@@ -19,11 +19,12 @@ which image embedding the graph's "embedding" output is, its dimension, whether 
 L2-normalised) and "scores" ("softmax" | "sigmoid": how the head's logits become scores). Issue 23 added a third,
 "token_merging" (`TokenMergingRecord`: the r merged in each layer and proportional attention, for a graph exported
 with `vit-export --tome`, whose merging runs in the graph). Issue 24 added a fourth, "reference"
-(`vit_serve.monitor.Reference.to_dict`: the training data's sketch that OOD scores and drift compare with; in a
+(`vit_serve.reference_sketch.Reference.to_dict`: the training data's sketch that OOD scores and drift compare with; in a
 Triton repository, on the logits model's metadata only). A reader older than them refuses such a file naming
 the key ("written by a newer vit-export?").
 
-The rollout defaults are `vit_serve.explain.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`, defined once there.
+The rollout defaults are `vit_serve.rollout_options.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`, defined once
+there. This module needs none of the math (neither `explain` nor `monitor`): only the options and types it records.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
-from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
+from vit_serve.reference_sketch import Reference
+from vit_serve.rollout_options import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, check_rollout_options
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -211,10 +212,7 @@ class RolloutSettings:
     num_prefix_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.head_fusion not in HEAD_FUSIONS:
-            raise ValueError(f"unknown head_fusion {self.head_fusion!r}; expected one of {', '.join(HEAD_FUSIONS)}")
-        if not 0.0 <= self.discard_ratio < 1.0:
-            raise ValueError(f"discard_ratio must be in [0, 1), got {self.discard_ratio}")
+        check_rollout_options(self.head_fusion, self.discard_ratio)
 
     def matches(self, head_fusion: str, discard_ratio: float) -> bool:
         """Whether these are the settings asked for (discard ratios equal to rounding)."""

@@ -1,10 +1,11 @@
 """Watching what a model serves: the reference of its training data, per-image OOD scores and drift over windows.
 
 Pure numpy. The pieces:
-- `Reference`: a compact sketch of a model's in-distribution embeddings, carried in the checkpoint and the export
-  manifest (`Reference.to_dict` / `from_dict`, versioned): the embeddings' mean and principal directions (a low-rank
-  Gaussian, at most `MAX_RANK` directions), and a calibration sample (scores, confidences, projections, predicted
-  classes) that sets the OOD threshold and is what drift is measured against.
+- `Reference` (its type is `vit_serve.reference_sketch`'s, which the manifest and checkpoints read without this
+  math): a compact sketch of a model's in-distribution embeddings: the embeddings' mean and principal directions
+  (a low-rank Gaussian, at most `MAX_RANK` directions, `fit_gaussian`), and a calibration sample (scores,
+  confidences, projections, predicted classes) that sets the OOD threshold and is what drift is measured against
+  (`build_reference`).
 - `ood_scores`: higher for images unlike the reference, from the pass that answered (embedding and logits).
   "mahalanobis" (Lee et al., NeurIPS 2018, with one Gaussian for all classes, on the pre-logits embedding) for
   models that give an embedding, "energy" (Liu et al., NeurIPS 2020: -logsumexp of the logits) otherwise. Chosen
@@ -18,44 +19,19 @@ Pure numpy. The pieces:
 
 from __future__ import annotations
 
-import base64
-import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
 import numpy as np
 
-REFERENCE_VERSION = 1
-OodMethod = Literal["mahalanobis", "energy"]
-OOD_METHODS: tuple[str, ...] = ("mahalanobis", "energy")
+from vit_serve.reference_sketch import DEFAULT_QUANTILE, Gaussian, OodMethod, Reference
+
 MAX_RANK = 256  # principal directions kept: 768 x 256 float32 = 0.8 MB for a ViT-B
 PROJECTIONS = 8  # the embedding's principal projections the drift test compares
 MAX_SAMPLE = 2000  # calibration points kept
-DEFAULT_QUANTILE = 0.95  # the OOD flag's threshold: this quantile of the calibration scores
-SHRINKAGE = 1e-3  # added to every eigenvalue, times their mean: a direction with no variance is not infinitely sure
 DEFAULT_SIGNIFICANCE = 0.01
 DEFAULT_MIN_WINDOW = 100
 TOP_CLASSES = 5
-
-
-def _encode(a: np.ndarray) -> dict[str, Any]:
-    a = np.ascontiguousarray(a, np.float32)
-    return {"shape": list(a.shape), "float32": base64.b64encode(a.tobytes()).decode("ascii")}
-
-
-def _decode(d: Any, what: str) -> np.ndarray:
-    if not isinstance(d, dict) or set(d) != {"shape", "float32"} or not isinstance(d["float32"], str) \
-            or not isinstance(d["shape"], list) or not all(isinstance(s, int) and s >= 0 for s in d["shape"]):
-        raise ValueError(f"reference: {what} must be {{'shape': [...], 'float32': base64}}")
-    try:
-        raw = base64.b64decode(d["float32"], validate=True)
-    except ValueError as e:
-        raise ValueError(f"reference: {what} is not valid base64") from e
-    if len(raw) != 4 * math.prod(d["shape"]):
-        raise ValueError(f"reference: {what} holds {len(raw)} bytes, its shape {d['shape']} needs "
-                         f"{4 * math.prod(d['shape'])}")
-    return np.frombuffer(raw, np.float32).reshape(d["shape"]).copy()
 
 
 def softmax_confidence(logits: np.ndarray, scores: str = "softmax") -> np.ndarray:
@@ -73,93 +49,6 @@ def energy(logits: np.ndarray) -> np.ndarray:
     z = np.asarray(logits, np.float64)
     m = z.max(-1)
     return (-(m + np.log(np.exp(z - m[:, None]).sum(-1)))).astype(np.float32)
-
-
-@dataclass(frozen=True, eq=False)
-class Reference:
-    """A model's in-distribution sketch (see the module docstring).
-
-    method: how `ood_scores` scores. mean [D], basis [D, k] (orthonormal principal directions, largest first),
-    eigvals [k] (their variances), residual_var (the mean variance left outside the basis; 0 at full rank): the
-    Gaussian of the fit sample's embeddings (empty arrays for "energy"). Calibration (images not fitted: a
-    validation split, or half of a reference folder): scores [n], confidences [n], projections [n, PROJECTIONS]
-    (onto the first directions, centred), classes [n] (the top-1 index), as float32. threshold: the `quantile` of
-    the calibration scores. n_fit: images in the fit. source: where the images came from, for people.
-    """
-
-    method: OodMethod
-    mean: np.ndarray
-    basis: np.ndarray
-    eigvals: np.ndarray
-    residual_var: float
-    scores: np.ndarray
-    confidences: np.ndarray
-    projections: np.ndarray
-    classes: np.ndarray
-    threshold: float
-    quantile: float = DEFAULT_QUANTILE
-    n_fit: int = 0
-    num_classes: int = 0
-    source: str = ""
-    version: int = field(default=REFERENCE_VERSION)
-
-    @functools.cached_property
-    def gaussian(self) -> _Gaussian:
-        """The Gaussian in float64 with its inverse variances, made on first use (scoring reads it per request)."""
-        return _Gaussian.of(self.mean, self.basis, self.eigvals, self.residual_var)
-
-    @property
-    def needs_embedding(self) -> bool:
-        return self.method == "mahalanobis"
-
-    @property
-    def dim(self) -> int:
-        return int(self.mean.shape[0])
-
-    def class_shares(self) -> np.ndarray:
-        """Each class's share of the calibration sample's top-1 answers [K]."""
-        return np.bincount(self.classes.astype(np.int64), minlength=self.num_classes)[:self.num_classes] / max(
-            len(self.classes), 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        arrays = {k: _encode(getattr(self, k)) for k in ARRAYS}
-        return {"version": self.version, "method": self.method, "residual_var": self.residual_var,
-                "threshold": self.threshold, "quantile": self.quantile, "n_fit": self.n_fit,
-                "num_classes": self.num_classes, "source": self.source, **arrays}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> Reference:
-        """The reference `to_dict` wrote; ValueError naming what is wrong (a newer version, a missing field)."""
-        if not isinstance(d, dict):
-            raise ValueError("reference: must be a JSON object")
-        if d.get("version") != REFERENCE_VERSION:
-            raise ValueError(f"reference: version {d.get('version')!r} is not readable (this release reads "
-                             f"{REFERENCE_VERSION}; written by a newer vit-serve?)")
-        missing = {"method", "threshold", "quantile", "residual_var", *ARRAYS} - set(d)
-        if missing:
-            raise ValueError(f"reference: missing {', '.join(sorted(missing))}")
-        if d["method"] not in OOD_METHODS:
-            raise ValueError(f"reference: method must be one of {', '.join(OOD_METHODS)}, got {d['method']!r}")
-        for k in ("threshold", "quantile", "residual_var"):
-            if not isinstance(d[k], (int, float)) or isinstance(d[k], bool):
-                raise ValueError(f"reference: {k} must be a number")
-        arrays = {k: _decode(d[k], k) for k in ARRAYS}
-        ref = cls(method=d["method"], residual_var=float(d["residual_var"]), threshold=float(d["threshold"]),
-                  quantile=float(d["quantile"]), n_fit=int(d.get("n_fit", 0)), num_classes=int(d.get("num_classes", 0)),
-                  source=str(d.get("source", "")), **arrays)
-        n = len(ref.scores)
-        if not (len(ref.confidences) == len(ref.classes) == len(ref.projections) == n) or \
-                ref.basis.shape[:1] != ref.mean.shape or ref.basis.shape[1:] != ref.eigvals.shape:
-            raise ValueError("reference: its arrays' shapes do not agree")
-        return ref
-
-    def describe(self) -> str:
-        what = f"Mahalanobis on the {self.dim}-d embedding" if self.needs_embedding else "energy of the logits"
-        return (f"{what}; flag above the {self.quantile:g} quantile ({self.threshold:.4g}) of {len(self.scores)} "
-                f"calibration images; fitted on {self.n_fit} ({self.source or 'images'})")
-
-
-ARRAYS = ("mean", "basis", "eigvals", "scores", "confidences", "projections", "classes")
 
 
 def fit_gaussian(embeddings: np.ndarray, rank: int = MAX_RANK) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -183,28 +72,10 @@ def mahalanobis(embeddings: np.ndarray, mean: np.ndarray, basis: np.ndarray, eig
     """embeddings [B, D] -> squared Mahalanobis distances [B] to the low-rank Gaussian: sum_j (v_j . (e - mu))^2 /
     (lambda_j + s) over the basis, plus ||the residual||^2 / (residual_var + s), s = SHRINKAGE x mean(lambda)
     (at full rank, exactly (e - mu)^T (Sigma + s I)^-1 (e - mu))."""
-    return _mahalanobis(_Gaussian.of(mean, basis, eigvals, residual_var), embeddings)[0]
+    return _mahalanobis(Gaussian.of(mean, basis, eigvals, residual_var), embeddings)[0]
 
 
-@dataclass(frozen=True)
-class _Gaussian:
-    """A reference's Gaussian in float64, with the shrunk inverse variances: what scoring needs, made once."""
-
-    mean: np.ndarray
-    basis: np.ndarray
-    inv_var: np.ndarray
-    inv_residual: float  # 0 at full rank
-
-    @classmethod
-    def of(cls, mean: np.ndarray, basis: np.ndarray, eigvals: np.ndarray, residual_var: float) -> _Gaussian:
-        lam = eigvals.astype(np.float64)
-        s = SHRINKAGE * max(float(lam.mean()), 1e-12) if len(lam) else 1.0
-        full = basis.shape[1] >= basis.shape[0]
-        return cls(mean.astype(np.float64), basis.astype(np.float64), 1.0 / (lam + s),
-                   0.0 if full else 1.0 / (residual_var + s))
-
-
-def _mahalanobis(g: _Gaussian, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _mahalanobis(g: Gaussian, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(squared distances [B] float32, the centred embeddings on the basis [B, k] float64).
 
     By np.einsum rather than a BLAS product: a gateway scores one request's few rows on its event loop, where a

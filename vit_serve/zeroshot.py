@@ -1,25 +1,37 @@
-"""Zero-shot heads from label text (CLIP, SigLIP): open_clip's zero_shot_classifier recipe.
+"""Zero-shot heads from label text (CLIP, SigLIP): open_clip's zero_shot_classifier recipe, the one copy of it.
 
     w_c = normalize(mean_t normalize(text_embedding(template_t(label_c))))        [C, E]
     logits = logit_scale.exp() * normalize(image_embedding) @ W^T (+ logit_bias)   [B, C]
 
-softmax scores for CLIP, one sigmoid per label for SigLIP (its logit bias). The result is an ordinary
-classifier: head weight = logit_scale.exp() * W, head bias = logit_bias (or 0), `cfg.embed_norm=True`
-(the model L2-normalises its embedding before the head), `cfg.scores`, and `labels` set.
+softmax scores for CLIP, one sigmoid per label for SigLIP (its logit bias). Both places that use it stand on the
+functions here: a head built once from labels (`zero_shot_classifier`, torch: `vit-serve convert --zero-shot`)
+and labels given at request time (`vit_serve.runtime.zero_shot` and the text tower, numpy). The math is numpy
+(`prompts`, `class_embeddings`, `logit_multiplier`, `label_logits`); the head is an ordinary classifier: head
+weight = logit_multiplier * W, head bias = logit_bias (or 0), `cfg.embed_norm=True` (the model L2-normalises its
+embedding before the head), `cfg.scores`, and `labels` set.
 Reference: open_clip.zero_shot_classifier.build_zero_shot_classifier and CLIP.get_logits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from vit_serve.model import VisionTransformer
-from vit_serve.text.bundle import TextBundle
+from vit_serve.embedding import l2_normalize
+from vit_serve.text.manifest import DEFAULT_TEMPLATES
 
-DEFAULT_TEMPLATES = ("a photo of a {}.",)
+if TYPE_CHECKING:
+    from vit_serve.model import VisionTransformer
+    from vit_serve.text.bundle import TextBundle
+
+__all__ = ["DEFAULT_TEMPLATES", "MAX_LABEL_CHARS", "ZeroShotError", "check_labels", "check_templates",
+           "class_embeddings", "label_logits", "label_weights", "logit_multiplier", "prompts", "read_lines",
+           "zero_shot_classifier"]
+
 MAX_LABEL_CHARS = 1000
 
 
@@ -27,11 +39,6 @@ class ZeroShotError(ValueError):
     """Labels, templates or a model that cannot make a zero-shot head (the CLI exits 2, nothing written)."""
 
     exit_code = 2
-
-
-def _scale(logit_scale: float) -> torch.Tensor:
-    """exp of the log scale in float32, as open_clip's `logit_scale.exp()`."""
-    return torch.tensor(logit_scale, dtype=torch.float32).exp()
 
 
 def check_labels(labels: Sequence[str]) -> list[str]:
@@ -59,31 +66,48 @@ def check_templates(templates: Sequence[str]) -> list[str]:
     return out
 
 
+# ---- the recipe ------------------------------------------------------------------------------------------------
+
 def prompts(labels: Sequence[str], templates: Sequence[str]) -> list[str]:
-    """C labels x T templates -> C*T prompts, label-major (label 0's T prompts first)."""
+    """C labels x T templates -> C*T prompts, label-major: [t0(l0), t1(l0), ..., t0(l1), ...]."""
     return [t.replace("{}", label) for label in labels for t in templates]
 
 
-def class_embeddings(text_embeddings: torch.Tensor) -> torch.Tensor:
-    """[C, T, E] prompt embeddings -> [C, E]: mean of the L2-normalised prompts, renormalised (open_clip)."""
-    return F.normalize(F.normalize(text_embeddings, dim=-1).mean(dim=1), dim=-1)
+def class_embeddings(prompt_embeds: np.ndarray, num_templates: int) -> np.ndarray:
+    """Text embeddings [C * T, E] of C labels' T prompts (label-major, as `prompts`) -> class embeddings [C, E]
+    float32: each label's L2-normalised prompt embeddings averaged and normalised again (open_clip)."""
+    e = l2_normalize(np.asarray(prompt_embeds, np.float32))
+    return l2_normalize(e.reshape(-1, num_templates, e.shape[-1]).mean(axis=1))
 
 
-def zero_shot_logits(image_embeddings: torch.Tensor, weights: torch.Tensor, logit_scale: float,
-                     logit_bias: float | None = None) -> torch.Tensor:
-    """[B, E] image embeddings, [C, E] class embeddings -> [B, C] logits: exp(scale) * cos (+ bias)."""
-    logits = _scale(logit_scale) * F.normalize(image_embeddings, dim=-1) @ weights.t()
-    return logits + logit_bias if logit_bias is not None else logits
+def logit_multiplier(logit_scale: float) -> np.float32:
+    """exp of the log scale (open_clip's `logit_scale.exp()`), float32: what the cosines are multiplied by."""
+    return np.float32(math.exp(logit_scale))
 
+
+def label_logits(image_embeds: np.ndarray, classes: np.ndarray, logit_scale: float,
+                 logit_bias: float | None) -> np.ndarray:
+    """Image embeddings [B, E] (not normalised) and class embeddings [C, E] (normalised) -> logits [B, C] float32:
+    exp(scale) * cos (+ bias)."""
+    img = l2_normalize(np.asarray(image_embeds, np.float32))
+    logits = (img @ classes.T) * logit_multiplier(logit_scale)
+    if logit_bias is not None:
+        logits = logits + np.float32(logit_bias)
+    return logits.astype(np.float32, copy=False)
+
+
+# ---- a head built from labels (torch) --------------------------------------------------------------------------
 
 @torch.no_grad()
 def label_weights(bundle: TextBundle, labels: Sequence[str], templates: Sequence[str] = DEFAULT_TEMPLATES,
                   batch_size: int = 256) -> torch.Tensor:
-    """The class embeddings [C, E] of `labels` with the text tower (templates filled with each label)."""
+    """The class embeddings [C, E] float32 of `labels` with the text tower (templates filled with each label),
+    the prompts of about `batch_size` // T labels encoded at a time."""
     labels, templates = check_labels(labels), check_templates(templates)
-    texts = prompts(labels, templates)
-    emb = torch.cat([bundle.encode(texts[i:i + batch_size]) for i in range(0, len(texts), batch_size)])
-    return class_embeddings(emb.reshape(len(labels), len(templates), -1).float())
+    step = max(1, batch_size // len(templates))
+    rows = [class_embeddings(bundle.encode(prompts(labels[i:i + step], templates)).float().cpu().numpy(),
+                             len(templates)) for i in range(0, len(labels), step)]
+    return torch.from_numpy(np.concatenate(rows))
 
 
 @torch.no_grad()
@@ -102,7 +126,7 @@ def zero_shot_classifier(model: VisionTransformer, bundle: TextBundle, labels: S
                             f"({model.cfg.embed_dim_out})")
     model.reset_head(len(labels), keep_pre_logits=True)
     ref = model.pos_embed
-    model.head.weight.copy_((_scale(bundle.logit_scale) * w).to(ref))
+    model.head.weight.copy_((w * float(logit_multiplier(bundle.logit_scale))).to(ref))
     model.head.bias.fill_(bundle.logit_bias if bundle.logit_bias is not None else 0.0)
     model.cfg = model.cfg.replace(embed_norm=True, scores="sigmoid" if bundle.sigmoid else "softmax")
     model.labels = labels

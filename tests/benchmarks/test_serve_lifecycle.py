@@ -51,7 +51,8 @@ def test_keys_file_is_read_by_the_gateway_with_its_levels(tmp_path):
 
     m = _script()
     entries = read_key_file(str(m.keys_file(tmp_path)))
-    assert [(e.name, e.priority, e.rate) for e in entries] == [("gold", 1, None), ("bronze", 2, None)]
+    assert [(e.name, e.priority, e.rate) for e in entries] == [("gold", 1, None), ("bronze", 2, None),
+                                                              ("metrics", None, None)]
     assert entries[0].hash == key_hash(m.GOLD)
 
 

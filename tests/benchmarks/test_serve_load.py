@@ -1,5 +1,6 @@
-"""benchmarks/serve_load.py's pure pieces: unique payloads are unique; the stage split sums to the latency; the
-uploads checks. The abuse mode's pieces: test_serve_abuse.py."""
+"""benchmarks/serve_load.py's pure pieces (and those of harness.py and load_client.py, on which it stands): unique
+payloads are unique; the stage split sums to the latency; the uploads checks. The abuse mode's pieces:
+test_serve_abuse.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
+def _script(name: str = "serve_load"):
+    """A script of benchmarks/ (serve_load; its siblings harness and load_client, which hold the shared pieces)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -45,7 +47,7 @@ def test_unique_payloads_have_distinct_sha256_and_decode_to_the_same_pixels_as_p
     import numpy as np
     from PIL import Image, ImageOps
 
-    m = _script()
+    m = _script("load_client")
     bases = [_jpeg(), _jpeg(exif_orientation=6)]
     bodies = m.payloads(bases, 0, 10)
     assert len({hashlib.sha256(b).hexdigest() for b in bodies}) == 10
@@ -61,7 +63,7 @@ def test_unique_payloads_have_distinct_sha256_and_decode_to_the_same_pixels_as_p
 
 
 def test_stage_split_sums_to_the_latency():
-    m = _script()
+    m = _script("load_client")
     timing = m.server_timing("read;dur=2.5, decode_wait;dur=10, decode;dur=30.25, queue;dur=4, infer;dur=8, "
                              "total;dur=55")
     assert timing == {"read": 2.5, "decode_wait": 10.0, "decode": 30.25, "queue": 4.0, "infer": 8.0, "total": 55.0}
@@ -80,10 +82,11 @@ def test_upload_checks_and_the_memory_ceiling():
     assert [ok for *_, ok in m.upload_checks(tp)] == [False, True, True]
     settings = {"max_body_bytes": 10 * 2**20, "decode_workers": 1, "max_pixels": 50_000_000, "max_queue": 256,
                 "store_size": 256}
-    one, more = m.memory_ceiling(100.0, settings, 1, (224, 224)), m.memory_ceiling(100.0, settings, 64, (224, 224))
+    ceiling = _script("harness").memory_ceiling
+    one, more = ceiling(100.0, settings, 1, (224, 224)), ceiling(100.0, settings, 64, (224, 224))
     assert more - one == pytest.approx(63 * 20)  # two body copies of 10 MB per more connection
     settings["decode_workers"] = 2
-    assert m.memory_ceiling(100.0, settings, 1, (224, 224)) - one == pytest.approx(6 * 50_000_000 / 2**20)
+    assert ceiling(100.0, settings, 1, (224, 224)) - one == pytest.approx(6 * 50_000_000 / 2**20)
 
 
 def test_the_middleware_cost_is_measured_against_the_bare_app():

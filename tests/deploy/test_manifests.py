@@ -495,12 +495,6 @@ def test_tritons_repository_api_is_refused_without_the_secrets_key(tmp_path):
 # ---- the Deployment's settings, served ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisPod:
     """The Redis Deployment's pod made local: each volume a folder under `root` (the ConfigMap's and the Secret's
     items written as kubelet mounts them, the Secret's password replaced by `password`), and `local` turning the

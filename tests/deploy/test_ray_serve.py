@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,16 +30,11 @@ from PIL import Image
 
 import vit_serve
 from vit_serve.preprocess import preprocess
+from vit_serve.tune.server_process import free_port
 
 RES = (32, 48)
 LABELS = [f"label_{i}" for i in range(10)]
 REPLICA = "x-ray-replica"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _settings(model: Path, **kw: Any):
@@ -86,7 +80,7 @@ def cluster(repo, redis_url) -> Iterator[dict[str, Any]]:
     from vit_serve.deploy.ray import run, start_ray
     from vit_serve.runtime.backends.ray import deployment_name
 
-    port = _free_port()
+    port = free_port()
     settings = _settings(repo, default_model="tiny", store=redis_url, max_batch=16, max_delay_ms=50, port=port)
     start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
@@ -343,14 +337,14 @@ def test_serve_refuses_what_the_cluster_cannot_place_in_one_line(cluster, ckpt, 
     refuses before deploying, in one line with the numbers, and exits non-zero."""
     from vit_serve.cli import main
 
-    code = main(["serve", str(ckpt), "--engine", "ray", "--replicas", "2", "--port", str(_free_port())])
+    code = main(["serve", str(ckpt), "--engine", "ray", "--replicas", "2", "--port", str(free_port())])
     err = capsys.readouterr().err.strip()
     print(err)
     assert code != 0 and len(err.splitlines()) == 1, err
     assert "2 model replicas x 1 CPU + 1 ingress x 1 CPU = 3 CPUs, the cluster has 2" in err
     assert "--replicas" in err and "Traceback" not in err
     code = main(["serve", str(ckpt), "--engine", "ray", "--replicas", "1", "--max-replicas", "3", "--port",
-                 str(_free_port())])
+                 str(free_port())])
     err = capsys.readouterr().err.strip()
     assert code != 0 and "up to 3 model replicas (--max-replicas) x 1 CPU" in err, err
     assert httpx.get(f"{cluster['url']}/readyz", timeout=30).status_code == 200  # the running application is intact
@@ -367,7 +361,7 @@ def test_a_tensorrt_engine_on_ray_needs_no_tensorrt_where_it_is_launched(cluster
     check_launch(_settings(plan))  # no TensorRT here, and no error
     with pytest.raises(FileNotFoundError, match="no such file"):
         check_launch(_settings(tmp_path / "missing.plan"))
-    code = main(["serve", str(plan), "--engine", "ray", "--replicas", "2", "--port", str(_free_port())])
+    code = main(["serve", str(plan), "--engine", "ray", "--replicas", "2", "--port", str(free_port())])
     err = capsys.readouterr().err.strip()
     assert code != 0 and "= 3 CPUs, the cluster has 2" in err and "TensorRT" not in err, err
 

@@ -268,31 +268,27 @@ def test_an_id_is_not_the_sha256_of_the_upload(tiny_ckpt, photos):
 def test_the_explain_id_never_lands_in_the_access_log(tiny_ckpt, photos, tmp_path):
     """A real `vit-serve serve` (uvicorn's access log on stdout, the gateway's own line on stderr): GET
     /explain?id= is logged, its query string is not."""
-    import os
-    import socket
     import subprocess
-    import sys
 
     import httpx
-    from gateway_helpers import wait_ready
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "VIT_SERVE_DECODE": "contract", "VIT_SERVE_DEVICE": "cpu", "VIT_SERVE_THREADS": "1",
+    from vit_serve.tune.server_process import ServerProcess
+
+    env = {"VIT_SERVE_DECODE": "contract", "VIT_SERVE_DEVICE": "cpu", "VIT_SERVE_THREADS": "1",
            "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "output").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "vit_serve.cli", "serve", str(tiny_ckpt), "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess.serve([str(tiny_ckpt)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = server.url
     try:
-        assert wait_ready(url, lambda: proc.poll() is None, timeout=120, poll=0.1), (tmp_path / "output").read_text()
+        try:
+            server.wait_ready(120)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError((tmp_path / "output").read_text()) from e
         image_id = httpx.post(f"{url}/classify", content=photos["coffee.jpg"], headers=JPEG, timeout=60).json()["id"]
         explained = httpx.get(f"{url}/explain?id={image_id}&format=json&alpha=0.5", timeout=60)
         missing = httpx.get(f"{url}/explain?id={'1' * 64}", timeout=60)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
         log.close()
     output = (tmp_path / "output").read_text()
     assert explained.status_code == 200 and missing.status_code == 404

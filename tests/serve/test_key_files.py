@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 from gateway_helpers import live_app, settings_for, wait_ready
+
+from vit_serve.tune.server_process import free_port
 
 ALICE, BOB, CAROL = "alice-key-41c9", "bob-key-0d77a", "carol-key-e2f"  # Bob's and Carol's: one length
 
@@ -66,17 +67,11 @@ def test_a_changed_key_file_is_read_again_and_a_broken_one_keeps_the_keys(tiny_c
         assert key not in caplog.text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sighup_reads_the_key_files_again_in_vit_serve_serve(tiny_ckpt, tmp_path):
     keys, admin = tmp_path / "keys.txt", tmp_path / "admin.txt"
     keys.write_text(f"{ALICE}\n{BOB}\n")
     admin.write_text("admin-key-5f2a\n")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", str(tiny_ckpt), "--port", str(port),
                              "--api-keys-file", str(keys), "--admin-api-keys-file", str(admin)],

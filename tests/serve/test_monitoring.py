@@ -28,7 +28,7 @@ from vit_serve.reference import outputs_of, reference_from_datasets
 
 RES = 32
 WINDOW = 60
-SHRINK = 1e-3  # vit_serve.monitor.SHRINKAGE: s = 1e-3 x the mean eigenvalue
+SHRINK = 1e-3  # vit_serve.reference_sketch.SHRINKAGE: s = 1e-3 x the mean eigenvalue
 
 
 def _png(a: np.ndarray) -> bytes:

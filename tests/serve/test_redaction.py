@@ -3,20 +3,13 @@ redis-py decodes and authenticates with), in any case, or under another secret's
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from gateway_helpers import run, serving, settings_for
 
 from vit_serve.serve.stores.redaction import redacted, secret_name
+from vit_serve.tune.server_process import free_port
 
 JPEG = {"Content-Type": "image/jpeg"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_percent_encoded_password_authenticates_with_redis_and_is_redacted(redis_with_password):
@@ -53,7 +46,7 @@ def test_other_query_names_are_kept(name):
 def test_an_encoded_password_is_redacted_in_the_gateways_logs_and_answers(tiny_ckpt, photos, caplog):
     """A Redis that is down (nothing listens at the URL's port): the warnings and GET /explain?id='s 503 name the
     store without the password the URL carries as `?pass%77ord=`."""
-    url = f"redis://127.0.0.1:{_free_port()}/0?db=0&pass%77ord=s3cret-encoded"
+    url = f"redis://127.0.0.1:{free_port()}/0?db=0&pass%77ord=s3cret-encoded"
 
     async def scenario():
         async with serving(settings_for(tiny_ckpt, store=url)) as (client, _):

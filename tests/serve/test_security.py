@@ -8,7 +8,6 @@ import hashlib
 import http.server
 import logging
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -17,6 +16,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 from gateway_helpers import live_server, metric, run, serving, settings_for
+
+from vit_serve.tune.server_process import free_port
 
 KEY, ADMIN = "k-3f9a1c", "admin-77e2b0"
 JPEG = {"Content-Type": "image/jpeg"}
@@ -182,12 +183,6 @@ def test_a_browser_on_another_origin_passes_the_preflight(tiny_ckpt):
     assert "error" in blocked and "Failed to fetch" in blocked["error"], blocked
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no `openssl` on PATH to make a certificate")
 def test_https_with_a_self_signed_certificate(tiny_ckpt, tmp_path):
     import ssl
@@ -202,7 +197,7 @@ def test_https_with_a_self_signed_certificate(tiny_ckpt, tmp_path):
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     settings = settings_for(tiny_ckpt, ssl_certfile=str(cert), ssl_keyfile=str(key))
-    port = _free_port()
+    port = free_port()
     tls = settings.security
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
                                            ssl_certfile=tls.ssl_certfile, ssl_keyfile=tls.ssl_keyfile))

@@ -24,6 +24,7 @@ from PIL import Image
 
 from vit_serve.serve.app import create_app
 from vit_serve.serve.shutdown import DrainingServer, graceful_timeout
+from vit_serve.tune.server_process import free_port
 
 CLIENTS = 20
 
@@ -34,12 +35,6 @@ def _png(i: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "PNG")
     return buf.getvalue()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Load:
@@ -119,7 +114,7 @@ def test_sigterm_under_load_answers_every_accepted_request(tiny_ckpt):
     queue when a listener closes is reset by the kernel: no server can answer it, and that is what the drain
     is for."""
     drain, grace = 1.5, 5.0
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", str(tiny_ckpt), "--port", str(port),
                              "--max-batch", "2", "--shutdown-drain-s", str(drain), "--shutdown-grace-s",

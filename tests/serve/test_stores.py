@@ -6,11 +6,8 @@ one pass through the explain graph and equals POST /classify and GET /explain (a
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,19 +15,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from gateway_helpers import metric, run, serving, settings_for, wait_ready
+from gateway_helpers import metric, run, serving, settings_for
 from PIL import Image
 
 from vit_serve.explain import rollout
 from vit_serve.preprocess import load_image, preprocess, resize_and_crop, to_tensor
+from vit_serve.tune.server_process import ServerProcess, free_port
 
 JPEG = {"Content-Type": "image/jpeg"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _crop(data: bytes, cfg) -> Image.Image:
@@ -101,18 +93,11 @@ def test_open_store_names_what_it_accepts():
 # ---- across gateway processes --------------------------------------------------------------------------------
 
 
-def _serve_process(model: Path, store: str, port: int, **env: str) -> subprocess.Popen:
+def _serve_process(model: Path, store: str, **env: str) -> ServerProcess:
     """`vit-serve serve MODEL --port PORT` in its own process, store and test settings from VIT_SERVE_*."""
-    env = {**os.environ, "VIT_SERVE_STORE": store, "VIT_SERVE_DECODE": "contract", "VIT_SERVE_DEVICE": "cpu",
+    env = {"VIT_SERVE_STORE": store, "VIT_SERVE_DECODE": "contract", "VIT_SERVE_DEVICE": "cpu",
            "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "vit_serve.cli", "serve", str(model), "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    if not wait_ready(url, lambda: proc.poll() is None, timeout=120, poll=0.1):
-        proc.kill()
-        raise RuntimeError(f"the gateway process did not become ready: {proc.communicate()[1].decode()[-2000:]}")
+    return ServerProcess.serve([str(model)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def test_explain_by_id_on_another_gateway_process_with_redis(redis_with_password, tiny_ckpt, photos, tmp_path,
@@ -124,11 +109,15 @@ def test_explain_by_id_on_another_gateway_process_with_redis(redis_with_password
     (tmp_path / "password").write_text(password + "\n")
     (tmp_path / "secret").write_text("a store secret shared by the replicas, 32+ bytes\n")
     files = {"store_password_file": str(tmp_path / "password"), "store_secret_file": str(tmp_path / "secret")}
-    port = _free_port()
-    proc = _serve_process(tiny_ckpt, url, port, **{f"VIT_SERVE_{k.upper()}": v for k, v in files.items()})
-    other = f"http://127.0.0.1:{port}"
+    server = _serve_process(tiny_ckpt, url, **{f"VIT_SERVE_{k.upper()}": v for k, v in files.items()})
+    other = server.url
     try:
-        _wait_ready(proc, other)
+        try:
+            server.wait_ready(120)
+        except (RuntimeError, TimeoutError):
+            server.proc.kill()
+            raise RuntimeError(f"the gateway process did not become ready: "
+                               f"{server.proc.communicate()[1].decode()[-2000:]}") from None
 
         async def scenario():
             async with serving(settings_for(tiny_ckpt, store=url, **files)) as (client, _):
@@ -145,8 +134,7 @@ def test_explain_by_id_on_another_gateway_process_with_redis(redis_with_password
         there = httpx.get(f"{other}/explain?id={image_id}&format=json", timeout=60)
         png = httpx.get(f"{other}/explain?id={image_id}", timeout=60)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     assert here.status_code == 200, here.text
     assert there.status_code == 200, there.text
     assert there.json()["map"] == here.json()["map"] and there.json()["id"] == image_id
@@ -170,7 +158,7 @@ def test_memory_store_does_not_reach_another_gateway(tiny_ckpt, photos):
 
 
 def test_redis_down_fails_no_classification_and_explain_by_id_answers_503(tiny_ckpt, photos, caplog):
-    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     data = photos["coffee.jpg"]
 
     async def scenario():
@@ -344,7 +332,7 @@ def test_redis_passwords_are_redacted_in_every_message(url, tiny_ckpt, photos, c
     from vit_serve.serve.settings import ServeSettings
     from vit_serve.serve.stores.redis import redacted
 
-    url = url.format(port=_free_port())  # nothing listens there
+    url = url.format(port=free_port())  # nothing listens there
     assert "s3cret" not in redacted(url) and "127.0.0.1" in redacted(url)
     assert "s3cret" not in repr(ServeSettings(model="m.onnx", store=url))
     assert "s3cret" not in str(ServeSettings(model="m.onnx", store=url))

@@ -20,7 +20,6 @@ import io
 import json
 import re
 import shutil
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.settings import TritonClientSettings
 from vit_serve.runtime.task import CLASSIFY, Task
 from vit_serve.serve.settings import ServeSettings
+from vit_serve.tune.server_process import free_port
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -62,12 +62,6 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
     p = np.exp(z - z.max())
     return p / p.sum()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _counters(metrics_url: str, model: str) -> dict[str, float]:
@@ -176,7 +170,7 @@ def test_backend_errors(server):
     with pytest.raises(BackendUnavailableError, match=r"'missing_py'.*not ready"):
         TritonBackend("missing_py", TritonClientSettings(triton_url=server.http_url, triton_startup_timeout_s=0.5))
     with pytest.raises(BackendUnavailableError, match="not ready"):  # nothing listens there
-        TritonBackend(MODEL, TritonClientSettings(triton_url=f"http://127.0.0.1:{_free_port()}",
+        TritonBackend(MODEL, TritonClientSettings(triton_url=f"http://127.0.0.1:{free_port()}",
                                                   triton_startup_timeout_s=0.5))
     assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match=f"not a logits model.*serve {NAME}_py"):  # the explain model

@@ -11,9 +11,9 @@ import torch
 from vit_serve.config import ViTConfig
 from vit_serve.labels import default_labels
 from vit_serve.model import VisionTransformer
-from vit_serve.monitor import Reference
 from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig
+from vit_serve.reference_sketch import Reference
 
 
 class CheckpointError(ValueError):

@@ -24,15 +24,15 @@ from safetensors.torch import save_file
 from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.config import ViTConfig
-from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
+from vit_serve.reference_sketch import Reference
 
 FORMAT_NAME = "vit-serve"
 FORMAT_VERSION = "1"
 # Tensors under this prefix (and metadata keys starting "text_") belong to the text tower (vit_serve.text);
 # the image-model loader leaves them out.
 TEXT_PREFIX = "text."
-REFERENCE_KEY = "reference"  # metadata: the model's `vit_serve.monitor.Reference` (its to_dict, as JSON)
+REFERENCE_KEY = "reference"  # metadata: the model's `vit_serve.reference_sketch.Reference` (to_dict, as JSON)
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -16,7 +16,7 @@ from vit_serve.cli.flags import add_flags, dataclass_fields, pydantic_fields
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.config import RESAMPLE_MODES
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
-from vit_serve.predict_options import PredictOptions
+from vit_serve.predict.options import PredictOptions
 from vit_serve.resolution import parse_resolution
 
 RESOLUTION = argument_type(parse_resolution)  # 384 or HxW, as an argparse type

@@ -1,7 +1,7 @@
 """The gateway as a Ray Serve application: `build_app(settings, ...)`, and `run(settings, ...)` for
 `vit-serve serve --engine ray`.
 
-* The ingress deployment (`Gateway`) is the FastAPI app of `create_app(settings)`: every route, decode, key, store
+* The ingress deployment (`RayIngress`) is the FastAPI app of `create_app(settings)`: every route, decode, key, store
   and metric is the gateway's. Its settings say engine="ray", so each model version it loads is a
   `RayModelBackend` (vit_serve.runtime.backends.ray) on that version's deployment, driven by a `DirectRunner`.
   Each answer carries `X-Ray-Replica`, the ingress replica that served it.
@@ -13,7 +13,7 @@
   `batch_size_fn`) or `max_delay_ms` from the first, the model's own config.pbtxt limits first, as the gateway's;
   requests of different tasks that meet in one batch run as one model call per task, in the replica's one model
   thread. Not our `BatchingRunner`: it waits for a batch to fill only while the gateway knows more requests are
-  being read and decoded (`runner.Arrival`); in a replica, a process away from those uploads, it would never
+  being read and decoded (`scheduling.Arrival`); in a replica, a process away from those uploads, it would never
   wait, and `max_delay_ms` would mean nothing there. Ray's batcher keeps both knobs (and Ray's batch metrics).
 * `GET /explain?id=` works whichever ingress replica classified the image when the store is shared:
   settings.explain_store.store = "redis://HOST:PORT/DB" (VIT_SERVE_STORE).
@@ -174,7 +174,7 @@ class _ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
-class Gateway:
+class RayIngress:
     """The gateway's FastAPI app; its models are the `ModelServer` deployments passed in (as handles)."""
 
     async def __init__(self, settings: ServeSettings, models: list[DeploymentHandle], startup_timeout_s: float
@@ -202,7 +202,9 @@ class Gateway:
 
 # Deployments made of classes importable by name (Ray pickles a class it cannot import by value, globals and all).
 MODEL_DEPLOYMENT = serve.deployment(ModelServer)
-INGRESS_DEPLOYMENT = serve.deployment(serve.ingress()(Gateway))
+# The ingress deployment keeps the name it had as `Gateway`: `serve status`, replica actor names and Ray's metrics
+# labels name it, and dashboards and scripts written against them keep working.
+INGRESS_DEPLOYMENT = serve.deployment(serve.ingress()(RayIngress), name="Gateway")
 
 
 SECURITY_FILES = ("api_keys_file", "admin_api_keys_file", "ssl_certfile", "ssl_keyfile")

@@ -1,6 +1,6 @@
 """What serving a model needs, with no web framework in it: `load(LoadSpec(...))` gives a `Backend`, whose `ModelInfo`
 says what it serves and which runs a `Task` on preprocessed batches into its `Outputs`. `vit_serve.serve` (HTTP,
-gRPC), `vit_serve.predict` and `vit_serve.deploy` build on it.
+gRPC), `vit_serve.predict` and `vit_serve.deploy` build on it; it imports none of them, nor a web or RPC framework.
 
 Modules:
 
@@ -15,12 +15,18 @@ Modules:
 * `decode`: upload bytes -> the model input (one decode, the crop kept), and the PNG overlay; `gpu_decode`: the
   same on CUDA (nvJPEG).
 * `postprocess`: top-k classes, the rollout payload, embedding normalisation.
+* `text_tower`: a text tower served beside an image model (request-time labels -> class embeddings, cached, on its
+  own thread); `zero_shot`: those labels' limits and parsing, and their scores (the recipe is `vit_serve.zeroshot`).
 * `errors`: what a request can be refused for (`ServingError` and its kinds); `vit_serve.serve.errors` maps them
   to HTTP and gRPC statuses.
 * `scheduling`: how a version's requests are queued, batched and run (`Ticket`, the pending queue, the cost
   model, the batching policy, instances and preemption, `BatchingRunner` / `DirectRunner`, `runner_for`), with
   an injected clock and an events protocol instead of metrics.
 * `settings`: the runtime's settings groups (`RunnerLimits`, `TritonClientSettings`, `RepositorySettings`).
+* `batch_curve`: what batching buys a backend (time per image at each batch size, measured at warm-up);
+  `torch_probe`: eager PyTorch against onnxruntime on this CPU, when a checkpoint loads.
+* `payload_sampler`: an opt-in sample of what is served (Parquet parts or a Redis stream); `password_file`: a
+  password read from a mounted file.
 * `metrics`: the labels and buckets every model metric shares; `trace_context`: the trace context passed on to a
   model server.
 """

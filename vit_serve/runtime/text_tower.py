@@ -2,8 +2,8 @@
 its manifest (`vit_serve.text.manifest.TextTowerManifest`) and tokenizer, run with onnxruntime.
 
 A request's labels (`TextTower.check_labels` first, where the request is parsed) become class embeddings [n, E]
-(`zero_shot.class_embeddings` of their prompts) in two steps: `plan(scope, labels)` takes the labels the caller's
-scope has in the LRU cache (`LabelCache`: keyed by scope and label, so that one caller never meets another's
+(`vit_serve.zeroshot.class_embeddings` of their prompts) in two steps: `plan(scope, labels)` takes the labels the
+caller's scope has in the LRU cache (`LabelCache`: keyed by scope and label, so that one caller never meets another's
 cache hit) and says how many prompts the others need (`TextJob.prompts`: what the gateway charges to the key's
 rate); `submit(job, ...)` hands the job to the tower's own thread (`TextScheduler`), which encodes its prompts
 `chunk_size` at a time (peak memory is that of one chunk, whatever labels x templates is), the most urgent job's
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vit_serve import zeroshot
 from vit_serve.runtime import zero_shot
 from vit_serve.runtime.errors import ModelTimeoutError, QueueFullError
 from vit_serve.text.manifest import INPUT_IDS, TEXT_EMBEDS, TextTowerManifest, text_path_of
@@ -294,7 +295,7 @@ class TextTower:
 
     def _steps(self, job: TextJob) -> Iterator[None]:
         templates = self.templates
-        texts = zero_shot.prompts(job.todo, templates)
+        texts = zeroshot.prompts(job.todo, templates)
         embeds: np.ndarray | None = None
         for start in range(0, len(texts), self.chunk_size):
             chunk = self.embed_texts(texts[start:start + self.chunk_size], strict=True)
@@ -305,7 +306,7 @@ class TextTower:
                 yield
         found = dict(job.found)
         if embeds is not None:
-            for label, row in zip(job.todo, zero_shot.class_embeddings(embeds, len(templates)), strict=True):
+            for label, row in zip(job.todo, zeroshot.class_embeddings(embeds, len(templates)), strict=True):
                 found[label] = row
                 self.cache.put(label, row, job.scope)
         return np.stack([found[label] for label in job.labels])
@@ -329,7 +330,7 @@ class TextTower:
     def logits(self, image_embeds: np.ndarray, classes: np.ndarray) -> np.ndarray:
         """Image embeddings [B, E] -> zero-shot logits [B, n] over `classes`' labels."""
         m = self.manifest
-        return zero_shot.label_logits(image_embeds, classes, m.logit_scale, m.logit_bias)
+        return zeroshot.label_logits(image_embeds, classes, m.logit_scale, m.logit_bias)
 
     def close(self) -> None:
         self.scheduler.close()

@@ -1,20 +1,14 @@
 """Zero-shot classification over labels given at request time (POST /classify?labels=, the v2 `labels` parameter):
-open_clip's recipe, in numpy. Pure functions, no I/O.
-
-    class embedding  = normalise(mean_t normalise(text_embeds(template_t(label))))   (open_clip
-                       zero_shot_classifier.build_zero_shot_classifier)
-    logits           = normalise(image embedding) . class embeddingsᵀ x exp(logit_scale) (+ logit_bias)
-    scores           = softmax over the labels (CLIP) or sigmoid of each (SigLIP)
+the labels parsed within their limits (`LabelLimits`, `parse_labels`) and logits made scores (softmax over the
+labels for CLIP, the sigmoid of each for SigLIP). Pure functions, no I/O. The recipe itself (prompts, class
+embeddings, logits) is `vit_serve.zeroshot`'s, shared with the heads `vit-serve convert --zero-shot` builds.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from vit_serve.embedding import l2_normalize
 
 MAX_LABELS_SETTING = "VIT_SERVE_MAX_LABELS"
 MAX_LABEL_CHARS_SETTING = "VIT_SERVE_MAX_LABEL_CHARS"
@@ -49,24 +43,6 @@ class LabelLimits:
         return labels
 
 
-def class_embeddings(prompt_embeds: np.ndarray, num_templates: int) -> np.ndarray:
-    """Text embeddings [n * T, E] of n labels' T prompts (label-major) -> class embeddings [n, E]: each label's
-    L2-normalised prompt embeddings averaged and normalised again."""
-    e = l2_normalize(prompt_embeds.astype(np.float32, copy=False))
-    e = e.reshape(-1, num_templates, e.shape[-1]).mean(axis=1)
-    return l2_normalize(e)
-
-
-def label_logits(image_embeds: np.ndarray, classes: np.ndarray, logit_scale: float,
-                 logit_bias: float | None) -> np.ndarray:
-    """Image embeddings [B, E] (not normalised) and class embeddings [n, E] (normalised) -> logits [B, n]."""
-    img = l2_normalize(image_embeds.astype(np.float32, copy=False))
-    logits = (img @ classes.T) * np.float32(math.exp(logit_scale))
-    if logit_bias is not None:
-        logits = logits + np.float32(logit_bias)
-    return logits.astype(np.float32, copy=False)
-
-
 def label_scores(logits: np.ndarray, kind: str) -> np.ndarray:
     """Logits [..., n] -> scores: softmax over the last axis, or the sigmoid of each (float64)."""
     z = logits.astype(np.float64)
@@ -75,11 +51,6 @@ def label_scores(logits: np.ndarray, kind: str) -> np.ndarray:
             return 1.0 / (1.0 + np.exp(-z))
         p = np.exp(z - z.max(axis=-1, keepdims=True))
         return p / p.sum(axis=-1, keepdims=True)
-
-
-def prompts(labels: list[str], templates: tuple[str, ...]) -> list[str]:
-    """Each label in each template, label-major: [t0(l0), t1(l0), ..., t0(l1), ...]."""
-    return [t.replace("{}", label) for label in labels for t in templates]
 
 
 def parse_labels(value: str | list[str], max_labels: int, max_chars: int, max_bytes: int | None = None) -> list[str]:

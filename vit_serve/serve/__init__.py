@@ -1,17 +1,29 @@
 """The serving gateway (FastAPI, gRPC) over `vit_serve.runtime`: `create_app(settings)`, `ServeSettings`; run it
-with `vit-serve serve REPO`.
+with `vit-serve serve REPO`. Backends, discovery, decode and postprocessing are the runtime's; this package is the
+protocols, the live models and the policies around them.
 
-Layout: settings (ServeSettings and its groups: limits, triton, repository, security, explain_store), app (factory +
-lifespan), gateway (the running parts), repository (the loaded versions: model control, polling, load / unload),
-model_version (one loaded version; its runner is `vit_serve.runtime.scheduling`'s), admission (a request's scheduling
-`Ticket` with the gateway's errors), pipeline (one request: announce, read, choose the version once, decode, infer,
-answer) and answer_hooks (what runs after an answer: Server-Timing, the payload sampler), uploads, keys and security
-(API keys), caller (whose upload is whose), stores/ (recent images for GET /explain: memory, redis, the store secret),
-errors (runtime errors -> HTTP statuses and gRPC codes in one table, and the one /v2 error envelope), v2_protocol (the
-KServe v2 wire format) and v2_model (what HTTP /v2 and gRPC share), grpc, metrics, middleware, tracing, schemas, deps;
-routes/ (classify, embed, explain and what they share, image_request: thin, their query and schema; health, metrics,
-models, page; v2: all of /v2 as one router group, the repository extension included). Backends, discovery, decode and
-postprocessing are the runtime's (`vit_serve.runtime`).
+Modules:
+
+* the app: `settings` (`ServeSettings` and its groups), `config_file` (`serve --config`), `app` (the factory, the
+  lifespan, `run`), `gateway` (the running parts of one app), `shutdown` (drain, then stop), `slow_clients` (header
+  and body deadlines, the connection cap), `metrics_listener` (the metrics port).
+* the models: `repository` (which versions are loaded; model control and polling), `model_version` (one loaded
+  version; its runner is `vit_serve.runtime.scheduling`'s), `admission` (a request's scheduling `Ticket` with the
+  gateway's errors), `traffic` (canaries, sticky sessions, the shadow) and `compare` (live agreement with them),
+  `monitoring` (OOD scores and drift of a version), `labels` (request-time zero-shot labels).
+* requests: `pipeline` (one request: announce, read, choose the version once, decode, infer, answer), `answer_hooks`
+  (what runs after an answer: Server-Timing, the payload sampler), `uploads` (the image out of a request), `deps` (the
+  app's gateway, the version a request goes to), `hangup` (a client that left cancels its work), `middleware` (request
+  ids, metrics, the 500 boundary, the body limit), `schemas` (response bodies, the strict JSON encoder), `errors`
+  (runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 envelope), `tracing` (OpenTelemetry),
+  `metrics` (Prometheus).
+* callers: `keys` (hashed API keys, key files), `security` (the key check, admin keys, CORS), `caller` (a request's
+  verified identity), `rate_limit` (token buckets per key), `in_flight` (requests in flight per key).
+* the Open Inference Protocol: `v2_protocol` (the KServe v2 wire format), `v2_model` (what HTTP /v2 and gRPC share),
+  `grpc` (the gRPC service).
+* `routes/` (thin: their query and their schema): classify, embed, explain, image_request (the errors and links the
+  image routes share), health, metrics, models, page, v2 (all of /v2) and repository (its model repository extension).
+* `stores/`: where recent images live for GET /explain?id= (base, memory, redis, the store secret, redaction).
 """
 
 from __future__ import annotations

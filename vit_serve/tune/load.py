@@ -3,10 +3,11 @@ concurrent clients over real HTTP.
 
 Every upload is a different file: a JPEG made unique by a comment segment (`unique_jpeg`: other bytes and
 another sha256 each time, the same pixels and decode work), so that no cache and no deduplication can flatter
-a trial. A trial's gateway is `vit-serve serve --config TRIAL.toml` as a process of its own (`TrialServers`),
-forked from a server process that has imported the gateway once, so that a trial pays for loading its model but
-not for importing torch again. The clients are `concurrency` closed loops in this process (httpx, asyncio),
-each sending the next upload as soon as its answer came (POST /classify, the image as the body).
+a trial. A trial's gateway is `vit-serve serve --config TRIAL.toml` as a process of its own (`TrialServers`, on
+`server_process.ServerProcess`), forked from a server process that has imported the gateway once, so that a
+trial pays for loading its model but not for importing torch again. The clients are `concurrency` closed loops
+in this process (httpx, asyncio), each sending the next upload as soon as its answer came (POST /classify, the
+image as the body).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 import io
 import multiprocessing
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.data import find_images
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
 Tick = Callable[[], None]
 # The built-in photos: scikit-image's (when it is installed) and matplotlib's grace_hopper.
@@ -122,12 +123,6 @@ def unique_jpeg(jpeg: bytes, i: int, tag: str = "vit-serve tune") -> bytes:
 
 # ---- the gateway of a trial ------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(config: str, port: int, log: str) -> None:
     """A trial's gateway process: `vit-serve serve --config CONFIG` on 127.0.0.1:PORT (no drain on SIGTERM), its
     output into `log`, the caller's VIT_SERVE_* variables ignored (a trial runs what its file says), and the torch
@@ -175,32 +170,20 @@ class TrialServers:
     def serve(self, config: Path, log: Path, deadline: float, tick: Tick = lambda: None) -> Iterator[str]:
         """The gateway of `config` on a free port until the block ends; yields its URL once /readyz answers 200.
         TrialError when it exits first, or is not ready by `deadline` (time.monotonic())."""
-        import httpx
-
         port = free_port()
         proc = self.ctx.Process(target=_serve, args=(str(config), port, str(log)), daemon=True)
         proc.start()
-        url = f"http://127.0.0.1:{port}"
+        server = ServerProcess(proc, port)
         try:
-            while True:
-                tick()
-                if not proc.is_alive():
-                    raise TrialError(f"the gateway exited ({proc.exitcode}): {last_line(log)}")
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TrialError("the budget ran out while the gateway was starting")
-                time.sleep(0.1)
-            yield url
+            try:
+                server.wait_ready(deadline - time.monotonic(), tick=tick)
+            except ServerExitedError:
+                raise TrialError(f"the gateway exited ({server.exitcode}): {last_line(log)}") from None
+            except TimeoutError:
+                raise TrialError("the budget ran out while the gateway was starting") from None
+            yield server.url
         finally:
-            proc.terminate()
-            proc.join(15)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            server.stop(15)
 
 
 def last_line(log: Path) -> str:

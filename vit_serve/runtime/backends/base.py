@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
-from vit_serve.monitor import Reference
 from vit_serve.preprocess import PreprocessConfig
+from vit_serve.reference_sketch import Reference
 from vit_serve.runtime.task import Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]

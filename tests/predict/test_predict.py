@@ -23,7 +23,7 @@ from PIL import Image
 import vit_serve
 from vit_serve.cli import main
 from vit_serve.predict import PredictOptions, list_images, predict
-from vit_serve.predict_writers import sidecar
+from vit_serve.predict.writers import sidecar
 from vit_serve.preprocess import PreprocessConfig, preprocess
 
 LABELS = ["tabby", "espresso", "astronaut", "teapot", "lighthouse", "sunflower", "locomotive", "seal", "crane", "fox"]

@@ -2,7 +2,7 @@
 runtime (`load_backend`), a file decoded as the gateway decodes an upload (`decode_file`), the model's outputs
 (`compute`), the rows made of them (`make_rows`) and where they go (`Sink`).
 
-Both engines stand on this module: `vit_serve.predict` (the job, and the local engine) and `vit_serve.predict_ray`
+Both engines stand on this module: `vit_serve.predict.job` (the job, and the local engine) and `vit_serve.predict.ray`
 (Ray Data's model actors). Nothing here imports either, nor the HTTP gateway, nor Ray.
 """
 
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vit_serve.predict_options import PredictOptions
-from vit_serve.predict_writers import ErrorLog, RolloutFile, Row, printable
+from vit_serve.predict.options import PredictOptions
+from vit_serve.predict.writers import ErrorLog, RolloutFile, Row, printable
 from vit_serve.tome import parse_tome
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: Pred
 
 
 class Sink:
-    """Where a batch's outputs go: the rollout maps first, then the rows (see predict_writers)."""
+    """Where a batch's outputs go: the rollout maps first, then the rows (see `writers`)."""
 
     def __init__(self, writer: Any, rollout: RolloutFile | None, errors: ErrorLog, bar: Any, info: ModelInfo,
                  opts: PredictOptions) -> None:

@@ -1,4 +1,4 @@
-"""vit_serve.predict_ray.model_stage: the model stage's `map_batches` arguments in Ray Data's current form.
+"""vit_serve.predict.ray.model_stage: the model stage's `map_batches` arguments in Ray Data's current form.
 
 Reference: Ray Data's own resolution of those arguments (`ray.data._internal.util.get_compute_strategy`, what
 `Dataset.map_batches` calls), which logs "The argument ``concurrency`` is deprecated in Ray 2.51" for the old
@@ -27,7 +27,7 @@ def _resolve(**kwargs):
     """The compute strategy Ray Data makes of `map_batches(ModelActor, **kwargs)`, and what it logged."""
     from ray.data._internal.util import get_compute_strategy
 
-    from vit_serve.predict_ray import ModelActor
+    from vit_serve.predict.ray import ModelActor
 
     logger = logging.getLogger("ray.data._internal.util")
     records, level = _Records(), logger.level
@@ -43,7 +43,7 @@ def _resolve(**kwargs):
 
 
 def test_model_stage_is_a_fixed_actor_pool_without_the_deprecated_concurrency():
-    from vit_serve.predict_ray import model_stage
+    from vit_serve.predict.ray import model_stage
 
     kwargs = model_stage(3, {"num_gpus": 1, "num_cpus": 0})
     assert "concurrency" not in kwargs and kwargs["num_gpus"] == 1 and kwargs["num_cpus"] == 0

@@ -2,7 +2,7 @@
 
 The images still to do → `ray.data.from_items` (row number and path) → `map_batches(ModelActor)`, a pool of actors
 each holding the serving backend → the driver, which streams the results (`iter_batches`) into the local engine's
-writer. Images are decoded with the gateway's functions (`vit_serve.predict_batch.decode_file`). On CPUs there is one
+writer. Images are decoded with the gateway's functions (`vit_serve.predict.batch.decode_file`). On CPUs there is one
 actor per CPU of the cluster (`--actors N` otherwise), each decoding its batch and then running it on one
 intra-op thread: the actors overlap each other. On GPUs (`--device cuda`, or auto on a cluster with GPUs) there is
 one actor per GPU, reserving no CPU, fed by a separate `map_batches(decode_batch)` stage of CPU tasks, so that the
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vit_serve.manifest import EMBEDDING, LOGITS, OOD_SCORE, ROLLOUT
-from vit_serve.predict_batch import Item, Sink, compute, decode_file, load_backend
-from vit_serve.predict_options import PredictOptions
+from vit_serve.predict.batch import Item, Sink, compute, decode_file, load_backend
+from vit_serve.predict.options import PredictOptions
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig

@@ -1,19 +1,19 @@
-"""Offline batch prediction over image files: `predict(PredictOptions(...))`, what `vit-serve predict` runs.
+"""The prediction job: `predict(PredictOptions(...))`, what `vit-serve predict` runs, and its local engine.
 
 MODEL is anything `vit-serve serve` takes (a checkpoint, an exported NAME.onnx with NAME.json, an engine, or a
 repository folder with `model_name` picking one, at its newest version); it is loaded by the runtime
 (`vit_serve.runtime.load`), images are decoded by the runtime's functions (`vit_serve.runtime.decode`) on the same
 decode path as the gateway (`decode`, "fast" by default), and the top-k come from `vit_serve.runtime.postprocess`:
 a row's scores are those `/classify` answers for the same file. One batch's pieces (decode, compute, rows, the
-sink) are `vit_serve.predict_batch`'s, shared with the Ray engine.
+sink) are `vit_serve.predict.batch`'s, shared with the Ray engine.
 
 SRC (`list_images`): a folder (recursive), a glob, a text file of paths (one a line, relative ones from the file's
 folder), one image, or with `image_folder` an ImageFolder root (`root/<class>/...`, `vit_serve.data.ImageFolder`),
 whose rows also carry `target` (the folder name) and `target_index` (its index among the sorted class folders).
 
 Engines: "local" (decode worker threads or processes, `workers`, overlapped with the model in this thread, in
-batches) and "ray" (`vit_serve.predict_ray`: Ray Data, one model actor per GPU or per CPU). Both write
-through `vit_serve.predict_writers` (formats, resume, manifest, errors, rollout maps). Importing this module
+batches) and "ray" (`vit_serve.predict.ray`: Ray Data, one model actor per GPU or per CPU). Both write
+through `vit_serve.predict.writers` (formats, resume, manifest, errors, rollout maps). Importing this module
 imports neither Ray nor the gateway (nor does running it).
 """
 
@@ -33,16 +33,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vit_serve.data import IMAGE_EXTENSIONS
-from vit_serve.predict_batch import Item, Sink, compute, decode_file, load_backend, make_rows
-from vit_serve.predict_options import PredictOptions
-from vit_serve.predict_writers import ErrorLog, RolloutFile, check_manifest, open_writer, sidecar, write_manifest
+from vit_serve.predict.batch import Item, Sink, compute, decode_file, load_backend
+from vit_serve.predict.options import PredictOptions
+from vit_serve.predict.writers import ErrorLog, RolloutFile, check_manifest, open_writer, sidecar, write_manifest
 
 if TYPE_CHECKING:
     from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
     from vit_serve.runtime.discovery import VersionSource
-
-__all__ = ["Item", "PredictOptions", "PredictResult", "Sink", "compute", "decode_file", "list_images",
-           "load_backend", "make_rows", "predict", "resolve_model"]
 
 GLOB_CHARS = frozenset("*?[")
 ASCII_SPACE = " \t\r\f\v"  # what a line of a path list is stripped of (not U+0085, U+2028: they may be in names)
@@ -260,7 +257,7 @@ def predict(opts: PredictOptions) -> PredictResult:
     key = manifest_key(source, model_digest(source), opts)
     check_manifest(out, key, opts.force)
     if opts.engine == "ray":
-        from vit_serve.predict_ray import require_ray
+        from vit_serve.predict.ray import require_ray
 
         require_ray()  # before the model is loaded here: one line naming the extra
     backend = load_backend(source, opts)
@@ -285,7 +282,7 @@ def predict(opts: PredictOptions) -> PredictResult:
             sink.error(path, why)
         todo = [i for i in todo if i.path not in unkeyable]
         if todo and opts.engine == "ray":
-            from vit_serve.predict_ray import run_ray
+            from vit_serve.predict.ray import run_ray
 
             backend.close()  # the actors load their own
             run_ray(source, todo, sink, opts)

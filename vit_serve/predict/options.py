@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vit_serve.flag import FLAG_KEY, Flag
-from vit_serve.predict_writers import output_format
+from vit_serve.predict.writers import output_format
 from vit_serve.tome import parse_tome
 
 

@@ -1,0 +1,21 @@
+"""Offline batch prediction over image files: `predict(PredictOptions(...))`, what `vit-serve predict` runs.
+
+The modules, each standing on the ones after it:
+
+- `job`: the run (`predict`): SRC listed (`list_images`), MODEL resolved (`resolve_model`), OUT checked, the local
+  engine (decode threads or processes overlapped with the model in this thread), the result (`PredictResult`).
+- `ray`: the same job on Ray Data (`--engine ray`); imported only when that engine runs.
+- `batch`: one batch, whichever engine runs it: `Item`, `load_backend`, `decode_file`, `compute`, `make_rows`,
+  `Sink`.
+- `options`: `PredictOptions`, one field per flag of `vit-serve predict`.
+- `writers`: JSON Lines / CSV / Parquet rows, resume, the manifest, the errors file, the rollout maps.
+
+Importing this package imports neither Ray nor the gateway (nor does running it).
+"""
+
+from vit_serve.predict.batch import Item, Sink, compute, decode_file, load_backend, make_rows
+from vit_serve.predict.job import PredictResult, list_images, predict, resolve_model
+from vit_serve.predict.options import PredictOptions
+
+__all__ = ["Item", "PredictOptions", "PredictResult", "Sink", "compute", "decode_file", "list_images",
+           "load_backend", "make_rows", "predict", "resolve_model"]
