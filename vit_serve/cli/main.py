@@ -484,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A setting read by a deprecated environment name says which to set (vit_serve.serve.settings.ENV_RENAMED);
+    # Python would hide this DeprecationWarning outside __main__.
+    warnings.filterwarnings("default", r"VIT_SERVE_\w+ (is deprecated|and VIT_SERVE_)", DeprecationWarning)
     try:
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
