@@ -1,7 +1,8 @@
 """The serving gateway (FastAPI, gRPC) over `vit_serve.runtime`: `create_app(settings)`, `ServeSettings`; run it
 with `vit-serve serve REPO`.
 
-Layout: settings (ServeSettings and its groups: limits, triton, repository, security, explain_store), app (factory +
+Layout: settings (ServeSettings and its groups: limits, triton, repository, security, explain_store), setting_scopes
+(each setting's scope: the server's own, or a model default), app (factory +
 lifespan), gateway (the running parts), repository (the loaded versions: model control, polling, load / unload),
 model_version (one loaded version), runner (batching or direct), uploads, keys and security (API keys), caller
 (whose upload is whose), stores/ (recent images for GET /explain: memory, redis, the store secret), errors (runtime
