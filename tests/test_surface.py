@@ -1,7 +1,16 @@
 """No change since the surface was saved (tests/data/surface, before the redesign of issue 20, 5c1a208) removed
 or altered any of it: every saved flag with its defaults, every saved setting default, every saved path, parameter
 and schema of the OpenAPI document is still there, as it was. Later features may only add (new flags, settings,
-query parameters, routes); each addition is printed, so a reviewer sees what grew."""
+query parameters, routes); each addition is printed, so a reviewer sees what grew.
+
+Changed once on purpose, by issue 39 (point 3, settings by scope), the saved copy untouched:
+- deprecated: the nested environment spelling of a group's field (VIT_SERVE_LIMITS__MAX_BATCH), read for one
+  release with a SettingNameWarning naming the flat variable (VIT_SERVE_MAX_BATCH), which stays canonical and
+  wins where both are set (vit_serve.serve.settings.ENV_RENAMED); every saved name still reads, silently;
+- removed: ServeSettings' flat attributes (settings.max_batch: read settings.limits.max_batch); its flat keywords
+  (ServeSettings(max_batch=4)) stay, as the flags, variables and files name a setting;
+- --help lists the server's options under their scope's titles (server: listeners, ...), the model defaults in a
+  group of their own; the usage line keeps its order."""
 
 from __future__ import annotations
 
@@ -79,6 +88,15 @@ def test_every_option_still_documented():
             continue
         for flag in sorted(set(re.findall(r"^\s+(--[a-z0-9-]+)", saved, re.M))):
             assert re.search(rf"^\s+{re.escape(flag)}\b", parser.format_help(), re.M), (name, flag)
+
+
+def test_saved_environment_names_kept():
+    """Each saved setting is still read as VIT_SERVE_<NAME>, and none of those names is deprecated."""
+    from vit_serve.serve.settings import ENV_RENAMED, ServeSettings
+
+    saved = json.loads((SAVED / "serve_defaults.json").read_text())
+    assert set(saved) <= set(ServeSettings.flat_fields())
+    assert not {f"VIT_SERVE_{name.upper()}" for name in saved} & set(ENV_RENAMED)
 
 
 def test_saved_serve_defaults_kept():

@@ -20,7 +20,8 @@ class Flag:
     positional: an argument rather than a flag (optional, nargs "?", when the field has a default); none: the
     choice that means None (a `Literal[...] | None` field); after: the field whose flag this one follows in
     --help (default: the field order); section: the argument group it is listed under (None: the command's own
-    options; `vit-serve serve`: "model" for the model defaults, "triton", "store", "sampler", "ray").
+    options, which `vit-serve serve` lists by their scope, `vit_serve.serve.setting_scopes`; "model" for the model
+    defaults, "triton", "store", "sampler", "ray").
     """
 
     help: str | None = None

@@ -25,6 +25,7 @@ def _groups() -> dict[str, list[str]]:
 
 def test_serve_help_lists_server_options_apart_from_the_model_defaults():
     groups = _groups()
+    groups["server"] = [d for title, dests in groups.items() if title.startswith("server: ") for d in dests]
     assert len([d for d in groups["server"] if d != "model"]) <= 30  # REPO|MODEL is an argument, not an option
     assert set(groups["model defaults"]) <= set(KEYS)  # a model's own config.toml can set each of them
     assert {"max_batch", "max_delay_ms", "max_queue", "instances", "threads", "compile", "torchscript", "tome",
@@ -41,3 +42,15 @@ def test_each_flag_says_its_settings_description():
         assert field.flag.help is None, field.name
         assert field.description, field.name
         assert by_dest[field.name].help.replace("%%", "%").startswith(field.description), field.name
+
+
+def test_serve_help_lists_the_server_options_by_scope():
+    """Each server option under its scope's title (vit_serve.serve.setting_scopes), in the scopes' order."""
+    from vit_serve.serve.setting_scopes import SERVER_SETTINGS, Scope, scope_of
+
+    groups = {title.removeprefix("server: "): dests for title, dests in _groups().items()
+              if title.startswith("server: ")}
+    assert list(groups) == [s.value for s in SERVER_SETTINGS if s.value in groups]
+    assert all(scope_of(d) is Scope(title) for title, dests in groups.items() for d in dests)
+    assert {"host", "port", "grpc_port"} <= set(groups["listeners"])
+    assert {"api_keys", "ssl_certfile"} <= set(groups["keys and TLS"])

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -131,11 +132,13 @@ Container = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
 def add_flags(parser: Container, fields: list[FlagField], section: str | None = None,
-              groups: dict[str, Container] | None = None) -> None:
-    """Add the flags of `fields` listed under `section` to `parser`, and those of the sections `groups` names to
-    their group, in --help order (one pass: the usage line keeps the field order whatever the groups)."""
+              groups: dict[str, Container] | None = None,
+              group_of: Callable[[FlagField], str] = lambda field: field.flag.section or "") -> None:
+    """Add the flags of `fields` listed under `section` to `parser`, and the others to the group of `groups` that
+    `group_of` names (default: their section), in --help order (one pass: the usage line keeps the field order
+    whatever the groups)."""
     for field in ordered(fields):
-        target = parser if field.flag.section == section else (groups or {}).get(field.flag.section or "")
+        target = parser if field.flag.section == section else (groups or {}).get(group_of(field))
         if target is not None:
             names, kw = argument(field)
             target.add_argument(*names, **kw)

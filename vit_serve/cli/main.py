@@ -377,6 +377,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "the file. The model defaults apply to the models without their own: a model's "
                                    "REPO/NAME/config.toml (or config.pbtxt) sets its own.")
     try:
+        from vit_serve.serve.setting_scopes import SERVER_SETTINGS, scope_of
         from vit_serve.serve.settings import ServeSettings
     except ImportError as e:  # without the serve extra: `serve` takes anything and says what is missing
         s.add_argument("args", nargs=argparse.REMAINDER)
@@ -386,15 +387,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--config", metavar="FILE",
                    help="settings from a .toml or .json file of setting names (max_batch = 8; paths relative to the "
                         "file's folder); flags and VIT_SERVE_* variables win over it")
-    server = s.add_argument_group("server (listeners, TLS, keys, stores, telemetry, repository control)")
-    groups = {"model": s.add_argument_group(
+    # The server's flags by scope (vit_serve.serve.setting_scopes), then the model defaults, then the options of
+    # one backend or store each.
+    groups = {scope.value: s.add_argument_group(f"server: {scope.value}") for scope in SERVER_SETTINGS}
+    groups |= {"model": s.add_argument_group(
         "model defaults (each model's own REPO/NAME/config.toml or config.pbtxt wins over them)"),
         "triton": s.add_argument_group("Triton backend (--backend triton)"),
         "store": s.add_argument_group("explain store (the crops kept for GET /explain?id=)"),
         "sampler": s.add_argument_group("payload sampler (requests kept for labelling)")}
-    add_flags(server, settings, groups=groups)
     r = s.add_argument_group("Ray Serve (--engine ray; pip install 'vit-serve[ray]')")
-    add_flags(r, settings, section="ray")
+    add_flags(r, settings, section="ray", groups=groups,
+              group_of=lambda field: field.flag.section or scope_of(field.name).value)
     # Ray Serve's launch options (deploy.ray.run's arguments), not settings of the gateway.
     r.add_argument("--address", help="the Ray cluster (auto, ray://HOST:10001; default: a local one)")
     r.add_argument("--replicas", type=int, help="replicas of each model deployment (default 1)")
@@ -484,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A setting read by a deprecated environment name says which to set (vit_serve.serve.settings.ENV_RENAMED);
+    # Python would hide this DeprecationWarning outside __main__.
+    warnings.filterwarnings("default", r"VIT_SERVE_\w+ (is deprecated|and VIT_SERVE_)", DeprecationWarning)
     try:
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:

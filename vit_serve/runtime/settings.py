@@ -1,10 +1,11 @@
 """The runtime's settings groups: `RunnerLimits` (batching, queue, timeouts), `TritonClientSettings` (the Triton
 backend's client) and `RepositorySettings` (which models and versions are served, and how they change).
 
-Each group reads its own `VIT_SERVE_<FIELD>` variables (the names are flat: VIT_SERVE_MAX_BATCH, not
-VIT_SERVE_LIMITS__MAX_BATCH) and is nested in `vit_serve.serve.settings.ServeSettings`; a `Flag` marks the
-fields that `vit-serve serve` has a flag for (`vit_serve.cli.flags`). Also the default size of a decode pool
-(`default_decode_workers`), the gateway's and offline prediction's.
+Each group reads its own `VIT_SERVE_<FIELD>` variables (the names are flat: VIT_SERVE_MAX_BATCH; ServeSettings
+also reads the deprecated VIT_SERVE_LIMITS__MAX_BATCH, with a warning) and is nested in
+`vit_serve.serve.settings.ServeSettings`; a `Flag` marks the fields that `vit-serve serve` has a flag for
+(`vit_serve.cli.flags`). Also the default size of a decode pool (`default_decode_workers`), the gateway's and
+offline prediction's.
 """
 
 from __future__ import annotations

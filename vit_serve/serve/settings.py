@@ -8,7 +8,9 @@ the rest (the model, the listeners, decode, compute) is its own. Components take
 group's field through it (`settings.limits.max_batch`). The names of the outside stay flat: every field of every
 group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch), a name in a settings
 file and a keyword of `ServeSettings(max_batch=4)` (a group instance may be passed too:
-`ServeSettings(limits=RunnerLimits(...))`).
+`ServeSettings(limits=RunnerLimits(...))`). The flat environment names are the canonical ones; the nested
+spelling of a group's field (VIT_SERVE_LIMITS__MAX_BATCH) is deprecated, read with a `SettingNameWarning` that
+names the flat one (`ENV_RENAMED`).
 
 The settings a model's own REPO/NAME/config.toml may set (`vit_serve.runtime.model_config.ModelConfig`: its
 limits, instances, compute, decode, monitoring) are, here, the defaults of the models without their own: their
@@ -20,6 +22,8 @@ flat names. Precedence: keywords (flags) > VIT_SERVE_* > the file > the defaults
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
@@ -49,9 +53,9 @@ from vit_serve.tome import parse_tome
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
-__all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "BackendName", "MonitoringSettings",
-           "RepositorySettings", "RunnerLimits", "SecuritySettings", "ServeSettings", "StoreSettings",
-           "TritonClientSettings", "available_cpus", "default_decode_workers"]
+__all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "ENV_RENAMED", "BackendName",
+           "MonitoringSettings", "RepositorySettings", "RunnerLimits", "SecuritySettings", "ServeSettings",
+           "SettingNameWarning", "StoreSettings", "TritonClientSettings", "available_cpus", "default_decode_workers"]
 
 class SecuritySettings(BaseSettings):
     """Who may call: API keys (kept as sha256 hashes only), admin keys, open probes, TLS, browsers of other
@@ -238,6 +242,30 @@ class MonitoringSettings(BaseSettings):
             yield name, redacted(value) if name == "sample_redis_url" and isinstance(value, str) else value
 
 
+class SettingNameWarning(DeprecationWarning):
+    """A setting was given by a deprecated name (`ENV_RENAMED`); the message names the one to use.
+    `vit-serve` shows these (Python hides other DeprecationWarnings outside __main__)."""
+
+
+class _GroupEnv(EnvSettingsSource):
+    """A group's `VIT_SERVE_<FIELD>` variables, and its deprecated names (`ENV_RENAMED`) where the canonical one
+    is not set, each with a `SettingNameWarning`."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        env = dict(super()._load_env_vars())
+        fold = (lambda n: n) if self.case_sensitive else str.lower
+        for old, new in ENV_RENAMED.items():
+            if fold(old) not in env or new[len("VIT_SERVE_"):].lower() not in self.settings_cls.model_fields:
+                continue  # not set, or another group's
+            if fold(new) in env:
+                warnings.warn(f"{old} and {new} are both set: {new} wins ({old} is deprecated)", SettingNameWarning,
+                              stacklevel=1)
+            else:
+                warnings.warn(f"{old} is deprecated: set {new}", SettingNameWarning, stacklevel=1)
+                env[fold(new)] = env[fold(old)]
+        return env
+
+
 class _FlatEnv(EnvSettingsSource):
     """`VIT_SERVE_<FIELD>` for the fields of ServeSettings and of its groups, the names flat; a group's values are
     handed over as a dict under the group's name (VIT_SERVE_<GROUP> itself is no variable)."""
@@ -245,7 +273,7 @@ class _FlatEnv(EnvSettingsSource):
     def __call__(self) -> dict[str, Any]:
         values = {k: v for k, v in super().__call__().items() if k not in GROUPS}
         for name, group in GROUPS.items():
-            if found := EnvSettingsSource(group)():
+            if found := _GroupEnv(group)():
                 values[name] = found
         return values
 
@@ -466,3 +494,8 @@ GROUPS: dict[str, type[BaseSettings]] = {
     if isinstance(info.annotation, type) and issubclass(info.annotation, BaseSettings)}
 FLAT: dict[str, str] = {k: name for name, group in GROUPS.items()
                         for k in [*group.model_fields, *(a for a, v in vars(group).items() if isinstance(v, property))]}
+# Each deprecated environment name and the name to set instead. The canonical names are flat, VIT_SERVE_<FIELD>,
+# as the flags, settings files and a model's config.toml name a setting; the nested spelling pydantic-settings
+# users write for a group's field (VIT_SERVE_LIMITS__MAX_BATCH) is read too, with a warning naming the flat one.
+ENV_RENAMED: dict[str, str] = {f"VIT_SERVE_{name.upper()}__{field.upper()}": f"VIT_SERVE_{field.upper()}"
+                               for name, group in GROUPS.items() for field in group.model_fields}
