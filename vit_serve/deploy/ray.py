@@ -9,12 +9,14 @@
   an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`). Each replica loads the model with
   `vit_serve.runtime.load` of its `LoadSpec` (torch, onnxruntime, tensorrt: MODEL's files, the discovery's choice)
   and warms it up. The versions deployed are those the gateway's repository would serve (`select_versions`).
-* Dynamic batching in the replica with Ray Serve's `@serve.batch`, up to `max_batch` images (rows, not requests:
-  `batch_size_fn`) or `max_delay_ms` from the first, the model's own config.pbtxt limits first, as the gateway's;
-  requests of different tasks that meet in one batch run as one model call per task, in the replica's one model
-  thread. Not our `BatchingRunner`: it waits for a batch to fill only while the gateway knows more requests are
-  being read and decoded (`scheduling.Arrival`); in a replica, a process away from those uploads, it would never
-  wait, and `max_delay_ms` would mean nothing there. Ray's batcher keeps both knobs (and Ray's batch metrics).
+* Dynamic batching in the replica with the gateway's scheduler (`vit_serve.runtime.scheduling.runner_for`, a
+  `BatchingRunner` in one model thread), up to `max_batch` images or `max_delay_ms` from the first, the model's own
+  config.pbtxt limits first, as the gateway's; each request keeps its priority level and the seconds left to its
+  deadline (a `Ticket` rebuilt in the replica: clocks differ between processes). The runner waits for a batch to
+  fill only while more requests are known to be coming; a replica, away from the uploads, knows one thing: when
+  its latest request came. So the stream of requests to it counts as one request coming (`Arrival`) while its
+  latest came within the stalled-arrival time (`STALL_S`): a batch waits up to `max_delay_ms` for more while
+  requests keep coming (as Ray's `@serve.batch` did), and not once they have stopped.
 * `GET /explain?id=` works whichever ingress replica classified the image when the store is shared:
   settings.explain_store.store = "redis://HOST:PORT/DB" (VIT_SERVE_STORE).
 
@@ -54,6 +56,7 @@ from vit_serve.runtime import LoadSpec, Outputs, Task, check, load, resolve_back
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.ray import RAY_METRICS, deployment_name
 from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan, select_versions
+from vit_serve.runtime.scheduling import DEFAULT_PRIORITY, BatchingRunner, NoEvents, Runner, Ticket, runner_for
 from vit_serve.serve.app import create_app
 from vit_serve.serve.settings import ServeSettings
 
@@ -68,15 +71,11 @@ def _replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
 
-def _rows(items: list[tuple[Task, np.ndarray]]) -> int:
-    return sum(x.shape[0] for _, x in items)
+class _LastRequest:
+    """When the replica's latest request came (`last`, on its runner's clock): the age of its `Arrival`."""
 
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    """A task group of a batch that raised: its requests get the exception, the others their answers."""
-
-    error: Exception
+    def __init__(self, last: float) -> None:
+        self.last = last
 
 
 class ModelServer:
@@ -86,9 +85,12 @@ class ModelServer:
         name = spec.name or Path(spec.path).stem
         self.name, self.version = name, version
         self.replica = _replica_id()
-        self.max_batch = max_batch
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"vit-serve-model-{name}")
+        self.limits = spec.limits.model_copy(update={"max_batch": max_batch, "max_delay_ms": max_delay_ms,
+                                                     "instances": 1, "batch_curve": False})
         self.backend: LocalBackend | None = None
+        self.runner: Runner | None = None
+        self.heard: _LastRequest | None = None  # set once the runner runs in the replica's event loop
         self.error: str | None = None
         t0 = time.perf_counter()
         try:
@@ -97,18 +99,30 @@ class ModelServer:
                 raise ValueError(f"the {loaded.name} backend runs elsewhere already; Ray serves local backends")
             loaded.warmup()
             self.backend = loaded
+            self.runner = runner_for(loaded, self.limits, NoEvents(), self.thread)
             log.info("%s version %d loaded (%s) and warmed up in %.2f s on replica %s", name, version,
                      loaded.name, time.perf_counter() - t0, self.replica)
         except Exception as e:  # the gateway shows the reason (GET /models); other models serve on
             self.error = " ".join(str(e).split()) or type(e).__name__
             log.warning("%s version %d cannot load: %s", name, version, self.error)
-        self._batched.set_max_batch_size(max_batch)
-        self._batched.set_batch_wait_timeout_s(max_delay_ms / 1e3)
 
     def _loaded(self) -> LocalBackend:
         if self.backend is None:
             raise RuntimeError(self.error)
         return self.backend
+
+    def _running(self) -> Runner:
+        """The runner, started in the replica's event loop on its first request, with the replica's stream of
+        requests announced as coming."""
+        self._loaded()
+        runner = self.runner
+        assert runner is not None
+        if self.heard is None:
+            assert isinstance(runner, BatchingRunner)
+            runner.start()
+            self.heard = _LastRequest(runner.clock.now())
+            runner.arriving().heard_from(self.heard)  # never done: it stalls when no request comes
+        return runner
 
     def describe(self) -> dict[str, Any]:
         """What the ingress needs: the model's info, version, whether it can do grad_rollout."""
@@ -119,40 +133,18 @@ class ModelServer:
     def ready(self) -> bool:
         return self.backend is not None and self.backend.ready()
 
-    async def run(self, task: Task, x: np.ndarray) -> tuple[Outputs, str, int]:
-        """`task` on x [n, 3, H, W] -> (its outputs, this replica's id, the images in the batch it ran in)."""
-        backend = self._loaded()
-        if x.shape[0] > self.max_batch:  # larger than any batch: alone, as the gateway's batcher does
-            outputs = await asyncio.get_running_loop().run_in_executor(self.thread, backend.run, task, x)
-            return outputs, self.replica, x.shape[0]
-        answer = await self._batched((task, x))
-        if isinstance(answer, _Failed):
-            raise answer.error
-        return answer
-
-    @serve.batch(batch_size_fn=_rows)  # max_batch_size / batch_wait_timeout_s: set per model in __init__
-    async def _batched(self, items: list[tuple[Task, np.ndarray]]) -> list[tuple[Outputs, str, int] | _Failed]:
-        backend = self._loaded()
-        loop = asyncio.get_running_loop()
-        groups: dict[Task, list[int]] = {}
-        for i, (task, _) in enumerate(items):
-            groups.setdefault(task, []).append(i)
-        answers: list[Any] = [None] * len(items)
-        for task, members in groups.items():
-            parts = [items[i][1] for i in members]
-            x = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            try:
-                outputs = await loop.run_in_executor(self.thread, backend.run, task, x)
-            except Exception as e:
-                for i in members:
-                    answers[i] = _Failed(e)
-                continue
-            offset = 0
-            for i, part in zip(members, parts, strict=True):
-                n = part.shape[0]
-                answers[i] = ({k: v[offset:offset + n] for k, v in outputs.items()}, self.replica, x.shape[0])
-                offset += n
-        return answers
+    async def run(self, task: Task, x: np.ndarray, timeout_s: float | None = None, priority: int = 0
+                  ) -> tuple[Outputs, str, int]:
+        """`task` on x [n, 3, H, W], with `timeout_s` left to its deadline (None: none) at level `priority` (0:
+        the default one) -> (its outputs, this replica's id, the images in the batch it ran in)."""
+        runner = self._running()
+        now = runner.clock.now()
+        assert self.heard is not None
+        self.heard.last = now
+        ticket = Ticket(arrived=now, deadline=None if timeout_s is None else now + timeout_s,
+                        priority=priority or DEFAULT_PRIORITY)
+        result = await runner.submit(task, x, ticket=ticket)
+        return result.outputs, self.replica, result.batch_size
 
 
 class _ReplicaHeader:

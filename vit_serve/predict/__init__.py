@@ -2,11 +2,13 @@
 
 The modules, each standing on the ones after it:
 
-- `job`: the run (`predict`): SRC listed (`list_images`), MODEL resolved (`resolve_model`), OUT checked, the local
-  engine (decode threads or processes overlapped with the model in this thread), the result (`PredictResult`).
+- `job`: the run (`predict`): SRC listed (`list_images`), MODEL resolved (`resolve_model`), OUT checked, the
+  result (`PredictResult`).
+- `local`: the local engine (`run_local`): decode threads or processes overlapped with the model, batches formed
+  by the gateway's scheduler (`vit_serve.runtime.scheduling.BatchingRunner`).
 - `ray`: the same job on Ray Data (`--engine ray`); imported only when that engine runs.
-- `batch`: one batch, whichever engine runs it: `Item`, `load_backend`, `decode_file`, `compute`, `make_rows`,
-  `Sink`.
+- `batch`: one batch, whichever engine runs it: `Item`, `load_backend`, `decode_file`, `batch_tasks`,
+  `split_outputs`, `compute`, `make_rows`, `Sink`.
 - `options`: `PredictOptions`, one field per flag of `vit-serve predict`.
 - `writers`: JSON Lines / CSV / Parquet rows, resume, the manifest, the errors file, the rollout maps.
 

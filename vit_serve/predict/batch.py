@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig
     from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
     from vit_serve.runtime.discovery import VersionSource
+    from vit_serve.runtime.task import Outputs, Task
 
 
 @dataclass(frozen=True)
@@ -65,24 +66,37 @@ def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.n
         return None, f"cannot read: {e.strerror or e}"
 
 
-def compute(backend: LocalBackend, x: np.ndarray, embeddings: bool, explain: bool
-            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """x [B, 3, H, W] -> (logits [B, K], embedding [B, D] or None, rollout maps [B, gh, gw] or None, OOD scores
-    [B] or None). The logits are always those of the classify (or embed) graph, what `/classify` answers, never
-    the explain graph's; the OOD scores (a model with a reference, `vit_serve.monitor.ood_scores`) come from the
-    same pass (the embed graph when the reference scores the embedding)."""
+def batch_tasks(info: ModelInfo, embeddings: bool, explain: bool) -> tuple[Task, ...]:
+    """What the model runs for each image: classify (or embed, for `embeddings` or a reference that scores the
+    embedding), then explain with the model's rollout settings when asked for (`split_outputs` reads them)."""
+    from vit_serve.runtime.task import CLASSIFY, EMBED, Task
+
+    ref = info.reference
+    main = EMBED if embeddings or (ref is not None and ref.needs_embedding) else CLASSIFY
+    return (main, Task("explain", info.resolve_rollout())) if explain else (main,)
+
+
+def split_outputs(info: ModelInfo, embeddings: bool, outputs: list[Outputs]
+                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The outputs of `batch_tasks`' tasks, in their order -> (logits [B, K], embedding [B, D] or None, rollout
+    maps [B, gh, gw] or None, OOD scores [B] or None). The logits are always those of the classify (or embed)
+    graph, what `/classify` answers, never the explain graph's; the OOD scores (a model with a reference,
+    `vit_serve.monitor.ood_scores`) come from the same pass."""
+    from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
     from vit_serve.monitor import ood_scores
 
-    ref = backend.info.reference
-    emb = maps = None
-    if embeddings or (ref is not None and ref.needs_embedding):
-        logits, emb = backend.embed(x)
-    else:
-        logits = backend.classify(x)
-    if explain:
-        _, maps = backend.explain(x, backend.info.resolve_rollout())
+    logits, emb = outputs[0][LOGITS], outputs[0].get(EMBEDDING)
+    maps = outputs[1][ROLLOUT] if len(outputs) > 1 else None
+    ref = info.reference
     ood = None if ref is None else ood_scores(ref, logits, emb)
     return logits, emb if embeddings else None, maps, ood
+
+
+def compute(backend: LocalBackend, x: np.ndarray, embeddings: bool, explain: bool
+            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """x [B, 3, H, W] -> `split_outputs` of `batch_tasks` run on the backend in this thread."""
+    info = backend.info
+    return split_outputs(info, embeddings, [backend.run(t, x) for t in batch_tasks(info, embeddings, explain)])
 
 
 def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: PredictOptions,

@@ -11,10 +11,10 @@ SRC (`list_images`): a folder (recursive), a glob, a text file of paths (one a l
 folder), one image, or with `image_folder` an ImageFolder root (`root/<class>/...`, `vit_serve.data.ImageFolder`),
 whose rows also carry `target` (the folder name) and `target_index` (its index among the sorted class folders).
 
-Engines: "local" (decode worker threads or processes, `workers`, overlapped with the model in this thread, in
-batches) and "ray" (`vit_serve.predict.ray`: Ray Data, one model actor per GPU or per CPU). Both write
-through `vit_serve.predict.writers` (formats, resume, manifest, errors, rollout maps). Importing this module
-imports neither Ray nor the gateway (nor does running it).
+Engines: "local" (`vit_serve.predict.local`: decode worker threads or processes, `workers`, overlapped with the
+model, batched by the gateway's scheduler) and "ray" (`vit_serve.predict.ray`: Ray Data, one model actor per GPU or
+per CPU). Both write through `vit_serve.predict.writers` (formats, resume, manifest, errors, rollout maps).
+Importing this module imports neither Ray nor the gateway (nor does running it).
 """
 
 from __future__ import annotations
@@ -23,22 +23,19 @@ import glob
 import hashlib
 import os
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from vit_serve.data import IMAGE_EXTENSIONS
-from vit_serve.predict.batch import Item, Sink, compute, decode_file, load_backend
+from vit_serve.predict.batch import Item, Sink, load_backend
+from vit_serve.predict.local import run_local
 from vit_serve.predict.options import PredictOptions
 from vit_serve.predict.writers import ErrorLog, RolloutFile, check_manifest, open_writer, sidecar, write_manifest
 
 if TYPE_CHECKING:
-    from vit_serve.runtime.backends.base import LocalBackend, ModelInfo
+    from vit_serve.runtime.backends.base import ModelInfo
     from vit_serve.runtime.discovery import VersionSource
 
 GLOB_CHARS = frozenset("*?[")
@@ -202,45 +199,6 @@ def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> di
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
-
-def run_local(backend: LocalBackend, items: list[Item], sink: Sink, opts: PredictOptions, workers: int) -> None:
-    """Decode in `workers` threads (or processes), in order, a bounded window ahead of the model, which runs
-    batches of `opts.batch_size` in this thread while the workers decode the next images."""
-    cfg = backend.info.preprocess
-    if opts.processes:
-        import multiprocessing
-
-        pool: Executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    else:
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="vit-serve-predict-decode")
-    ahead = 2 * opts.batch_size + workers
-    todo, window = iter(items), deque()
-    batch: list[tuple[Item, np.ndarray]] = []
-
-    def run(batch: list[tuple[Item, np.ndarray]]) -> None:
-        x = np.stack([x for _, x in batch])
-        sink.batch([i for i, _ in batch], *compute(backend, x, opts.embeddings, opts.explain))
-
-    try:
-        while True:
-            while len(window) < ahead and (item := next(todo, None)) is not None:
-                window.append((item, pool.submit(decode_file, item.path, cfg, opts.max_pixels)))
-            if not window:
-                break
-            item, future = window.popleft()
-            x, why = future.result()
-            if x is None:
-                sink.error(item.path, why or "unreadable")
-                continue
-            batch.append((item, x))
-            if len(batch) == opts.batch_size:
-                run(batch)
-                batch = []
-        if batch:
-            run(batch)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
 
 def _progress(total: int, done: int, quiet: bool) -> Any:
     from tqdm import tqdm

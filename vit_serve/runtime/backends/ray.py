@@ -1,7 +1,8 @@
 """A model version served by its own Ray Serve deployment: the backend of a gateway running as a Ray Serve ingress.
 
 `vit_serve.deploy.ray.build_app` makes one deployment per model version, named by `deployment_name`, whose
-replicas load the model with `vit_serve.runtime.load` (torch, onnxruntime, tensorrt) and batch with `@serve.batch`.
+replicas load the model with `vit_serve.runtime.load` (torch, onnxruntime, tensorrt) and batch with the gateway's
+scheduler (`vit_serve.runtime.scheduling`).
 In the ingress (`LoadSpec.engine` "ray"), `load` gives a `RayModelBackend` for every version the
 repository loads: a `RemoteBackend` (its replicas batch, so the gateway drives it with a `DirectRunner`) that
 sends each request to the deployment's handle, with the `ModelInfo` its replica loaded.
@@ -96,10 +97,10 @@ class RayModelBackend(RemoteBackend):
                 time.sleep(1.0)
 
     async def run(self, task: Task, x: np.ndarray, options: CallOptions = NO_OPTIONS) -> Outputs:
-        """One call to the deployment (Ray Serve has no request priority; the runner's wait holds the
-        deadline)."""
+        """One call to the deployment, with the seconds left to the request's deadline and its level: the
+        replica's runner queues it by them."""
         try:
-            outputs, replica, rows = await self.handle.run.remote(task, x)
+            outputs, replica, rows = await self.handle.run.remote(task, x, options.timeout_s, options.priority)
         except RayTaskError as e:  # what the replica raised (NotImplementedError: 400, ...)
             raise _cause(e) from None
         except RayError as e:  # no replica, replica died, back-pressure
