@@ -23,9 +23,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+from results_file import ResultsFile, Table, print_checks
 
 from vit_serve.config import ViTConfig
 from vit_serve.model import VisionTransformer
@@ -164,11 +168,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     import timm
 
-    print(f"\nForward, batch {args.batch}, fp32, eager, inference_mode, CPU x{torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, timm {timm.__version__}; median of {args.rounds} rounds x {args.iters} "
-          f"forwards, timm and ours taking turns\n")
+    title = (f"Forward, batch {args.batch}, fp32, eager, inference_mode, CPU x{torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}, timm {timm.__version__}; median of {args.rounds} rounds x {args.iters} "
+             f"forwards, timm and ours taking turns")
+    print(f"\n{title}\n")
     print(table(rows))
-    return 0 if all(r.ratio >= TARGET for r in rows) else 1
+    checks = [(f"{r.family} at {r.res}: ours / timm images/s", f"{r.ratio:.3f}", f">= {TARGET}", r.ratio >= TARGET)
+              for r in rows]
+    print_checks(checks)
+    data = [{"family": r.family, "timm model": r.timm_name, "res": r.res, "timm img/s": round(r.timm_ips, 3),
+             "ours img/s": round(r.ours_ips, 3), "ours / timm": round(r.ratio, 3), "max abs diff": r.max_diff}
+            for r in rows]
+    return ResultsFile.of("families", [Table.from_dicts(title, data)], checks, {}, args, argv).save()
 
 
 if __name__ == "__main__":

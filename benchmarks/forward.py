@@ -15,8 +15,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+from results_file import ResultsFile, Table, print_checks
 
 TIMM_NAMES = {"Ti/16": "vit_tiny_patch16_224", "S/16": "vit_small_patch16_224", "B/16": "vit_base_patch16_224"}
 
@@ -66,7 +70,7 @@ def peak_memory(impl: str, model: str, res: int, batch: int) -> None:
     print(json.dumps({"built_mib": base, "peak_mib": _proc_status_mib("VmHWM")}))
 
 
-def main() -> None:
+def main() -> int | None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="S/16", choices=list(TIMM_NAMES))
     ap.add_argument("--res", type=int, default=224)
@@ -110,15 +114,23 @@ def main() -> None:
     ips = {i: args.batch / med[i] for i in impls}
     label = {"timm": "timm VisionTransformer", "fused": "vit-serve (fused SDPA)",
              "explicit": "vit-serve (explicit, return_attention)"}
-    print(f"\nForward, ViT-{args.model} at {args.res}, batch {args.batch}, fp32, CPU x{torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}; median of {args.rounds} rounds x {args.iters} iterations\n")
-    print("| implementation | images/s | vs timm | time vs fused | peak RSS MiB | forward peak above model MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for i in impls:
-        m = mem[i]
-        print(f"| {label[i]} | {ips[i]:.1f} | {ips[i] / ips['timm']:.3f}x | {med[i] / med['fused']:.3f}x | "
-              f"{m['peak_mib']:.0f} | {m['peak_mib'] - m['built_mib']:.0f} |")
-
+    title = (f"Forward, ViT-{args.model} at {args.res}, batch {args.batch}, fp32, CPU x{torch.get_num_threads()} "
+             f"threads, torch {torch.__version__}; median of {args.rounds} rounds x {args.iters} iterations")
+    rows = [{"implementation": label[i], "images/s": round(ips[i], 2), "vs timm": round(ips[i] / ips["timm"], 3),
+             "time vs fused": round(med[i] / med["fused"], 3), "peak RSS MiB": round(mem[i]["peak_mib"]),
+             "forward peak above model MiB": round(mem[i]["peak_mib"] - mem[i]["built_mib"])} for i in impls]
+    print(f"\n{title}\n")
+    print("| " + " | ".join(rows[0]) + " |\n|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print("| " + " | ".join(f"{v}x" if k in ("vs timm", "time vs fused") else str(v) for k, v in r.items())
+              + " |")
+    fused, explicit = ips["fused"] / ips["timm"], med["explicit"] / med["fused"]
+    checks = [("fused images/s / timm's", f"{fused:.3f}", ">= 0.97", fused >= 0.97),
+              ("explicit-attention time / fused time", f"{explicit:.3f}", "<= 1.3", explicit <= 1.3),
+              ("fused peak RSS / timm's (MiB)", f"{mem['fused']['peak_mib']:.0f} / {mem['timm']['peak_mib']:.0f}",
+               "<= 1", mem["fused"]["peak_mib"] <= mem["timm"]["peak_mib"])]
+    print_checks(checks)
+    return ResultsFile.of("forward", [Table.from_dicts(title, rows)], checks, {"median_s": med}, args).save()
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,8 +5,9 @@ stands, as `vit-serve tune` does): `Server` is the gateway on an export, configu
 variables and run under uvicorn as `vit-serve serve` runs it (`server_config`), in a subprocess; it reports the
 settings it resolved (`Server.settings`), its CPU time and its memory. `export_model` makes the export it serves,
 `routing_repository` a repository of copies of it. `print_checks` prints a run's checks and `save_results` writes
-them with its numbers to a JSON file (`results_path(NAME)`: benchmarks/results/NAME.json, which the README's
-tables are rendered from). The clients and the uploads they send are `load_client`'s.
+them with its tables and numbers to benchmarks/results/NAME.json (`results_file.ResultsFile`, from which
+benchmarks/render_results.py renders the docs' pages and the README's table). The clients and the uploads they
+send are `load_client`'s.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import sys
 import threading
 from pathlib import Path
 
+from results_file import print_checks
+
 from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
 __all__ = ["ROUTING_MODELS", "Server", "ServerExitedError", "ServerProcess", "export_model", "find_onnx",
-           "free_port", "memory_ceiling", "print_checks", "results_path", "routing_repository", "save_results"]
+           "free_port", "memory_ceiling", "print_checks", "routing_repository", "save_results"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ROUTING_MODELS = ("a", "b", "c")
 
 # uvicorn as `vit-serve serve` configures it (server_config: header timeout, connection cap, half-close), the
@@ -155,25 +157,14 @@ def memory_ceiling(idle_mb: float, settings: dict, concurrency: int, input_hw: t
 
 # ---- the results -------------------------------------------------------------------------------------------
 
-def print_checks(checks: list[tuple[str, str, str, bool]]) -> None:
-    print("\n| check | value | target | |\n|---|---:|---|---|")
-    for name, value, target, ok in checks:
-        print(f"| {name} | {value} | {target} | {'pass' if ok else 'FAIL'} |")
+def save_results(name: str, lines: list[str], checks: list[tuple[str, str, str, bool]], data: dict,
+                 args: object = None, also: Path | None = None, script: str = "serve_load.py") -> int:
+    """Write the run as benchmarks/results/NAME.json (`results_file.ResultsFile`: the tables printed in `lines`,
+    the checks, `data`; the latest run replaces the last) and, with `also`, a copy there (a run's own folder);
+    the exit code: 0 when every check passed, else 1."""
+    from results_file import ResultsFile, tables_in
 
-
-
-def results_path(name: str) -> Path:
-    """benchmarks/results/NAME.json: where a benchmark's results live with the code (the README's tables)."""
-    return RESULTS / f"{name}.json"
-
-
-def save_results(path: Path, results: dict, checks: list[tuple[str, str, str, bool]], overwrite: bool = False) -> int:
-    """Write `results` with the checks to `path` (atomically; an existing file only with `overwrite`) and say
-    where; the exit code: 0 when every check passed, else 1."""
-    from vit_serve.checkpoints.io import atomic_write
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    results = {**results, "checks": [{"check": n, "value": v, "target": t, "pass": ok} for n, v, t, ok in checks]}
-    atomic_write(path, json.dumps(results, indent=2).encode(), overwrite=overwrite)
-    print(f"\nresults: {path}")
-    return 0 if all(ok for *_, ok in checks) else 1
+    results = ResultsFile.of(name, tables_in(lines), checks, data, args, script=script)
+    if also is not None:
+        results.save(also)
+    return results.save()

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import upload_corpus
+from results_file import ResultsFile, Table
 
 P = importlib.import_module("vit_serve.preprocess")  # the module (the package re-exports the function by name)
 STAGES = ("read", "decode", "orientation", "colour", "resize", "crop", "normalise")
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {'PSNR dB':>7s} {'max|Δ|':>6s}"
     print(head)
     print("-" * len(head))
+    stage_rows: list[dict] = []
     for name, path in paths.items():
         data = path.read_bytes()
         totals = {}
@@ -112,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
             st = best_stages(path, cfg, args.repeats)
             totals[cfg.decode] = best_total(data, cfg, args.repeats)
             extra = ""
+            row = {"file": name, "path": cfg.decode, **{f"{s} ms": round(st[s], 2) for s in STAGES},
+                   "total ms": round(totals[cfg.decode], 2), "x": None, "PSNR dB": None, "max |Δ|": None}
             if cfg.decode == "fast":
                 x_e, x_f = P.preprocess(data, exact), P.preprocess(data, fast)
                 extra = (f" {totals['exact'] / totals['fast']:5.1f}x {psnr(x_f, x_e, exact):7.1f}"
                          f" {float((x_f - x_e).abs().max()):6.3f}")
+                row.update({"x": round(totals["exact"] / totals["fast"], 2), "PSNR dB": round(psnr(x_f, x_e, exact), 1),
+                            "max |Δ|": round(float((x_f - x_e).abs().max()), 3)})
+            stage_rows.append(row)
             print(f"{name if cfg.decode == 'exact' else '':24s} {cfg.decode:5s} "
                   + " ".join(f"{st[s]:7.1f}" for s in STAGES) + f" {totals[cfg.decode]:7.1f}" + extra)
     print("\nimages/s (vit_serve.preprocess in a thread pool; each thread's torch on one thread)")
@@ -123,14 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     sets = {"phone 12 MP JPEGs": [paths[n].read_bytes() for n in upload_corpus.PHONE_NAMES],
             "whole corpus": [p.read_bytes() for p in paths.values()]}
     print(f"{'set':20s} {'path':5s} " + " ".join(f"{f'{t} thr':>8s}" for t in threads))
+    rate_rows: list[dict] = []
     for label, blobs in sets.items():
         rates = {}
         for cfg in (exact, fast):
             rates[cfg.decode] = [throughput(blobs, cfg, t, max(1, args.repeats // 2)) for t in threads]
             print(f"{label if cfg.decode == 'exact' else '':20s} {cfg.decode:5s} "
                   + " ".join(f"{r:8.1f}" for r in rates[cfg.decode]))
+            rate_rows.append({"set": label, "path": cfg.decode,
+                              **{f"{t} threads img/s": round(r, 1) for t, r in zip(threads, rates[cfg.decode],
+                                                                                    strict=True)}})
         print(f"{'':20s} {'x':5s} " + " ".join(f"{f / e:7.1f}x" for e, f in zip(*rates.values(), strict=True)))
-    return 0
+    tables = [Table.from_dicts(f"ms per image by stage, to {args.size}x{args.size}, one thread, best of "
+                               f"{args.repeats}; x: exact / fast total, PSNR and max |Δ|: fast against exact",
+                               stage_rows),
+              Table.from_dicts("images/s, vit_serve.preprocess in a thread pool", rate_rows)]
+    # No targets: the paths' costs are reported, each machine's own.
+    return ResultsFile.of("preprocess", tables, [], {}, args, argv).save()
 
 
 if __name__ == "__main__":

@@ -53,15 +53,12 @@ from harness import (
     ServerProcess,
     free_port,
     print_checks,
-    results_path,
     routing_repository,
-    save_results,
 )
 from load_client import photo_jpeg, unique_jpeg
 
 FAULTS = ("redis", "triton", "disk", "sigterm")
 DISK_LIMIT = 4096  # the server's RLIMIT_FSIZE once the disk "fills": every part is bigger
-RESULTS = results_path("serve_faults")
 
 SERVER_CODE = """
 import json, sys
@@ -435,7 +432,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--down-s", type=float, default=3.0, help="time the fault lasts (s)")
     ap.add_argument("--post-s", type=float, default=6.0, help="traffic after the repair (s)")
     ap.add_argument("--out", type=Path, help="work folder (default: a temporary one)")
-    ap.add_argument("--results", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
+    ap.add_argument("--results", type=Path, help="results file (default benchmarks/results/serve_faults.json)")
     args = ap.parse_args(argv)
     chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
     if unknown := set(chosen) - set(FAULTS):
@@ -459,9 +456,11 @@ def main(argv: list[str]) -> int:
     print_checks(checks)
     results = {"mode": "faults", "model": args.model, "res": args.res, "concurrency": args.concurrency,
                "faults": rows}
-    codes = [save_results(path, results, checks, overwrite=True)  # the latest run replaces the last
-             for path in (args.results, out / "results.json")]
-    return max(codes)
+    from results_file import ResultsFile, tables_in
+
+    run = ResultsFile.of("serve_faults", tables_in(table(rows)), checks, results, args, script="serve_load.py")
+    run.save(out / "results.json")
+    return run.save(args.results)
 
 
 if __name__ == "__main__":

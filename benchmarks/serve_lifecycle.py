@@ -890,9 +890,9 @@ def main(argv: list[str] | None = None) -> int:
           f"today's gateway: commit {args.baseline}, the same venv")
     print("\n".join(lines))
     print_checks(checks)
-    return save_results(results_path, {
-        "mode": "lifecycle", "model": args.model, "res": args.res, "backend": "torch",
-        "args": {k: str(v) for k, v in vars(args).items()}, **results}, checks)
+    return save_results("serve_lifecycle", lines, checks, {
+        "mode": "lifecycle", "model": args.model, "res": args.res, "backend": "torch", **results}, args,
+        also=results_path)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,6 @@ from harness import (
     find_onnx,
     memory_ceiling,
     print_checks,
-    results_path,
     routing_repository,
     save_results,
 )
@@ -476,9 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     print_checks(checks)
     results = {"mode": args.mode, "onnx": str(onnx), "model": None if args.export else args.model,
                "res": None if args.export else args.res, "device": args.device, "repeats": args.repeats, **results}
-    if args.mode == "abuse":  # the docs' table is rendered from the copy in benchmarks/results/
-        save_results(results_path("serve_abuse"), results, checks, True)
-    return save_results(results_file, results, checks)
+    name = "serve_abuse" if args.mode == "abuse" else f"serve_{args.mode}"
+    return save_results(name, rows, checks, results, args, also=results_file)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling
+from results_file import ResultsFile, Table, print_checks
+
 TIMM_NAMES = {"Ti/16": "vit_tiny_patch16_224", "S/16": "vit_small_patch16_224", "B/16": "vit_base_patch16_224"}
 
 
@@ -72,7 +75,7 @@ def run_ours(model: str, res: int, batch: int, steps: int) -> dict:
             "base_mib": base}
 
 
-def main() -> None:
+def main() -> int | None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="S/16", choices=list(TIMM_NAMES))
     ap.add_argument("--res", type=int, default=224)
@@ -96,15 +99,22 @@ def main() -> None:
     ips = {k: statistics.median(r["images_per_s"] for r in v) for k, v in results.items()}
     peak = {k: max(r["peak_mib"] for r in v) for k, v in results.items()}
     above = {k: max(r["peak_mib"] - r["base_mib"] for r in v) for k, v in results.items()}
-    print(f"\nTraining, ViT-{args.model} at {args.res}, batch {args.batch}, fp32, AdamW, CPU x"
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; {args.steps} steps x {args.rounds} "
-          f"rounds per implementation (first 2 steps of each run are warm-up)\n")
+    title = (f"Training, ViT-{args.model} at {args.res}, batch {args.batch}, fp32, AdamW, CPU x"
+             f"{torch.get_num_threads()} threads, torch {torch.__version__}; {args.steps} steps x {args.rounds} "
+             f"rounds per implementation (first 2 steps of each run are warm-up)")
+    label = {"timm": "timm model, minimal loop (in-memory tensors)", "ours": "vit-serve train (whole loop, digits)"}
+    rows = [{"implementation": label[k], "images/s": round(ips[k], 2), "vs timm": round(ips[k] / ips["timm"], 3),
+             "peak RSS MiB": round(peak[k]), "peak above start MiB": round(above[k])} for k in ("timm", "ours")]
+    print(f"\n{title}\n")
     print("| implementation | images/s | vs timm | peak RSS MiB | peak above start MiB |")
     print("|---|---:|---:|---:|---:|")
-    label = {"timm": "timm model, minimal loop (in-memory tensors)", "ours": "vit-serve train (whole loop, digits)"}
-    for k in ("timm", "ours"):
-        print(f"| {label[k]} | {ips[k]:.2f} | {ips[k] / ips['timm']:.3f}x | {peak[k]:.0f} | {above[k]:.0f} |")
-
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r.values()) + " |")
+    ratio = ips["ours"] / ips["timm"]
+    checks = [("vit-serve train images/s / timm's", f"{ratio:.3f}", ">= 0.95", ratio >= 0.95)]
+    print_checks(checks)
+    return ResultsFile.of("train_throughput", [Table.from_dicts(title, rows)], checks, {"runs": results},
+                          args).save()
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,9 +29,9 @@ def test_the_faults_mode_survives_its_quick_faults(tmp_path: Path) -> None:
                           "--results", str(results)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     got = json.loads(results.read_text())
-    faults = {f["fault"].split()[0]: f for f in got["faults"]}
+    faults = {f["fault"].split()[0]: f for f in got["data"]["faults"]}
     assert set(faults) == {"redis", "sample", "SIGTERM"}
-    assert all(c["pass"] for c in got["checks"]), got["checks"]
+    assert got["passed"] and all(c["passed"] for c in got["checks"]), got["checks"]
     redis = faults["redis"]
     assert redis["statuses"]["/explain"].get("503", 0) > 0 and redis["recovery_s"] is not None  # it was down
     assert redis["statuses"]["/classify"] == {"200": redis["statuses"]["/classify"]["200"]}  # classify went on
