@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,7 +184,7 @@ def default_table(out: Path, seeds: tuple[int, ...], pretrain_steps: int, finetu
           f"{Cell(rows['none'])} |")
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/bench_transfer")
     ap.add_argument("--part", default="modes,recipes", help="comma list of modes, recipes, default")
@@ -212,5 +213,13 @@ def main(argv: list[str] | None = None) -> None:
                                                                     args.default_finetune_steps)))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables (and checks) saved as benchmarks/results/digits_transfer.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+    from results_file import record_printed
+
+    return record_printed("digits_transfer", run, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -115,7 +115,7 @@ def report(gws: list[float], steady: list[float], whole: list[float], n: int, co
             f"\n\nsanity: /embed and predict agree on one file: dim {dim}, max |diff| {diff:.1e}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=64, help="unique uploads per round and files in the folder")
     p.add_argument("--rounds", type=int, default=3, help="turns of the gateway and predict (default 3)")
@@ -144,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nDINOv2-S/14 at {res}, random weights, onnxruntime CPU; median of {args.rounds} rounds\n")
     print(report(gws, steady, whole, args.images, args.corpus, dim, diff))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables (and checks) saved as benchmarks/results/embed_dinov2.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+    from results_file import record_printed
+
+    return record_printed("embed_dinov2", run, argv)
 
 
 if __name__ == "__main__":

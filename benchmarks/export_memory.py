@@ -1,7 +1,7 @@
 """Peak memory and wall time of `vit-export CKPT --res dynamic`, each export in its own process.
 
     python benchmarks/export_memory.py [--models S/16,B/16,L/16] [--res 384] [--limit-gb 10]
-        [--out benchmarks/results/export_memory.json] [-- extra vit-export flags]
+        [--out RESULTS.json] [-- extra vit-export flags]
 
 Per model: timm's preset at `--res` (`vit_<size>_patch16_<res>`) with timm's own random init (pretrained=False,
 1000 classes), converted to a vit-serve checkpoint in a separate process; then `vit-export CKPT --res dynamic`
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="S/16,B/16,L/16", help="comma list of timm presets: Ti/16, S/16, B/16, L/16")
     ap.add_argument("--res", type=int, default=384)
     ap.add_argument("--limit-gb", type=float, default=10.0, help="kill an export whose RSS passes this")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "export_memory.json")
+    ap.add_argument("--out", type=Path, help="the results file (default benchmarks/results/export_memory.json)")
     ap.add_argument("export_args", nargs="*", help="more vit-export flags (after --)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -217,14 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         if not m.ok:
             print(m.tail, flush=True)
     print(table(rows))
-    from vit_serve.checkpoints.io import atomic_write
+    from results_file import ResultsFile, Table, print_checks
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = {"cpu": cpu, "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "rows": rows}
-    atomic_write(args.out, lambda tmp: Path(tmp).write_text(json.dumps(results, indent=2)), overwrite=True)
-    print(f"wrote {args.out}")
-    return 0 if all(r["met"] for r in rows) else 1
-
+    checks = [(f"{r['model']} at {r['res']}: export peak RSS (GB)", f"{r['peak_rss_gb']:.2f}",
+               f"< {r['target_gb']}" if r["target_gb"] else "exit 0", r["met"]) for r in rows]
+    print_checks(checks)
+    columns = ["model", "arch", "res", "peak_rss_gb", "sampled_peak_gb", "seconds", "returncode", "killed",
+               "target_gb", "met"]
+    tables = [Table.from_dicts("vit-export --res dynamic, each export in its own process", rows, columns)]
+    return ResultsFile.of("export_memory", tables, checks, {"rows": rows}, args, argv).save(args.out)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -250,7 +251,25 @@ def torch_table(model_name: str, res: int, threads: int, rounds: int, work: Path
     ]
 
 
-def main() -> None:
+def speed_checks(tables: list) -> list:
+    """The speed section's targets against its table: onnxruntime fp32 >= 1.15x PyTorch at batch 1 and not slower
+    at batch 8, int8 (dynamic) >= 1.5x fp32."""
+    from results_file import Check
+
+    speed = next((t for t in tables if t.columns[:3] == ["model", "batch", "runtime"]), None)
+    if speed is None:
+        return []
+    ratio = {(r[1], r[2]): (float(str(r[4]).rstrip("x")), str(r[5]).rstrip("x")) for r in speed.rows}
+    checks = []
+    for batch, bound in ((1, 1.15), (8, 1.0)):
+        v = ratio[batch, "onnxruntime fp32"][0]
+        checks.append(Check(f"onnxruntime fp32 / PyTorch, batch {batch}", f"{v:.2f}", f">= {bound}", v >= bound))
+        v = float(ratio[batch, "onnxruntime int8 dynamic"][1])
+        checks.append(Check(f"int8 dynamic / fp32 onnxruntime, batch {batch}", f"{v:.2f}", ">= 1.5", v >= 1.5))
+    return checks
+
+
+def run(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="S/16")
     ap.add_argument("--res", type=int, default=224)
@@ -261,7 +280,7 @@ def main() -> None:
     ap.add_argument("--export-res", type=int, default=384)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: speed,digits,export,torch")
     ap.add_argument("--only", default="", help="comma list of the sections to run (default: all)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sections = {"speed", "digits", "export", "torch"}
     only = set(filter(None, args.only.split(","))) or sections
     if only - sections:
@@ -281,5 +300,13 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables (and checks) saved as benchmarks/results/export_onnx.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+    from results_file import record_printed
+
+    return record_printed("export_onnx", run, argv, speed_checks)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -19,12 +20,12 @@ from vit_serve.train.loop import train
 from vit_serve.train.progress import read_metrics
 
 
-def main() -> None:
+def run(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/bench_mpp")
     ap.add_argument("--mpp-steps", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=300)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
 
@@ -47,5 +48,13 @@ def main() -> None:
     print(f"| from scratch | {args.steps} | {scratch['wall_s']:.0f} | {100 * scratch['top1']:.2f}% |")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables (and checks) saved as benchmarks/results/mpp_digits.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+    from results_file import record_printed
+
+    return record_printed("mpp_digits", run, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,7 +43,7 @@ def images_per_s(model: torch.nn.Module, res: tuple[int, int], batch: int, iters
     return batch * iters / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/bench_transfer")
     ap.add_argument("--seed", type=int, default=0)
@@ -90,5 +90,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{after} | {rate:.0f} | {rate / base:.2f}x |")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables (and checks) saved as benchmarks/results/patch_resize.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+    from results_file import record_printed
+
+    return record_printed("patch_resize", run, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

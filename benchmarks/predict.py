@@ -98,7 +98,7 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=64, help="phone photos in the folder (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="turns of predict and the gateway (default 3)")
@@ -155,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table([(w, m, t, "met" if ok else "NOT MET") for w, m, t, ok in results],
                 ("check", "measured", "target", "")))
     return 0 if all(ok for *_, ok in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables (and checks) saved as benchmarks/results/predict.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+    from results_file import record_printed
+
+    return record_printed("predict", run, argv)
 
 
 if __name__ == "__main__":

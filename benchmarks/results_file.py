@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import os
 import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -137,6 +139,10 @@ class ResultsFile:
     def load(cls, path: Path) -> ResultsFile:
         return cls.from_json(path.read_text())
 
+    def saved_to(self, folder: Path) -> int:
+        """`save` into `folder` as NAME.json."""
+        return self.save(folder / f"{self.name}.json")
+
     def save(self, path: Path | None = None) -> int:
         """Write the file (results_path(name) unless `path`; the latest run replaces the last) and say where;
         the exit code: 0 when every check passed, else 1."""
@@ -156,6 +162,30 @@ def print_checks(checks: list[tuple[str, str, str, bool]]) -> None:
         print(f"| {name} | {value} | {target} | {'pass' if ok else 'FAIL'} |")
 
 
+@contextlib.contextmanager
+def printed() -> Iterator[list[str]]:
+    """The lines printed to stdout inside the block (still printed), for `tables_in`: a script's tables as it
+    prints them."""
+    lines: list[str] = []
+    seen = io.StringIO()
+
+    class Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            seen.write(text)
+            return real.write(text)
+
+        def flush(self) -> None:
+            real.flush()
+
+    real = sys.stdout
+    sys.stdout = Tee()
+    try:
+        yield lines
+    finally:
+        sys.stdout = real
+        lines.extend(seen.getvalue().splitlines())
+
+
 def tables_in(lines: list[str], title: str = "") -> list[Table]:
     """Every markdown table in the lines a script prints, each titled by the text line just above it (else
     `title`)."""
@@ -170,6 +200,32 @@ def tables_in(lines: list[str], title: str = "") -> list[Table]:
         if line.strip():
             above = line.strip().rstrip(":")
     return tables
+
+
+def checks_in(tables: list[Table]) -> tuple[list[Table], list[Check]]:
+    """The tables other than the checks' (`print_checks`'s: check | value | target | pass/FAIL), and the checks."""
+    rest, checks = [], []
+    for t in tables:
+        if t.columns[0] == "check" and t.columns[2] == "target":  # the value column: "value" or "measured"
+            checks += [Check(str(r[0]), str(r[1]), str(r[2]), r[3] in ("pass", "met")) for r in t.rows]
+        else:
+            rest.append(t)
+    return rest, checks
+
+
+def record_printed(name: str, run: Callable[[list[str] | None], int | None], argv: list[str] | None = None,
+                   derive: Callable[[list[Table]], list[Check]] | None = None) -> int:
+    """Run a script's `run(argv)` and save what it printed as NAME's results: every markdown table it printed
+    (titled by the line above), its printed checks table as the checks (and those `derive` finds in the tables).
+    The exit code: `run`'s when it is not 0, else 0 when every check passed, else 1."""
+    with printed() as lines:
+        code = run(argv)
+    tables, checks = checks_in(tables_in(lines))
+    checks += derive(tables) if derive else []
+    if derive:
+        print_checks([(c.check, c.value, c.target, c.passed) for c in checks])
+    saved = ResultsFile.of(name, tables, checks, argv=argv).save()
+    return code or saved
 
 
 def results_path(name: str) -> Path:

@@ -10,13 +10,12 @@
    cache and the label cache are bounded).
 
 `python benchmarks/text_labels.py [--requests N] [--labels N] [--text-chunk-size N] [--work DIR] [--skip-peak]
-[--skip-churn]`; prints a table, writes benchmarks/results/text_labels.json (the parts run; the others kept).
+[--skip-churn]`; prints a table, writes benchmarks/results/text_labels.json (the parts run).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -29,8 +28,10 @@ import httpx
 
 from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling
+from results_file import ResultsFile, Table, print_checks
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "text_labels.json"
 
 
 def _status(pid: int, field: str) -> float:
@@ -217,25 +218,24 @@ def main(argv: list[str] | None = None) -> int:
             out["peak"] = peak(work, args.labels)
         if not args.skip_churn:
             out["churn"] = churn(work, args.requests)
-    rows = [("part", "what", "result", "target")]
+    rows, checks = [], []
     if "peak" in out:
         p = out["peak"]
-        rows.append(("peak", f"{p['labels']} labels x {p['templates']} templates, ViT-B/32 text tower",
-                     f"{p['peak_over_idle_mb']:.0f} MB over {p['idle_rss_mb']:.0f} MB idle, {p['seconds']:.0f} s",
-                     f"<= 300 MB: {'met' if p['met'] else 'MISSED'} (text_chunk_size {p['text_chunk_size']})"))
+        rows.append({"part": "peak", "what": f"{p['labels']} labels x {p['templates']} templates, ViT-B/32 text "
+                     f"tower (text_chunk_size {p['text_chunk_size']})", "MB over idle": p["peak_over_idle_mb"],
+                     "idle MB": p["idle_rss_mb"], "seconds": p["seconds"]})
+        checks.append(("peak: RSS over idle (MB)", f"{p['peak_over_idle_mb']:.0f}", "<= 300", p["met"]))
     if "churn" in out:
         c = out["churn"]
-        rows.append(("churn", f"{c['requests']} requests of 4 random-unicode labels (statuses {c['statuses']})",
-                     f"{c['growth_mb']:+.1f} MB (to {c['rss_after_mb']:.0f} MB)",
-                     f"within 20 MB: {'met' if c['met'] else 'MISSED'}"))
+        rows.append({"part": "churn", "what": f"{c['requests']} requests of 4 random-unicode labels (statuses "
+                     f"{c['statuses']})", "MB over idle": c["growth_mb"], "idle MB": c["rss_after_warmup_mb"],
+                     "seconds": c["seconds"]})
+        checks.append(("churn: RSS growth (MB)", f"{c['growth_mb']:+.1f}", "<= 20", c["met"]))
     for row in rows:
-        print(f"{row[0]:<6} {row[1]:<62} {row[2]:>34}  {row[3]}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    kept = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}  # the part not run this time stays
-    RESULTS.write_text(json.dumps({**kept, **out}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
-    return 0
-
+        print(" | ".join(str(v) for v in row.values()))
+    print_checks(checks)
+    table = Table.from_dicts("Requests with labels on a real gateway: RSS (MB) and time", rows)
+    return ResultsFile.of("text_labels", [table], checks, out, args, argv).save()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from export_onnx import cpu_info, images_per_s, nontrivial_weights  # benchmarks/ is first on sys.path
+from results_file import record_printed
 from upload_corpus import photos
 
 from vit_serve.config import ViTConfig
@@ -133,7 +134,7 @@ def ort_run(sess, x: np.ndarray) -> np.ndarray:
     return sess.run(None, {sess.get_inputs()[0].name: x})[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="S/16")
     ap.add_argument("--res", type=int, default=None, help="the random model's resolution (224; --tiny: 32)")
@@ -257,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntarget (r={TARGET_R} >= {TARGET}x r=0): not measured, r={TARGET_R} not in --r")
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`run`, its tables and check saved as benchmarks/results/tome.json."""
+    return record_printed("tome", run, argv)
 
 
 if __name__ == "__main__":
