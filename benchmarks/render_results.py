@@ -146,6 +146,10 @@ def index(results: dict[str, ResultsFile | None]) -> str:
         verdict = "" if r is None else (f"{sum(c.passed for c in r.checks)}/{len(r.checks)} checks pass"
                                         if r.checks else "reported, no target")
         lines.append(f"| [{b.name}]({b.name}.md) | {_cell(what)} | {when} | {verdict} |")
+    lines += ["", "The pictures of these docs, and the one command that remakes them: [pictures](pictures.md).", "",
+              "Not benchmarks of this kind: `benchmarks/gpu_check.py` (the CUDA paths, one verdict per stage, for "
+              "a machine with a GPU) writes its own report to `--out`; `benchmarks/code_shape.py` and "
+              "`benchmarks/rooms_walk.py` describe the code, not its speed."]
     return "\n".join([*lines, ""])
 
 

@@ -45,12 +45,14 @@ class Machine:
     system: str
     python: str
     versions: dict[str, str] = field(default_factory=dict)
+    load_average: float | None = None  # the 1-minute load when the run ended: how shared the machine was
 
     def describe(self) -> str:
         isa = ", ".join(self.isa) or "no AVX2"
         runtimes = ", ".join(f"{k} {v}" for k, v in self.versions.items())
+        load = f"; load average {self.load_average:.1f}" if self.load_average is not None else ""
         return f"{self.cpu}; {self.cores} cores; {isa}; {self.system}; Python {self.python}" + (
-            f"; {runtimes}" if runtimes else "")
+            f"; {runtimes}" if runtimes else "") + load
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ def machine_info() -> Machine:
             versions[dist] = metadata.version(dist)
     return Machine(cpu=model, cores=os.cpu_count() or 1, isa=[f for f in ISA_FLAGS if f in flags],
                    system=f"{platform.system()} {platform.machine()}", python=platform.python_version(),
-                   versions=versions)
+                   versions=versions, load_average=round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None)
 
 
 def git_commit(script: str = "") -> str:
