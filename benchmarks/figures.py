@@ -130,7 +130,7 @@ def serving_figures(qs: Path) -> list[Path]:
             curves[backend] = {int(b): v for b, v in (version.get("batching") or {}).get("images_per_s", {}).items()}
             rates[backend] = {}
             for i, c in enumerate(LEVELS):
-                bodies = digit_bodies(16 + 32 * c, offset=100_000 * (i + 1))
+                bodies = digit_bodies(16 + 16 * max(c, 3), offset=100_000 * (i + 1))
                 rates[backend][c] = asyncio.run(load(server.url, "/classify", bodies, c, warmup=16)).throughput
         print(f"{backend}: batch curve {curves[backend]}, images/s by concurrency {rates[backend]}", file=sys.stderr)
     import matplotlib.pyplot as plt

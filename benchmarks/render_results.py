@@ -106,13 +106,17 @@ def markdown_table(t: Table) -> list[str]:
     return [head, rule, *("| " + " | ".join(_cell(c) for c in r) + " |" for r in t.rows)]
 
 
-def page(b: Benchmark, r: ResultsFile | None) -> str:
-    """docs/benchmarks/NAME.md."""
+def page(b: Benchmark, r: ResultsFile | None, older: bool = False) -> str:
+    """docs/benchmarks/NAME.md (`older`: benchmarks/results/NAME.json holds a run in an older format)."""
     lines = [f"# {b.name}", "", about(b), "", f"Script: `benchmarks/{b.script}`.", ""]
     if r is None:
-        return "\n".join([*lines, "**Not yet run in this format.** Run it with:", "", "```text", b.command, "```",
-                          "", f"It writes `benchmarks/results/{b.name}.json`; `python benchmarks/render_results.py` "
-                          "then renders this page from it.", ""])
+        lines += ["**Not yet run in this format.** Run it with:", "", "```text", b.command, "```", "",
+                  f"It writes `benchmarks/results/{b.name}.json`; `python benchmarks/render_results.py` then renders "
+                  "this page from it.", ""]
+        if older:
+            lines += [f"`benchmarks/results/{b.name}.json` now holds an earlier run in an older format, without "
+                      "the commit and the machine it ran on; it is not shown here.", ""]
+        return "\n".join(lines)
     verdict = ("every check passed" if r.passed else "some checks FAILED") if r.checks else "no targets: reported"
     lines += ["Reproduce (the command of this run):", "", "```text", r.command, "```", "",
               f"Ran at commit `{r.commit}` on {r.date}, on: {r.machine.describe()}.", "",
@@ -179,7 +183,8 @@ def with_readme_table(readme: str, table: str) -> str:
 def rendered(folder: Path = RESULTS) -> dict[Path, str]:
     """Every file this renders, with its text as rendered from `folder`'s results now."""
     results = {b.name: load(b.name, folder) for b in BENCHMARKS}
-    out = {DOCS / f"{b.name}.md": page(b, results[b.name]) for b in BENCHMARKS}
+    out = {DOCS / f"{b.name}.md": page(b, results[b.name], (folder / f"{b.name}.json").is_file())
+           for b in BENCHMARKS}
     out[DOCS / "index.md"] = index(results)
     out[README] = with_readme_table(README.read_text(), readme_table(results))
     return out
