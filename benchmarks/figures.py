@@ -14,7 +14,7 @@ patches, pre-trained at 16x16 and fine-tuned at 32x32; finished steps in WORK ar
 * serving: the model served by each backend (`--backend onnxruntime` on its export, `--backend torch` on its
   checkpoint): the batch curve each gateway measured when it warmed up (GET /models: images/s by batch size),
   batch_curve.png; images/s of unique uploads (digit JPEGs) at concurrency 1, 4 and 16 (benchmarks/load_client,
-  after 16 warm-up requests), throughput_concurrency.png.
+  after 16 warm-up requests), throughput_concurrency.png; the numbers in serving_figures.json.
 * transfer: the resolution-transfer table of benchmarks/results/digits_transfer.json (held-out top-1 by resample
   mode and transfer, before any step and after each fine-tune) as a chart: resolution_transfer.png; left out,
   with a line that says so, when that results file is missing.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, also w
 from results_file import RESULTS, ROOT
 
 ASSETS = ROOT / "docs" / "assets"
-PARTS = ("inspect", "drift", "serving", "transfer")
+PARTS = ("inspect", "drift", "serving", "serving-plot", "transfer")
 INSPECTED = ("rollout.png", "filters.png", "pos_embed_similarity.png", "mean_attention_distance.png")
 LEVELS = (1, 4, 16)
 
@@ -118,6 +118,7 @@ def _models(url: str) -> dict:
 def serving_figures(qs: Path) -> list[Path]:
     """Each backend's batch curve (its gateway's own, GET /models) and its images/s by concurrency."""
     from load_client import load
+    from results_file import git_commit, machine_info
 
     from vit_serve.tune.server_process import ServerProcess
 
@@ -133,30 +134,41 @@ def serving_figures(qs: Path) -> list[Path]:
                 bodies = digit_bodies(16 + 16 * max(c, 3), offset=100_000 * (i + 1))
                 rates[backend][c] = asyncio.run(load(server.url, "/classify", bodies, c, warmup=16)).throughput
         print(f"{backend}: batch curve {curves[backend]}, images/s by concurrency {rates[backend]}", file=sys.stderr)
+    machine = machine_info()
+    (ASSETS / "serving_figures.json").write_text(json.dumps(
+        {"commit": git_commit("figures.py"), "machine": machine.describe(), "batch_curve": curves,
+         "images_per_s": rates}, indent=2) + "\n")
+    return plot_serving()
+
+
+def plot_serving() -> list[Path]:
+    """batch_curve.png and throughput_concurrency.png from docs/assets/serving_figures.json (what
+    `serving_figures` measured), log-scaled: the backends differ by orders of magnitude on a busy CPU."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    for backend, curve in curves.items():
-        ax.plot(list(curve), list(curve.values()), marker="o", label=backend)
-    ax.set(xscale="log", xlabel="batch size", ylabel="images/s (model alone)",
-           title="The quickstart's model: batch curve measured at warm-up")
-    ax.set_xticks([b for c in curves.values() for b in c], labels=[str(b) for c in curves.values() for b in c])
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(ASSETS / "batch_curve.png")
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    for backend, rate in rates.items():
-        ax.plot(list(rate), list(rate.values()), marker="o", label=backend)
-    ax.set(xscale="log", xlabel="concurrent clients", ylabel="images/s (POST /classify)",
-           title="The quickstart's model served: throughput by concurrency")
-    ax.set_xticks(list(LEVELS), labels=[str(c) for c in LEVELS])
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(ASSETS / "throughput_concurrency.png")
-    plt.close("all")
-    (ASSETS / "serving_figures.json").write_text(json.dumps({"batch_curve": curves, "images_per_s": rates},
-                                                            indent=2) + "\n")
+    data = json.loads((ASSETS / "serving_figures.json").read_text())
+    where = f"\n{data['machine'].split('; ')[0]}, {data['machine'].split('; ')[1]}" if "machine" in data else ""
+    if "load average" in data.get("machine", ""):
+        where += ", " + data["machine"].rsplit("; ", 1)[1]
+    plots = (("batch_curve", "batch_curve.png", "batch size", "images/s (the model alone)",
+              "The quickstart's model: each backend's batch curve, measured at warm-up"),
+             ("images_per_s", "throughput_concurrency.png", "concurrent clients", "images/s (POST /classify)",
+              "The quickstart's model served: throughput by concurrency"))
+    for key, name, xlabel, ylabel, title in plots:
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+        ticks: set[int] = set()
+        for backend, points in data[key].items():
+            xs = [int(x) for x in points]
+            ticks |= set(xs)
+            ax.plot(xs, list(points.values()), marker="o", label=backend)
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel)
+        ax.set_title(title + where, fontsize=10)
+        ax.set_xticks(sorted(ticks), labels=[str(t) for t in sorted(ticks)])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(ASSETS / name)
+        plt.close(fig)
     return [ASSETS / "batch_curve.png", ASSETS / "throughput_concurrency.png"]
 
 
@@ -205,17 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "vit-serve-figures",
                     help="the quickstart's run and inspect's output (reused)")
-    ap.add_argument("--only", default=",".join(PARTS), help=f"a comma list of {', '.join(PARTS)}")
+    ap.add_argument("--only", default="inspect,drift,serving,transfer",
+                    help=f"a comma list of {', '.join(PARTS)} (serving-plot: draw serving's figures again from "
+                         "docs/assets/serving_figures.json, without measuring)")
     args = ap.parse_args(argv)
     parts = args.only.split(",")
     if set(parts) - set(PARTS):
         ap.error(f"--only {args.only!r}: expected some of {', '.join(PARTS)}")
     ASSETS.mkdir(parents=True, exist_ok=True)
-    qs = quickstart(args.work) if set(parts) - {"transfer"} else args.work / "quickstart"
+    qs = quickstart(args.work) if set(parts) - {"transfer", "serving-plot"} else args.work / "quickstart"
     written = []
     written += inspect_figures(qs, args.work) if "inspect" in parts else []
     written += drift_figure(qs) if "drift" in parts else []
     written += serving_figures(qs) if "serving" in parts else []
+    written += plot_serving() if "serving-plot" in parts else []
     written += transfer_chart() if "transfer" in parts else []
     for path in written:
         print(f"wrote {path.relative_to(ROOT)}")
