@@ -188,8 +188,10 @@ def transfer_chart() -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, len(transfers), figsize=(4.2 * len(transfers), 3.8), dpi=110, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(transfers), figsize=(max(7.0, 4.2 * len(transfers)), 4.2), dpi=110,
+                             sharey=True, squeeze=False)
+    cells = [_mean(c) for r in table.rows for c in r[2:]]
+    low = min(c for c in cells if c == c)  # NaN ("-") left out
     width = 0.8 / len(stages)
     for ax, transfer in zip(axes[0], transfers, strict=True):
         rows = {str(r[0]): r for r in table.rows if str(r[1]) == transfer}
@@ -199,8 +201,11 @@ def transfer_chart() -> list[Path]:
         ax.set_xticks(range(len(modes)), labels=modes, rotation=30)
         ax.set_title(transfer, fontsize=10)
     axes[0][0].set_ylabel("held-out top-1 %")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Resolution transfer of the quickstart's model by resample mode ({results.commit})", fontsize=10)
+    axes[0][0].set_ylim(max(0.0, low - 10), 100)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"Resolution transfer of the quickstart's model by resample mode\n"
+                 f"benchmarks/results/digits_transfer.json at {results.commit} (its command: the benchmark's page)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(ASSETS / "resolution_transfer.png")
     plt.close(fig)

@@ -24,6 +24,8 @@ from results_file import RESULTS, ROOT, ResultsFile, Table
 DOCS = ROOT / "docs" / "benchmarks"
 README = ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+# The charts benchmarks/figures.py draws from a benchmark's results file, shown on its page.
+CHARTS = {"digits_transfer": ("resolution_transfer.png", "Held-out top-1 by resample mode, transfer and fine-tune")}
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,10 @@ def page(b: Benchmark, r: ResultsFile | None, older: bool = False) -> str:
                     for c in r.checks), ""]
     else:
         lines += ["This benchmark has no targets; its numbers are reported.", ""]
+    if b.name in CHARTS:
+        picture, alt = CHARTS[b.name]
+        lines += [f"![{alt}](../assets/{picture})", "", "(drawn from this results file by "
+                  "`python benchmarks/figures.py --only transfer`)", ""]
     for t in r.tables:
         lines += [f"## {t.title or 'Results'}", "", *markdown_table(t), ""]
     if b.command not in r.command:
