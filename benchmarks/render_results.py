@@ -133,8 +133,9 @@ def page(b: Benchmark, r: ResultsFile | None, older: bool = False) -> str:
         picture, alt = CHARTS[b.name]
         lines += [f"![{alt}](../assets/{picture})", "", "(drawn from this results file by "
                   "`python benchmarks/figures.py --only transfer`)", ""]
-    for t in r.tables:
-        lines += [f"## {t.title or 'Results'}", "", *markdown_table(t), ""]
+    for i, t in enumerate(r.tables, 1):
+        heading = "Results" if len(r.tables) == 1 else f"Results {i}"
+        lines += [f"## {heading}", "", *([f"{_cell(t.title)}:", ""] if t.title else []), *markdown_table(t), ""]
     if b.command not in r.command:
         lines += [f"The default settings: `{b.command}`.", ""]
     return "\n".join(lines)
