@@ -12,7 +12,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vit_serve import __version__, quickstart
-from vit_serve.cli.flags import add_flags, dataclass_fields, pydantic_fields
+from vit_serve.cli.flags import (
+    FlagDeprecationWarning,
+    FlagField,
+    HelpAll,
+    add_flags,
+    dataclass_fields,
+    pydantic_fields,
+    warn_hidden,
+)
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.config import RESAMPLE_MODES
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
@@ -183,6 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from vit_serve.serve.config_file import serve_settings
     from vit_serve.serve.settings import ServeSettings
 
+    warn_hidden(args, pydantic_fields(ServeSettings.flat_fields()), "VIT_SERVE_")
     flags = {k: getattr(args, k, None) for k in ServeSettings.flat_fields()}
     settings = serve_settings(args.config, flags)  # flags over VIT_SERVE_* over --config FILE
     if settings.engine == "ray":  # its replicas load the model: no TensorRT needed here
@@ -206,15 +215,9 @@ def _serve_on_ray(args: argparse.Namespace, settings) -> int:
         from vit_serve.deploy import ray as on_ray
     except ImportError as e:  # the ray extra is missing: its message names it
         raise OSError(str(e)) from None
-    # without --replica-gpus the replicas see no GPU (on_ray.actor_options: CUDA_VISIBLE_DEVICES="")
-    actor: dict = {"num_cpus": 1 if args.replica_cpus is None else args.replica_cpus}
-    if args.replica_gpus:
-        actor["num_gpus"] = args.replica_gpus
-    replicas = args.replicas or 1
-    autoscaling = {"min_replicas": replicas, "max_replicas": args.max_replicas} if args.max_replicas else None
+    # The deployments' replicas and resources are settings (settings.ray; each model's config.toml may set its own).
     try:
-        on_ray.run(settings, address=args.address, num_replicas=replicas, autoscaling_config=autoscaling,
-                   ray_actor_options=actor, ingress_replicas=args.ingress_replicas or 1)
+        on_ray.run(settings, address=args.address)
     except RuntimeError as e:  # the application did not start (or cannot fit the cluster): its reason, in one line
         raise OSError(str(e)) from None
     return 0
@@ -378,12 +381,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "REPO/NAME/config.toml (or config.pbtxt) sets its own.")
     try:
         from vit_serve.serve.setting_scopes import SERVER_SETTINGS, scope_of
-        from vit_serve.serve.settings import ServeSettings
+        from vit_serve.serve.settings import RayDeploymentSettings, ServeSettings
     except ImportError as e:  # without the serve extra: `serve` takes anything and says what is missing
         s.add_argument("args", nargs=argparse.REMAINDER)
         s.set_defaults(func=_missing(e))
         return
     settings = pydantic_fields(ServeSettings.flat_fields())
+    s.epilog = (f"{sum(f.flag.hidden for f in settings)} rarely used flags are not listed (still accepted, "
+                "deprecated on the command line): every setting is a VIT_SERVE_<NAME> variable and a --config key "
+                "(README, \"Settings by scope\"); --help-all lists every option.")
+    s.add_argument("--help-all", action=HelpAll, help="show every option, the rarely used ones too, and exit")
     s.add_argument("--config", metavar="FILE",
                    help="settings from a .toml or .json file of setting names (max_batch = 8; paths relative to the "
                         "file's folder); flags and VIT_SERVE_* variables win over it")
@@ -396,16 +403,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "store": s.add_argument_group("explain store (the crops kept for GET /explain?id=)"),
         "sampler": s.add_argument_group("payload sampler (requests kept for labelling)")}
     r = s.add_argument_group("Ray Serve (--engine ray; pip install 'vit-serve[ray]')")
-    add_flags(r, settings, section="ray", groups=groups,
-              group_of=lambda field: field.flag.section or scope_of(field.name).value)
-    # Ray Serve's launch options (deploy.ray.run's arguments), not settings of the gateway.
+    ray = set(RayDeploymentSettings.model_fields)
+
+    def group_of(field: FlagField) -> str:
+        return field.flag.section or scope_of(field.name).value
+
+    add_flags(r, [f for f in settings if f.name not in ray], section="ray", groups=groups, group_of=group_of)
+    # Where the cluster is: the launch's own option (deploy.ray.run's address), not a setting of the gateway.
     r.add_argument("--address", help="the Ray cluster (auto, ray://HOST:10001; default: a local one)")
-    r.add_argument("--replicas", type=int, help="replicas of each model deployment (default 1)")
-    r.add_argument("--max-replicas", type=int, help="autoscale each model from --replicas up to this")
-    r.add_argument("--ingress-replicas", type=int,
-                   help="gateway replicas (default 1; more need --store redis://... for GET /explain?id=)")
-    r.add_argument("--replica-cpus", type=float, help="CPUs per model replica (default 1)")
-    r.add_argument("--replica-gpus", type=float, help="GPUs per model replica (default 0)")
+    add_flags(r, [f for f in settings if f.name in ray], section="ray", groups=groups, group_of=group_of)
     s.set_defaults(func=_cmd_serve)
 
 
@@ -490,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A setting read by a deprecated environment name says which to set (vit_serve.serve.settings.ENV_RENAMED);
     # Python would hide this DeprecationWarning outside __main__.
     warnings.filterwarnings("default", r"VIT_SERVE_\w+ (is deprecated|and VIT_SERVE_)", DeprecationWarning)
+    warnings.filterwarnings("default", category=FlagDeprecationWarning)  # a hidden flag: where it is set instead
     try:
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:

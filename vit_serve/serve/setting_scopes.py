@@ -38,7 +38,7 @@ SERVER_SETTINGS: dict[Scope, tuple[str, ...]] = {
     Scope.REPOSITORY: ("model", "model_name", "default_model", "model_control", "repository_poll_s",
                        "unload_grace_s", "load_models", "repository_api", "traffic", "shadow", "compare_window"),
     Scope.BACKENDS: ("backend", "triton_url", "triton_timeout_s", "triton_startup_timeout_s", "engine",
-                     "decode_workers", "gpu_decode"),
+                     "ingress_replicas", "decode_workers", "gpu_decode"),
     Scope.BOUNDS: ("max_body_bytes", "max_pixels", "priority_levels", "max_labels", "max_label_chars",
                    "label_cache_size", "max_label_bytes", "max_label_prompts", "text_chunk_size", "text_queue_size"),
     Scope.STORES: ("store", "store_size", "store_ttl_s", "store_password_file", "store_secret_file", "store_secret",

@@ -3,7 +3,8 @@ flags, in typed groups.
 
 `ServeSettings` nests `limits` (`RunnerLimits`), `triton` (`TritonClientSettings`), `repository`
 (`RepositorySettings`), `security` (`SecuritySettings`: who may call), `explain_store` (`StoreSettings`: the
-images kept for GET /explain?id=) and `monitor` (`MonitoringSettings`: OOD scores, drift, the payload sampler);
+images kept for GET /explain?id=), `monitor` (`MonitoringSettings`: OOD scores, drift, the payload sampler) and
+`ray` (`RayDeploymentSettings`: the Ray Serve deployments of --engine ray);
 the rest (the model, the listeners, decode, compute) is its own. Components take their own group, and read a
 group's field through it (`settings.limits.max_batch`). The names of the outside stay flat: every field of every
 group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch), a name in a settings
@@ -54,8 +55,9 @@ BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
 __all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "ENV_RENAMED", "BackendName",
-           "MonitoringSettings", "RepositorySettings", "RunnerLimits", "SecuritySettings", "ServeSettings",
-           "SettingNameWarning", "StoreSettings", "TritonClientSettings", "available_cpus", "default_decode_workers"]
+           "MonitoringSettings", "RayDeploymentSettings", "RepositorySettings", "RunnerLimits", "SecuritySettings",
+           "ServeSettings", "SettingNameWarning", "StoreSettings", "TritonClientSettings", "available_cpus",
+           "default_decode_workers"]
 
 class SecuritySettings(BaseSettings):
     """Who may call: API keys (kept as sha256 hashes only), admin keys, open probes, TLS, browsers of other
@@ -87,10 +89,10 @@ class SecuritySettings(BaseSettings):
     max_concurrent_per_key: int = Field(
         64, ge=0, description="requests of one API key in flight at once on this replica (HTTP and gRPC); beyond "
         "it 429 with Retry-After (RESOURCE_EXHAUSTED); 0: no cap")
-    allow_any_key_admin: Annotated[bool, Flag()] = Field(
+    allow_any_key_admin: Annotated[bool, Flag(hidden=True)] = Field(
         False, description="without admin keys, let any caller with a valid key (anyone, when no API key is set) "
         "load and unload models; off: load / unload answer 403")
-    open_probes: Annotated[bool, Flag()] = Field(
+    open_probes: Annotated[bool, Flag(hidden=True)] = Field(
         True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
         "one on the main port: scrapers use metrics_port, or send a key)")
     cors_origins: Annotated[list[str], NoDecode, Flag(name="--cors-origin",
@@ -131,7 +133,7 @@ class StoreSettings(BaseSettings):
         "redis://HOST:PORT/DB (shared by every replica)")
     store_size: int = Field(256, ge=0, description="recent images kept (model-input crops); 0 keeps none")
     store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
-    store_password_file: Annotated[str | None, Flag(section="store", metavar="FILE")] = Field(
+    store_password_file: Annotated[str | None, Flag(section="store", metavar="FILE", hidden=True)] = Field(
         None, description="a file holding the Redis password (a Secret mount), so that it is in neither the "
         "--store URL nor the environment")
     store_secret_file: Annotated[str | None, Flag(section="store", metavar="FILE")] = Field(
@@ -196,7 +198,7 @@ class MonitoringSettings(BaseSettings):
     sample_max_bytes: int = Field(256 * 2**20, ge=1, description="the sample folder's cap in bytes: the oldest "
                                   "unflagged parts are removed first")
     sample_retention_s: float = Field(7 * 86400.0, gt=0, description="seconds sampled parts are kept")
-    sample_redis_url: Annotated[str | None, Flag(section="sampler", metavar="URL")] = Field(
+    sample_redis_url: Annotated[str | None, Flag(section="sampler", metavar="URL", hidden=True)] = Field(
         None, description="a Redis server the samples are added to (stream sample_redis_stream) instead of a "
         "folder")
     sample_redis_stream: str = Field("vit_serve:samples", min_length=1, description="the Redis stream of the "
@@ -240,6 +242,25 @@ class MonitoringSettings(BaseSettings):
     def __repr_args__(self) -> Any:
         for name, value in super().__repr_args__():
             yield name, redacted(value) if name == "sample_redis_url" and isinstance(value, str) else value
+
+
+class RayDeploymentSettings(BaseSettings):
+    """With --engine ray (`vit_serve.deploy.ray`): each model version's Ray Serve deployment (its replicas,
+    autoscaling and actor resources: model defaults, which a model's config.toml may set, as Ray Serve keeps them
+    per deployment), and the gateway's own replicas."""
+
+    model_config = GROUP_CONFIG
+
+    replicas: Annotated[int, Flag(section="model")] = Field(
+        1, ge=1, description="Ray Serve (--engine ray): replicas of each model deployment")
+    max_replicas: Annotated[int | None, Flag(section="model")] = Field(
+        None, ge=1, description="Ray Serve: autoscale each model deployment from replicas up to this")
+    ingress_replicas: Annotated[int, Flag(section="ray")] = Field(
+        1, ge=1, description="gateway replicas (more need --store redis://... for GET /explain?id=)")
+    replica_cpus: Annotated[float, Flag(section="model")] = Field(
+        1.0, ge=0, description="Ray Serve: CPUs of each model replica (ray_actor_options num_cpus)")
+    replica_gpus: Annotated[float, Flag(section="model")] = Field(
+        0.0, ge=0, description="Ray Serve: GPUs of each model replica (ray_actor_options num_gpus)")
 
 
 class SettingNameWarning(DeprecationWarning):
@@ -325,21 +346,22 @@ class ServeSettings(BaseSettings):
         "(its scrape annotations and ServiceMonitor name it; deploy/ uses 8002) and nothing else there; 0 picks a "
         "free port. /metrics on the main port needs an API key when keys are on (it shows every model's traffic "
         "and every key's name), so set this where a scraper has no key; with TLS it serves HTTPS. Off when unset")
-    grpc_max_message_bytes: Annotated[int, Flag()] = Field(
+    grpc_max_message_bytes: Annotated[int, Flag(hidden=True)] = Field(
         64 * 1024 * 1024, ge=1024, description="largest gRPC message either way (gRPC's own default, 4 MiB, is "
         "smaller than a 12 MP JPEG)")
-    grpc_max_concurrent_calls: Annotated[int, Flag()] = Field(
+    grpc_max_concurrent_calls: Annotated[int, Flag(hidden=True)] = Field(
         32, ge=1, description="gRPC calls in flight at once (grpcio's maximum_concurrent_rpcs; RESOURCE_EXHAUSTED "
         "beyond): the messages held are at most this x grpc_max_message_bytes")
     root_path: Annotated[str, Flag()] = Field(
         "", pattern=r"^(/[^/?#\s]+)*$", description="the URL prefix a proxy serves the gateway under (uvicorn's "
         "root_path, e.g. /vit): routes and key checks see the path without it")
     # Graceful shutdown (vit_serve.serve.shutdown): on SIGTERM / SIGINT, drain, then grace, then 503 the rest.
-    shutdown_drain_s: Annotated[float, Flag()] = Field(5.0, ge=0, description="on SIGTERM / SIGINT: seconds the "
-        "readiness probes answer 503 (draining) while the server still accepts and answers, so that a load balancer "
-        "stops sending before the listener closes")
-    shutdown_grace_s: Annotated[float, Flag()] = Field(20.0, ge=0, description="after the drain: seconds the queued "
-        "and running requests have to finish; the requests still waiting then are answered 503 + Retry-After")
+    shutdown_drain_s: Annotated[float, Flag(hidden=True)] = Field(
+        5.0, ge=0, description="on SIGTERM / SIGINT: seconds the readiness probes answer 503 (draining) while the "
+        "server still accepts and answers, so that a load balancer stops sending before the listener closes")
+    shutdown_grace_s: Annotated[float, Flag(hidden=True)] = Field(
+        20.0, ge=0, description="after the drain: seconds the queued and running requests have to finish; the "
+        "requests still waiting then are answered 503 + Retry-After")
     limits: RunnerLimits = Field(default_factory=RunnerLimits)
 
     # Untrusted input.
@@ -399,7 +421,7 @@ class ServeSettings(BaseSettings):
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
     monitor: MonitoringSettings = Field(default_factory=MonitoringSettings)
-    request_ids: Annotated[bool, Flag()] = Field(
+    request_ids: Annotated[bool, Flag(hidden=True)] = Field(
         True, description="echo X-Request-ID (made when absent) and log one line per request with it")
     otel: Annotated[bool, Flag()] = Field(
         False, description="OpenTelemetry tracing (the otel extra): a span per request, the trace context passed "
@@ -421,6 +443,7 @@ class ServeSettings(BaseSettings):
                                 "default_decode_workers)")
     gpu_decode: bool = Field(True, description="on CUDA, decode JPEG uploads with nvJPEG and resize them on the "
                              "GPU (torchvision); other formats and any failure take the CPU path")
+    ray: RayDeploymentSettings = Field(default_factory=RayDeploymentSettings)  # last: its flags follow --address
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
