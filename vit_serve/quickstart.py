@@ -147,10 +147,10 @@ def build(out: str | Path, pretrain_steps: int = PRETRAIN_STEPS, finetune_steps:
 def serve(paths: QuickstartPaths, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Step 4: the gateway on the ONNX export (onnxruntime backend) with the web page, until Ctrl-C."""
     from vit_serve.serve.app import run
-    from vit_serve.serve.settings import ServeSettings
+    from vit_serve.serve.settings import ServerSettings, ServeSettings
 
     _step(4, f"serve {paths.onnx.name} (onnxruntime) with the web page at http://{host}:{port}")
     print(f"open http://{host}:{port} and drop an image of a digit (or any image); Ctrl-C stops the server.\n"
           f"the Triton repository is in {paths.model_repo} (its _py models run on the tritonserver of the "
           f"nvidia-pytriton wheel: `vit_export.tritonserver.TritonServer`)", flush=True)
-    run(ServeSettings(model=str(paths.onnx), backend="onnxruntime", host=host, port=port))
+    run(ServeSettings(model=str(paths.onnx), server=ServerSettings(backend="onnxruntime", host=host, port=port)))

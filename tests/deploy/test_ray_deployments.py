@@ -29,8 +29,7 @@ def repo(tmp_path_factory, save_tiny) -> Path:
 
 
 def _settings(repo: Path, **kw) -> ServeSettings:
-    return ServeSettings.model_validate({"model": str(repo), "device": "cpu", "threads": 1, "decode_workers": 1,
-                                         **kw})
+    return ServeSettings.of({"device": "cpu", "threads": 1, "decode_workers": 1, **kw}, model=str(repo))
 
 
 def _deployments(app) -> dict[str, object]:

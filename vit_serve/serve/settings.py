@@ -28,7 +28,16 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -47,6 +56,7 @@ from vit_serve.runtime.settings import (
 )
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.keys import key_hash
+from vit_serve.serve.setting_scopes import Scope, scope_of
 from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
 from vit_serve.tome import parse_tome
@@ -55,9 +65,9 @@ BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
 __all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "ENV_RENAMED", "BackendName",
-           "MonitoringSettings", "RayDeploymentSettings", "RepositorySettings", "RunnerLimits", "SecuritySettings",
-           "ServeSettings", "SettingNameWarning", "StoreSettings", "TritonClientSettings", "available_cpus",
-           "default_decode_workers"]
+           "ModelDefaults", "MonitoringSettings", "RayDeploymentSettings", "RepositorySettings", "RunnerLimits",
+           "SecuritySettings", "ServeSettings", "ServerSettings", "SettingNameWarning", "StoreSettings",
+           "TritonClientSettings", "available_cpus", "default_decode_workers"]
 
 class SecuritySettings(BaseSettings):
     """Who may call: API keys (kept as sha256 hashes only), admin keys, open probes, TLS, browsers of other
@@ -445,6 +455,36 @@ class ServeSettings(BaseSettings):
                              "GPU (torchvision); other formats and any failure take the CPU path")
     ray: RayDeploymentSettings = Field(default_factory=RayDeploymentSettings)  # last: its flags follow --address
 
+    def __init__(self, **values: Any) -> None:
+        flat = [k for k in values if k in _SCOPED]
+        if flat:  # before the sources merge: the environment's and a file's values are flat too, and fine
+            warnings.warn(_flat_keywords_message(flat), DeprecationWarning, stacklevel=2)
+        super().__init__(**values)
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any], **typed: Any) -> ServeSettings:
+        """Settings from flat setting names (`{"max_batch": 4, "port": 8080}`: the names of the flags, of the
+        VIT_SERVE_* variables and of settings files), without the deprecation warning of flat keywords: how the
+        command line and settings files build them. `typed`: other keywords (`model`, a group instance)."""
+        server = {k: v for k, v in values.items() if _SCOPED.get(k) == "server"}
+        defaults = {k: v for k, v in values.items() if _SCOPED.get(k) == "model_defaults"}
+        rest = {k: v for k, v in values.items() if k not in _SCOPED}
+        return cls(**rest, **typed, server=ServerSettings.model_construct(**server),
+                   model_defaults=ModelDefaults.model_construct(**defaults))
+
+    @property
+    def server(self) -> ServerSettings:
+        """The server's settings (every setting but `model` and the model defaults), flat: a copy."""
+        return ServerSettings.model_construct(**{k: self._flat(k) for k in ServerSettings.model_fields})
+
+    @property
+    def model_defaults(self) -> ModelDefaults:
+        """The settings of the models without their own config.toml (the keys of `ModelConfig`), flat: a copy."""
+        return ModelDefaults.model_construct(**{k: self._flat(k) for k in ModelDefaults.model_fields})
+
+    def _flat(self, name: str) -> Any:
+        return getattr(getattr(self, FLAT[name]) if name in FLAT else self, name)
+
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
                                    env_settings: PydanticBaseSettingsSource,
@@ -469,6 +509,15 @@ class ServeSettings(BaseSettings):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        for key, scoped in (("server", ServerSettings), ("model_defaults", ModelDefaults)):
+            typed = data.pop(key, None)
+            if isinstance(typed, BaseModel):
+                typed = {k: getattr(typed, k) for k in typed.model_fields_set}
+            wrong = sorted(set(typed or {}) - set(scoped.model_fields))
+            if wrong:
+                raise ValueError(f"{key}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not of "
+                                 f"{scoped.__name__}")
+            data.update(typed or {})  # over the environment's and the file's: given, as a keyword is
         for name, group in GROUPS.items():
             flat = {k: data.pop(k) for k in group.model_fields if k in data}
             if not flat:
@@ -522,3 +571,40 @@ FLAT: dict[str, str] = {k: name for name, group in GROUPS.items()
 # users write for a group's field (VIT_SERVE_LIMITS__MAX_BATCH) is read too, with a warning naming the flat one.
 ENV_RENAMED: dict[str, str] = {f"VIT_SERVE_{name.upper()}__{field.upper()}": f"VIT_SERVE_{field.upper()}"
                                for name, group in GROUPS.items() for field in group.model_fields}
+
+
+def _scoped_model(name: str, doc: str, scope: str) -> type[BaseModel]:
+    """A model of the flat settings of one scope (`_SCOPED`), each field ServeSettings' own (type, default,
+    constraints, description: one text), checked again by ServeSettings when passed to it."""
+    fields: dict[str, Any] = {k: (info.annotation, info) for k, info in ServeSettings.flat_fields().items()
+                              if _SCOPED.get(k) == scope}
+    return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid", protected_namespaces=()),
+                        __module__=__name__, **fields)
+
+
+# Each setting a keyword of ServeSettings may not give flat without a warning, by the typed keyword it belongs to:
+# the model defaults (the keys of a model's config.toml, `ModelConfig`), else the server's; `model` (what to
+# serve) stays a keyword of its own.
+_SCOPED: dict[str, str] = {k: "model_defaults" if scope_of(k) is Scope.MODEL else "server"
+                           for k in ServeSettings.flat_fields() if k != "model"}
+ServerSettings = _scoped_model("ServerSettings", """The server's settings, as Triton keeps its server's options apart
+    from each model's config: listeners, keys and TLS, repository control, backends, request bounds, stores and
+    telemetry (`vit_serve.serve.setting_scopes.SERVER_SETTINGS`), flat: `ServerSettings(port=8080, api_keys=[...])`.
+    `ServeSettings(server=ServerSettings(...))` sets them (the fields given, over VIT_SERVE_* and a file), and
+    `settings.server` reads them.""", "server")
+ModelDefaults = _scoped_model("ModelDefaults", """The settings of the models without their own
+    REPO/NAME/config.toml (or config.pbtxt): exactly the keys of `vit_serve.runtime.model_config.ModelConfig`, with
+    the server's defaults: `ModelDefaults(max_batch=4, instances=2)`. `ServeSettings(model_defaults=ModelDefaults(
+    ...))` sets them (the fields given, over VIT_SERVE_* and a file), and `settings.model_defaults` reads them.""",
+                              "model_defaults")
+
+
+def _flat_keywords_message(names: list[str]) -> str:
+    """The deprecation of flat keywords `names`, naming the typed keyword each belongs to."""
+    parts = []
+    for scope, cls in (("server", "ServerSettings"), ("model_defaults", "ModelDefaults")):
+        mine = [f"{k}=..." for k in names if _SCOPED[k] == scope]
+        if mine:
+            parts.append(f"{scope}={cls}({', '.join(mine)})")
+    return (f"flat keywords of ServeSettings are deprecated ({', '.join(names)}): pass "
+            f"ServeSettings({', '.join(parts)}), or ServeSettings.of({{...}}) for flat setting names")
