@@ -4,10 +4,10 @@ protocols, the live models and the policies around them.
 
 Modules:
 
-* the app: `settings` (`ServeSettings` and its groups), `setting_scopes` (each setting's scope: the server's own, or a
-  model default), `config_file` (`serve --config`), `app` (the factory, the lifespan, `run`), `gateway` (the running
-  parts of one app), `shutdown` (drain, then stop), `slow_clients` (header and body deadlines, the connection cap),
-  `metrics_listener` (the metrics port).
+* the app: `settings` (`ServeSettings`: its groups, and its two scopes `ServerSettings` and `ModelDefaults`),
+  `setting_scopes` (each setting's scope: the server's own, or a model default), `config_file` (`serve --config`),
+  `app` (the factory, the lifespan, `run`), `gateway` (the running parts of one app), `shutdown` (drain, then stop),
+  `slow_clients` (header and body deadlines, the connection cap), `metrics_listener` (the metrics port).
 * the models: `repository` (which versions are loaded; model control and polling), `model_version` (one loaded
   version; its runner is `vit_serve.runtime.scheduling`'s), `admission` (a request's scheduling `Ticket` with the
   gateway's errors), `traffic` (canaries, sticky sessions, the shadow) and `compare` (live agreement with them),

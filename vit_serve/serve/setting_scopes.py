@@ -4,7 +4,8 @@ stores, telemetry), and the model defaults, which are exactly the keys a model's
 (`vit_serve.runtime.model_config.KEYS`): a model without its own takes the server's.
 
 Names only, flat (the flags', the VIT_SERVE_* variables' and the settings files'): the fields stay in their
-Python groups (`settings.limits`, `settings.security`, ...). `vit-serve serve --help` lists its options by these
+Python groups (`settings.limits`, `settings.security`, ...), and `vit_serve.serve.settings` makes one typed model of
+each side (`ServerSettings`, `ModelDefaults`) from these scopes. `vit-serve serve --help` lists its options by these
 scopes; tests/serve/test_setting_scopes.py checks that every setting has exactly one.
 """
 

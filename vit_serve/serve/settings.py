@@ -7,9 +7,14 @@ images kept for GET /explain?id=), `monitor` (`MonitoringSettings`: OOD scores, 
 `ray` (`RayDeploymentSettings`: the Ray Serve deployments of --engine ray);
 the rest (the model, the listeners, decode, compute) is its own. Components take their own group, and read a
 group's field through it (`settings.limits.max_batch`). The names of the outside stay flat: every field of every
-group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch), a name in a settings
-file and a keyword of `ServeSettings(max_batch=4)` (a group instance may be passed too:
-`ServeSettings(limits=RunnerLimits(...))`). The flat environment names are the canonical ones; the nested
+group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch) and a name in a settings
+file (`ServeSettings.of({"max_batch": 4})` takes such names). In Python the settings are two typed models, by scope:
+`ServerSettings` (the server's: listeners, keys and TLS, repository control, backends, bounds, stores, telemetry) and
+`ModelDefaults` (the keys of a model's config.toml), given as `ServeSettings(model=REPO, server=ServerSettings(
+port=8080), model_defaults=ModelDefaults(max_batch=4))` and read back as `settings.server` / `settings.model_defaults`
+(a group instance may be passed too: `ServeSettings(limits=RunnerLimits(...))`). Flat keywords
+(`ServeSettings(max_batch=4)`) still work, deprecated: a DeprecationWarning names the typed keyword to use.
+The flat environment names are the canonical ones; the nested
 spelling of a group's field (VIT_SERVE_LIMITS__MAX_BATCH) is deprecated, read with a `SettingNameWarning` that
 names the flat one (`ENV_RENAMED`).
 
