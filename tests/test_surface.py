@@ -14,7 +14,7 @@ Changed once on purpose, by issue 39 (point 3, settings by scope), the saved cop
 - deprecated on the command line, hidden from --help (listed by --help-all), still parsed with a
   FlagDeprecationWarning naming the VIT_SERVE_* variable and --config key, which stay the documented place
   (`DEPRECATED_FLAGS`): --grpc-max-message-bytes, --grpc-max-concurrent-calls, --shutdown-drain-s,
-  --shutdown-grace-s, --allow-any-key-admin, --no-open-probes, --triton-timeout-s, --triton-startup-timeout-s,
+  --shutdown-grace-s, --admin-api-keys-file, --no-open-probes, --triton-timeout-s, --triton-startup-timeout-s,
   --repository-poll-s, --unload-grace-s, --store-password-file, --sample-redis-url, --no-request-ids;
 - the Ray Serve deployment flags (--replicas, --max-replicas, --replica-cpus, --replica-gpus) are model defaults
   (settings.ray; a model's config.toml may set its own) and --ingress-replicas a setting: each is also
@@ -39,7 +39,7 @@ SAVED = Path(__file__).parent / "data" / "surface"
 DEPRECATED_FLAGS = {"grpc_max_message_bytes": "--grpc-max-message-bytes",
                     "grpc_max_concurrent_calls": "--grpc-max-concurrent-calls",
                     "shutdown_drain_s": "--shutdown-drain-s", "shutdown_grace_s": "--shutdown-grace-s",
-                    "allow_any_key_admin": "--allow-any-key-admin", "open_probes": "--no-open-probes",
+                    "admin_api_keys_file": "--admin-api-keys-file", "open_probes": "--no-open-probes",
                     "triton_timeout_s": "--triton-timeout-s", "triton_startup_timeout_s": "--triton-startup-timeout-s",
                     "repository_poll_s": "--repository-poll-s", "unload_grace_s": "--unload-grace-s",
                     "store_password_file": "--store-password-file", "sample_redis_url": "--sample-redis-url",

@@ -21,7 +21,7 @@ HIDDEN = {
     "grpc_max_concurrent_calls": (["--grpc-max-concurrent-calls", "7"], 7),
     "shutdown_drain_s": (["--shutdown-drain-s", "1.5"], 1.5),
     "shutdown_grace_s": (["--shutdown-grace-s", "2.5"], 2.5),
-    "allow_any_key_admin": (["--allow-any-key-admin"], True),
+    "admin_api_keys_file": (["--admin-api-keys-file", "/run/secrets/admin"], "/run/secrets/admin"),
     "open_probes": (["--no-open-probes"], False),
     "triton_timeout_s": (["--triton-timeout-s", "3"], 3.0),
     "triton_startup_timeout_s": (["--triton-startup-timeout-s", "4"], 4.0),

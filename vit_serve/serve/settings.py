@@ -93,7 +93,7 @@ class SecuritySettings(BaseSettings):
     admin_api_keys: Annotated[list[str], NoDecode, Flag(name="--admin-api-key", metavar="KEY")] = Field(
         default_factory=list, description="keys that may also load and unload models (the repository API); "
         "none: nobody may, unless allow_any_key_admin")
-    admin_api_keys_file: Annotated[str | None, Flag(metavar="FILE")] = Field(
+    admin_api_keys_file: Annotated[str | None, Flag(metavar="FILE", hidden=True)] = Field(
         None, description="a file of admin keys, one a line (the fields of api_keys_file); read again on SIGHUP and "
         "when it changes, as api_keys_file")
     default_key_priority: int | None = Field(
@@ -104,7 +104,7 @@ class SecuritySettings(BaseSettings):
     max_concurrent_per_key: int = Field(
         64, ge=0, description="requests of one API key in flight at once on this replica (HTTP and gRPC); beyond "
         "it 429 with Retry-After (RESOURCE_EXHAUSTED); 0: no cap")
-    allow_any_key_admin: Annotated[bool, Flag(hidden=True)] = Field(
+    allow_any_key_admin: Annotated[bool, Flag()] = Field(
         False, description="without admin keys, let any caller with a valid key (anyone, when no API key is set) "
         "load and unload models; off: load / unload answer 403")
     open_probes: Annotated[bool, Flag(hidden=True)] = Field(
