@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from vit_serve.cli import build_parser, main
-from vit_serve.cli.flags import FlagDeprecationWarning, argument, pydantic_fields
+from vit_serve.cli.flags import FlagDeprecationWarning, argument, pydantic_fields, warn_hidden
 from vit_serve.serve.config_file import serve_settings
 from vit_serve.serve.settings import ServeSettings
 
@@ -104,16 +104,22 @@ def test_a_hidden_flag_still_parses_sets_its_setting_and_warns(name, tmp_path, c
     args = build_parser().parse_args(["serve", "m.safetensors", *argv])
     flags = {k: getattr(args, k, None) for k in ServeSettings.flat_fields()}
     assert _setting(flags, name) == value
-    missing = str(tmp_path / "absent.safetensors")
     with pytest.warns(FlagDeprecationWarning) as caught:
-        assert main(["serve", missing, *argv]) == 1  # warned, then the missing model is the one error
+        assert warn_hidden(args, pydantic_fields(ServeSettings.flat_fields()), "VIT_SERVE_") == [argv[0]]
     message = str(caught[0].message)
-    assert argv[0] in message and f"VIT_SERVE_{name.upper()}" in message and f"{name} in a --config file" in message
-    assert "no such file" in capsys.readouterr().err
+    env = str(value).lower() if isinstance(value, bool) else str(value)
+    assert argv[0] in message and f"set VIT_SERVE_{name.upper()}={env}, or {name} = " in message
+    assert message.endswith("in a --config file")
+    # the command says it in one line on stderr, then goes on (here: to the missing model, the one error)
+    assert main(["serve", str(tmp_path / "absent.safetensors"), *argv]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"vit-serve serve: warning: {message}"
+    assert len(err) == 2 and "no such file" in err[1]
 
 
 def test_a_listed_flag_does_not_warn(tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlagDeprecationWarning)
         assert main(["serve", str(tmp_path / "absent.safetensors"), "--max-batch", "4", "--port", "0"]) == 1
-    assert "no such file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning" not in err and "no such file" in err

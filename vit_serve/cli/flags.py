@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 import warnings
@@ -143,11 +144,14 @@ def warn_hidden(given: argparse.Namespace, fields: Iterable[FlagField], env_pref
     warned about."""
     out = []
     for field in fields:
-        if field.flag.hidden and getattr(given, field.name, None) is not None:
+        value = getattr(given, field.name, None)
+        if field.flag.hidden and value is not None:
             name = argument(field)[0][0]
+            env = str(value).lower() if isinstance(value, bool) else str(value)
+            toml = json.dumps(value)  # a TOML value too, for a bool, a number or a string
             warnings.warn(f"{name} is deprecated on the command line and hidden from --help (it still works in this "
-                          f"release): set {env_prefix}{field.name.upper()}, or {field.name} in a --config file",
-                          FlagDeprecationWarning, stacklevel=2)
+                          f"release): set {env_prefix}{field.name.upper()}={env}, or {field.name} = {toml} in a "
+                          "--config file", FlagDeprecationWarning, stacklevel=2)
             out.append(name)
     return out
 

@@ -191,7 +191,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from vit_serve.serve.config_file import serve_settings
     from vit_serve.serve.settings import ServeSettings
 
-    warn_hidden(args, pydantic_fields(ServeSettings.flat_fields()), "VIT_SERVE_")
+    with warnings.catch_warnings(record=True) as hidden:  # a hidden flag given: one line each, where to set it
+        warnings.simplefilter("always", FlagDeprecationWarning)
+        warn_hidden(args, pydantic_fields(ServeSettings.flat_fields()), "VIT_SERVE_")
+    for w in hidden:
+        print(f"vit-serve serve: warning: {w.message}", file=sys.stderr)
     flags = {k: getattr(args, k, None) for k in ServeSettings.flat_fields()}
     settings = serve_settings(args.config, flags)  # flags over VIT_SERVE_* over --config FILE
     if settings.engine == "ray":  # its replicas load the model: no TensorRT needed here
@@ -496,7 +500,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A setting read by a deprecated environment name says which to set (vit_serve.serve.settings.ENV_RENAMED);
     # Python would hide this DeprecationWarning outside __main__.
     warnings.filterwarnings("default", r"VIT_SERVE_\w+ (is deprecated|and VIT_SERVE_)", DeprecationWarning)
-    warnings.filterwarnings("default", category=FlagDeprecationWarning)  # a hidden flag: where it is set instead
     try:
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
