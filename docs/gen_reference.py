@@ -373,7 +373,12 @@ def reference_index() -> str:
         "- [HTTP API](http.md): every route, its parameters and answers ([openapi.json](openapi.json)).",
         "- [Export manifest](manifest.md): the JSON `vit-export` writes beside each file.",
         "- [Python API](api/index.md): the public modules, from their docstrings.",
-        "- [Troubleshooting](../troubleshooting.md): every error of the CLI and the HTTP API.", ""])
+        "- [Troubleshooting](../troubleshooting.md): every error of the CLI and the HTTP API.", "",
+        "Check that the pages are current (exit 1, naming the stale ones, when the code changed since):", "",
+        "```bash", f"{COMMAND} --check", "```", "",
+        "Build the site as CI does, and read it at http://127.0.0.1:8000 while you edit:", "",
+        "<!-- docs-test: skip serves until stopped (CI runs mkdocs build --strict itself) -->", "",
+        "```bash", 'pip install -e ".[docs]"', "mkdocs build --strict", "mkdocs serve", "```", ""])
 
 
 def pages() -> dict[str, str]:
