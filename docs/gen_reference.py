@@ -350,14 +350,35 @@ def manifest_page() -> str:
 # ---- the Python API --------------------------------------------------------------------------------------------
 
 
+def _member_paths(module: str) -> list[str]:
+    """Where each name of a module's __all__ is defined (a lazily re-exported name is documented where it lives,
+    which static analysis can follow); [] for a module without __all__ (documented whole)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    paths = []
+    for name in getattr(mod, "__all__", []):
+        if name.startswith("__"):
+            continue
+        obj = getattr(mod, name)
+        home = getattr(obj, "__module__", None)
+        defined_here = isinstance(obj, type) or callable(obj)
+        paths.append(f"{home}.{obj.__qualname__}" if defined_here and home else f"{module}.{name}")
+    return paths
+
+
 def api_pages() -> dict[str, str]:
     pages = {}
     index = ["# Python API", "",
              "The public modules, rendered from their docstrings by mkdocstrings when the site is built.", "",
              "| Module | What it holds |", "|---|---|"]
     for title, module, what in API_MODULES:
-        pages[f"reference/api/{title}.md"] = (
-            HEADER + f"# `{module}`\n\n{what}\n\n::: {module}\n    options:\n      show_submodules: false\n")
+        members = _member_paths(module)
+        text = f"# `{module}`\n\n{what}\n\n::: {module}\n    options:\n      show_submodules: false\n"
+        if members:
+            text = (f"# `{module}`\n\n{what}\n\n::: {module}\n    options:\n      members: false\n"
+                    + "".join(f"\n::: {path}\n    options:\n      show_root_heading: true\n" for path in members))
+        pages[f"reference/api/{title}.md"] = HEADER + text
         index.append(f"| [`{module}`]({title}.md) | {what} |")
     pages["reference/api/index.md"] = HEADER + "\n".join(index) + "\n"
     return pages
