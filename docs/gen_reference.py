@@ -192,13 +192,12 @@ def settings_page() -> str:
              "`REPO/NAME/config.toml` ([below](#a-models-own-configtoml)).", ""]
     for scope, names in by_scope.items():
         lines += [f"## {scope.value[0].upper()}{scope.value[1:]}", "",
-                  "| Setting | Environment variable | Flag | Type | Default | What it does |",
-                  "|---|---|---|---|---|---|"]
+                  "| Setting, variable, flag | Default (type) | What it does |", "|---|---|---|"]
         for name in names:
             info = fields[name]
-            flag = code(flags[name]) if name in flags else "(no flag)"
-            lines.append(f"| `{name}` | `VIT_SERVE_{name.upper()}` | {flag} | {cell(type_name(info.annotation))} | "
-                         f"{cell(_default(info))} | {cell(info.description or '')} |")
+            flag = code(flags[name]) if name in flags else "no flag"
+            lines.append(f"| `{name}`<br>`VIT_SERVE_{name.upper()}`<br>{flag} | {cell(_default(info))} "
+                         f"({cell(type_name(info.annotation))}) | {cell(info.description or '')} |")
         lines.append("")
     hints = typing.get_type_hints(ModelConfig, include_extras=True)
     lines += ["## A model's own config.toml", "",

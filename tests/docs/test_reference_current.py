@@ -64,7 +64,7 @@ def test_every_setting_is_listed_with_its_variable_and_default(generated):
 
     page = generated["reference/settings.md"]
     settings, model_keys = page.split("## A model's own config.toml", 1)
-    rows = {line.split(" | ")[0].strip("| `"): line for line in settings.splitlines() if line.startswith("| `")}
+    rows = {line.split("<br>")[0].strip("| `"): line for line in settings.splitlines() if line.startswith("| `")}
     for name, info in ServeSettings.flat_fields().items():
         assert f"`VIT_SERVE_{name.upper()}`" in rows[name], name
         default = info.get_default(call_default_factory=True)
