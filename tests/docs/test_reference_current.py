@@ -108,3 +108,35 @@ def test_api_pages_name_modules_that_exist(generated):
     for _title, module, _what in gen.API_MODULES:
         assert importlib.util.find_spec(module) is not None, module
         assert any(f"::: {module}\n" in text for text in generated.values())
+
+
+def test_a_status_without_advice_is_refused(monkeypatch):
+    from troubleshooting import troubleshooting_page
+
+    from vit_serve.serve import errors
+
+    class TeapotError(errors.GatewayError):
+        pass
+
+    monkeypatch.setitem(errors.STATUSES, TeapotError, 418)
+    with pytest.raises(SystemExit, match="418"):
+        troubleshooting_page()
+
+
+@pytest.mark.parametrize("saved", ["tiny_explain.json", "tiny_int8.json", "model_sm90.json"])
+def test_the_manifest_page_names_the_keys_vit_export_writes(generated, saved):
+    """The JSON keys of real manifests (tests/data/manifest_v1, read and written again as schema 2) are the keys the
+    page lists, nested objects included: a renamed key in `to_dict` fails here."""
+    import json
+
+    from vit_serve.manifest import ExportManifest
+
+    data = ExportManifest.from_dict(json.loads((DOCS.parent / "tests/data/manifest_v1" / saved).read_text()))
+    page = generated["reference/manifest.md"]
+    listed = {key.strip() for line in page.splitlines() if line.startswith("| `")
+              for key in line.split("`")[1].split(",")}
+    written = data.to_dict()
+    free_form = ("preprocess", "int8", "versions", "reference")  # objects whose keys are not the manifest's own
+    nested = [written] + [v for k, v in written.items() if isinstance(v, dict) and k not in free_form]
+    missing = {k for d in nested for k in d if k not in listed}
+    assert not missing, f"keys {sorted(missing)} are written but not on the manifest page (gen_reference.MANIFEST_KEYS)"
