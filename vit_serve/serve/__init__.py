@@ -12,7 +12,8 @@ Modules:
   version; its runner is `vit_serve.runtime.scheduling`'s), `admission` (a request's scheduling `Ticket` with the
   gateway's errors), `traffic` (canaries, sticky sessions, the shadow) and `compare` (live agreement with them),
   `monitoring` (OOD scores and drift of a version), `labels` (request-time zero-shot labels).
-* requests: `pipeline` (one request: announce, read, choose the version once, decode, infer, answer), `answer_hooks`
+* requests: `pipeline` (one request: announce, read, choose the version once, decode, infer, answer; images from the
+  image routes, tensors from /v2 and gRPC through the same steps), `answer_hooks`
   (what runs after an answer: Server-Timing, the payload sampler), `uploads` (the image out of a request), `deps` (the
   app's gateway, the version a request goes to), `hangup` (a client that left cancels its work), `middleware` (request
   ids, metrics, the 500 boundary, the body limit), `schemas` (response bodies, the strict JSON encoder), `errors`
@@ -20,8 +21,9 @@ Modules:
   `metrics` (Prometheus).
 * callers: `keys` (hashed API keys, key files), `security` (the key check, admin keys, CORS), `caller` (a request's
   verified identity), `rate_limit` (token buckets per key), `in_flight` (requests in flight per key).
-* the Open Inference Protocol: `v2_protocol` (the KServe v2 wire format), `v2_model` (what HTTP /v2 and gRPC share),
-  `grpc` (the gRPC service).
+* the Open Inference Protocol: `v2_protocol` (the KServe v2 wire format), `v2_model` (what HTTP /v2 and gRPC share:
+  a model's metadata, what a request asks of a version, its outputs shaped from the answer), `grpc` (the gRPC
+  service).
 * `routes/` (thin: their query and their schema): classify, embed, explain, image_request (the errors and links the
   image routes share), health, metrics, models, page, v2 (all of /v2) and repository (its model repository extension).
 * `stores/`: where recent images live for GET /explain?id= (base, memory, redis, the store secret, redaction).
