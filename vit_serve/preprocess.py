@@ -22,6 +22,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -92,7 +93,18 @@ class ImageDecodeError(ValueError):
 
 
 class ImageTooLargeError(ValueError):
-    """The image has more pixels than allowed (``max_pixels`` or PIL's decompression-bomb limit)."""
+    """The image has more pixels than allowed (``max_pixels`` or PIL's decompression-bomb limit); ``pixels``:
+    its width x height where known."""
+
+    def __init__(self, message: str, pixels: int | None = None) -> None:
+        super().__init__(message)
+        self.pixels = pixels
+
+
+def _bomb_pixels(exc: BaseException) -> int | None:
+    """The image's pixel count in PIL's decompression-bomb message ("Image size (N pixels) exceeds ...")."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    return int(found.group(1)) if found else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -212,7 +224,7 @@ def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
         return
     w, h = img.size
     if w * h > max_pixels:
-        raise ImageTooLargeError(f"image has {w * h} pixels ({w}x{h}), more than max_pixels={max_pixels}")
+        raise ImageTooLargeError(f"image has {w * h} pixels ({w}x{h}), more than max_pixels={max_pixels}", w * h)
 
 
 # The formats an encoded image is opened as (Pillow's `formats=`): photo and web formats. Others (EPS, which runs
@@ -226,7 +238,7 @@ def _pil_errors() -> Iterator[None]:
     try:
         yield
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(_one_line(e)) from e
+        raise ImageTooLargeError(_one_line(e), _bomb_pixels(e)) from e
     except UnidentifiedImageError as e:
         raise ImageDecodeError("cannot decode image: unrecognized or unsupported image format") from e
     except MemoryError:

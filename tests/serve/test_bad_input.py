@@ -127,12 +127,16 @@ def test_decompression_bomb_and_pixel_cap_are_413(tiny_ckpt, photos, bomb):
 
     default_bomb, coffee = run(scenario())  # the default cap, 50 megapixels
     assert default_bomb.status_code == 413
-    assert "the limit is 50000000 pixels" in default_bomb.json()["detail"]
+    detail = default_bomb.json()["detail"]
+    assert "the limit is 50000000 pixels" in detail and f"{12000 * 12000} pixels" in detail
+    assert str(2 * 50_000_000) not in detail  # our limit only, not PIL's decompression-bomb one (twice ours)
     assert coffee.status_code == 200
     tight_bomb, tight_coffee = run(scenario(max_pixels=100_000))  # coffee is 600 x 400 = 240000 pixels
     assert tight_bomb.status_code == 413
     assert tight_coffee.status_code == 413
     assert "240000 pixels" in tight_coffee.json()["detail"]
+    assert "the limit is 100000 pixels" in tight_bomb.json()["detail"]
+    assert str(2 * 100_000) not in tight_bomb.json()["detail"]
     assert limit == Image.MAX_IMAGE_PIXELS  # restored when the server stops
 
 

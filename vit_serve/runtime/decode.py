@@ -55,8 +55,9 @@ def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Im
     try:
         return resize_and_crop(load_image(data, max_pixels=max_pixels, cfg=cfg), cfg)
     except ImageTooLargeError as e:
+        size = f"this one has {e.pixels} pixels" if e.pixels else "this one has more"
         raise TooLargeError(f"image too large: the limit is {max_pixels} pixels, width x height "
-                            f"(VIT_SERVE_MAX_PIXELS); {e}") from e
+                            f"(VIT_SERVE_MAX_PIXELS); {size}") from e
     except ImageDecodeError as e:
         if isinstance(e.__cause__, UnidentifiedImageError):
             raise UnsupportedMediaError(f"not an image in a format vit-serve reads ({ACCEPTED})") from e

@@ -153,7 +153,7 @@ class ModelVersion:
         curve = await runner.call(batch_curve.measure, self.backend.classify, image, runner.max_batch,
                                   limits.batch_curve_budget_s)
         runner.use_curve(curve)  # type: ignore[union-attr]  # a runner that measures its curve batches
-        log.info("%s: batch curve %s", self.label, curve.describe())
+        log.info("%s: batch curve %s", self.label, curve.describe(limits.max_delay_ms))
 
     def warm_up_soon(self) -> None:
         """Warm up in the background (again, if an earlier warm-up failed)."""
