@@ -9,12 +9,33 @@
     vit_serve.save(model, "model.safetensors")
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from vit_serve.config import ViTConfig, get_config, preset_names
-from vit_serve.model import VisionTransformer, create_model
-from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, preprocess_batch
 
+if TYPE_CHECKING:
+    from vit_serve.model import VisionTransformer
+
 __version__ = "0.1.0"
+
+# Imported on first use, so that `import vit_serve` (and `vit-serve --help`) does not import torch.
+_LAZY = {"VisionTransformer": "vit_serve.model", "create_model": "vit_serve.model",
+         "resample_pos_embed": "vit_serve.pos_embed"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vit_serve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def load(src, arch=None, **overrides) -> VisionTransformer:

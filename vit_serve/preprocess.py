@@ -27,11 +27,13 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `import vit_serve` (and the CLI's parser) stay light
+    import torch
 
 __all__ = [
     "CROP_MODES",
@@ -564,6 +566,8 @@ def to_tensor(img: Image.Image, cfg: PreprocessConfig) -> torch.Tensor:
 
     Values are uint8 / 255 then (x - mean) / std, all in float32.
     """
+    import torch
+
     if img.mode != "RGB":
         raise ValueError(f"to_tensor expects an RGB image, got mode {img.mode!r}; use load_image first")
     arr = np.array(img, dtype=np.uint8, copy=True)  # [H, W, 3]
@@ -588,6 +592,8 @@ def preprocess_batch(
     images: Iterable[ImageSource], cfg: PreprocessConfig, max_pixels: int | None = None
 ) -> torch.Tensor:
     """:func:`preprocess` each image and stack: float32 tensor [B, 3, H, W] (B may be 0)."""
+    import torch
+
     tensors = [preprocess(im, cfg, max_pixels) for im in images]
     if not tensors:
         return torch.empty((0, 3, *cfg.input_size), dtype=torch.float32)
