@@ -143,7 +143,8 @@ def test_decompression_bomb_and_pixel_cap_are_413(tiny_ckpt, photos, bomb):
 BAD_PARAMS = ["/classify?top_k=0", "/classify?top_k=abc", "/classify?top_k=-3", "/explain?discard_ratio=2",
               "/explain?discard_ratio=-0.1", "/explain?discard_ratio=nan", "/explain?head_fusion=avg",
               "/explain?method=gradcam", "/explain?format=gif", "/explain?alpha=3", "/explain?colormap=viridis",
-              "/explain?target=-1"]
+              "/explain?target=-1", "/explain?size=0", "/explain?size=15", "/explain?size=2049",
+              "/explain?size=abc", "/explain?size=1.5"]
 
 
 def test_bad_parameters_are_422(tiny_ckpt, photos):
@@ -159,6 +160,8 @@ def test_bad_parameters_are_422(tiny_ckpt, photos):
     for url, r in zip([*BAD_PARAMS, "GET discard_ratio", "GET target", "GET no id"], run(scenario()), strict=True):
         assert r.status_code == 422, (url, r.text)
         assert r.json()["detail"], url
+        if "size=" in url:  # the parameter and its bound are named
+            assert r.json()["detail"][0]["loc"] == ["query", "size"], r.text
 
 
 def test_no_route_answers_500_to_bad_input(tiny_ckpt, tiny_onnx, photos, bomb):

@@ -267,9 +267,10 @@ class ModelVersion:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,
                                                                 self.info.preprocess)
 
-    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
+    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str,
+                      size: int | None = None) -> bytes:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.overlay_png, crop, heatmap, alpha,
-                                                                colormap)
+                                                                colormap, size)
 
     def explain_task(self, method: str, head_fusion: str | None, discard_ratio: float | None,
                      target: int | None = None) -> Task:
