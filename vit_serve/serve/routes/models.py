@@ -98,10 +98,10 @@ def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
 @router.get("/models", response_model=ModelsResponse)
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
-    "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain",
-    "explain_support", "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States are
-    Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
-    version and state null.
+    "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain", "explain_support",
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States
+    are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
+    version and state null. `explain_support`: the /explain methods and rollout settings it answers.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
     policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `monitoring`: the reference
     its OOD scores and drift compare with (`schemas.MonitoringInfo`), or a line saying why there is none."""
