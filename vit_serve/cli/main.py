@@ -400,9 +400,9 @@ def _quickstart_parser(q: argparse.ArgumentParser) -> None:
     """`vit-serve quickstart`."""
     q.add_argument("--out", default="runs/quickstart", help="working folder (default: runs/quickstart)")
     q.add_argument("--pretrain-steps", type=int, default=quickstart.PRETRAIN_STEPS,
-                   help=f"default {quickstart.PRETRAIN_STEPS} (~1.5 min on 2 CPU cores)")
+                   help=f"default {quickstart.PRETRAIN_STEPS} at 16x16")
     q.add_argument("--finetune-steps", type=int, default=quickstart.FINETUNE_STEPS,
-                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32 (~30 s)")
+                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32")
     q.add_argument("--host", default="127.0.0.1")
     q.add_argument("--port", type=int, default=8000)
     q.add_argument("--no-serve", action="store_true", help="stop after the export")
@@ -484,7 +484,8 @@ _COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], 
         "train on the digits set, fine-tune at 2x resolution, export, serve",
         "The whole product on the embedded default: pre-train a small ViT on the "
         "digits set (16x16), fine-tune it at 32x32, export ONNX and a Triton repository, "
-        "and serve it with the web page. Finished steps in --out are reused.",
+        "and serve it with the web page. Finished steps in --out are reused. Each step shows a progress bar with "
+        f"its ETA; {quickstart.ESTIMATE}.",
         _quickstart_parser),
     "tune": (
         "find the gateway settings with the most images/s within a p99 target",
