@@ -8,7 +8,7 @@ import json
 import sys
 import typing
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from vit_serve import __version__, quickstart
@@ -23,9 +23,8 @@ from vit_serve.cli.flags import (
 )
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.config import RESAMPLE_MODES
-from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
-from vit_serve.predict.options import PredictOptions
 from vit_serve.resolution import parse_resolution
+from vit_serve.rollout_options import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 
 RESOLUTION = argument_type(parse_resolution)  # 384 or HxW, as an argparse type
 
@@ -283,12 +282,8 @@ def _positive(kind: type[int] | type[float]):
     return argument_type(parse)
 
 
-def _convert_parser(sub: argparse._SubParsersAction) -> None:
+def _convert_parser(c: argparse.ArgumentParser) -> None:
     """`vit-serve convert`."""
-    c = sub.add_parser("convert", help="convert any supported checkpoint to vit-serve's .safetensors format",
-                       description="Convert a vit_jax/big_vision .npz, timm, transformers, torchvision or "
-                                   "open_clip checkpoint (file, folder or hub id) to one vit-serve .safetensors "
-                                   "file (a CLIP/SigLIP text tower is kept).")
     c.add_argument("src", help="checkpoint file, folder, or hub id (hf-hub:OWNER/NAME)")
     c.add_argument("dst", help="output .safetensors path")
     c.add_argument("--res", type=RESOLUTION, help="resample position embeddings to this resolution (384 or HxW)")
@@ -314,14 +309,10 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_cmd_convert)
 
 
-def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+def _inspect_parser(i: argparse.ArgumentParser) -> None:
     """`vit-serve inspect`."""
     from vit_serve.tome import parse_tome
 
-    i = sub.add_parser("inspect", help="the ViT paper's Figure 6/7 inspections of a checkpoint, as PNGs + JSON",
-                       description="Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
-                                   "embedding similarity and mean attention distance (Figure 7) figures and "
-                                   "inspect.json with every number behind them.")
     i.add_argument("ckpt", metavar="CKPT", help="checkpoint (any format `convert` reads); with --drift, a "
                                                 "running gateway's URL (http://HOST:PORT) or a saved JSON of its "
                                                 "GET /models/NAME/drift")
@@ -350,19 +341,15 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     i.set_defaults(func=_cmd_inspect)
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
+def _train_parser(t: argparse.ArgumentParser) -> None:
     """`vit-serve train`: TrainConfig's fields as flags (`_add_train_flags`)."""
-    t = sub.add_parser("train", help="pre-train or fine-tune a ViT (flags override --config)",
-                       description="Pre-train or fine-tune a ViT with the paper's recipes. Multi-process: "
-                                   "torchrun --nproc-per-node N -m vit_serve train ...")
     t.add_argument("--config", help="a .json or .toml file of options (flags override it)")
     _add_train_flags(t)
     t.set_defaults(func=_cmd_train)
 
 
-def _eval_parser(sub: argparse._SubParsersAction) -> None:
+def _eval_parser(e: argparse.ArgumentParser) -> None:
     """`vit-serve eval`."""
-    e = sub.add_parser("eval", help="top-1/top-5, confusion matrix and few-shot accuracy of a checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("--data", default="digits", help=_TRAIN_HELP["data"])
     e.add_argument("--res", type=RESOLUTION, help="evaluate at this resolution (position embeddings resampled)")
@@ -373,16 +360,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=_cmd_eval)
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(s: argparse.ArgumentParser) -> None:
     """`vit-serve serve`: ServeSettings' fields as flags (their `Flag`s), and Ray Serve's launch options."""
-    s = sub.add_parser("serve", help="serve a model over HTTP (FastAPI): /classify, /explain, /v2, /metrics",
-                       description="Serve a repository of models (a folder of exports and checkpoints, or of "
-                                   "NAME/VERSION/ folders), one checkpoint (torch), an exported NAME.onnx "
-                                   "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
-                                   "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH) "
-                                   "and a name in a --config file: flags win over the variables, which win over "
-                                   "the file. The model defaults apply to the models without their own: a model's "
-                                   "REPO/NAME/config.toml (or config.pbtxt) sets its own.")
     try:
         from vit_serve.serve.setting_scopes import SERVER_SETTINGS, scope_of
         from vit_serve.serve.settings import RayDeploymentSettings, ServeSettings
@@ -419,44 +398,31 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_cmd_serve)
 
 
-def _predict_parser(sub: argparse._SubParsersAction) -> None:
+def _predict_parser(pr: argparse.ArgumentParser) -> None:
     """`vit-serve predict`: PredictOptions' fields as flags (their `Flag`s)."""
-    pr = sub.add_parser("predict", help="offline batch prediction over image files -> JSONL, CSV or Parquet",
-                        description="Predict every image of SRC with MODEL and write one row per image (path, top-k "
-                                    "labels, indices and scores as /classify answers them). Resumable: a rerun "
-                                    "skips the rows already written.")
+    from vit_serve.predict.options import PredictOptions
+
     add_flags(pr, dataclass_fields(PredictOptions))
     pr.set_defaults(func=_cmd_predict)
 
 
-def _quickstart_parser(sub: argparse._SubParsersAction) -> None:
+def _quickstart_parser(q: argparse.ArgumentParser) -> None:
     """`vit-serve quickstart`."""
-    q = sub.add_parser("quickstart", help="train on the digits set, fine-tune at 2x resolution, export, serve",
-                       description="The whole product on the embedded default: pre-train a small ViT on the "
-                                   "digits set (16x16), fine-tune it at 32x32, export ONNX and a Triton repository, "
-                                   "and serve it with the web page. Finished steps in --out are reused.")
     q.add_argument("--out", default="runs/quickstart", help="working folder (default: runs/quickstart)")
     q.add_argument("--pretrain-steps", type=int, default=quickstart.PRETRAIN_STEPS,
-                   help=f"default {quickstart.PRETRAIN_STEPS} (~1.5 min on 2 CPU cores)")
+                   help=f"default {quickstart.PRETRAIN_STEPS} at 16x16")
     q.add_argument("--finetune-steps", type=int, default=quickstart.FINETUNE_STEPS,
-                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32 (~30 s)")
+                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32")
     q.add_argument("--host", default="127.0.0.1")
     q.add_argument("--port", type=int, default=8000)
     q.add_argument("--no-serve", action="store_true", help="stop after the export")
     q.set_defaults(func=_cmd_quickstart)
 
 
-def _tune_parser(sub: argparse._SubParsersAction) -> None:
+def _tune_parser(t: argparse.ArgumentParser) -> None:
     """`vit-serve tune`."""
     from vit_serve.tune import result as tune
 
-    t = sub.add_parser("tune", help="find the gateway settings with the most images/s within a p99 target",
-                       description="Measure the real gateway (unique uploads from concurrent clients over HTTP) "
-                                   "with its defaults, then runtimes (torch, ONNX fp32 / int8, token merging; "
-                                   "each checked for top-1 agreement), threads x decode workers, max batch and "
-                                   "max delay, within --budget-s; print the table, draw throughput against p99, "
-                                   "and write the winner's settings as OUT/serve.toml for `vit-serve serve "
-                                   "--config`. Exits 3 when no setting meets the target.")
     t.add_argument("model", metavar="MODEL",
                    help="a checkpoint (runtimes, precisions and token merging are swept too) or an exported "
                         "NAME.onnx with NAME.json (its runner settings only)")
@@ -484,18 +450,86 @@ def _tune_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_tune)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# name -> (help, description, the function adding its flags): the flags are added only for the commands
+# a parser is built for (`build_parser`), so that `vit-serve --help` imports no heavy module.
+_COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None]]] = {
+    "convert": (
+        "convert any supported checkpoint to vit-serve's .safetensors format",
+        "Convert a vit_jax/big_vision .npz, timm, transformers, torchvision or "
+        "open_clip checkpoint (file, folder or hub id) to one vit-serve .safetensors "
+        "file (a CLIP/SigLIP text tower is kept).",
+        _convert_parser),
+    "inspect": (
+        "the ViT paper's Figure 6/7 inspections of a checkpoint, as PNGs + JSON",
+        "Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
+        "embedding similarity and mean attention distance (Figure 7) figures and "
+        "inspect.json with every number behind them.",
+        _inspect_parser),
+    "train": (
+        "pre-train or fine-tune a ViT (flags override --config)",
+        "Pre-train or fine-tune a ViT with the paper's recipes. Multi-process: "
+        "torchrun --nproc-per-node N -m vit_serve train ...",
+        _train_parser),
+    "eval": (
+        "top-1/top-5, confusion matrix and few-shot accuracy of a checkpoint",
+        None,
+        _eval_parser),
+    "serve": (
+        "serve a model over HTTP (FastAPI): /classify, /explain, /v2, /metrics",
+        "Serve a repository of models (a folder of exports and checkpoints, or of "
+        "NAME/VERSION/ folders), one checkpoint (torch), an exported NAME.onnx "
+        "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
+        "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH) "
+        "and a name in a --config file: flags win over the variables, which win over "
+        "the file. The model defaults apply to the models without their own: a model's "
+        "REPO/NAME/config.toml (or config.pbtxt) sets its own.",
+        _serve_parser),
+    "predict": (
+        "offline batch prediction over image files -> JSONL, CSV or Parquet",
+        "Predict every image of SRC with MODEL and write one row per image (path, top-k "
+        "labels, indices and scores as /classify answers them). Resumable: a rerun "
+        "skips the rows already written.",
+        _predict_parser),
+    "quickstart": (
+        "train on the digits set, fine-tune at 2x resolution, export, serve",
+        "The whole product on the embedded default: pre-train a small ViT on the "
+        "digits set (16x16), fine-tune it at 32x32, export ONNX and a Triton repository, "
+        "and serve it with the web page. Finished steps in --out are reused. Each step shows a progress bar with "
+        f"its ETA; {quickstart.ESTIMATE}.",
+        _quickstart_parser),
+    "tune": (
+        "find the gateway settings with the most images/s within a p99 target",
+        "Measure the real gateway (unique uploads from concurrent clients over HTTP) "
+        "with its defaults, then runtimes (torch, ONNX fp32 / int8, token merging; "
+        "each checked for top-1 agreement), threads x decode workers, max batch and "
+        "max delay, within --budget-s; print the table, draw throughput against p99, "
+        "and write the winner's settings as OUT/serve.toml for `vit-serve serve "
+        "--config`. Exits 3 when no setting meets the target.",
+        _tune_parser),
+}
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The `vit-serve` parser; `commands`: those whose flags are added (None: all). The others are listed with
+    their help, so the top-level --help is the same either way."""
     p = OneLineParser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vit-serve {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for add in (_convert_parser, _inspect_parser, _train_parser, _eval_parser, _serve_parser, _predict_parser,
-                _quickstart_parser, _tune_parser):
-        add(sub)
+    for name, (help_, description, add_flags_of) in _COMMANDS.items():
+        command = sub.add_parser(name, help=help_, description=description)
+        if commands is None or name in commands:
+            add_flags_of(command)
     return p
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command `argv` names: its first word that is not an option (the top level has no option taking a value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser({_command_of(argv)} - {None})  # only the command run imports what its flags need
     args = parser.parse_args(argv)
     # A setting read by a deprecated environment name says which to set (vit_serve.serve.settings.ENV_RENAMED);
     # Python would hide this DeprecationWarning outside __main__.

@@ -56,10 +56,12 @@ class Explain:
 
 @dataclass(frozen=True)
 class Overlay:
-    """The map drawn over the model-input crop as a PNG (POST /explain?format=png)."""
+    """The map drawn over the model-input crop as a PNG (POST /explain?format=png), `size` pixels on its longer
+    side (None: the crop's)."""
 
     alpha: float = 0.5
     colormap: str = "jet"
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,8 @@ async def _infer_and_answer(request: Request | None, scope: str, admission: Admi
         made = postprocess.answer(result.outputs, mv.info, _shape(ask, job), _ood(mv, ask, result))
     overlay = None
     if ask.overlay is not None and made.explanation is not None:
-        overlay = await mv.overlay(decoded.crop, made.explanation.heat, ask.overlay.alpha, ask.overlay.colormap)
+        overlay = await mv.overlay(decoded.crop, made.explanation.heat, ask.overlay.alpha, ask.overlay.colormap,
+                                   ask.overlay.size)
     total = (time.perf_counter() - run.t0) * 1e3
     timings = Timings(0.0, 0.0, decoded.decode_ms, result.queue_ms, result.infer_ms, text_ms, total,
                       result.batch_size)
