@@ -8,10 +8,13 @@ Modules:
   model default), `config_file` (`serve --config`), `app` (the factory, the lifespan, `run`), `gateway` (the running
   parts of one app), `shutdown` (drain, then stop), `slow_clients` (header and body deadlines, the connection cap),
   `metrics_listener` (the metrics port).
-* the models: `repository` (which versions are loaded; model control and polling), `model_version` (one loaded
-  version; its runner is `vit_serve.runtime.scheduling`'s), `admission` (a request's scheduling `Ticket` with the
-  gateway's errors), `traffic` (canaries, sticky sessions, the shadow) and `compare` (live agreement with them),
-  `monitoring` (OOD scores and drift of a version), `labels` (request-time zero-shot labels).
+* the models: `repository` (which versions are loaded; model control and polling), `version_loader` (builds a
+  version: its thread, runner, decoder, text tower and monitor), `model_version` (one loaded version; its runner is
+  `vit_serve.runtime.scheduling`'s), `version_state` (a version's phases and the one table of transitions between
+  them), `version_decode` (a version's uploads: the decode pool or the GPU, its contract's crops), `admission` (a
+  request's scheduling `Ticket` with the gateway's errors), `traffic` (canaries, sticky sessions, the shadow) and
+  `compare` (live agreement with them), `monitoring` (OOD scores and drift of a version), `labels` (request-time
+  zero-shot labels).
 * requests: `pipeline` (one request: announce, read, choose the version once, decode, infer, answer), `answer_hooks`
   (what runs after an answer: Server-Timing, the payload sampler), `uploads` (the image out of a request), `deps` (the
   app's gateway, the version a request goes to), `hangup` (a client that left cancels its work), `middleware` (request
