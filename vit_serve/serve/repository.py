@@ -24,8 +24,8 @@ the repository knows of them: being built, refused (with the reason), unloaded o
 Traffic between versions (`traffic`): each model's `TrafficPolicy` (`--traffic` / `--shadow` over its
 config.pbtxt's, replaced as a whole by `set_traffic`, the repository API) routes the requests that name no
 version, and the versions it names are loaded too (beside its version policy's, when they are on disk). Every
-loaded version hands its answers to the repository's `Mirror`, which copies those the policy says to the shadow
-or primary and compares the pairs (`compare`).
+loaded version hands its answers to the mirror of the repository's `TrafficSplits`, which copies those the policy
+says to the shadow or primary and compares the pairs (`compare`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -41,11 +40,10 @@ from prometheus_client import CollectorRegistry
 from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, select_versions
 from vit_serve.runtime.model_config import ModelConfig
 from vit_serve.runtime.settings import RepositorySettings
-from vit_serve.serve.compare import Compare
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.schemas import TrafficSpec
-from vit_serve.serve.traffic import Mirror, TrafficPolicy
+from vit_serve.serve.traffic import TrafficPolicy, TrafficSplits
 from vit_serve.serve.version_loader import VersionLoader, VersionRefusedError
 from vit_serve.serve.version_state import VersionState
 
@@ -70,12 +68,9 @@ class ModelRepository:
         self._poller: asyncio.Task[None] | None = None
         self._wanted: set[str] = set()  # models to keep loaded (all, or explicit mode's)
         self._attempted: set[str] = set()  # models ever asked to load (the index shows the others by name only)
-        self.traffic: dict[str, TrafficPolicy] = {}  # each model's split; replaced whole, never changed in place
-        self._traffic_set: set[str] = set()  # models whose policy the repository API set (it wins until unload)
-        self.rng = random.Random()
-        self.compare = Compare(registry, config.compare_window)
-        self.mirror = Mirror(self.traffic.get, lambda name: self.served.get(name, {}), self.compare, registry,
-                             self.rng)
+        # each model's split, its draws and the live comparison of the versions it names
+        self.traffic = TrafficSplits(config.traffic_weights, config.shadows, lambda name: self.served.get(name, {}),
+                                     registry, config.compare_window)
 
     # ---- start and stop --------------------------------------------------------------------------------
 
@@ -114,7 +109,7 @@ class ModelRepository:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        await self.mirror.stop()
+        await self.traffic.mirror.stop()
         for versions in self.served.values():
             for v in versions.values():
                 await v.close()
@@ -174,7 +169,7 @@ class ModelRepository:
             if name not in self.entries and name not in self.served:
                 raise BadRequestError(f"failed to unload {name!r}: no such model")
             self._wanted.discard(name)
-            self._traffic_set.discard(name)  # a model loaded again starts from its flags and config
+            self.traffic.reset(name)  # a model loaded again starts from its flags and config
             await self._sync(name)
 
     # ---- bringing one model in line ---------------------------------------------------------------------
@@ -187,8 +182,8 @@ class ModelRepository:
         wanted: list[int] = []
         if entry is not None and entry.error is None and name in self._wanted:
             self._attempted.add(name)
-            self._configure_traffic(name, entry)
-            named = self.traffic[name].versions if name in self.traffic else frozenset()
+            self.traffic.configure(name, entry.traffic, entry.shadow)
+            named = self.traffic.versions(name)
             # refused before and unchanged since: not tried again (a version rewritten in place is)
             excluded = {v for v, src in entry.versions.items()
                         if self._failed.get((name, v), ("", ""))[0] == src.fingerprint != ""}
@@ -205,29 +200,17 @@ class ModelRepository:
                     if new is None:
                         (kept if v in served else excluded).add(v)
                         continue
-                    self.mirror.attach(new)
+                    self.traffic.mirror.attach(new)
                     current, served[v] = served.get(v), new  # switched in: requests are routed to it from here
                     new.metrics.publish()  # the gauges of (name, v) are the new one's, even if `current` had them
                     if current is not None:
                         self._retire(current)
         for v in [v for v in served if v not in wanted]:
             self._retire(served.pop(v))
-            self.compare.forget(name, v)
+            self.traffic.compare.forget(name, v)
         if not served:
             self.served.pop(name, None)
-            self.compare.forget(name)
-
-    def _configure_traffic(self, name: str, entry: ModelEntry) -> None:
-        """The model's policy from --traffic / --shadow over its config.pbtxt (unless the API set one)."""
-        if name in self._traffic_set:
-            return
-        weights = self.config.traffic_weights.get(name, entry.traffic)
-        shadow = self.config.shadows.get(name, entry.shadow)
-        policy = TrafficPolicy.of(name, weights, shadow)  # both checked already (settings, discovery)
-        if policy.empty:
-            self.traffic.pop(name, None)
-        else:
-            self.traffic[name] = policy
+            self.traffic.compare.forget(name)
 
     def set_traffic(self, name: str, spec: TrafficSpec) -> TrafficPolicy:
         """Replace `name`'s policy (the repository API): every version it names must be in service. 400 saying
@@ -246,9 +229,7 @@ class ModelRepository:
         if missing:
             raise BadRequestError(f"traffic for {name!r}: version {', '.join(map(str, missing))} is not in service "
                                   f"(it serves {', '.join(map(str, sorted(served)))}); load it first")
-        self.traffic[name] = policy
-        self._traffic_set.add(name)
-        self.compare.forget(name)  # a new policy starts new windows: its pairs are not mixed with the old ones'
+        self.traffic.set(name, policy)  # new compare windows: its pairs are not mixed with the old policy's
         log.info("traffic of %s: %s", name, policy)
         return policy
 
@@ -329,10 +310,7 @@ class ModelRepository:
                 raise self.unknown(name)
             raise NotReadyError(f"model {name!r} is not loaded: {self.why_not(name)}", headers={"Retry-After": "1"})
         if version is None:
-            policy = self.traffic.get(name)  # read once: a policy swapped meanwhile takes the next request
-            if policy is not None and policy.weights:
-                return served[policy.choose(served, session, self.rng)]
-            return served[max(served)]  # `newest`, with the 404 / 503 above
+            return self.traffic.choose(name, served, session)  # its draw, else `newest` (with the 404 / 503 above)
         try:
             v = int(version)
         except (TypeError, ValueError):
