@@ -85,9 +85,10 @@ class VersionDecoder:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,
                                                                 self.preprocess)
 
-    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
+    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str,
+                      size: int | None = None) -> bytes:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.overlay_png, crop, heatmap, alpha,
-                                                                colormap)
+                                                                colormap, size)
 
     def close(self) -> None:
         if self.gpu is not None:
