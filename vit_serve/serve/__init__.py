@@ -16,9 +16,13 @@ The app:
 The models:
 
 - `repository`: which versions are loaded; model control and polling.
+- `version_loader`: builds a version (its thread, runner, decoder, text tower and monitor).
 - `model_version`: one loaded version (its runner is `vit_serve.runtime.scheduling`'s).
+- `version_state`: a version's phases and the one table of transitions between them.
+- `version_decode`: a version's uploads (the decode pool or the GPU) and its contract's crops.
 - `admission`: a request's scheduling `Ticket`, with the gateway's errors.
-- `traffic`, `compare`: canaries, sticky sessions and the shadow; live agreement with them.
+- `traffic`, `compare`: canaries, sticky sessions and the shadow (each model's `TrafficSplits`); live agreement
+  with them.
 - `monitoring`: OOD scores and drift of a version.
 - `labels`: request-time zero-shot labels.
 

@@ -233,8 +233,8 @@ async def answer_kept(mv: ModelVersion, scope: str, admission: Admission, ask: A
     `ask` asks; 404 when it is not kept (any more)."""
     t0 = time.perf_counter()
     job = resolve(ask, mv)
-    slot = mv.store.secret.slot(scope, image_id)  # the caller's own: another key's id names another slot
-    crop = await asyncio.get_running_loop().run_in_executor(mv.pool, mv.crop_of, slot)  # Redis: a round trip
+    slot = mv.decoder.secret.slot(scope, image_id)  # the caller's own: another key's id names another slot
+    crop = await asyncio.get_running_loop().run_in_executor(mv.decoder.pool, mv.crop_of, slot)  # Redis: a round trip
     if crop is None:
         raise NotFoundError(f"no image with id {image_id} here for model {mv.name!r} (never sent to it, expired or "
                             f"evicted); send the image again with POST /explain (multipart field 'file' or a raw "
@@ -308,7 +308,7 @@ async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
     """The upload decoded (none if the caller sent it before: its crop is in the store) and kept for GET
     /explain, with the caller's id for it (`stores.secret`): another caller's identical upload neither finds
     this crop nor gets this id."""
-    secret = mv.store.secret
+    secret = mv.decoder.secret
     image = secret.image_id(scope, upload.sha256)
     decoded = await mv.decode(upload.data, secret.slot(scope, image))
     return dataclasses.replace(decoded, id=image)

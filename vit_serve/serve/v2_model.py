@@ -149,7 +149,7 @@ async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int
     if t.datatype != "BYTES" or not t.data:
         raise BadRequestError(f"{IMAGE} must be BYTES holding at least one encoded image")
     # On the GPU the decoder batches the crops waiting together: let a request's images wait together.
-    window = decode_window if mv.gpu is None else max(decode_window, mv.runner.limits.max_batch)
+    window = decode_window if mv.decoder.gpu is None else max(decode_window, mv.runner.limits.max_batch)
     return await decode_images(mv, list(t.data), window)
 
 

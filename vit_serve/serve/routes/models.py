@@ -135,8 +135,9 @@ async def compare(name: NameDep, gateway: GatewayDep) -> CompareResponse:
     repo = _repository(gateway)
     if name not in repo.entries and name not in repo.served:
         raise repo.unknown(name)
-    versions = [AgreementInfo.model_validate(dataclasses.asdict(a)) for a in repo.compare.summaries(name)]
-    return CompareResponse(model=name, window=repo.compare.size, policy=policy_of(repo, name), versions=versions)
+    compare = repo.traffic.compare
+    versions = [AgreementInfo.model_validate(dataclasses.asdict(a)) for a in compare.summaries(name)]
+    return CompareResponse(model=name, window=compare.size, policy=policy_of(repo, name), versions=versions)
 
 
 @router.get("/models/{name}/drift", response_model=DriftResponse,
