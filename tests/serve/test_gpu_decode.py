@@ -179,7 +179,7 @@ def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_mo
 
     r, gw = run(scenario())
     assert r.status_code == 200
-    assert gw.gpu is None and gw.gpu_decode_off == "the model runs on cpu, not CUDA"
+    assert gw.decoder.gpu is None and gw.decoder.gpu_decode_off == "the model runs on cpu, not CUDA"
     said = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("decode: ")]
     assert said == [f"decode: CPU, the model runs on cpu, not CUDA (model {gw.info.name})"], said
     with torch.no_grad():
@@ -191,7 +191,7 @@ def test_gateway_without_cuda_decodes_on_the_cpu_and_says_why(tiny_ckpt, tiny_mo
 def test_gateway_with_gpu_decode_off_says_so(tiny_ckpt):
     async def scenario():
         async with serving(settings_for(tiny_ckpt, gpu_decode=False)) as (_, app):
-            return app.state.gateway.model().gpu_decode_off
+            return app.state.gateway.model().decoder.gpu_decode_off
 
     assert run(scenario()) == "gpu_decode is off (VIT_SERVE_GPU_DECODE=false)"
 
@@ -206,17 +206,16 @@ def test_gateway_gpu_branch_with_the_decoder_on_the_cpu_device(tiny_ckpt, tiny_m
         async with serving(settings_for(tiny_ckpt)) as (client, app):
             gateway = app.state.gateway
             gw = gateway.model()
-            gw.gpu = GpuDecoder(gw.info.preprocess, gw.max_pixels, device="cpu",
+            gw.decoder.gpu = GpuDecoder(gw.info.preprocess, gw.decoder.max_pixels, device="cpu",
                                 on_fallback=lambda why: gateway.metrics.gpu_decode_fallbacks.labels(why).inc())
             a = await client.post("/classify?top_k=10", content=jpeg, headers={"Content-Type": "image/jpeg"})
             e = await client.get(f"/explain?id={a.json()['id']}&format=json")
             b = await client.post("/classify?top_k=10", content=png, headers={"Content-Type": "image/png"})
             bad = await client.post("/classify", content=jpeg[:2000], headers={"Content-Type": "image/jpeg"})
-            fallbacks = dict(gw.gpu.fallbacks)
+            fallbacks = dict(gw.decoder.gpu.fallbacks)
             metrics = (await client.get("/metrics")).text
             assert 'vit_serve_gpu_decode_fallbacks_total{reason="not a JPEG"} 1.0' in metrics, metrics
-            gw.gpu.close()
-            gw.gpu = None
+            gw.decoder.close()
             return a, e, b, bad, fallbacks
 
     a, e, b, bad, fallbacks = run(scenario())
@@ -262,7 +261,8 @@ def test_cuda_decode_matches_the_cpu_path(corpus, tiny_ckpt):
         async with serving(settings_for(tiny_ckpt, device="cuda")) as (client, app):
             r = await client.post("/classify", content=corpus["phone_astronaut.jpg"],
                                   headers={"Content-Type": "image/jpeg"})
-            return r, app.state.gateway.model().gpu_decode_off, dict(app.state.gateway.model().gpu.fallbacks)
+            decoder = app.state.gateway.model().decoder
+            return r, decoder.gpu_decode_off, dict(decoder.gpu.fallbacks)
 
     r, off, fallbacks = run(scenario())
     assert r.status_code == 200 and off is None and fallbacks == {}

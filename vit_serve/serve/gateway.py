@@ -26,6 +26,7 @@ from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.settings import ServeSettings
 from vit_serve.serve.stores import open_store
+from vit_serve.serve.version_loader import VersionLoader
 
 if TYPE_CHECKING:
     from vit_serve.runtime.payload_sampler import PayloadSampler
@@ -75,9 +76,9 @@ class Gateway:
             dropped = self.metrics.samples_dropped
             self.sampler = PayloadSampler(s.monitor.sampler_settings(),
                                           dropped=lambda reason, n: dropped.labels(reason).inc(n))
-        self.repository = ModelRepository(LoadSpec.of(s), s.repository, self.metrics, self.decode_pool, self.store,
-                                          max_pixels=s.max_pixels, gpu_decode=s.gpu_decode,
-                                          label_limits=s.label_limits, monitoring=s.monitor)
+        loader = VersionLoader(LoadSpec.of(s), self.metrics, self.decode_pool, self.store, max_pixels=s.max_pixels,
+                               gpu_decode=s.gpu_decode, label_limits=s.label_limits, monitoring=s.monitor)
+        self.repository = ModelRepository(loader, s.repository, self.metrics.registry)
         await self.repository.start()
         self.started = True
 

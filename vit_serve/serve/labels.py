@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,7 +35,6 @@ class LabelVersion(Protocol):
     text: TextTower | None
     label_limits: LabelLimits
     metrics: ModelMetrics
-    label_cache_counter: Callable[[str, int], None] | None
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,6 @@ async def encode_labels(mv: LabelVersion, labels: list[str], image_embeds: np.nd
     else:
         classes = np.stack([job.found[label] for label in labels])
     logits = text.logits(image_embeds, classes)
-    if mv.label_cache_counter is not None:
-        mv.label_cache_counter("hit", job.hits)
-        mv.label_cache_counter("miss", job.misses)
+    mv.metrics.label_cache("hit").inc(job.hits)
+    mv.metrics.label_cache("miss").inc(job.misses)
     return logits, (time.perf_counter() - t0) * 1e3

@@ -60,6 +60,9 @@ class GatewayMetrics:
         self.samples_dropped = Counter("vit_serve_samples_dropped", "requests the payload sampler drew but did not "
                                        "keep, by reason: queue_full, write_failed, disk_full (sampling has stopped)",
                                        ["reason"], registry=r)
+        self.label_cache = Counter("vit_serve_label_cache", "labels of POST /classify?labels= (and the v2 labels "
+                                   "parameter) found in the text tower's LRU cache (hit) or encoded (miss)",
+                                   ["result", *MODEL], registry=r)
         self.ready = Gauge("vit_serve_ready", "1 when the model version is loaded, warmed and answering", MODEL,
                            registry=r)
         self.memory = Gauge("vit_serve_model_memory_bytes", "resident memory the model version took to load and "
@@ -162,6 +165,10 @@ class ModelMetrics:
 
     def cancelled(self, stage: str) -> Counter:
         return self._m.cancelled.labels(stage, *self.labels)
+
+    def label_cache(self, result: str) -> Counter:
+        """Labels of requests with labels found in the text tower's cache ("hit") or encoded ("miss")."""
+        return self._m.label_cache.labels(result, *self.labels)
 
     def remove(self) -> None:
         """Drop this version's gauges (unloaded: it no longer has a queue or memory) unless another version of the

@@ -6,35 +6,29 @@ switched in, or an unload call) finishes the requests that were routed to it bef
 `unload_grace_s` for them (those still unanswered then get 503). The announcement (`Announcement`) does not keep that
 version alive: a version that leaves service while a body is read is chosen again once it is read.
 
-Uploads are decoded in the gateway's shared decode pool with this version's own preprocessing contract; the crop
-kept for `GET /explain` is stored under the caller's slot for the image (`stores.secret`) and the contract (two
-models with different resolutions keep different crops of the same upload).
+Its phase (loading, ready, failed, draining, stopping, unloaded) is a `version_state.VersionStatus`, moved only here;
+its uploads are decoded by its `version_decode.VersionDecoder` (its preprocessing contract, the crop store).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hashlib
-import json
 import logging
 import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
 from vit_serve.runtime import batch_curve
-from vit_serve.runtime import decode as decoding
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
-from vit_serve.runtime.gpu_decode import GpuDecoder
 from vit_serve.runtime.scheduling import Arrival, Result, Runner
 from vit_serve.runtime.scheduling.errors import NotReadyError as SchedulerNotReady
 from vit_serve.runtime.task import CLASSIFY, EMBED, Task
@@ -45,42 +39,29 @@ from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotReadyE
 from vit_serve.serve.labels import LabelCaller, encode_labels, parse_labels
 from vit_serve.serve.metrics import ModelMetrics
 from vit_serve.serve.monitoring import VersionMonitor
-from vit_serve.serve.stores import CropStore, Namespaced
+from vit_serve.serve.version_decode import VersionDecoder
+from vit_serve.serve.version_state import Phase, VersionStatus
 
 log = logging.getLogger("vit_serve.serve")
 
-State = Literal["LOADING", "READY", "UNLOADING", "UNLOADED"]
-
-
-def contract_key(info: ModelInfo) -> str:
-    """A short digest of the preprocessing contract: crops made with equal contracts are interchangeable."""
-    text = json.dumps(info.preprocess.to_dict(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 class ModelVersion:
-    """A version the gateway loaded (`repository.load_version` builds it)."""
+    """A version the gateway loaded (`version_loader.VersionLoader.load` builds it; `status` is its phase)."""
 
     def __init__(self, name: str, version: int, backend: Backend, runner: Runner, thread: ThreadPoolExecutor,
-                 metrics: ModelMetrics, pool: ThreadPoolExecutor, store: CropStore, max_pixels: int,
-                 gpu: GpuDecoder | None, gpu_decode_off: str | None, fingerprint: str = "") -> None:
+                 metrics: ModelMetrics, decoder: VersionDecoder, fingerprint: str = "", *,
+                 label_limits: LabelLimits | None = None, monitor: VersionMonitor | None = None,
+                 text: TextTower | None = None, text_error: str | None = None) -> None:
         self.name, self.version = name, version
         self.backend, self.runner, self.thread, self.metrics = backend, runner, thread, metrics
-        self.pool, self.store, self.max_pixels = pool, store, max_pixels
-        self.gpu, self.gpu_decode_off = gpu, gpu_decode_off
+        self.decoder = decoder  # its uploads: the decode pool or the GPU, its contract's crops
         self.fingerprint = fingerprint  # of the files it was loaded from (discovery.fingerprint)
         self.memory_bytes: int | None = None  # RSS it took to load and warm up
-        self.state: State = "LOADING"
-        self.warm = False
-        self.error: str | None = None
-        self.contract = contract_key(backend.info)  # its preprocessing contract's digest
-        self.crops = Namespaced(store, self.contract)  # this contract's crops
-        self.text: TextTower | None = None  # its text tower (NAME_text.onnx beside it): POST /classify?labels=
-        self.text_error: str | None = None  # why the text tower beside it could not be loaded
-        self.label_cache_counter: Callable[[str, int], None] | None = None  # ("hit" | "miss", count) -> metrics
-        self.label_limits = LabelLimits()  # the gateway's (`repository.ModelRepository`)
+        self.status = VersionStatus(self.label)  # its phase: changed only by warm_up, warm_up_soon and close
+        self.text = text  # its text tower (NAME_text.onnx beside it): POST /classify?labels=
+        self.text_error = text_error  # why the text tower beside it could not be loaded
+        self.label_limits = label_limits or LabelLimits()  # requests with labels
         # OOD scores and the drift window (`monitoring`; None: monitoring off, or a model without a reference)
-        self.monitor: VersionMonitor | None = None
+        self.monitor = monitor
         # (task, x, result, admission) -> None: a copy of each answered request for shadow / canary comparison
         # (`traffic`); it only schedules work
         self.mirror: Callable[[Task, np.ndarray, Result, Admission | None], None] | None = None
@@ -90,7 +71,6 @@ class ModelVersion:
         self._warmup: asyncio.Task[None] | None = None
         self._announced: set[Arrival] = set()  # requests reading their bodies (`Announcement`)
         self._answering: set[asyncio.Future[Result]] = set()  # requests queued or in a batch (`infer`)
-        self._stopped = False  # the runner is stopped: nothing more is answered
         self._grace_s = math.inf  # the unload grace it was closed with
         self._closed = asyncio.Event()
 
@@ -101,6 +81,21 @@ class ModelVersion:
     @property
     def label(self) -> str:
         return f"{self.name} version {self.version}"
+
+    @property
+    def contract(self) -> str:
+        """Its preprocessing contract's digest: versions with equal ones take each other's inputs."""
+        return self.decoder.contract
+
+    @property
+    def warm(self) -> bool:
+        """Warmed up and in service (READY)."""
+        return self.status.phase is Phase.READY
+
+    @property
+    def error(self) -> str | None:
+        """Why its warm-up failed (kept while it is tried again), else None."""
+        return self.status.reason or None
 
     # ---- lifetime --------------------------------------------------------------------------------------
 
@@ -127,7 +122,8 @@ class ModelVersion:
         return Announcement(self, priority)
 
     async def warm_up(self) -> bool:
-        """One batch through the model (in its thread); READY after it. False (and `error`) when it fails."""
+        """One batch through the model (in its thread); READY after it. False (FAILED, and `error`) when it fails,
+        or when the version was closed meanwhile."""
         t0 = time.perf_counter()
         try:
             if isinstance(self.backend, RemoteBackend):
@@ -136,10 +132,14 @@ class ModelVersion:
                 await self.runner.call(self.backend.warmup)
             await self._measure_batch_curve()
         except Exception as e:
-            self.error = f"warm-up failed: {' '.join(str(e).split()) or type(e).__name__}"
+            if self.status.closing:
+                return False
+            self.status.move(Phase.FAILED, f"warm-up failed: {' '.join(str(e).split()) or type(e).__name__}")
             log.warning("%s: %s", self.label, self.error)
             return False
-        self.warm, self.error, self.state = True, None, "READY"
+        if self.status.closing:  # unloaded while warming up: it never serves again
+            return False
+        self.status.move(Phase.READY)
         self.metrics.ready.set(1)
         log.info("%s warmed up in %.2f s; ready", self.label, time.perf_counter() - t0)
         return True
@@ -153,33 +153,41 @@ class ModelVersion:
         curve = await runner.call(batch_curve.measure, self.backend.classify, image, runner.max_batch,
                                   limits.batch_curve_budget_s)
         runner.use_curve(curve)  # type: ignore[union-attr]  # a runner that measures its curve batches
-        log.info("%s: batch curve %s", self.label, curve.describe())
+        log.info("%s: batch curve %s", self.label, curve.describe(limits.max_delay_ms))
 
     def warm_up_soon(self) -> None:
-        """Warm up in the background (again, if an earlier warm-up failed)."""
+        """Warm up in the background (again, if an earlier warm-up failed: FAILED -> LOADING, its reason kept)."""
         if self._warmup is None or self._warmup.done():
+            if self.status.phase is Phase.FAILED:
+                self.status.move(Phase.LOADING)
             self._warmup = asyncio.get_running_loop().create_task(self.warm_up())
 
     async def readiness(self) -> tuple[bool, str | None]:
         """(ready, why not): warmed up and the backend answers (`Backend.ready`)."""
         if not self.warm:
-            if self.error and (self._warmup is None or self._warmup.done()):
+            if self.status.phase is Phase.FAILED and (self._warmup is None or self._warmup.done()):
                 self.warm_up_soon()  # try again
             return False, self.error or "warming up"
+        why: str | None = None
         try:
             if isinstance(self.backend, RemoteBackend):
                 ok = await self.backend.ready()
             else:
                 ok = self.backend.ready()
         except Exception as e:
-            ok, self.error = False, f"backend not ready: {e}"
+            ok, why = False, f"backend not ready: {e}"
         self.metrics.ready.set(int(ok))
-        return ok, None if ok else (self.error or f"the {self.backend.name} backend is not ready")
+        return ok, None if ok else (why or f"the {self.backend.name} backend is not ready")
 
     async def close(self, grace_s: float = 0.0) -> None:
         """Let the requests holding this version finish, waiting at most `grace_s` seconds (0: not at all), then
-        stop its runner, backend and thread: the requests still queued or running then are answered 503."""
-        self.state, self._grace_s = "UNLOADING", grace_s
+        stop its runner, backend and thread: the requests still queued or running then are answered 503. Closing
+        a version already closing waits until it is closed."""
+        if self.status.closing:
+            await self._closed.wait()
+            return
+        self.status.move(Phase.DRAINING)
+        self._grace_s = grace_s
         if grace_s > 0 and self._in_flight:
             try:
                 await asyncio.wait_for(self._idle.wait(), None if math.isinf(grace_s) else grace_s)
@@ -191,7 +199,7 @@ class ModelVersion:
         for arrival in list(self._announced):  # requests still reading their bodies choose again afterwards
             arrival.done()
         self._announced.clear()
-        self._stopped = True
+        self.status.move(Phase.STOPPING)
         for waiting in list(self._answering):  # queued or in the running batch: answered 503 (`infer`)
             waiting.cancel()
         await self.runner.stop()
@@ -205,11 +213,9 @@ class ModelVersion:
         self.thread.shutdown(wait=False, cancel_futures=True)
         if self.text is not None:
             self.text.close()
-        if self.gpu is not None:
-            self.gpu.close()
-            self.gpu = None
+        self.decoder.close()
         self.metrics.remove()
-        self.state = "UNLOADED"
+        self.status.move(Phase.UNLOADED)
         self._closed.set()
 
     async def wait_closed(self) -> None:
@@ -225,51 +231,19 @@ class ModelVersion:
     # ---- work ------------------------------------------------------------------------------------------
 
     def crop_of(self, slot: str) -> Image.Image | None:
-        """The model-input crop of an image classified earlier with this contract, by its slot (`stores.secret`:
-        the caller's scope and the id), or None (503 when the store cannot be reached:
-        stores.StoreUnavailableError)."""
-        return self.crops.find(slot)
+        """The crop of an image decoded earlier with this contract, by its slot (`VersionDecoder.crop_of`)."""
+        return self.decoder.crop_of(slot)
 
     async def decode(self, data: bytes, key: str | None = None, keep: bool = True) -> Decoded:
-        """Upload bytes -> id, crop, x [1, 3, H, W], decoded once (none if the crop is in the store); keeps the
-        crop for GET /explain under `key`, the caller's slot for the upload (routes.image_request.decode_kept; the id
-        is the key then)."""
-        loop = asyncio.get_running_loop()
-        cfg = self.info.preprocess
-        if self.gpu is None:
-            return await loop.run_in_executor(self.pool, self._decode_kept, data, key, keep)
-        t0 = time.perf_counter()
-        if not key and keep:
-            key = await loop.run_in_executor(self.pool, decoding.image_id, data)
-        crop = self.crops.get(key) if keep else None  # a store that cannot answer is a miss here
-        if crop is None:
-            crop = await self.gpu.crop(data)
-            if crop is None:  # not for the GPU: the CPU path (and its 4xx answers)
-                crop = await loop.run_in_executor(self.pool, decoding.decode_crop, data, cfg, self.max_pixels)
-            if keep:
-                self.crops.put(key, crop)
-        x = await loop.run_in_executor(self.pool, decoding.input_tensor, crop, cfg)
-        return Decoded(key or "", crop, x, (time.perf_counter() - t0) * 1e3)
-
-    def _decode_kept(self, data: bytes, key: str | None, keep: bool) -> Decoded:
-        """The CPU path, in the decode pool: the crop from the store (`keep`), else decoded and stored. `key`: the
-        bytes' sha256 hex or the caller's slot when the reader has it (`uploads.read_image` hashes while reading),
-        else the bytes' id made here when the crop is kept (without keeping, nothing needs the id: it is "")."""
-        t0 = time.perf_counter()
-        key = key or (decoding.image_id(data) if keep else "")
-        crop = self.crops.get(key) if keep else None
-        decoded = decoding.decode(data, self.info.preprocess, self.max_pixels, key, crop)
-        if keep and crop is None:
-            self.crops.put(key, decoded.crop)
-        return dataclasses.replace(decoded, decode_ms=(time.perf_counter() - t0) * 1e3)
+        """Upload bytes -> id, crop, x [1, 3, H, W], the crop kept under `key` (`VersionDecoder.decode`)."""
+        return await self.decoder.decode(data, key, keep)
 
     async def tensor_of(self, crop: Image.Image) -> np.ndarray:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,
-                                                                self.info.preprocess)
+        return await self.decoder.tensor_of(crop)
 
-    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.overlay_png, crop, heatmap, alpha,
-                                                                colormap)
+    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str,
+                      size: int | None = None) -> bytes:
+        return await self.decoder.overlay(crop, heatmap, alpha, colormap, size)
 
     def explain_task(self, method: str, head_fusion: str | None, discard_ratio: float | None,
                      target: int | None = None) -> Task:
@@ -347,7 +321,7 @@ class ModelVersion:
         """Run `task` on x [n, 3, H, W] through the runner (with the request's `admission`: its level and
         deadline); 503 once this version is unloaded. A primary answer is handed to `mirror` (shadow traffic and
         canary pairs, `traffic`), which schedules its own work and returns at once."""
-        if self._stopped:
+        if self.status.stopped:
             if arrival is not None:
                 arrival.done()
             raise self._unloaded()
@@ -361,7 +335,7 @@ class ModelVersion:
             raise BadRequestError(str(e)) from e
         except (NotReadyError, SchedulerNotReady, asyncio.CancelledError):
             current = asyncio.current_task()
-            if self._stopped and not (current is not None and current.cancelling()):  # cut by the unload, not
+            if self.status.stopped and not (current is not None and current.cancelling()):  # cut by the unload, not
                 raise self._unloaded() from None  # by the client going away
             raise
         finally:

@@ -16,16 +16,16 @@ Model control, with Triton's names (`--model-control`):
 A model that fails to load never takes the gateway down: it is shown with its reason (`index()`, `GET /models`)
 and the others serve on. Only a repository of one file fails the start-up (nothing else could be served).
 
-Each loaded version has its own model thread and runner (`scheduling.runner_for`) with the gateway's batching limits,
-or those of the model's Triton config; the model threads share the machine: unless `--threads` is set, a
-repository of n models gives each model max(1, cores // n) intra-op threads (one model keeps its runtime's
-default).
+Each version is built by the `VersionLoader` (`version_loader`: its own model thread and runner with its model's
+limits, its decoder, text tower and monitor); its phase (loading, ready, draining...) is its own
+(`version_state`). The index (`index()`) shows a loaded version by its phase, and the versions with none by what
+the repository knows of them: being built, refused (with the reason), unloaded or outside the version policy.
 
 Traffic between versions (`traffic`): each model's `TrafficPolicy` (`--traffic` / `--shadow` over its
 config.pbtxt's, replaced as a whole by `set_traffic`, the repository API) routes the requests that name no
 version, and the versions it names are loaded too (beside its version policy's, when they are on disk). Every
-loaded version hands its answers to the repository's `Mirror`, which copies those the policy says to the shadow
-or primary and compares the pairs (`compare`).
+loaded version hands its answers to the mirror of the repository's `TrafficSplits`, which copies those the policy
+says to the shadow or primary and compares the pairs (`compare`).
 """
 
 from __future__ import annotations
@@ -33,100 +33,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry
 
-from vit_serve.runtime.backends import Backend, load
-from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, scan, select_versions
-from vit_serve.runtime.errors import BackendUnavailableError
-from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
-from vit_serve.runtime.metrics import MODEL
+from vit_serve.runtime.discovery import ModelEntry, VersionPolicy, VersionSource, select_versions
 from vit_serve.runtime.model_config import ModelConfig
-from vit_serve.runtime.scheduling import runner_for
 from vit_serve.runtime.settings import RepositorySettings
-from vit_serve.runtime.spec import LoadSpec, resolve_backend
-from vit_serve.runtime.text_tower import TextTower, text_tower_of
-from vit_serve.runtime.zero_shot import LabelLimits
-from vit_serve.serve.compare import Compare
 from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
-from vit_serve.serve.metrics import GatewayMetrics, RunnerEvents
 from vit_serve.serve.model_version import ModelVersion
-from vit_serve.serve.monitoring import VersionMonitor
 from vit_serve.serve.schemas import TrafficSpec
-from vit_serve.serve.settings import DEFAULT_LABELS, MonitoringSettings, available_cpus
-from vit_serve.serve.stores import CropStore
-from vit_serve.serve.traffic import Mirror, TrafficPolicy
+from vit_serve.serve.traffic import TrafficPolicy, TrafficSplits
+from vit_serve.serve.version_loader import VersionLoader, VersionRefusedError
+from vit_serve.serve.version_state import VersionState
 
 log = logging.getLogger("vit_serve.serve")
-
-StateName = Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
-
-
-@dataclass(frozen=True)
-class VersionState:
-    """One row of the repository index (Triton's `{"name", "version", "state", "reason"}`)."""
-
-    name: str
-    version: int | None  # None: a model of REPO that was never loaded
-    state: StateName | None
-    reason: str = ""
-
-
-def rss_bytes() -> int | None:
-    """The process's resident memory (Linux /proc; None elsewhere)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def load_memory(rss0: int | None, rss1: int | None, source: VersionSource, remote: bool) -> int | None:
-    """What a version took to load: the process's RSS growth over the load and warm-up, but never less than its
-    weights file when the model runs in this process. The floor matters because RSS growth alone reads 0 when the
-    allocator reuses pages freed by an earlier model, or is split oddly when several versions load at once."""
-    if rss0 is None or rss1 is None:
-        return None
-    grown = max(0, rss1 - rss0)
-    if remote:  # the server holds the weights
-        return grown
-    try:
-        return max(grown, source.path.stat().st_size)
-    except OSError:
-        return grown
-
-
-def model_device(backend: Backend) -> str:
-    """Where a backend's model runs: "cpu", "cuda[:i]", or (a remote server) "the <backend> server"."""
-    device = backend.info.device
-    return f"the {backend.name} server" if device == "remote" else device
-
 
 class ModelRepository:
     """The loaded versions of REPO's models, by name and version, and the state of every version.
 
-    spec: REPO (`spec.path`) and how its models load (each version's spec is this one with its file, backend,
-    name and threads); config: which models and versions are served, and how the set changes; max_pixels and
-    gpu_decode: how each version decodes uploads (`ModelVersion`)."""
+    loader: scans REPO and builds each version (`version_loader`); config: which models and versions are served,
+    and how the set changes; registry: where the traffic comparison's metrics are (`compare`, `traffic`)."""
 
-    def __init__(self, spec: LoadSpec, config: RepositorySettings, metrics: GatewayMetrics,
-                 pool: ThreadPoolExecutor, store: CropStore, *, max_pixels: int, gpu_decode: bool,
-                 label_limits: LabelLimits = DEFAULT_LABELS, monitoring: MonitoringSettings | None = None) -> None:
-        self.spec, self.config, self.metrics, self.pool, self.store = spec, config, metrics, pool, store
-        self.max_pixels, self.gpu_decode = max_pixels, gpu_decode
-        self.label_limits = label_limits  # requests with labels, and each text tower's cache
-        self.monitoring = monitoring or MonitoringSettings()  # OOD scores and drift of models with a reference
-        self.label_cache = Counter("vit_serve_label_cache", "labels of POST /classify?labels= (and the v2 labels "
-                                   "parameter) found in the text tower's LRU cache (hit) or encoded (miss)",
-                                   ["result", *MODEL], registry=metrics.registry)
+    def __init__(self, loader: VersionLoader, config: RepositorySettings, registry: CollectorRegistry) -> None:
+        self.loader, self.config = loader, config
         self.policy = VersionPolicy.parse(config.version_policy)
         self.served: dict[str, dict[int, ModelVersion]] = {}  # what requests are routed to
         self.entries: dict[str, ModelEntry] = {}  # the last scan
@@ -136,39 +66,21 @@ class ModelRepository:
         self._closing: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()  # one load / unload / poll at a time (and a clean RSS delta per load)
         self._poller: asyncio.Task[None] | None = None
-        self.one_file = False
         self._wanted: set[str] = set()  # models to keep loaded (all, or explicit mode's)
         self._attempted: set[str] = set()  # models ever asked to load (the index shows the others by name only)
-        self.traffic: dict[str, TrafficPolicy] = {}  # each model's split; replaced whole, never changed in place
-        self._traffic_set: set[str] = set()  # models whose policy the repository API set (it wins until unload)
-        self.rng = random.Random()
-        self.compare = Compare(metrics.registry, config.compare_window)
-        self.mirror = Mirror(self.traffic.get, lambda name: self.served.get(name, {}), self.compare,
-                             metrics.registry, self.rng)
+        # each model's split, its draws and the live comparison of the versions it names
+        self.traffic = TrafficSplits(config.traffic_weights, config.shadows, lambda name: self.served.get(name, {}),
+                                     registry, config.compare_window)
 
     # ---- start and stop --------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Scan REPO and load what the model control mode says; a one-file repository that cannot be served
         raises (the server does not start)."""
-        spec, config = self.spec, self.config
-        root = Path(spec.path)
-        if spec.backend == "triton" and not spec.path:  # the server may still be starting: wait as for one model
-            deadline = time.monotonic() + spec.triton.triton_startup_timeout_s
-            while True:
-                try:
-                    self.entries = await self._scan()
-                    break
-                except BackendUnavailableError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    await asyncio.sleep(0.25)
-        else:
-            self.entries = await self._scan()
-        # one model given (a file, a checkpoint folder, a hub id, a Triton model name): it must load
-        self.one_file = bool(spec.path) and (spec.backend == "triton" or not root.is_dir()
-                                             or (root / "config.json").is_file())
-        if config.model_control == "explicit" and not self.one_file:
+        config, root = self.config, Path(self.loader.root)
+        self.entries = await self.loader.first_scan()
+        one_file = self.loader.one_model  # one model given: it must load
+        if config.model_control == "explicit" and not one_file:
             names = set(self.entries) if "*" in config.load_models else set(config.load_models)
             unknown = sorted(names - set(self.entries))
             if unknown:
@@ -179,7 +91,7 @@ class ModelRepository:
         async with self._lock:
             for name in sorted(self._wanted):
                 await self._sync(name, warm_first=False)  # nothing serves yet: warm up while serving
-        if self.one_file:
+        if one_file:
             (name,) = self.entries
             if not self.served.get(name):
                 raise RuntimeError(self.why_not(name))
@@ -187,9 +99,9 @@ class ModelRepository:
             if unknown := sorted(set(names) - set(self.entries)):
                 log.warning("%s %s: not in %s", flag, ", ".join(unknown), root)
         if config.default_model is not None and config.default_model not in self.entries:
-            raise ValueError(f"--default-model {config.default_model!r} is not a model of {spec.path} (it has "
-                             f"{', '.join(sorted(self.entries)) or 'none'})")
-        if config.model_control == "poll" and not self.one_file:
+            raise ValueError(f"--default-model {config.default_model!r} is not a model of {self.loader.root} (it "
+                             f"has {', '.join(sorted(self.entries)) or 'none'})")
+        if config.model_control == "poll" and not one_file:
             self._poller = asyncio.get_running_loop().create_task(self._poll(), name="vit-serve-repository-poll")
 
     async def stop(self) -> None:
@@ -197,25 +109,13 @@ class ModelRepository:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        await self.mirror.stop()
+        await self.traffic.mirror.stop()
         for versions in self.served.values():
             for v in versions.values():
                 await v.close()
         self.served.clear()
         for task in list(self._closing):
             task.cancel()
-
-    async def _scan(self) -> dict[str, ModelEntry]:
-        spec = self.spec
-        if spec.backend == "triton":
-            if spec.path:  # one model of the Triton server, by its name there
-                name = spec.name or spec.path
-                return {name: ModelEntry(name, {1: VersionSource(name, 1, Path(spec.path), "triton")})}
-            from vit_serve.runtime.backends.triton import vit_models  # every ViT model the server serves
-
-            models = await vit_models(spec.triton.triton_url, spec.triton.triton_timeout_s)
-            return {n: ModelEntry(n, {v: VersionSource(n, v, Path(n), "triton")}) for n, v in models.items()}
-        return await asyncio.get_running_loop().run_in_executor(None, scan, spec.path, spec.name)
 
     # ---- polling and the repository API ------------------------------------------------------------------
 
@@ -231,7 +131,7 @@ class ModelRepository:
 
     async def poll_once(self) -> None:
         """Scan REPO again and bring every model in line with it (new versions in, removed ones out)."""
-        entries = await self._scan()
+        entries = await self.loader.scan()
         async with self._lock:
             self.entries = entries
             self._wanted = set(entries)
@@ -248,11 +148,11 @@ class ModelRepository:
     async def load(self, name: str) -> None:
         """Load (or reload from its folder) the model `name`: explicit model control only. 400 when it fails."""
         self._check_explicit("load", name)
-        entries = await self._scan()
+        entries = await self.loader.scan()
         async with self._lock:
             self.entries = entries
             if name not in entries:
-                raise BadRequestError(f"failed to load {name!r}: no such model in {self.spec.path} (it has "
+                raise BadRequestError(f"failed to load {name!r}: no such model in {self.loader.root} (it has "
                                       f"{', '.join(sorted(entries)) or 'none'})")
             self._wanted.add(name)
             for known in list(self._failed):  # an explicit load tries again even if nothing changed
@@ -269,7 +169,7 @@ class ModelRepository:
             if name not in self.entries and name not in self.served:
                 raise BadRequestError(f"failed to unload {name!r}: no such model")
             self._wanted.discard(name)
-            self._traffic_set.discard(name)  # a model loaded again starts from its flags and config
+            self.traffic.reset(name)  # a model loaded again starts from its flags and config
             await self._sync(name)
 
     # ---- bringing one model in line ---------------------------------------------------------------------
@@ -282,8 +182,8 @@ class ModelRepository:
         wanted: list[int] = []
         if entry is not None and entry.error is None and name in self._wanted:
             self._attempted.add(name)
-            self._configure_traffic(name, entry)
-            named = self.traffic[name].versions if name in self.traffic else frozenset()
+            self.traffic.configure(name, entry.traffic, entry.shadow)
+            named = self.traffic.versions(name)
             # refused before and unchanged since: not tried again (a version rewritten in place is)
             excluded = {v for v, src in entry.versions.items()
                         if self._failed.get((name, v), ("", ""))[0] == src.fingerprint != ""}
@@ -300,29 +200,17 @@ class ModelRepository:
                     if new is None:
                         (kept if v in served else excluded).add(v)
                         continue
-                    self.mirror.attach(new)
+                    self.traffic.mirror.attach(new)
                     current, served[v] = served.get(v), new  # switched in: requests are routed to it from here
                     new.metrics.publish()  # the gauges of (name, v) are the new one's, even if `current` had them
                     if current is not None:
                         self._retire(current)
         for v in [v for v in served if v not in wanted]:
             self._retire(served.pop(v))
-            self.compare.forget(name, v)
+            self.traffic.compare.forget(name, v)
         if not served:
             self.served.pop(name, None)
-            self.compare.forget(name)
-
-    def _configure_traffic(self, name: str, entry: ModelEntry) -> None:
-        """The model's policy from --traffic / --shadow over its config.pbtxt (unless the API set one)."""
-        if name in self._traffic_set:
-            return
-        weights = self.config.traffic_weights.get(name, entry.traffic)
-        shadow = self.config.shadows.get(name, entry.shadow)
-        policy = TrafficPolicy.of(name, weights, shadow)  # both checked already (settings, discovery)
-        if policy.empty:
-            self.traffic.pop(name, None)
-        else:
-            self.traffic[name] = policy
+            self.traffic.compare.forget(name)
 
     def set_traffic(self, name: str, spec: TrafficSpec) -> TrafficPolicy:
         """Replace `name`'s policy (the repository API): every version it names must be in service. 400 saying
@@ -341,9 +229,7 @@ class ModelRepository:
         if missing:
             raise BadRequestError(f"traffic for {name!r}: version {', '.join(map(str, missing))} is not in service "
                                   f"(it serves {', '.join(map(str, sorted(served)))}); load it first")
-        self.traffic[name] = policy
-        self._traffic_set.add(name)
-        self.compare.forget(name)  # a new policy starts new windows: its pairs are not mixed with the old ones'
+        self.traffic.set(name, policy)  # new compare windows: its pairs are not mixed with the old policy's
         log.info("traffic of %s: %s", name, policy)
         return policy
 
@@ -365,101 +251,23 @@ class ModelRepository:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _threads(self, instances: int = 1) -> int | None:
-        """Intra-op threads of each instance of a model: `--threads`, else the cores shared by the models and
-        their instances (None: one model of one instance keeps its runtime's default)."""
-        if self.spec.threads is not None:
-            return self.spec.threads
-        n = max(1, len(self._wanted)) * instances
-        return None if n == 1 else max(1, available_cpus() // n)
-
-    def _monitoring_of(self, config: ModelConfig) -> MonitoringSettings:
-        """The gateway's monitoring settings, with the model's own `monitoring` and `drift_window`."""
-        changes = config.monitoring_changes()
-        if "drift_window" in changes:  # the alarm's minimum window never above the window
-            changes["drift_min_window"] = min(self.monitoring.drift_min_window, changes["drift_window"])
-        return self.monitoring.model_copy(update=changes) if changes else self.monitoring
-
     async def _load_version(self, source: VersionSource, warm_first: bool) -> ModelVersion | None:
-        """Load, then warm up (`warm_first`; else in the background), one version in its own new model thread;
-        None, with the reason recorded, when either fails."""
+        """Load, then warm up (`warm_first`; else in the background), one version (`VersionLoader.load`); None, with
+        the reason recorded, when either fails."""
         key = (source.name, source.version)
         self._loading.add(key)
-        loop = asyncio.get_running_loop()
         entry = self.entries.get(source.name)
         config = ModelConfig() if entry is None else entry.config  # the model's own; None: the gateway's
-        limits = config.over(self.spec.limits)
-        thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
-        spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
-                                 threads=self._threads(limits.instances), limits=limits)
-        if not self.one_file and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
-            spec = spec.replace(tome=None, compile=False, torchscript=False)
-        spec = config.spec(spec)
-        version: ModelVersion | None = None
-        rss0 = rss_bytes()
-        t0 = time.perf_counter()
         try:
-            try:
-                backend = await loop.run_in_executor(thread, load, spec)
-            except Exception as e:
-                return self._refuse(source, thread, f"cannot load: {' '.join(str(e).split()) or type(e).__name__}")
-            info = backend.info
-            log.info("loaded %s (%s backend), version %d: %dx%d, %d classes, explain=%s", source.name, backend.name,
-                     source.version, *info.resolution, info.num_classes, info.explain)
-            metrics = self.metrics.for_model(source.name, str(source.version))
-            runner = runner_for(backend, limits, RunnerEvents(metrics), thread)
-            runner.start()
-            device = model_device(backend)
-            off = choose_decoder(device, self.gpu_decode, source.name)
-            gpu = None
-            if off is None:
-                gpu = GpuDecoder(info.preprocess, self.max_pixels, device, runner.limits.max_batch,
-                                 lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
-            version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, self.pool,
-                                   self.store, self.max_pixels, gpu, off, source.fingerprint)
-            version.label_limits = self.label_limits
-            version.monitor = VersionMonitor.of(info, self._monitoring_of(config), metrics)
-            await self._attach_text_tower(version, source, spec)
-            if not warm_first:
-                version.warm_up_soon()
-            elif not await version.warm_up():
-                await version.close()
-                return self._refuse(source, None, version.error or "warm-up failed")
-            version.memory_bytes = load_memory(rss0, rss_bytes(), source, info.device == "remote")
-            if version.memory_bytes is not None:
-                metrics.memory.set(version.memory_bytes)
-            self._failed.pop(key, None)
-            log.info("%s in service after %.2f s", version.label, time.perf_counter() - t0)
-            return version
+            version = await self.loader.load(source, config, len(self._wanted), warm_first)
+        except VersionRefusedError as e:
+            self._failed[key] = (source.fingerprint, str(e))
+            log.warning("%s version %d refused: %s", source.name, source.version, e)
+            return None
         finally:
             self._loading.discard(key)
-
-    async def _attach_text_tower(self, version: ModelVersion, source: VersionSource, spec: LoadSpec) -> None:
-        """Load the text tower beside the version's file (`NAME_text.onnx`), if there is one, in the version's
-        model thread. One that fails leaves the version serving images, its reason kept (`text_error`, in the
-        400 answers to requests with labels)."""
-        path = text_tower_of(source.path) if source.backend != "triton" else None
-        if path is None:
-            return
-        device = "cpu" if version.info.device in ("cpu", "remote") else spec.device
-        try:
-            version.text = await asyncio.get_running_loop().run_in_executor(
-                version.thread, lambda: TextTower(path, None, device, spec.threads, self.label_limits))
-        except Exception as e:
-            version.text_error = f"{path.name}: {' '.join(str(e).split()) or type(e).__name__}"
-            log.warning("%s: its text tower is not served: %s", version.label, version.text_error)
-            return
-        labels = (source.name, str(source.version))
-        version.label_cache_counter = lambda result, n: self.label_cache.labels(result, *labels).inc(n)
-        log.info("%s: text tower %s (%s scores, labels cached: %d)", version.label, path.name,
-                 version.text.scores, self.label_limits.cache_size)
-
-    def _refuse(self, source: VersionSource, thread: ThreadPoolExecutor | None, reason: str) -> None:
-        if thread is not None:
-            thread.shutdown(wait=False, cancel_futures=True)
-        self._failed[(source.name, source.version)] = (source.fingerprint, reason)
-        log.warning("%s version %d refused: %s", source.name, source.version, reason)
-        return None
+        self._failed.pop(key, None)
+        return version
 
     # ---- what routes ask --------------------------------------------------------------------------------
 
@@ -502,10 +310,7 @@ class ModelRepository:
                 raise self.unknown(name)
             raise NotReadyError(f"model {name!r} is not loaded: {self.why_not(name)}", headers={"Retry-After": "1"})
         if version is None:
-            policy = self.traffic.get(name)  # read once: a policy swapped meanwhile takes the next request
-            if policy is not None and policy.weights:
-                return served[policy.choose(served, session, self.rng)]
-            return served[max(served)]  # `newest`, with the 404 / 503 above
+            return self.traffic.choose(name, served, session)  # its draw, else `newest` (with the 404 / 503 above)
         try:
             v = int(version)
         except (TypeError, ValueError):
@@ -550,13 +355,12 @@ class ModelRepository:
         return rows
 
     def _state(self, name: str, v: int, entry: ModelEntry | None, served: dict[int, ModelVersion]) -> VersionState:
-        if v in served:
-            mv = served[v]
-            return VersionState(name, v, "READY" if mv.warm else "LOADING", "" if mv.warm else (mv.error or ""))
+        if v in served:  # a loaded version: its own phase (`version_state`)
+            return served[v].status.index_row(name, v)
         if (name, v) in self._loading:
             return VersionState(name, v, "LOADING")
         if (name, v) in self._unloading:
-            return VersionState(name, v, "UNLOADING")
+            return self._unloading[name, v].status.index_row(name, v)
         if (name, v) in self._failed:
             return VersionState(name, v, "UNAVAILABLE", self._failed[name, v][1])
         if entry is not None and v in entry.broken:

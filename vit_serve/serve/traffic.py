@@ -1,5 +1,6 @@
 """How a model's requests are split between its versions (`TrafficPolicy`: weighted canaries, sticky sessions, a
-shadow version) and the copies that give the live comparison (`Mirror`).
+shadow version), the copies that give the live comparison (`Mirror`), and each model's policy with its draws and
+comparison (`TrafficSplits`, the repository's).
 
 A policy comes from `--traffic NAME=1:90,2:10` / `--shadow NAME=3[:SHARE]`, else from the model's config.pbtxt
 (`traffic` and `shadow` parameters), and is replaced as one object by `POST /v2/repository/models/NAME/traffic`
@@ -260,3 +261,56 @@ class Mirror:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class TrafficSplits:
+    """Each model's `TrafficPolicy` (from `--traffic` / `--shadow` over its config.pbtxt, or set through the
+    repository API, which wins until the model is unloaded), the draws that route by it, and what compares the
+    versions it names (`compare`, fed by `mirror`). `served(name)`: the model's versions in service."""
+
+    def __init__(self, weights: Mapping[str, Mapping[int, float]], shadows: Mapping[str, tuple[int, float]],
+                 served: Callable[[str], Mapping[int, ModelVersion]], registry: CollectorRegistry,
+                 window: int = 1000) -> None:
+        self._flags = (weights, shadows)
+        self._policies: dict[str, TrafficPolicy] = {}  # replaced whole, never changed in place
+        self._set: set[str] = set()  # models whose policy the repository API set
+        self._rng = random.Random()
+        self.compare = Compare(registry, window)
+        self.mirror = Mirror(self._policies.get, served, self.compare, registry, self._rng)
+
+    def get(self, name: str) -> TrafficPolicy | None:
+        return self._policies.get(name)
+
+    def versions(self, name: str) -> frozenset[int]:
+        """The versions `name`'s policy names (they are loaded too)."""
+        policy = self._policies.get(name)
+        return frozenset() if policy is None else policy.versions
+
+    def configure(self, name: str, weights: Mapping[int, float] | None, shadow: tuple[int, float] | None) -> None:
+        """The model's policy from the flags over its config's `weights` and `shadow` (unless the API set one)."""
+        if name in self._set:
+            return
+        flag_weights, flag_shadows = self._flags
+        policy = TrafficPolicy.of(name, flag_weights.get(name, weights), flag_shadows.get(name, shadow))
+        if policy.empty:  # both checked already (settings, discovery)
+            self._policies.pop(name, None)
+        else:
+            self._policies[name] = policy
+
+    def set(self, name: str, policy: TrafficPolicy) -> None:
+        """The repository API's policy for `name`: it takes the next request, and the model's compare windows
+        start again (its pairs are not mixed with the old policy's)."""
+        self._policies[name] = policy
+        self._set.add(name)
+        self.compare.forget(name)
+
+    def reset(self, name: str) -> None:
+        """`name` is unloaded: loaded again, it starts from its flags and config."""
+        self._set.discard(name)
+
+    def choose(self, name: str, served: Mapping[int, ModelVersion], session: str | None) -> ModelVersion:
+        """The version a request naming none goes to: its policy's draw (sticky per `session`), else the newest."""
+        policy = self._policies.get(name)  # read once: a policy swapped meanwhile takes the next request
+        if policy is not None and policy.weights:
+            return served[policy.choose(served, session, self._rng)]
+        return served[max(served)]
