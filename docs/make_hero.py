@@ -69,7 +69,7 @@ def make(run: Path, image: str, out: Path) -> list[tuple[str, float]]:
         e = explain_forward(model, x)
     scores = e.logits.softmax(-1)[0]
     best = scores.topk(5)
-    preds = [(model.labels[i], float(s)) for s, i in zip(best.values.tolist(), best.indices.tolist())]
+    preds = [(model.labels[i], float(s)) for s, i in zip(best.values.tolist(), best.indices.tolist(), strict=True)]
 
     shown = crop.convert("RGB").resize((PANEL, PANEL), Image.Resampling.NEAREST)
     panels = [shown, overlay(shown, e.heatmap.map[0].numpy(), alpha=0.5), top5_panel(preds, PANEL)]
