@@ -60,7 +60,8 @@ class BadRequestError(GatewayError, runtime.InvalidInputError):
 
 
 class ForbiddenError(GatewayError):
-    pass
+    """A call this gateway refuses whoever makes it: the repository API turned off (HTTP 403; a key that may not
+    load or unload models is refused 403 by the key check)."""
 
 
 class NotFoundError(GatewayError, runtime.NotFoundError):
