@@ -2,14 +2,14 @@
 
 The model: timm's `vit_small_patch14_dinov2` at `--res` (default 224), random weights (seed 0), loaded into our
 VisionTransformer (benchmarks/families.py's `build_pair`: the same weights, bit-exact), headless as timm's, saved
-and exported by vit-export with `outputs=logits,embedding` (onnxruntime, as benchmarks/serve_load.py and
-benchmarks/predict.py serve it).
+and exported by vit-export with `outputs=logits,embedding` (benchmarks/harness.py's `export_model`; onnxruntime,
+as benchmarks/serve_load.py and benchmarks/predict.py serve it).
 
 Inputs, as benchmarks/predict.py's: `--corpus phone` (default) the 12 MP phone JPEGs of
 benchmarks/upload_corpus.py, `--corpus small` a 451x300 photo, each copy made unique with
 `load_client.unique_jpeg` (a numbered comment segment: new bytes and sha256, the same pixels and decode work).
 
-* the gateway (serve_load's `Server`: uvicorn in a subprocess, server defaults, dynamic batching up to 16):
+* the gateway (the harness's `Server`: uvicorn in a subprocess, server defaults, dynamic batching up to 16):
   `--images` unique uploads to `POST /embed` from 16 concurrent clients, after 16 warm-up requests, new bytes
   every round so that the crop store never answers;
 * offline: `predict` (local engine, its defaults: fast decode, batch 16) with `embeddings=True` on a folder of
@@ -35,33 +35,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import families  # siblings: the family table, the load generator and server, predict's folder and table
 import predict as predict_bench
-from harness import Server
+from harness import Server, export_model
 from load_client import load, payloads, photo_jpeg
 
 CONCURRENCY = 16
 DINOV2 = next(f for f in families.FAMILIES if f.key == "dinov2")
-
-
-def export_dinov2(out: Path, res: int, tiny: bool) -> Path:
-    """DINOv2-S/14 (random weights) saved to out/dinov2.safetensors and exported with its embedding output into
-    out/export; returns model.onnx (reused when there)."""
-    import vit_export
-
-    import vit_serve
-
-    onnx = out / "export" / "model.onnx"
-    if onnx.is_file():
-        print(f"reusing {onnx}", file=sys.stderr)
-        return onnx
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = out / "dinov2.safetensors"
-    vit_serve.save(families.build_pair(DINOV2, res, tiny)[1], ckpt, overwrite=True)
-    result = vit_export.export(ckpt, vit_export.ExportOptions(res=res, out=onnx.parent, name="model",
-                                                              outputs="logits,embedding"),
-                               progress=lambda msg: print(msg, file=sys.stderr))
-    if not result.ok:
-        raise SystemExit(f"the export of {ckpt} failed its parity checks (tables above)")
-    return result.onnx
 
 
 def bases_for(corpus: str, folder: Path) -> list[bytes]:
@@ -126,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     res = 28 if args.tiny else args.res
 
-    onnx = export_dinov2(args.out, res, args.tiny)
+    onnx = export_model(lambda: families.build_pair(DINOV2, res, args.tiny)[1], res, args.out,
+                        outputs="logits,embedding")
     bases = bases_for(args.corpus, args.out / "corpus")
     folder = args.out / f"photos_{args.corpus}"
     predict_bench.make_folder(folder, bases, args.images)

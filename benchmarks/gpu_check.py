@@ -61,7 +61,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,7 +68,7 @@ import tempfile
 import time
 import urllib.request
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -489,48 +488,43 @@ def criteria_of(name: str, data: dict[str, Any]) -> tuple[list[Criterion], str]:
         f"{rate}, compile {data['compile_s']['timm']:.0f} s / {data['compile_s']['ours']:.0f} s")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
-            if r.status == 200:
-                return True
-        time.sleep(0.5)
-    return False
-
-
 @contextlib.contextmanager
-def _server(argv: list[str], env: dict[str, str], log: Path):
+def _server(log: Path, start: Callable[..., Any]) -> Iterator[Any]:
+    """The benchmarks' server harness (`harness.ServerProcess`, which `start` calls with the Popen options: its
+    own process group, its output in `log`, from the repository root); stopped when the block ends, and whatever
+    it started (tritonserver's backend stubs) with it."""
     with log.open("w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        server = start(cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield proc
+        yield server
     finally:
+        server.stop(grace=10)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _ready(server: Any, timeout: float) -> bool:
+    """Whether the server answered ready within `timeout` s (False as soon as it exits)."""
+    from harness import ServerExitedError
+
+    try:
+        server.wait_ready(timeout, poll=0.5)
+    except (ServerExitedError, TimeoutError):
+        return False
+    return True
 
 
 def _serve_engine(ctx: Context, plan: Path, image: Path, want: list[float], timeout: float) -> tuple[str, str]:
     """`vit-serve serve PLAN --backend tensorrt` answers POST /classify with PyTorch's top-1 (`want`: PyTorch's
     logits; a class within 1% of the logit range of PyTorch's best is its top-1 too, at fp16)."""
-    port = _free_port()
-    argv = [sys.executable, "-m", "vit_serve", "serve", str(plan), "--backend", "tensorrt", "--device", "cuda",
-            "--host", "127.0.0.1", "--port", str(port)]
+    from harness import ServerProcess
+
+    args = [str(plan), "--backend", "tensorrt", "--device", "cuda", "--host", "127.0.0.1"]
     log = ctx.work / f"serve-{plan.parent.name}.log"
-    with _server(argv, ctx.env, log) as proc:
-        if not _wait_http(f"http://127.0.0.1:{port}/readyz", proc, min(60.0, timeout)):
+    with _server(log, lambda **popen: ServerProcess.serve(args, env=ctx.env, **popen)) as server:
+        if not _ready(server, min(60.0, timeout)):
             return FAIL, f"gateway not ready: {_tail(log.read_text(errors='replace'))}"
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/classify", data=image.read_bytes(),
+        req = urllib.request.Request(f"{server.url}/classify", data=image.read_bytes(),
                                      headers={"Content-Type": "image/png"})
         with urllib.request.urlopen(req, timeout=30) as r:
             got = json.loads(r.read())["predictions"][0]["index"]
@@ -554,19 +548,22 @@ def _serve_triton(ctx: Context, repo: Path, timeout: float) -> tuple[str, str]:
     exe = _tritonserver_with_tensorrt()
     if exe is None:
         return SKIPPED, "no tritonserver with the TensorRT backend here"
+    from harness import ServerProcess, free_port
     from vit_export.tritonserver import SHM_PREFIX_ARG, new_shm_prefix, remove_shm
 
-    port = _free_port()
+    port = free_port()
     prefix = new_shm_prefix()  # its own Python-backend regions, removed after it, however it ended
-    argv = [exe, f"--model-repository={repo}", f"--http-port={port}", f"--grpc-port={_free_port()}",
-            f"--metrics-port={_free_port()}", f"{SHM_PREFIX_ARG}{prefix}"]
+    argv = [exe, f"--model-repository={repo}", f"--http-port={port}", f"--grpc-port={free_port()}",
+            f"--metrics-port={free_port()}", f"{SHM_PREFIX_ARG}{prefix}"]
     log = ctx.work / "tritonserver.log"
     with contextlib.ExitStack() as stack:
         stack.callback(remove_shm, prefix)
-        proc = stack.enter_context(_server(argv, ctx.env, log))
-        if not _wait_http(f"http://127.0.0.1:{port}/v2/health/ready", proc, min(90.0, timeout)):
+        server = stack.enter_context(_server(log, lambda **popen: ServerProcess.command(argv, port, ctx.env,
+                                                                                          **popen)))
+        server.ready_path = "/v2/health/ready"
+        if not _ready(server, min(90.0, timeout)):
             return FAIL, f"tritonserver not ready: {_tail(log.read_text(errors='replace'))}"
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/repository/index", data=b"{}", method="POST")
+        req = urllib.request.Request(f"{server.url}/v2/repository/index", data=b"{}", method="POST")
         with urllib.request.urlopen(req, timeout=10) as r:
             index = json.loads(r.read())
     states = {m["name"]: m.get("state", "?") for m in index}
@@ -626,14 +623,14 @@ def _serve_decoded(ctx: Context, jpeg: Path, timeout: float) -> tuple[str, str]:
     with torch.no_grad():
         want = vit_serve.load(ckpt).eval()(preprocess(jpeg, model.preprocess_cfg or PreprocessConfig())[None])[0]
     want = want.tolist()
-    port = _free_port()
-    argv = [sys.executable, "-m", "vit_serve", "serve", str(ckpt), "--device", "cuda", "--host", "127.0.0.1",
-            "--port", str(port)]
+    from harness import ServerProcess
+
+    args = [str(ckpt), "--device", "cuda", "--host", "127.0.0.1"]
     log = ctx.work / "serve-gpu-decode.log"
-    with _server(argv, ctx.env, log) as proc:
-        if not _wait_http(f"http://127.0.0.1:{port}/readyz", proc, min(90.0, timeout)):
+    with _server(log, lambda **popen: ServerProcess.serve(args, env=ctx.env, **popen)) as server:
+        if not _ready(server, min(90.0, timeout)):
             return FAIL, f"gateway not ready: {_tail(log.read_text(errors='replace'))}"
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/classify", data=jpeg.read_bytes(),
+        req = urllib.request.Request(f"{server.url}/classify", data=jpeg.read_bytes(),
                                      headers={"Content-Type": "image/jpeg"})
         with urllib.request.urlopen(req, timeout=60) as r:
             got = json.loads(r.read())["predictions"][0]["index"]

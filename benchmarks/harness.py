@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
@@ -46,8 +48,9 @@ uvicorn.Server(config).run()
 
 # ---- the model ---------------------------------------------------------------------------------------------
 
-def export_model(arch: str, res: int, out: Path) -> Path:
-    """A random-weight `arch` checkpoint at `res`, exported by vit-export into out/export; returns model.onnx."""
+def export_model(arch: str | Callable[[], Any], res: int, out: Path, outputs: str = "logits") -> Path:
+    """A random-weight `arch` checkpoint at `res` (or the model `arch()` builds), exported by vit-export into
+    out/export with `outputs` ("logits" or "logits,embedding"); returns model.onnx."""
     import torch
     import vit_export
 
@@ -61,8 +64,10 @@ def export_model(arch: str, res: int, out: Path) -> Path:
     ckpt = out / "model.safetensors"
     if not ckpt.is_file():
         torch.manual_seed(0)
-        vit_serve.save(vit_serve.create_model(arch, num_classes=1000, img_size=res), ckpt)
-    result = vit_export.export(ckpt, vit_export.ExportOptions(res=res, out=onnx.parent, name="model"),
+        model = vit_serve.create_model(arch, num_classes=1000, img_size=res) if isinstance(arch, str) else arch()
+        vit_serve.save(model, ckpt)
+    result = vit_export.export(ckpt, vit_export.ExportOptions(res=res, out=onnx.parent, name="model",
+                                                              outputs=outputs),
                                progress=lambda msg: print(msg, file=sys.stderr))
     if not result.ok:
         raise SystemExit(f"the export of {ckpt} failed its parity checks (tables above)")

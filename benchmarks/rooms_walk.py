@@ -98,13 +98,15 @@ def walks(site: Path) -> dict[str, Walk]:
 
     from vit_serve.predict import PredictOptions, predict
     from vit_serve.serve import ServeSettings, create_app
+    from vit_serve.serve.settings import ModelDefaults
 
     tmp = Path(tempfile.mkdtemp(prefix="rooms_"))
     ckpt = tiny_checkpoint(tmp)
     jpeg = photo_jpeg()
     out: dict[str, Walk] = {}
     def upload(w: Walk) -> None:  # the server's threads start under the profiler; the second request counts
-        with TestClient(create_app(ServeSettings(model=str(ckpt), max_delay_ms=0))) as client:
+        settings = ServeSettings(model=str(ckpt), model_defaults=ModelDefaults(max_delay_ms=0))
+        with TestClient(create_app(settings)) as client:
             for armed in (False, True):
                 w.armed = armed
                 assert client.post("/classify", files={"file": ("a.jpg", jpeg, "image/jpeg")}).status_code == 200

@@ -109,8 +109,11 @@ def _flag_row(action: argparse.Action) -> str:
     default = action.default
     shown = "" if default in (None, False, argparse.SUPPRESS) or isinstance(default, argparse.Action) else \
         code(",".join(map(str, default)) if isinstance(default, tuple) else default)
-    text = (action.help or "").replace("%(default)s", str(action.default)).replace("%%", "%")
-    return f"| {names} | {takes} | {shown} | {cell(text)} |"
+    text = (getattr(action, "full_help", None) or action.help or "").replace("%(default)s", str(action.default))
+    if hasattr(action, "full_help"):  # a hidden flag (vit_serve.flag.Flag.hidden): --help-all lists it
+        text = ("Deprecated on the command line, hidden from `--help`: set `VIT_SERVE_" + action.dest.upper() +
+                "` or a `--config` key. " + text)
+    return f"| {names} | {takes} | {shown} | {cell(text.replace('%%', '%'))} |"
 
 
 def _command_section(name: str, parser: argparse.ArgumentParser) -> list[str]:

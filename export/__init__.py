@@ -4,10 +4,24 @@
     result = vit_export.export("model.safetensors", vit_export.ExportOptions(res=384, formats=("onnx", "triton")))
 
 `export` (`vit_export.pipeline`) is the whole pipeline as one call; the command only parses its flags into
-`ExportOptions` and prints. ONNX (static or dynamic resolution, fp32 / fp16 / int8, simplified with onnxslim when
-outputs stay equal), the explain graph (logits + attention rollout computed in the graph), parity checks against
-PyTorch with onnxruntime, a manifest per export, TensorRT engines (CUDA GPU) and the Triton model repository, plus
-a launcher for the tritonserver that the nvidia-pytriton wheel ships.
+`ExportOptions` and prints. `import vit_export` needs neither torch nor onnx until they are used.
+
+- `pipeline`: `export(model, options) -> ExportResult`, every step in order.
+- `cli`: the `vit-export` command.
+- `onnx_export`, `graph_info`: the ONNX graphs (static or dynamic resolution; the explain graph computes the
+  rollout in the graph) and what a graph says about itself.
+- `simplify`: onnxslim, kept only when outputs stay equal.
+- `parity`: the export against PyTorch, with onnxruntime.
+- `quantize`: int8 (dynamic or static) and what it costs and gains.
+- `sidecar`: the manifest written beside every export.
+- `text_tower`: a checkpoint's text tower as its own graph.
+- `tensorrt_build`, `tensorrt_compat`, `typed_graph`: TensorRT engines (a CUDA GPU), what each TensorRT version
+  needs, fp16 / bf16-typed graphs for them.
+- `triton_repo`, `triton_config`, `triton_models/`: the Triton model repository, its config.pbtxt files, its
+  Python-backend model templates.
+- `tritonserver`: a launcher for the tritonserver that the nvidia-pytriton wheel ships (in none of vit-serve's
+  runtime extras; its `test` extra has it).
+- `memory`, `proto_file`: memory handed back between steps; an ONNX model written without serializing it whole.
 """
 
 from typing import Any

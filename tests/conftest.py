@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from http_stub import HttpStub, Respond
 
 import vit_serve
 
@@ -221,6 +222,21 @@ def ready_test_client(settings: Any) -> Iterator[Any]:
 def ready_client() -> Callable[..., Any]:
     """`ready_test_client` for tests outside tests/serve: `with ready_client(settings) as client:`."""
     return ready_test_client
+
+
+@pytest.fixture
+def http_stub() -> Iterator[Callable[..., HttpStub]]:
+    """Start local HTTP servers in threads (tests/http_stub.py): `http_stub(respond, port=0)` is one, serving
+    `respond(request) -> (status, content type, body)`; each is closed after the test."""
+    stubs: list[HttpStub] = []
+
+    def start(respond: Respond, port: int = 0) -> HttpStub:
+        stubs.append(HttpStub(respond, port))
+        return stubs[-1]
+
+    yield start
+    for stub in stubs:
+        stub.close()
 
 
 KSERVE_ENV = "VIT_SERVE_KSERVE_PYTHON"

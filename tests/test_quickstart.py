@@ -123,3 +123,24 @@ def test_the_default_fine_tune_ends_at_least_at_its_source(tmp_path):
     source = train(dataclasses.replace(pretrain_config(paths, progress=False), reference=False))
     tuned = train(dataclasses.replace(finetune_config(paths, progress=False), reference=False))
     assert tuned["top1"] >= source["top1"], (source["top1"], tuned["top1"])
+
+
+def test_the_export_step_s_bar_ends_with_its_parts(tmp_path, capsys):
+    """Step 3's bar (`StepBar`, tqdm) advances on the export's own messages: exactly EXPORT_PARTS of them end a
+    part, so the bar reaches its total, no sooner and no later, on the quickstart's model (random weights)."""
+    import vit_serve
+    from vit_serve import quickstart
+    from vit_serve.config import ViTConfig
+    from vit_serve.model import VisionTransformer
+    from vit_serve.train.config import DIGITS_MODEL
+
+    model = VisionTransformer(ViTConfig(**DIGITS_MODEL).replace(num_classes=10, img_size=32, patch_size=4))
+    ckpt = tmp_path / "model.safetensors"
+    vit_serve.save(model, ckpt)
+    bar = quickstart.StepBar(quickstart.EXPORT_PARTS, "export")
+    result = quickstart.export_step(ckpt, quickstart.QuickstartPaths(tmp_path / "qs"), bar)
+    assert result.ok
+    out, err = capsys.readouterr()
+    ends = [line for line in out.splitlines() if line.startswith(quickstart.EXPORT_MILESTONES)]
+    assert len(ends) == quickstart.EXPORT_PARTS == bar.done == bar.bar.n, ends
+    assert f"{quickstart.EXPORT_PARTS}/{quickstart.EXPORT_PARTS}" in err  # the bar, on stderr, at its end

@@ -7,14 +7,64 @@
     from vit_serve.explain import explain_forward
     e = explain_forward(model, x[None])                        # e.logits, e.heatmap.map (attention rollout)
     vit_serve.save(model, "model.safetensors")
+
+`import vit_serve` does not import torch until a model is made (`vit-serve --help` stays light). The package:
+
+- `config`, `model`, `resnet`: the architecture (`ViTConfig` and the presets; the `VisionTransformer`; the hybrids'
+  BiT ResNet stem).
+- `pos_embed`, `resolution`: position-embedding resampling (paper §3.2) and resolutions as people write them.
+- `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
+- `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
+  options, the heat-map overlay drawn on the model-input crop.
+- `inspect`: `vit-serve inspect`, the paper's Figure 6 / 7 pictures.
+- `tome`: token merging (ToMe).
+- `embedding`, `zeroshot`: the image embedding; zero-shot heads from label text (CLIP, SigLIP).
+- `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
+  record checkpoints and manifests carry.
+- `manifest`: the export manifest every reader reads.
+- `tensorrt_engine`: a serialized TensorRT engine run on torch CUDA buffers.
+- `data`: data sets (the embedded digits, image folders, CIFAR) and their loaders.
+- `quickstart`: `vit-serve quickstart`, train -> fine-tune at 2x -> export -> serve.
+- `flag`, `cli_parser`: how a typed field is spelled as a flag; the one-line-error argument parser.
+- `checkpoints/`: our safetensors format and a converter per source format.
+- `text/`: text towers and tokenizers for zero-shot heads.
+- `train/`: the training loop, its recipes and evaluation.
+- `runtime/`: what serving a model needs, without a web framework (backends, scheduling, decode).
+- `serve/`: the gateway (FastAPI, gRPC) and the web page.
+- `predict/`: offline batch prediction over image files.
+- `tune/`: `vit-serve tune`, the fastest gateway settings within a latency target.
+- `deploy/`: the gateway on Ray Serve.
+- `cli/`: the `vit-serve` command.
+- `labels/`: class-name files (ImageNet-1k).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from vit_serve.config import ViTConfig, get_config, preset_names
-from vit_serve.model import VisionTransformer, create_model
-from vit_serve.pos_embed import resample_pos_embed
 from vit_serve.preprocess import PreprocessConfig, load_image, preprocess, preprocess_batch
 
+if TYPE_CHECKING:
+    from vit_serve.model import VisionTransformer
+
 __version__ = "0.1.0"
+
+# Imported on first use, so that `import vit_serve` (and `vit-serve --help`) does not import torch.
+_LAZY = {"VisionTransformer": "vit_serve.model", "create_model": "vit_serve.model",
+         "resample_pos_embed": "vit_serve.pos_embed"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vit_serve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def load(src, arch=None, **overrides) -> VisionTransformer:

@@ -21,7 +21,9 @@ class Flag:
     choice that means None (a `Literal[...] | None` field); after: the field whose flag this one follows in
     --help (default: the field order); section: the argument group it is listed under (None: the command's own
     options, which `vit-serve serve` lists by their scope, `vit_serve.serve.setting_scopes`; "model" for the model
-    defaults, "triton", "store", "sampler", "ray").
+    defaults, "triton", "store", "sampler", "ray"); hidden: a rarely used flag, left out of --help (listed by
+    --help-all) and accepted for one release with a deprecation warning naming its VIT_SERVE_* variable and
+    settings-file key, which stay the documented place.
     """
 
     help: str | None = None
@@ -31,3 +33,4 @@ class Flag:
     none: str | None = None
     after: str | None = None
     section: str | None = None
+    hidden: bool = False

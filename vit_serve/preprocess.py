@@ -22,15 +22,18 @@ import dataclasses
 import io
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `import vit_serve` (and the CLI's parser) stay light
+    import torch
 
 __all__ = [
     "CROP_MODES",
@@ -92,7 +95,18 @@ class ImageDecodeError(ValueError):
 
 
 class ImageTooLargeError(ValueError):
-    """The image has more pixels than allowed (``max_pixels`` or PIL's decompression-bomb limit)."""
+    """The image has more pixels than allowed (``max_pixels`` or PIL's decompression-bomb limit); ``pixels``:
+    its width x height where known."""
+
+    def __init__(self, message: str, pixels: int | None = None) -> None:
+        super().__init__(message)
+        self.pixels = pixels
+
+
+def _bomb_pixels(exc: BaseException) -> int | None:
+    """The image's pixel count in PIL's decompression-bomb message ("Image size (N pixels) exceeds ...")."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    return int(found.group(1)) if found else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -212,7 +226,7 @@ def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
         return
     w, h = img.size
     if w * h > max_pixels:
-        raise ImageTooLargeError(f"image has {w * h} pixels ({w}x{h}), more than max_pixels={max_pixels}")
+        raise ImageTooLargeError(f"image has {w * h} pixels ({w}x{h}), more than max_pixels={max_pixels}", w * h)
 
 
 # The formats an encoded image is opened as (Pillow's `formats=`): photo and web formats. Others (EPS, which runs
@@ -226,7 +240,7 @@ def _pil_errors() -> Iterator[None]:
     try:
         yield
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(_one_line(e)) from e
+        raise ImageTooLargeError(_one_line(e), _bomb_pixels(e)) from e
     except UnidentifiedImageError as e:
         raise ImageDecodeError("cannot decode image: unrecognized or unsupported image format") from e
     except MemoryError:
@@ -552,6 +566,8 @@ def to_tensor(img: Image.Image, cfg: PreprocessConfig) -> torch.Tensor:
 
     Values are uint8 / 255 then (x - mean) / std, all in float32.
     """
+    import torch
+
     if img.mode != "RGB":
         raise ValueError(f"to_tensor expects an RGB image, got mode {img.mode!r}; use load_image first")
     arr = np.array(img, dtype=np.uint8, copy=True)  # [H, W, 3]
@@ -576,6 +592,8 @@ def preprocess_batch(
     images: Iterable[ImageSource], cfg: PreprocessConfig, max_pixels: int | None = None
 ) -> torch.Tensor:
     """:func:`preprocess` each image and stack: float32 tensor [B, 3, H, W] (B may be 0)."""
+    import torch
+
     tensors = [preprocess(im, cfg, max_pixels) for im in images]
     if not tensors:
         return torch.empty((0, 3, *cfg.input_size), dtype=torch.float32)

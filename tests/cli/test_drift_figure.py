@@ -3,15 +3,13 @@ outputs, from a (stub) gateway, and one-line refusals of what cannot be drawn.""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
+from http_stub import HttpStub, StubRequest
 from PIL import Image
 
 from vit_serve import monitor
@@ -104,51 +102,33 @@ def test_malformed_reports_are_refused(tmp_path, bad):
     assert not (tmp_path / "x.png").exists()
 
 
-class _Gateway(http.server.BaseHTTPRequestHandler):
-    reports: ClassVar[dict[str, Any]] = {}
-    seen: ClassVar[list[tuple[str, str | None]]] = []
-
-    def do_GET(self) -> None:
-        self.seen.append((self.path, self.headers.get("x-api-key")))
-        body = self.reports.get(self.path)
-        status = 200 if body is not None else 404
-        data = json.dumps(body if body is not None else {"detail": "no model named nope"}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def gateway(monitored) -> Iterator[str]:
-    _Gateway.reports = {"/models/toy/drift": monitored, "/models/toy/drift?version=3": monitored,
-                        "/models/junk/drift": {"hello": 1}}
-    _Gateway.seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+def gateway(monitored, http_stub) -> HttpStub:
+    """A stub gateway: GET /models/NAME/drift answers toy's report (and at version 3) and a report missing its
+    keys for junk; any other model is a 404."""
+    reports = {"/models/toy/drift": monitored, "/models/toy/drift?version=3": monitored,
+               "/models/junk/drift": {"hello": 1}}
+
+    def respond(request: StubRequest) -> tuple[int, str, bytes]:
+        body = reports.get(request.path)
+        answer = body if body is not None else {"detail": "no model named nope"}
+        return (200 if body is not None else 404), "application/json", json.dumps(answer).encode()
+
+    return http_stub(respond)
 
 
 def test_fetches_from_a_gateway(gateway):
-    assert fetch_drift(gateway, "toy", "3", api_key="k1")["model"] == "toy"
-    assert _Gateway.seen == [("/models/toy/drift?version=3", "k1")]
+    assert fetch_drift(gateway.url, "toy", "3", api_key="k1")["model"] == "toy"
+    assert [(r.method, r.path, r.headers.get("x-api-key")) for r in gateway.requests] == [
+        ("GET", "/models/toy/drift?version=3", "k1")]
     with pytest.raises(DriftInputError, match="HTTP 404: no model named nope"):
-        fetch_drift(gateway, "nope")
+        fetch_drift(gateway.url, "nope")
     with pytest.raises(DriftInputError, match="missing"):
-        fetch_drift(gateway, "junk")
+        fetch_drift(gateway.url, "junk")
 
 
 def test_cli_from_a_gateway_and_a_file(gateway, monitored, tmp_path, capsys):
-    assert main(["inspect", gateway, "--drift", "--model", "toy", "--version", "3", "--out", str(tmp_path)]) == 0
+    assert main(["inspect", gateway.url, "--drift", "--model", "toy", "--version", "3", "--out", str(tmp_path)]) == 0
     assert_not_blank(tmp_path / "drift.png")
     assert capsys.readouterr().out.strip() == str(tmp_path / "drift.png")
     saved = tmp_path / "drift.json"
@@ -166,7 +146,7 @@ def test_cli_from_a_gateway_and_a_file(gateway, monitored, tmp_path, capsys):
     ([], "needs --model"),
 ])
 def test_cli_gateway_errors_are_one_line(gateway, tmp_path, capsys, argv, message):
-    assert main(["inspect", "--drift", gateway, *argv, "--out", str(tmp_path / "x.png")]) == 1
+    assert main(["inspect", "--drift", gateway.url, *argv, "--out", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("vit-serve inspect: error:")
     assert not (tmp_path / "x.png").exists()

@@ -350,6 +350,20 @@ def test_serve_refuses_what_the_cluster_cannot_place_in_one_line(cluster, ckpt, 
     assert httpx.get(f"{cluster['url']}/readyz", timeout=30).status_code == 200  # the running application is intact
 
 
+def test_a_models_own_config_toml_sizes_its_deployment_from_the_command_line(cluster, ckpt, tmp_path, capsys):
+    """`vit-serve serve REPO --engine ray`, REPO/big/config.toml asking 4 replicas of one CPU: the launch counts
+    them (and the other model's one replica of --replica-cpus) and refuses in one line naming the model."""
+    from vit_serve.cli import main
+
+    for name in ("small", "big"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.safetensors").write_bytes(ckpt.read_bytes())
+    (tmp_path / "big" / "config.toml").write_text("replicas = 4\nreplica_cpus = 1\n")
+    code = main(["serve", str(tmp_path), "--engine", "ray", "--replica-cpus", "0.25", "--port", str(free_port())])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "1 model replica x 0.25 CPU + big: 4 x 1 CPU + 1 ingress x 1 CPU = 5.25 CPUs" in err, err
+
+
 def test_a_tensorrt_engine_on_ray_needs_no_tensorrt_where_it_is_launched(cluster, tmp_path, capsys):
     """The replicas load the engine (on a GPU node with TensorRT); the launching machine only checks the file. The
     launch gets as far as the cluster check (here refused: too many replicas), not a missing TensorRT."""

@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -168,24 +167,12 @@ def test_a_server_killed_while_loading_names_the_signal_and_leaves_no_region(tmp
     assert shm_regions(server.shm_prefix) == []
 
 
-class _AlwaysReady(BaseHTTPRequestHandler):
-    """Another process's server on the port (another test worker's tritonserver, say): it answers 200 to all."""
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def test_a_port_taken_before_the_first_start_is_replaced_and_never_mistaken_for_ours(tmp_path):
+def test_a_port_taken_before_the_first_start_is_replaced_and_never_mistaken_for_ours(tmp_path, http_stub):
     """The free port chosen at construction is taken, before the server binds it, by a server that answers
     /v2/health/ready with 200: start() must not take that answer for its own server's, and picks new ports."""
     server = TritonServer(_repo(tmp_path / "repo"))
-    other = ThreadingHTTPServer(("127.0.0.1", server.http_port), _AlwaysReady)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
+    # another process's server on the port (another test worker's tritonserver, say): 200 to all
+    http_stub(lambda request: (200, "", b""), port=server.http_port)
     taken = server.http_port
     try:
         assert server.ready()  # the impostor answers at the port first chosen
@@ -199,5 +186,3 @@ def test_a_port_taken_before_the_first_start_is_replaced_and_never_mistaken_for_
         assert (server.http_port, server.grpc_port, server.metrics_port) == ports and server.ready()
     finally:
         server.close()
-        other.shutdown()
-        other.server_close()

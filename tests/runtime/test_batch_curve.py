@@ -101,3 +101,10 @@ def test_measure_stops_at_its_budget_and_leaves_the_larger_sizes_out():
     assert time.perf_counter() - t0 < 0.5 + 0.2  # a bound the function keeps, with one sleep's overshoot
     assert set(curve.per_image_s) == {1, 2}
     assert curve.limit <= 2
+
+
+def test_the_description_quotes_the_delay_s_value_not_its_name():
+    waits = _curve({1: 1 / 0.148, 2: 7.0, 4: 7.3, 8: 1 / 0.134, 16: 7.4}).describe(2.5)
+    assert waits.endswith("batches of up to 8, waiting up to 2.5 ms for more")
+    assert "max_delay_ms" not in waits
+    assert _curve({1: 34.7, 2: 34.5}).describe(2.5).endswith("no waiting (batching gains under 5%)")

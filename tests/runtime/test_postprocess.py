@@ -42,6 +42,16 @@ def test_explain_answer_writes_its_map_as_the_rollout_payload(rollout):
     assert got.explanation.payload()["head_fusion"] == (None if rollout is None else "max")
 
 
+@pytest.mark.parametrize("names", [(LOGITS,), (ROLLOUT, EMBEDDING), ()])
+def test_a_tensor_answer_keeps_the_outputs_it_names_whole(names):
+    """The Open Inference Protocol's answer (/v2, gRPC): each output named, every row, as the pass gave it."""
+    two_rows = {k: np.concatenate([v, v + 1]) for k, v in OUTPUTS.items()}
+    got = answer(two_rows, INFO, Shape(tensors=names))
+    assert list(got.tensors) == list(names)
+    assert all(got.tensors[n] is two_rows[n] for n in names)
+    assert got.predictions == () and got.embedding is None and got.explanation is None
+
+
 def test_labels_answer_indexes_the_requests_labels():
     got = by_labels(np.array([1.0, 3.0, 3.0, -1.0]), ["w", "x", "y", "z"], 3, "softmax")
     assert [(p.label, p.index) for p in got.predictions] == [("x", 1), ("y", 2), ("w", 0)]  # ties by index

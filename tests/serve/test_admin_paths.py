@@ -6,11 +6,9 @@ may (over HTTP and gRPC). Reference: the same requests to the gateway served at 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +18,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from gateway_helpers import run, serving, settings_for, wait_ready
+
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess
 
 KEY, ADMIN = "k-3f9a1c", "admin-77e2b0"
 
@@ -156,27 +156,28 @@ def test_without_admin_keys_grpc_load_and_unload_need_the_flag(repo):
     assert calls(allow_any_key_admin=True) == ["OK", "OK", True]
 
 
-def test_the_cli_serves_under_its_root_path_and_warns_about_any_key_admin(repo):
+def test_the_cli_serves_under_its_root_path_and_warns_about_any_key_admin(repo, tmp_path):
     """`vit-serve serve --root-path /vit --allow-any-key-admin` as a new user runs it: uvicorn gets the prefix (the
     OpenAPI document names it as the server), the probes stay open under it, and the start-up log warns that any
     key may load and unload."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", str(repo), "--port", str(port),
-                             "--root-path", "/vit", "--api-key", KEY, "--allow-any-key-admin",
-                             "--model-control", "explicit", "--load-model", "tiny"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_ready(url, lambda: proc.poll() is None, timeout=90), "the server did not become ready"
-        schema = httpx.get(f"{url}/openapi.json", timeout=10).json()
-        unload = httpx.post(f"{url}/v2/repository/models/tiny/unload", headers={"X-API-Key": KEY}, timeout=60)
-        anonymous = httpx.post(f"{url}/v2/repository/models/tiny/load", timeout=60)
-    finally:
-        proc.terminate()
-        out = proc.communicate(timeout=30)[0]
+    env = {"VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "output"
+    with log.open("wb") as f:
+        server = ServerProcess.serve([str(repo), "--root-path", "/vit", "--api-key", KEY, "--allow-any-key-admin",
+                                      "--model-control", "explicit", "--load-model", "tiny"], env=env, stdout=f,
+                                     stderr=subprocess.STDOUT)
+        url = server.url
+        try:
+            try:
+                server.wait_ready(90)
+            except (ServerExitedError, TimeoutError) as e:
+                raise AssertionError(log.read_text()[-3000:]) from e
+            schema = httpx.get(f"{url}/openapi.json", timeout=10).json()
+            unload = httpx.post(f"{url}/v2/repository/models/tiny/unload", headers={"X-API-Key": KEY}, timeout=60)
+            anonymous = httpx.post(f"{url}/v2/repository/models/tiny/load", timeout=60)
+        finally:
+            server.stop()
+    out = log.read_text()
     assert schema.get("servers") == [{"url": "/vit"}], schema.get("servers")
     assert unload.status_code == 200, unload.text  # any valid key, as the flag says
     assert anonymous.status_code == 401  # ... but a key still

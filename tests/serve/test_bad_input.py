@@ -127,19 +127,24 @@ def test_decompression_bomb_and_pixel_cap_are_413(tiny_ckpt, photos, bomb):
 
     default_bomb, coffee = run(scenario())  # the default cap, 50 megapixels
     assert default_bomb.status_code == 413
-    assert "the limit is 50000000 pixels" in default_bomb.json()["detail"]
+    detail = default_bomb.json()["detail"]
+    assert "the limit is 50000000 pixels" in detail and f"{12000 * 12000} pixels" in detail
+    assert str(2 * 50_000_000) not in detail  # our limit only, not PIL's decompression-bomb one (twice ours)
     assert coffee.status_code == 200
     tight_bomb, tight_coffee = run(scenario(max_pixels=100_000))  # coffee is 600 x 400 = 240000 pixels
     assert tight_bomb.status_code == 413
     assert tight_coffee.status_code == 413
     assert "240000 pixels" in tight_coffee.json()["detail"]
+    assert "the limit is 100000 pixels" in tight_bomb.json()["detail"]
+    assert str(2 * 100_000) not in tight_bomb.json()["detail"]
     assert limit == Image.MAX_IMAGE_PIXELS  # restored when the server stops
 
 
 BAD_PARAMS = ["/classify?top_k=0", "/classify?top_k=abc", "/classify?top_k=-3", "/explain?discard_ratio=2",
               "/explain?discard_ratio=-0.1", "/explain?discard_ratio=nan", "/explain?head_fusion=avg",
               "/explain?method=gradcam", "/explain?format=gif", "/explain?alpha=3", "/explain?colormap=viridis",
-              "/explain?target=-1"]
+              "/explain?target=-1", "/explain?size=0", "/explain?size=15", "/explain?size=2049",
+              "/explain?size=abc", "/explain?size=1.5"]
 
 
 def test_bad_parameters_are_422(tiny_ckpt, photos):
@@ -155,6 +160,8 @@ def test_bad_parameters_are_422(tiny_ckpt, photos):
     for url, r in zip([*BAD_PARAMS, "GET discard_ratio", "GET target", "GET no id"], run(scenario()), strict=True):
         assert r.status_code == 422, (url, r.text)
         assert r.json()["detail"], url
+        if "size=" in url:  # the parameter and its bound are named
+            assert r.json()["detail"][0]["loc"] == ["query", "size"], r.text
 
 
 def test_no_route_answers_500_to_bad_input(tiny_ckpt, tiny_onnx, photos, bomb):

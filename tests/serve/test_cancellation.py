@@ -4,7 +4,8 @@ cancelled, and tritonclient.http with a short `network_timeout` (it closes the c
 are held in the queue behind the version's held model thread (`held_model.Gate`); once the gate opens, the model ran
 none of the requests whose clients left (the batch_size histogram's sum in /metrics counts the images it ran, a
 batch as it starts: the held one is counted at once), `vit_serve_cancelled_total{stage="queue"}` rose by exactly the
-number cancelled, and every request whose client stayed was answered 200 (nothing else dropped)."""
+number cancelled, and every request whose client stayed was answered 200 (nothing else dropped). A client leaving
+while its batch runs is counted once, at infer (by the runner that holds it, not again by the gateway)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from held_model import Counts, Live, hold, live_held, until
+from held_model import Counts, Gate, Live, hold, live_held, until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc.aio as grpcaio  # noqa: E402
@@ -162,3 +163,44 @@ def _give_up(client, inp) -> BaseException:
     except Exception as e:  # geventhttpclient's timeout, or tritonclient's wrapping of it
         return e
     raise AssertionError("the request was answered although the model was held")
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_client_leaving_while_its_batch_runs_is_counted_once_at_infer(live, photos, transport):
+    """A request already in the running batch (the model thread held) whose client leaves (httpx hangs up; a
+    tritonclient.grpc.aio call's task is cancelled): the runner that holds it counts it, at infer, and the
+    gateway does not count it again; its batch still runs (its answer thrown away)."""
+
+    async def scenario():
+        before = await Counts.of(live.url)
+        aio = grpcaio.InferenceServerClient(live.grpc)
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                gate = Gate(live.mv)
+                gate.close()
+                if transport == "http":
+                    leaving = asyncio.create_task(client.post(f"{live.url}/classify", content=photos["coffee.jpg"],
+                                                              headers=JPEG))
+                else:
+                    inp = grpcaio.InferInput("pixel_values", [1, 3, *live.mv.info.resolution], "FP32")
+                    inp.set_data_from_numpy(_pixels(live, 5))
+                    leaving = asyncio.create_task(aio.infer("tiny", [inp],
+                                                            outputs=[grpcaio.InferRequestedOutput("logits")]))
+                await until(lambda: live.mv.runner.running == 1)
+                leaving.cancel()
+                for _ in range(2000):  # until it is counted (the hang-up reaches the gateway)
+                    gone = await Counts.of(live.url)
+                    if gone.since(before)["cancelled"]:
+                        break
+                    await asyncio.sleep(0.01)
+                gate.open()
+                await until(lambda: live.mv.runner.running == 0)
+                with pytest.raises(asyncio.CancelledError):
+                    await leaving
+        finally:
+            await aio.close()
+        return before, gone, await Counts.of(live.url)
+
+    before, gone, after = asyncio.run(scenario())
+    assert gone.since(before) == {"rows": 1, "deadline": 0, "cancelled": 1, "cancelled_infer": 1}
+    assert after.since(before) == {"rows": 1, "deadline": 0, "cancelled": 1, "cancelled_infer": 1}

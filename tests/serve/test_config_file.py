@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from vit_serve.cli import main
 from vit_serve.serve.config_file import SettingsFileError, read_settings_file, settings_from_file
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -110,33 +109,25 @@ def test_cli_refuses_a_bad_file_before_serving(capsys, tmp_path, tiny_ckpt):
 
 
 def test_serve_process_runs_from_the_file_with_a_flag_over_it(tiny_ckpt, photos, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the file's port, not a flag: the process listens where the file says
     (tmp_path / tiny_ckpt.name).symlink_to(tiny_ckpt)
     f = tmp_path / "serve.toml"
     f.write_text(f'model = "{tiny_ckpt.name}"\nmodel_name = "from-file"\nport = {port}\nthreads = 1\n'
                  'decode_workers = 1\nmax_batch = 3\nshutdown_drain_s = 0\n')
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("VIT_SERVE_")} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", "--config", str(f), "--model-name",
-                             "from-flag"], cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
+    log = tmp_path / "output"
+    with log.open("wb") as out:
+        server = ServerProcess.command([sys.executable, "-m", "vit_serve", "serve", "--config", str(f),
+                                        "--model-name", "from-flag"], port, env={"OMP_NUM_THREADS": "1"}, cwd="/",
+                                       stdout=out, stderr=subprocess.STDOUT)
+        try:
             try:
-                if (ready := httpx.get(f"{url}/readyz", timeout=2)).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
-        assert ready.json()["model"] == "from-flag"
-        r = httpx.post(f"{url}/classify", content=photos["coffee.jpg"], headers={"Content-Type": "image/jpeg"})
-        assert r.status_code == 200 and r.json()["model"] == "from-flag"
-    finally:
-        proc.terminate()
-        out = proc.communicate(timeout=30)[0]
-    assert "loaded from-flag (torch backend)" in out
+                ready = server.wait_ready(90, poll=0.2)
+            except (ServerExitedError, TimeoutError) as e:
+                raise AssertionError(log.read_text()[-3000:]) from e
+            assert ready["model"] == "from-flag"
+            r = httpx.post(f"{server.url}/classify", content=photos["coffee.jpg"],
+                           headers={"Content-Type": "image/jpeg"})
+            assert r.status_code == 200 and r.json()["model"] == "from-flag"
+        finally:
+            server.stop()
+    assert "loaded from-flag (torch backend)" in log.read_text()

@@ -93,6 +93,34 @@ def test_png_is_the_overlay_on_the_model_input_crop(tiny_ckpt, tiny_model, photo
     np.testing.assert_array_equal(got, want)
 
 
+def test_size_scales_the_png_nearest_neighbour(tiny_ckpt, tiny_model, photos):
+    """?size= is the PNG's longer side: each pixel of the 48 x 32 overlay becomes a block (size 240: 5 x 5), by id
+    and by upload; a size that is no multiple scales as PIL's nearest-neighbour resize does."""
+    data = photos["astronaut.png"]
+
+    async def scenario():
+        async with serving(settings_for(tiny_ckpt)) as (client, _):
+            r = await client.post("/classify", content=data, headers={"Content-Type": "image/png"})
+            by_id = await client.get(f"/explain?id={r.json()['id']}&size=240")
+            uploaded = await client.post("/explain?size=240", content=data, headers={"Content-Type": "image/png"})
+            uneven = await client.get(f"/explain?id={r.json()['id']}&size=100&alpha=0.3")
+            return by_id, uploaded, uneven
+
+    by_id, uploaded, uneven = run(scenario())
+    crop = resize_and_crop(load_image(data), tiny_model.preprocess_cfg)
+    heat = _rollout(tiny_model, data)
+    want = np.asarray(overlay(crop, heat))
+    for r in (by_id, uploaded):
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png", r.text
+        got = np.asarray(Image.open(io.BytesIO(r.content)))
+        assert got.shape == (160, 240, 3)
+        np.testing.assert_array_equal(got, want.repeat(5, axis=0).repeat(5, axis=1))
+    got = Image.open(io.BytesIO(uneven.content))
+    assert got.size == (100, 67)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        overlay(crop, heat, alpha=0.3).resize((100, 67), Image.Resampling.NEAREST)))
+
+
 def test_grad_rollout_on_torch(tiny_ckpt, tiny_model, photos):
     data = photos["coffee.jpg"]
 

@@ -10,15 +10,14 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from gateway_helpers import live_app, settings_for, wait_ready
+from gateway_helpers import live_app, settings_for
 
-from vit_serve.tune.server_process import free_port
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess
 
 ALICE, BOB, CAROL = "alice-key-41c9", "bob-key-0d77a", "carol-key-e2f"  # Bob's and Carol's: one length
 
@@ -71,17 +70,18 @@ def test_sighup_reads_the_key_files_again_in_vit_serve_serve(tiny_ckpt, tmp_path
     keys, admin = tmp_path / "keys.txt", tmp_path / "admin.txt"
     keys.write_text(f"{ALICE}\n{BOB}\n")
     admin.write_text("admin-key-5f2a\n")
-    port = free_port()
-    env = {**os.environ, "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", str(tiny_ckpt), "--port", str(port),
-                             "--api-keys-file", str(keys), "--admin-api-keys-file", str(admin)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {"VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    server = ServerProcess.serve([str(tiny_ckpt), "--api-keys-file", str(keys), "--admin-api-keys-file", str(admin)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader = threading.Thread(target=lambda: lines.extend(server.proc.stdout), daemon=True)
     reader.start()
-    url = f"http://127.0.0.1:{port}"
+    url = server.url
     try:
-        assert wait_ready(url, lambda: proc.poll() is None, timeout=90), "".join(lines)
+        try:
+            server.wait_ready(90)
+        except (ServerExitedError, TimeoutError) as e:
+            raise AssertionError("".join(lines)) from e
         assert _status(url, BOB) == 200 and _status(url, CAROL) == 401
         # Bob's line becomes Carol's, in place: same size, same inode, the old mtime put back.
         before = keys.stat()
@@ -91,16 +91,11 @@ def test_sighup_reads_the_key_files_again_in_vit_serve_serve(tiny_ckpt, tmp_path
         assert (keys.stat().st_ino, keys.stat().st_size) == (before.st_ino, before.st_size)
         time.sleep(1.5)
         assert _status(url, BOB) == 200  # nothing told the gateway
-        os.kill(proc.pid, signal.SIGHUP)
+        os.kill(server.pid, signal.SIGHUP)
         assert _until(lambda: _status(url, BOB) == 401), "".join(lines)
         assert _status(url, CAROL) == 200 and _status(url, ALICE) == 200
-        assert proc.poll() is None, "".join(lines)  # SIGHUP read the keys; it did not end the server
+        assert server.alive(), "".join(lines)  # SIGHUP read the keys; it did not end the server
         assert any("API keys read again" in line for line in lines)
         assert not any(k in line for line in lines for k in (ALICE, BOB, CAROL))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        server.stop()

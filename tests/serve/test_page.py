@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
+import numpy as np
 import pytest
 from gateway_helpers import live_server, settings_for
 from PIL import Image
@@ -153,6 +155,15 @@ def _wait_overlay(pg, previous: str | None = None) -> dict:
                                            "alt: img.alt})")
 
 
+def _assert_drawn(pg, overlay: dict, crop: tuple[int, int]) -> None:
+    """The overlay came at the size the page asked for (its last GET / POST /explain?size=), larger than the model's
+    input crop (W, H), the crop's aspect kept."""
+    size = int([q for _, path, q in pg.api if path == "/explain"][-1]["size"][0])
+    scale = size / max(crop)
+    assert size > max(crop)
+    assert (overlay["w"], overlay["h"]) == (round(crop[0] * scale), round(crop[1] * scale))
+
+
 def test_upload_shows_the_top5_and_the_attention_overlay(server, page, photo, tmp_path):
     expected = httpx.post(f"{server}/classify", params={"top_k": 5},
                           files={"file": ("chelsea.jpg", photo.read_bytes(), "image/jpeg")}).json()
@@ -180,7 +191,12 @@ def test_upload_shows_the_top5_and_the_attention_overlay(server, page, photo, tm
     assert f"{expected['model']} v{expected['version']}" in page.inner_text("#meta")
 
     overlay = _wait_overlay(page)
-    assert (overlay["w"], overlay["h"]) == (32, 32)  # the map over the model-input crop
+    _assert_drawn(page, overlay, (32, 32))  # the map over the model-input crop, at the size it is shown
+    assert page.is_hidden("#ood")  # no reference, no OOD score in the answer
+    assert "ood" not in expected
+    # The torch backend answers every method and setting: nothing is disabled.
+    assert page.eval_on_selector_all("#upload-form option", "opts => opts.filter(o => o.disabled).length") == 0
+    assert page.is_hidden("#explain-note")
     assert overlay["src"].startswith("blob:")
     assert bars[0]["label"] in overlay["alt"]
     original = page.eval_on_selector("#original", "img => [img.naturalWidth, img.naturalHeight, img.alt]")
@@ -197,12 +213,12 @@ def test_upload_shows_the_top5_and_the_attention_overlay(server, page, photo, tm
     # Another head fusion: the page asks for a new map and shows it.
     page.select_option("#head-fusion", "max")
     changed = _wait_overlay(page, previous=overlay["src"])
-    assert (changed["w"], changed["h"]) == (32, 32)
+    _assert_drawn(page, changed, (32, 32))
     assert "head fusion max" in page.inner_text("#overlay-caption")
     # Gradient rollout (the torch backend has it).
     page.select_option("#method", "grad_rollout")
     grad = _wait_overlay(page, previous=changed["src"])
-    assert (grad["w"], grad["h"]) == (32, 32)
+    _assert_drawn(page, grad, (32, 32))
     assert "Gradient rollout" in page.inner_text("#overlay-caption")
     assert page.is_hidden("#overlay-error")
 
@@ -306,7 +322,7 @@ def test_the_model_picker_lists_the_repository_and_every_request_names_the_pick(
     page.wait_for_function("document.getElementById('meta').textContent.includes('pets v1')")
     _assert_bars(page, _classify(url, photo, model="pets"))
     first = _wait_overlay(page)
-    assert (first["w"], first["h"]) == (32, 32)
+    _assert_drawn(page, first, (32, 32))
     assert _since(page, start, "/classify") == [{"top_k": ["5"], "model": ["pets"]}]
 
     # Picking birds re-classifies the image chosen: its newest version, the same answer as the API's.
@@ -318,7 +334,7 @@ def test_the_model_picker_lists_the_repository_and_every_request_names_the_pick(
     _assert_bars(page, newest)
     assert all(b["label"] in BIRDS for b in _bars(page))
     overlay = _wait_overlay(page, previous=first["src"])
-    assert (overlay["w"], overlay["h"]) == (48, 32)  # birds' input crop, 32x48
+    _assert_drawn(page, overlay, (48, 32))  # birds' input crop, 32x48
     assert page.inner_text("#overlay-caption").endswith("by birds v2")
     assert _since(page, start, "/classify") == [{"top_k": ["5"], "model": ["birds"]}]
     explains = _since(page, start, "/explain")
@@ -374,6 +390,101 @@ def test_the_page_asks_for_a_key_when_the_server_needs_one(tmp_path_factory, ran
         expected = httpx.post(f"{url}/classify", params={"top_k": 5}, headers={"X-API-Key": key},
                               files={"file": ("chelsea.jpg", photo.read_bytes(), "image/jpeg")}).json()
         assert [b["index"] for b in _bars(pg)] == [p["index"] for p in expected["predictions"]]
-        assert _wait_overlay(pg)["w"] == 32
+        _assert_drawn(pg, _wait_overlay(pg), (32, 32))
         assert sent and all(k == key for k in sent)
         assert not pg.errors or all("401" in e for e in pg.errors), pg.errors
+
+
+def _smooth_images(n: int, seed: int) -> list[Image.Image]:
+    """In-distribution images for a reference: two-colour linear gradients at random angles, 32 x 32."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:32, 0:32] / 31
+    out = []
+    for _ in range(n):
+        a, b = rng.uniform(0, 255, (2, 3))
+        t = np.cos(rng.uniform(0, np.pi)) * xx + np.sin(rng.uniform(0, np.pi)) * yy
+        t = (t - t.min()) / (np.ptp(t) + 1e-9)
+        out.append(Image.fromarray(np.clip(a + (b - a) * t[..., None], 0, 255).astype(np.uint8)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def onnx_server(tmp_path_factory, randomize) -> Iterator[str]:
+    """A gateway serving an ONNX export (onnxruntime: rollout baked in at head fusion mean, discard ratio 0.9; no
+    gradient rollout) of a 32x32 model whose reference was fitted on smooth gradients, so /classify answers an
+    OOD score and flags uniform noise."""
+    import vit_export
+
+    from vit_serve.preprocess import PreprocessConfig, preprocess
+    from vit_serve.reference import reference_from_datasets
+
+    folder = tmp_path_factory.mktemp("page_onnx")
+    model = randomize(vit_serve.create_model("Ti/16", depth=2, num_classes=10, img_size=32), seed=3)
+    model.labels = list(LABELS)
+    model.preprocess_cfg = cfg = PreprocessConfig(input_size=(32, 32))
+    fit = [(preprocess(im, cfg), 0) for im in _smooth_images(200, 10)]
+    calibration = [(preprocess(im, cfg), 0) for im in _smooth_images(100, 11)]
+    model.reference = reference_from_datasets(model, fit, calibration, "smooth gradients")
+    vit_serve.save(model, folder / "pets.safetensors")
+    result = vit_export.export(folder / "pets.safetensors", vit_export.ExportOptions(out=folder / "export",
+                                                                                     name="pets"))
+    assert result.ok
+    with live_server(settings_for(result.onnx, decode_workers=1)) as url:
+        yield url
+
+
+def _png_file(folder: Path, name: str, pixels: np.ndarray) -> Path:
+    path = folder / name
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def test_an_onnx_export_s_refused_settings_are_disabled_and_the_ood_flag_shows(onnx_server, tmp_path):
+    url = onnx_server
+    version = httpx.get(f"{url}/models").json()["models"][0]["versions"][0]
+    assert version["backend"] == "onnxruntime"
+    assert version["explain_support"] == {"methods": ["rollout"], "head_fusion": "mean", "discard_ratio": 0.9}
+    # What the page disables is what the API refuses.
+    assert httpx.get(f"{url}/explain", params={"id": "0" * 64, "method": "grad_rollout"}).status_code == 400
+    noise = _png_file(tmp_path, "noise.png", np.random.default_rng(5).integers(0, 256, (32, 32, 3), np.uint8))
+    smooth = tmp_path / "smooth.png"
+    _smooth_images(1, 99)[0].save(smooth)
+    answers = {}
+    for path in (noise, smooth):
+        r = httpx.post(f"{url}/classify", params={"top_k": 5}, files={"file": (path.name, path.read_bytes(),
+                                                                               "image/png")})
+        assert r.status_code == 200, r.text
+        answers[path.name] = r.json()["ood"]
+    assert answers["noise.png"]["flag"] is True  # the API flags noise; the page must show it
+
+    with _open_page(url) as page:
+        page.wait_for_function("document.getElementById('model').textContent.includes('pets')")
+        page.wait_for_selector("#explain-note:not([hidden])")
+        disabled = page.eval_on_selector_all("#upload-form select", """selects => Object.fromEntries(selects.map(
+            s => [s.id, [...s.options].filter(o => o.disabled).map(o => o.value)]))""")
+        assert disabled == {"model-picker": [], "method": ["grad_rollout"], "head-fusion": ["max", "min"],
+                            "discard-ratio": ["0", "0.5", "0.8", "0.95"]}
+        note = page.inner_text("#explain-note")
+        assert "head fusion mean and discard ratio 0.9 only" in note
+        assert "gradient rollout needs the torch backend" in note and "onnxruntime" in note
+        assert page.get_attribute("#method option[value=grad_rollout]", "title") == note
+
+        for path in (noise, smooth):
+            ood = answers[path.name]
+            page.set_input_files("#file", str(path))
+            page.wait_for_function("name => document.getElementById('status').textContent.startsWith(name)",
+                                   arg=path.name)
+            page.wait_for_selector("#ood:not([hidden])")
+            text = page.inner_text("#ood")
+            shown = re.search(r"OOD score (\S+) (>|≤) threshold (\S+?)[ ,)]", text)
+            assert shown, text
+            assert float(shown.group(1)) == pytest.approx(ood["score"], rel=5e-3)  # 3 significant digits
+            assert float(shown.group(3)) == pytest.approx(ood["threshold"], rel=5e-3)
+            assert text.startswith("Out of distribution" if ood["flag"] else "In distribution"), text
+            assert ("flagged" in page.get_attribute("#ood", "class").split()) == ood["flag"]
+            overlay = _wait_overlay(page)
+            _assert_drawn(page, overlay, (32, 32))
+            if ood["flag"]:
+                _screenshot(page, tmp_path, "page_ood.png")
+        assert page.is_hidden("#overlay-error") and page.is_hidden("#error")
+        assert page.errors == [] and page.foreign == []

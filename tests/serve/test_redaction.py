@@ -1,15 +1,13 @@
 """Secrets in store URLs are redacted however the query spells their names: percent-encoded (`?pass%77ord=`, which
-redis-py decodes and authenticates with), in any case, or under another secret's name (token, key, ...)."""
+redis-py decodes and authenticates with), in any case, or under another secret's name (token, key, ...). That a
+gateway's warnings and answers hold none of them, `?pass%77ord=` among them, is test_stores's
+`test_redis_passwords_are_redacted_in_every_message`."""
 
 from __future__ import annotations
 
 import pytest
-from gateway_helpers import run, serving, settings_for
 
 from vit_serve.serve.stores.redaction import redacted, secret_name
-from vit_serve.tune.server_process import free_port
-
-JPEG = {"Content-Type": "image/jpeg"}
 
 
 def test_a_percent_encoded_password_authenticates_with_redis_and_is_redacted(redis_with_password):
@@ -41,19 +39,3 @@ def test_secret_query_names_are_redacted_whatever_their_spelling(name):
 def test_other_query_names_are_kept(name):
     url = f"redis://127.0.0.1:6379/0?{name}=visible"
     assert not secret_name(name) and redacted(url) == url
-
-
-def test_an_encoded_password_is_redacted_in_the_gateways_logs_and_answers(tiny_ckpt, photos, caplog):
-    """A Redis that is down (nothing listens at the URL's port): the warnings and GET /explain?id='s 503 name the
-    store without the password the URL carries as `?pass%77ord=`."""
-    url = f"redis://127.0.0.1:{free_port()}/0?db=0&pass%77ord=s3cret-encoded"
-
-    async def scenario():
-        async with serving(settings_for(tiny_ckpt, store=url)) as (client, _):
-            first = await client.post("/classify", content=photos["coffee.jpg"], headers=JPEG)
-            return await client.get(f"/explain?id={first.json()['id']}&format=json")
-
-    with caplog.at_level("DEBUG", logger="vit_serve"):
-        by_id = run(scenario())
-    assert by_id.status_code == 503 and "s3cret" not in by_id.text
-    assert "127.0.0.1" in caplog.text and "s3cret" not in caplog.text

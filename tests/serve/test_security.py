@@ -5,13 +5,10 @@ and tritonclient's own HTTP client), admin keys on the repository API, a real br
 from __future__ import annotations
 
 import hashlib
-import http.server
 import logging
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -128,33 +125,8 @@ def test_cors_preflight_answers_only_the_allowed_origins(tiny_ckpt):
     assert "access-control-allow-origin" not in off[0].headers  # off by default
 
 
-@contextmanager
-def _static_site(html: str) -> Iterator[str]:
-    """A page on another origin (a second port), served by the standard library's HTTP server."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = html.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no `chromium` on PATH (apt-get install chromium)")
-def test_a_browser_on_another_origin_passes_the_preflight(tiny_ckpt):
+def test_a_browser_on_another_origin_passes_the_preflight(tiny_ckpt, http_stub):
     """Chromium itself sends the preflight (a POST with X-API-Key from another origin): allowed, the answer is
     readable; from an origin not allowed, fetch fails."""
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -166,8 +138,9 @@ def test_a_browser_on_another_origin_passes_the_preflight(tiny_ckpt):
         } catch (e) { return {error: String(e)}; }
     }"""
     elsewhere = ["http://elsewhere.example"]
-    with _static_site("<html><body>other origin</body></html>") as site, \
-            live_server(settings_for(tiny_ckpt, api_keys=[KEY], cors_origins=[site])) as allowed, \
+    html = b"<html><body>other origin</body></html>"
+    site = http_stub(lambda request: (200, "text/html", html)).url  # a page on another origin (a second port)
+    with live_server(settings_for(tiny_ckpt, api_keys=[KEY], cors_origins=[site])) as allowed, \
             live_server(settings_for(tiny_ckpt, api_keys=[KEY], cors_origins=elsewhere)) as refused, \
             sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"),

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from vit_serve.cli import main
 from vit_serve.serve.settings import ServeSettings
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess, free_port
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
@@ -42,45 +41,34 @@ def test_settings_from_environment_and_overrides(monkeypatch):
         ServeSettings(model="m.onnx", max_batchsize=5)
 
 
-def test_serve_subprocess_flags_win_over_environment(tiny_ckpt, photos):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VIT_SERVE_MODEL": str(tiny_ckpt), "VIT_SERVE_MODEL_NAME": "from-env",
-           "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", "--model-name", "from-flag",
-                             "--port", str(port), "--max-batch", "4"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
+def test_serve_subprocess_flags_win_over_environment(tiny_ckpt, photos, tmp_path):
+    env = {"VIT_SERVE_MODEL": str(tiny_ckpt), "VIT_SERVE_MODEL_NAME": "from-env", "VIT_SERVE_THREADS": "1",
+           "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "output"
+    with log.open("wb") as out:
+        server = ServerProcess.serve(["--model-name", "from-flag", "--max-batch", "4"], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+        try:
             try:
-                ready = httpx.get(f"{url}/readyz", timeout=2)
-                if ready.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
-        assert ready.json()["model"] == "from-flag"  # MODEL from the environment, the name from the flag
-        r = httpx.post(f"{url}/classify", content=photos["coffee.jpg"], headers={"Content-Type": "image/jpeg"})
-        assert r.status_code == 200 and r.json()["model"] == "from-flag"
-    finally:
-        proc.terminate()
-        out = proc.communicate(timeout=30)[0]
-    assert proc.returncode in (0, -15), out  # uvicorn re-raises SIGTERM after shutting down cleanly
-    assert "loaded from-flag (torch backend)" in out
-    assert "Application shutdown complete" in out
+                ready = server.wait_ready(90, poll=0.2)
+            except (ServerExitedError, TimeoutError) as e:
+                raise AssertionError(log.read_text()[-3000:]) from e
+            assert ready["model"] == "from-flag"  # MODEL from the environment, the name from the flag
+            r = httpx.post(f"{server.url}/classify", content=photos["coffee.jpg"],
+                           headers={"Content-Type": "image/jpeg"})
+            assert r.status_code == 200 and r.json()["model"] == "from-flag"
+        finally:
+            status = server.stop()
+    output = log.read_text()
+    assert status in (0, -15), output  # uvicorn re-raises SIGTERM after shutting down cleanly
+    assert "loaded from-flag (torch backend)" in output
+    assert "Application shutdown complete" in output
 
 
 def test_a_model_that_cannot_be_served_ends_with_one_line_and_no_traceback():
     """--backend triton with no Triton listening: the lifespan gives up after the startup timeout, and the process
     exits 3 with the reason in one logged line (uvicorn used to print Starlette's whole traceback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    port = free_port()  # nothing listens there
     proc = subprocess.run([sys.executable, "-m", "vit_serve", "serve", "tiny", "--backend", "triton",
                            "--triton-url", f"127.0.0.1:{port}", "--triton-startup-timeout-s", "1",
                            "--port", "0"], capture_output=True, text=True, timeout=120,

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import io
 import itertools
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +22,7 @@ from PIL import Image
 
 from vit_serve.serve.app import create_app
 from vit_serve.serve.shutdown import DrainingServer, graceful_timeout
-from vit_serve.tune.server_process import free_port
+from vit_serve.tune.server_process import ServerExitedError, ServerProcess
 
 CLIENTS = 20
 
@@ -114,19 +112,21 @@ def test_sigterm_under_load_answers_every_accepted_request(tiny_ckpt):
     queue when a listener closes is reset by the kernel: no server can answer it, and that is what the drain
     is for."""
     drain, grace = 1.5, 5.0
-    port = free_port()
-    env = {**os.environ, "VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vit_serve", "serve", str(tiny_ckpt), "--port", str(port),
-                             "--max-batch", "2", "--shutdown-drain-s", str(drain), "--shutdown-grace-s",
-                             str(grace)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {"VIT_SERVE_THREADS": "1", "VIT_SERVE_DECODE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    server = ServerProcess.serve([str(tiny_ckpt), "--max-batch", "2", "--shutdown-drain-s", str(drain),
+                                  "--shutdown-grace-s", str(grace)], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+    proc, url = server.proc, server.url  # signalled and waited for here: the exit is what is tested
     # Its log read as it comes: two lines a request fill a pipe's 64 KB within the test, and a server writing to a
     # full pipe blocks its event loop (it stalled until the slow uploads' 60 s client timeout, twice in CI).
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_ready(url, lambda: proc.poll() is None, timeout=90), "".join(lines)
+        try:
+            server.wait_ready(90)
+        except (ServerExitedError, TimeoutError) as e:
+            raise AssertionError("".join(lines)) from e
         load, seen = Load(url), []
         with ThreadPoolExecutor(CLIENTS + 4) as pool:
             clients = [pool.submit(load.client) for _ in range(CLIENTS)]

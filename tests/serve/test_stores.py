@@ -325,10 +325,12 @@ def test_a_password_in_the_file_and_in_the_url_is_refused(tmp_path):
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:{port}/0?password=s3cret-in-query",
                                  "redis://gateway:s3cret-in-netloc@127.0.0.1:{port}/0",
                                  "redis://127.0.0.1:{port}/0?db=0&password=s3cret-in-query&socket_keepalive=1",
-                                 "redis://:s3cret-in-netloc@127.0.0.1:{port}/0?password=s3cret-in-query"])
+                                 "redis://:s3cret-in-netloc@127.0.0.1:{port}/0?password=s3cret-in-query",
+                                 "redis://127.0.0.1:{port}/0?db=0&pass%77ord=s3cret-encoded"])
 def test_redis_passwords_are_redacted_in_every_message(url, tiny_ckpt, photos, caplog):
-    """`?password=` (which redis-py reads too) and user:password@ are redacted: in `redacted`, in the settings'
-    repr, in the warnings a Redis that is down makes and in the 503 GET /explain?id= answers."""
+    """`?password=` (which redis-py reads too, also percent-encoded) and user:password@ are redacted: in
+    `redacted`, in the settings' repr, in the warnings a Redis that is down makes and in the 503 GET /explain?id=
+    answers."""
     from vit_serve.serve.settings import ServeSettings
     from vit_serve.serve.stores.redis import redacted
 

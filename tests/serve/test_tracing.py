@@ -18,11 +18,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from gateway_helpers import live_app, live_server, settings_for
+from http_stub import HttpStub, StubRequest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -38,33 +38,22 @@ IDS = ("traceId", "spanId", "parentSpanId")
 
 
 class OtlpReceiver:
-    """A collector's OTLP/HTTP traces endpoint (POST /v1/traces) in a thread. Protobuf bodies (the Python SDK's
-    exporter) and JSON bodies (Triton's C++ exporter; OTLP/JSON writes ids as hex, not proto3's base64) are both
-    decoded into ExportTraceServiceRequest. `spans`: (service.name, Span) of everything received."""
+    """A collector's OTLP/HTTP traces endpoint (POST /v1/traces) on a local HTTP stub (tests/http_stub.py).
+    Protobuf bodies (the Python SDK's exporter) and JSON bodies (Triton's C++ exporter; OTLP/JSON writes ids as
+    hex, not proto3's base64) are both decoded into ExportTraceServiceRequest. `spans`: (service.name, Span) of
+    everything received."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, object]] = []
         self.posts: list[tuple[str, str]] = []  # (path, content type)
         self._lock = threading.Lock()
-        receiver = self
+        self._stub = HttpStub(self._receive)
+        self.url = self._stub.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                kind = self.headers.get("Content-Type", "")
-                receiver._add(self.path, kind, body)
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+    def _receive(self, request: StubRequest) -> tuple[int, str, bytes]:
+        kind = request.headers.get("Content-Type", "")
+        self._add(request.path, kind, request.body)
+        return 200, kind, b""
 
     def _add(self, path: str, kind: str, body: bytes) -> None:
         request = trace_service.ExportTraceServiceRequest()
@@ -97,8 +86,7 @@ class OtlpReceiver:
             return [(svc, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex()) for svc, s in self.spans]
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._stub.close()
 
 
 def _hex_ids_to_base64(obj: object) -> object:

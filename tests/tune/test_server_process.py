@@ -1,6 +1,7 @@
 """vit_serve.tune.server_process against real processes: a small HTTP server whose /readyz answers 200 after a
-delay is waited for, answered and stopped; a process that exits is reported with its status rather than waited
-out; one that never gets ready times out; SIGTERM is escalated to SIGKILL after the grace period."""
+delay is waited for, answered and stopped (one ready at another path with an empty body, as tritonserver is,
+once that path is named); a process that exits is reported with its status rather than waited out; one that
+never gets ready times out; SIGTERM is escalated to SIGKILL after the grace period."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ READY_AFTER = textwrap.dedent("""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            ok = self.path == "/readyz" and time.monotonic() >= ready_at
-            body = json.dumps({"status": "ready" if ok else "starting"}).encode()
+            # "triton": ready at tritonserver's path, with its empty body
+            path = "/v2/health/ready" if sys.argv[3] == "triton" else "/readyz"
+            ok = self.path == path and time.monotonic() >= ready_at
+            body = b"" if sys.argv[3] == "triton" else json.dumps({"status": "ready" if ok else "starting"}).encode()
             self.send_response(200 if ok else 503)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -47,6 +50,18 @@ def test_waits_until_ready_then_stops():
         assert server.alive()
         assert server.ready() == {"status": "ready"}
         assert server.url == f"http://127.0.0.1:{server.port}"
+    assert not server.alive()
+
+
+def test_a_server_with_its_own_ready_path_and_an_empty_answer():
+    server = _server(0.5, "triton")
+    server.ready_timeout = 1.5
+    with pytest.raises(TimeoutError), server:  # /readyz is not its readiness: never ready there
+        pass
+    server = _server(0.5, "triton")
+    server.ready_path = "/v2/health/ready"
+    with server:
+        assert server.ready() == {}
     assert not server.alive()
 
 

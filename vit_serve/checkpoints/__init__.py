@@ -3,6 +3,15 @@
     load(src)   any supported checkpoint (file, folder or hub id) -> ready VisionTransformer
     save(model, path)   our format, atomically
     convert(src, dst, res=..., num_classes=...)   the `vit-serve convert` command
+
+- `io`: reading weight files safely; our own format (`save`, `from_ours`).
+- `converted`: what every converter returns, and the one place that builds the model from it (key checks).
+- `jax_npz`: vit_jax / AugReg / big_vision `.npz`.
+- `timm_state`, `torchvision_state`, `open_clip_state`: timm, torchvision and open_clip state dicts.
+- `hf_models`, `hf_transformers`, `hf_clip`, `hf_dinov2`, `hf_siglip`: Hugging Face transformers folders, by
+  `model_type` (ViT, CLIP, DINOv2, SigLIP).
+- `hub`: `hf-hub:<owner>/<name>` ids -> a local folder.
+- `unsupported`: the readable checkpoints we refuse, with why.
 """
 
 from __future__ import annotations

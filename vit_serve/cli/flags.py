@@ -3,16 +3,19 @@ into argparse arguments (name, type, choices from a `Literal`, append for a list
 
 A field gets a flag when it carries a `Flag`: in a pydantic model as `Annotated[T, Flag(...)]`, in a dataclass as
 `field(metadata={"flag": Flag(...)})`. The flag's default is always None (unset): the settings keep the defaults,
-so that an unset flag leaves the environment's or the field's value alone.
+so that an unset flag leaves the environment's or the field's value alone. A hidden flag (`Flag.hidden`) is left
+out of --help (`HelpAll` lists it) and still parses; `warn_hidden` says, when one is given, where it is set instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -131,14 +134,57 @@ def argument(field: FlagField) -> tuple[list[str], dict[str, Any]]:
 Container = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
+class FlagDeprecationWarning(DeprecationWarning):
+    """A hidden flag (`Flag.hidden`) was given: the message names the environment variable and the settings-file
+    key that stay the documented place."""
+
+
+def warn_hidden(given: argparse.Namespace, fields: Iterable[FlagField], env_prefix: str) -> list[str]:
+    """Warn (`FlagDeprecationWarning`) for each hidden flag of `fields` that `given` holds a value of; the flags
+    warned about."""
+    out = []
+    for field in fields:
+        value = getattr(given, field.name, None)
+        if field.flag.hidden and value is not None:
+            name = argument(field)[0][0]
+            env = str(value).lower() if isinstance(value, bool) else str(value)
+            toml = json.dumps(value)  # a TOML value too, for a bool, a number or a string
+            warnings.warn(f"{name} is deprecated on the command line and hidden from --help (it still works in this "
+                          f"release): set {env_prefix}{field.name.upper()}={env}, or {field.name} = {toml} in a "
+                          "--config file", FlagDeprecationWarning, stacklevel=2)
+            out.append(name)
+    return out
+
+
+class HelpAll(argparse.Action):
+    """--help-all: the --help text with the hidden flags (`Flag.hidden`) shown too, then exit."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        hidden = [a for a in parser._actions if hasattr(a, "full_help")]
+        for a in hidden:
+            a.help = a.full_help
+        try:
+            parser.print_help()
+        finally:
+            for a in hidden:
+                a.help = argparse.SUPPRESS
+        parser.exit()
+
+
 def add_flags(parser: Container, fields: list[FlagField], section: str | None = None,
               groups: dict[str, Container] | None = None,
               group_of: Callable[[FlagField], str] = lambda field: field.flag.section or "") -> None:
     """Add the flags of `fields` listed under `section` to `parser`, and the others to the group of `groups` that
     `group_of` names (default: their section), in --help order (one pass: the usage line keeps the field order
-    whatever the groups)."""
+    whatever the groups). A hidden flag's help is kept as the action's `full_help`, for `HelpAll`."""
     for field in ordered(fields):
         target = parser if field.flag.section == section else (groups or {}).get(group_of(field))
         if target is not None:
             names, kw = argument(field)
-            target.add_argument(*names, **kw)
+            action = target.add_argument(*names, **kw)
+            if field.flag.hidden:
+                action.full_help, action.help = action.help, argparse.SUPPRESS

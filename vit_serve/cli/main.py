@@ -8,16 +8,23 @@ import json
 import sys
 import typing
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from vit_serve import __version__, quickstart
-from vit_serve.cli.flags import add_flags, dataclass_fields, pydantic_fields
+from vit_serve.cli.flags import (
+    FlagDeprecationWarning,
+    FlagField,
+    HelpAll,
+    add_flags,
+    dataclass_fields,
+    pydantic_fields,
+    warn_hidden,
+)
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.config import RESAMPLE_MODES
-from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
-from vit_serve.predict.options import PredictOptions
 from vit_serve.resolution import parse_resolution
+from vit_serve.rollout_options import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 
 RESOLUTION = argument_type(parse_resolution)  # 384 or HxW, as an argparse type
 
@@ -183,6 +190,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from vit_serve.serve.config_file import serve_settings
     from vit_serve.serve.settings import ServeSettings
 
+    with warnings.catch_warnings(record=True) as hidden:  # a hidden flag given: one line each, where to set it
+        warnings.simplefilter("always", FlagDeprecationWarning)
+        warn_hidden(args, pydantic_fields(ServeSettings.flat_fields()), "VIT_SERVE_")
+    for w in hidden:
+        print(f"vit-serve serve: warning: {w.message}", file=sys.stderr)
     flags = {k: getattr(args, k, None) for k in ServeSettings.flat_fields()}
     settings = serve_settings(args.config, flags)  # flags over VIT_SERVE_* over --config FILE
     if settings.engine == "ray":  # its replicas load the model: no TensorRT needed here
@@ -206,15 +218,9 @@ def _serve_on_ray(args: argparse.Namespace, settings) -> int:
         from vit_serve.deploy import ray as on_ray
     except ImportError as e:  # the ray extra is missing: its message names it
         raise OSError(str(e)) from None
-    # without --replica-gpus the replicas see no GPU (on_ray.actor_options: CUDA_VISIBLE_DEVICES="")
-    actor: dict = {"num_cpus": 1 if args.replica_cpus is None else args.replica_cpus}
-    if args.replica_gpus:
-        actor["num_gpus"] = args.replica_gpus
-    replicas = args.replicas or 1
-    autoscaling = {"min_replicas": replicas, "max_replicas": args.max_replicas} if args.max_replicas else None
+    # The deployments' replicas and resources are settings (settings.ray; each model's config.toml may set its own).
     try:
-        on_ray.run(settings, address=args.address, num_replicas=replicas, autoscaling_config=autoscaling,
-                   ray_actor_options=actor, ingress_replicas=args.ingress_replicas or 1)
+        on_ray.run(settings, address=args.address)
     except RuntimeError as e:  # the application did not start (or cannot fit the cluster): its reason, in one line
         raise OSError(str(e)) from None
     return 0
@@ -276,12 +282,8 @@ def _positive(kind: type[int] | type[float]):
     return argument_type(parse)
 
 
-def _convert_parser(sub: argparse._SubParsersAction) -> None:
+def _convert_parser(c: argparse.ArgumentParser) -> None:
     """`vit-serve convert`."""
-    c = sub.add_parser("convert", help="convert any supported checkpoint to vit-serve's .safetensors format",
-                       description="Convert a vit_jax/big_vision .npz, timm, transformers, torchvision or "
-                                   "open_clip checkpoint (file, folder or hub id) to one vit-serve .safetensors "
-                                   "file (a CLIP/SigLIP text tower is kept).")
     c.add_argument("src", help="checkpoint file, folder, or hub id (hf-hub:OWNER/NAME)")
     c.add_argument("dst", help="output .safetensors path")
     c.add_argument("--res", type=RESOLUTION, help="resample position embeddings to this resolution (384 or HxW)")
@@ -307,14 +309,10 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_cmd_convert)
 
 
-def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+def _inspect_parser(i: argparse.ArgumentParser) -> None:
     """`vit-serve inspect`."""
     from vit_serve.tome import parse_tome
 
-    i = sub.add_parser("inspect", help="the ViT paper's Figure 6/7 inspections of a checkpoint, as PNGs + JSON",
-                       description="Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
-                                   "embedding similarity and mean attention distance (Figure 7) figures and "
-                                   "inspect.json with every number behind them.")
     i.add_argument("ckpt", metavar="CKPT", help="checkpoint (any format `convert` reads); with --drift, a "
                                                 "running gateway's URL (http://HOST:PORT) or a saved JSON of its "
                                                 "GET /models/NAME/drift")
@@ -343,19 +341,15 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     i.set_defaults(func=_cmd_inspect)
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
+def _train_parser(t: argparse.ArgumentParser) -> None:
     """`vit-serve train`: TrainConfig's fields as flags (`_add_train_flags`)."""
-    t = sub.add_parser("train", help="pre-train or fine-tune a ViT (flags override --config)",
-                       description="Pre-train or fine-tune a ViT with the paper's recipes. Multi-process: "
-                                   "torchrun --nproc-per-node N -m vit_serve train ...")
     t.add_argument("--config", help="a .json or .toml file of options (flags override it)")
     _add_train_flags(t)
     t.set_defaults(func=_cmd_train)
 
 
-def _eval_parser(sub: argparse._SubParsersAction) -> None:
+def _eval_parser(e: argparse.ArgumentParser) -> None:
     """`vit-serve eval`."""
-    e = sub.add_parser("eval", help="top-1/top-5, confusion matrix and few-shot accuracy of a checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("--data", default="digits", help=_TRAIN_HELP["data"])
     e.add_argument("--res", type=RESOLUTION, help="evaluate at this resolution (position embeddings resampled)")
@@ -366,24 +360,20 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=_cmd_eval)
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(s: argparse.ArgumentParser) -> None:
     """`vit-serve serve`: ServeSettings' fields as flags (their `Flag`s), and Ray Serve's launch options."""
-    s = sub.add_parser("serve", help="serve a model over HTTP (FastAPI): /classify, /explain, /v2, /metrics",
-                       description="Serve a repository of models (a folder of exports and checkpoints, or of "
-                                   "NAME/VERSION/ folders), one checkpoint (torch), an exported NAME.onnx "
-                                   "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
-                                   "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH) "
-                                   "and a name in a --config file: flags win over the variables, which win over "
-                                   "the file. The model defaults apply to the models without their own: a model's "
-                                   "REPO/NAME/config.toml (or config.pbtxt) sets its own.")
     try:
         from vit_serve.serve.setting_scopes import SERVER_SETTINGS, scope_of
-        from vit_serve.serve.settings import ServeSettings
+        from vit_serve.serve.settings import RayDeploymentSettings, ServeSettings
     except ImportError as e:  # without the serve extra: `serve` takes anything and says what is missing
         s.add_argument("args", nargs=argparse.REMAINDER)
         s.set_defaults(func=_missing(e))
         return
     settings = pydantic_fields(ServeSettings.flat_fields())
+    s.epilog = (f"{sum(f.flag.hidden for f in settings)} rarely used flags are not listed (still accepted, "
+                "deprecated on the command line): every setting is a VIT_SERVE_<NAME> variable and a --config key "
+                "(README, \"Settings by scope\"); --help-all lists every option.")
+    s.add_argument("--help-all", action=HelpAll, help="show every option, the rarely used ones too, and exit")
     s.add_argument("--config", metavar="FILE",
                    help="settings from a .toml or .json file of setting names (max_batch = 8; paths relative to the "
                         "file's folder); flags and VIT_SERVE_* variables win over it")
@@ -396,57 +386,43 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "store": s.add_argument_group("explain store (the crops kept for GET /explain?id=)"),
         "sampler": s.add_argument_group("payload sampler (requests kept for labelling)")}
     r = s.add_argument_group("Ray Serve (--engine ray; pip install 'vit-serve[ray]')")
-    add_flags(r, settings, section="ray", groups=groups,
-              group_of=lambda field: field.flag.section or scope_of(field.name).value)
-    # Ray Serve's launch options (deploy.ray.run's arguments), not settings of the gateway.
+    ray = set(RayDeploymentSettings.model_fields)
+
+    def group_of(field: FlagField) -> str:
+        return field.flag.section or scope_of(field.name).value
+
+    add_flags(r, [f for f in settings if f.name not in ray], section="ray", groups=groups, group_of=group_of)
+    # Where the cluster is: the launch's own option (deploy.ray.run's address), not a setting of the gateway.
     r.add_argument("--address", help="the Ray cluster (auto, ray://HOST:10001; default: a local one)")
-    r.add_argument("--replicas", type=int, help="replicas of each model deployment (default 1)")
-    r.add_argument("--max-replicas", type=int, help="autoscale each model from --replicas up to this")
-    r.add_argument("--ingress-replicas", type=int,
-                   help="gateway replicas (default 1; more need --store redis://... for GET /explain?id=)")
-    r.add_argument("--replica-cpus", type=float, help="CPUs per model replica (default 1)")
-    r.add_argument("--replica-gpus", type=float, help="GPUs per model replica (default 0)")
+    add_flags(r, [f for f in settings if f.name in ray], section="ray", groups=groups, group_of=group_of)
     s.set_defaults(func=_cmd_serve)
 
 
-def _predict_parser(sub: argparse._SubParsersAction) -> None:
+def _predict_parser(pr: argparse.ArgumentParser) -> None:
     """`vit-serve predict`: PredictOptions' fields as flags (their `Flag`s)."""
-    pr = sub.add_parser("predict", help="offline batch prediction over image files -> JSONL, CSV or Parquet",
-                        description="Predict every image of SRC with MODEL and write one row per image (path, top-k "
-                                    "labels, indices and scores as /classify answers them). Resumable: a rerun "
-                                    "skips the rows already written.")
+    from vit_serve.predict.options import PredictOptions
+
     add_flags(pr, dataclass_fields(PredictOptions))
     pr.set_defaults(func=_cmd_predict)
 
 
-def _quickstart_parser(sub: argparse._SubParsersAction) -> None:
+def _quickstart_parser(q: argparse.ArgumentParser) -> None:
     """`vit-serve quickstart`."""
-    q = sub.add_parser("quickstart", help="train on the digits set, fine-tune at 2x resolution, export, serve",
-                       description="The whole product on the embedded default: pre-train a small ViT on the "
-                                   "digits set (16x16), fine-tune it at 32x32, export ONNX and a Triton repository, "
-                                   "and serve it with the web page. Finished steps in --out are reused.")
     q.add_argument("--out", default="runs/quickstart", help="working folder (default: runs/quickstart)")
     q.add_argument("--pretrain-steps", type=int, default=quickstart.PRETRAIN_STEPS,
-                   help=f"default {quickstart.PRETRAIN_STEPS} (~1.5 min on 2 CPU cores)")
+                   help=f"default {quickstart.PRETRAIN_STEPS} at 16x16")
     q.add_argument("--finetune-steps", type=int, default=quickstart.FINETUNE_STEPS,
-                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32 (~30 s)")
+                   help=f"default {quickstart.FINETUNE_STEPS} at 32x32")
     q.add_argument("--host", default="127.0.0.1")
     q.add_argument("--port", type=int, default=8000)
     q.add_argument("--no-serve", action="store_true", help="stop after the export")
     q.set_defaults(func=_cmd_quickstart)
 
 
-def _tune_parser(sub: argparse._SubParsersAction) -> None:
+def _tune_parser(t: argparse.ArgumentParser) -> None:
     """`vit-serve tune`."""
     from vit_serve.tune import result as tune
 
-    t = sub.add_parser("tune", help="find the gateway settings with the most images/s within a p99 target",
-                       description="Measure the real gateway (unique uploads from concurrent clients over HTTP) "
-                                   "with its defaults, then runtimes (torch, ONNX fp32 / int8, token merging; "
-                                   "each checked for top-1 agreement), threads x decode workers, max batch and "
-                                   "max delay, within --budget-s; print the table, draw throughput against p99, "
-                                   "and write the winner's settings as OUT/serve.toml for `vit-serve serve "
-                                   "--config`. Exits 3 when no setting meets the target.")
     t.add_argument("model", metavar="MODEL",
                    help="a checkpoint (runtimes, precisions and token merging are swept too) or an exported "
                         "NAME.onnx with NAME.json (its runner settings only)")
@@ -474,18 +450,86 @@ def _tune_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_tune)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# name -> (help, description, the function adding its flags): the flags are added only for the commands
+# a parser is built for (`build_parser`), so that `vit-serve --help` imports no heavy module.
+_COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None]]] = {
+    "convert": (
+        "convert any supported checkpoint to vit-serve's .safetensors format",
+        "Convert a vit_jax/big_vision .npz, timm, transformers, torchvision or "
+        "open_clip checkpoint (file, folder or hub id) to one vit-serve .safetensors "
+        "file (a CLIP/SigLIP text tower is kept).",
+        _convert_parser),
+    "inspect": (
+        "the ViT paper's Figure 6/7 inspections of a checkpoint, as PNGs + JSON",
+        "Write attention rollout (Figure 6), patch-embedding filter PCA, position-"
+        "embedding similarity and mean attention distance (Figure 7) figures and "
+        "inspect.json with every number behind them.",
+        _inspect_parser),
+    "train": (
+        "pre-train or fine-tune a ViT (flags override --config)",
+        "Pre-train or fine-tune a ViT with the paper's recipes. Multi-process: "
+        "torchrun --nproc-per-node N -m vit_serve train ...",
+        _train_parser),
+    "eval": (
+        "top-1/top-5, confusion matrix and few-shot accuracy of a checkpoint",
+        None,
+        _eval_parser),
+    "serve": (
+        "serve a model over HTTP (FastAPI): /classify, /explain, /v2, /metrics",
+        "Serve a repository of models (a folder of exports and checkpoints, or of "
+        "NAME/VERSION/ folders), one checkpoint (torch), an exported NAME.onnx "
+        "(onnxruntime), a TensorRT engine, or a model on a Triton server. Every option "
+        "is also an environment variable VIT_SERVE_<OPTION> (e.g. VIT_SERVE_MAX_BATCH) "
+        "and a name in a --config file: flags win over the variables, which win over "
+        "the file. The model defaults apply to the models without their own: a model's "
+        "REPO/NAME/config.toml (or config.pbtxt) sets its own.",
+        _serve_parser),
+    "predict": (
+        "offline batch prediction over image files -> JSONL, CSV or Parquet",
+        "Predict every image of SRC with MODEL and write one row per image (path, top-k "
+        "labels, indices and scores as /classify answers them). Resumable: a rerun "
+        "skips the rows already written.",
+        _predict_parser),
+    "quickstart": (
+        "train on the digits set, fine-tune at 2x resolution, export, serve",
+        "The whole product on the embedded default: pre-train a small ViT on the "
+        "digits set (16x16), fine-tune it at 32x32, export ONNX and a Triton repository, "
+        "and serve it with the web page. Finished steps in --out are reused. Each step shows a progress bar with "
+        f"its ETA; {quickstart.ESTIMATE}.",
+        _quickstart_parser),
+    "tune": (
+        "find the gateway settings with the most images/s within a p99 target",
+        "Measure the real gateway (unique uploads from concurrent clients over HTTP) "
+        "with its defaults, then runtimes (torch, ONNX fp32 / int8, token merging; "
+        "each checked for top-1 agreement), threads x decode workers, max batch and "
+        "max delay, within --budget-s; print the table, draw throughput against p99, "
+        "and write the winner's settings as OUT/serve.toml for `vit-serve serve "
+        "--config`. Exits 3 when no setting meets the target.",
+        _tune_parser),
+}
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The `vit-serve` parser; `commands`: those whose flags are added (None: all). The others are listed with
+    their help, so the top-level --help is the same either way."""
     p = OneLineParser(prog="vit-serve", description="Train, export and serve Vision Transformers.")
     p.add_argument("--version", action="version", version=f"vit-serve {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for add in (_convert_parser, _inspect_parser, _train_parser, _eval_parser, _serve_parser, _predict_parser,
-                _quickstart_parser, _tune_parser):
-        add(sub)
+    for name, (help_, description, add_flags_of) in _COMMANDS.items():
+        command = sub.add_parser(name, help=help_, description=description)
+        if commands is None or name in commands:
+            add_flags_of(command)
     return p
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command `argv` names: its first word that is not an option (the top level has no option taking a value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser({_command_of(argv)} - {None})  # only the command run imports what its flags need
     args = parser.parse_args(argv)
     # A setting read by a deprecated environment name says which to set (vit_serve.serve.settings.ENV_RENAMED);
     # Python would hide this DeprecationWarning outside __main__.

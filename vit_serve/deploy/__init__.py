@@ -1,2 +1,4 @@
-"""Running vit-serve on distributed engines: `vit_serve.deploy.ray`, the gateway as a Ray Serve application
-(needs the `ray` extra; importing this package needs nothing)."""
+"""Running vit-serve on distributed engines (importing this package needs nothing):
+
+- `ray`: the gateway as a Ray Serve application (the `ray` extra).
+"""

@@ -6,7 +6,10 @@
   `RayModelBackend` (vit_serve.runtime.backends.ray) on that version's deployment, driven by a `DirectRunner`.
   Each answer carries `X-Ray-Replica`, the ingress replica that served it.
 * One deployment per model version (`ModelServer`, named `deployment_name(model, path)`), with `num_replicas` or
-  an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`). Each replica loads the model with
+  an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`): settings.ray's (replicas,
+  max_replicas, replica_cpus, replica_gpus; VIT_SERVE_REPLICAS, --replicas, ...), or build_app's arguments, for the
+  models without their own; a model's REPO/NAME/config.toml may set its own, as Ray Serve keeps them per deployment
+  (`Deployment`). Each replica loads the model with
   `vit_serve.runtime.load` of its `LoadSpec` (torch, onnxruntime, tensorrt: MODEL's files, the discovery's choice)
   and warms it up. The versions deployed are those the gateway's repository would serve (`select_versions`).
 * Dynamic batching in the replica with the gateway's scheduler (`vit_serve.runtime.scheduling.runner_for`, a
@@ -260,10 +263,56 @@ def actor_options(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Deployment:
+    """One model deployment's size: `replicas` (the least, when autoscaling), `max_replicas` (None: a fixed
+    number), and each replica's `cpus` and `gpus`."""
+
+    replicas: int
+    max_replicas: int | None
+    cpus: float
+    gpus: float
+
+    @property
+    def most(self) -> int:
+        """The replicas it may reach."""
+        return self.replicas if self.max_replicas is None else self.max_replicas
+
+    def options(self, scaling: Mapping[str, Any], actor: Mapping[str, Any]) -> dict[str, Any]:
+        """Its Ray Serve options: num_replicas or autoscaling_config (over `scaling`), and ray_actor_options
+        (over `actor`; `actor_options`)."""
+        resources = {**actor, "num_cpus": self.cpus, "num_gpus": self.gpus}
+        if not self.gpus:
+            resources.pop("num_gpus")
+        out: dict[str, Any] = {"ray_actor_options": actor_options(resources)}
+        if self.max_replicas is None:
+            out["num_replicas"] = self.replicas
+        else:
+            out["autoscaling_config"] = {**scaling, "min_replicas": self.replicas, "max_replicas": self.max_replicas}
+        return out
+
+
+def deployment_of(settings: ServeSettings, entry: ModelEntry, num_replicas: int | None = None,
+                  autoscaling_config: Mapping[str, Any] | None = None,
+                  ray_actor_options: Mapping[str, Any] | None = None) -> Deployment:
+    """A model's deployment: its own config's replicas, max_replicas, replica_cpus and replica_gpus
+    (`ModelConfig.deployment`), else the arguments', else settings.ray's. ValueError: replicas above
+    max_replicas."""
+    scaling, actor, own = autoscaling_config or {}, ray_actor_options or {}, settings.ray
+    replicas = num_replicas if num_replicas is not None else scaling.get("min_replicas", own.replicas)
+    most = scaling.get("max_replicas", own.max_replicas)
+    gpus = actor.get("num_gpus", own.replica_gpus) or 0.0
+    out = Deployment(*entry.config.deployment(replicas, most, actor.get("num_cpus", own.replica_cpus), gpus))
+    if out.max_replicas is not None and out.max_replicas < out.replicas:
+        raise ValueError(f"model {entry.name}: replicas ({out.replicas}) is above max_replicas ({out.max_replicas})")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class ResourceRequest:
     """What an application reserves at most: `deployments` model deployments of `replicas` replicas each (an
     autoscaling one's max_replicas), each replica `replica_cpus` and `replica_gpus`, and `ingress_replicas` of
-    `ingress_cpus` each."""
+    `ingress_cpus` each; `own`: the models whose config.toml sizes their deployment otherwise, by name (not
+    counted in `deployments`)."""
 
     deployments: int
     replicas: int
@@ -272,6 +321,7 @@ class ResourceRequest:
     ingress_replicas: int
     ingress_cpus: float
     autoscaling: bool = False
+    own: tuple[tuple[str, Deployment], ...] = ()
 
 
 def _amount(x: float) -> str:
@@ -289,11 +339,17 @@ def resource_shortfall(request: ResourceRequest, total: Mapping[str, float],
     if request.autoscaling:
         head = f"up to {head} (--max-replicas)"
     flags = "--max-replicas" if request.autoscaling else "--replicas"
+    own_cpus = sum(d.most * d.cpus for _, d in request.own)
+    own_gpus = sum(d.most * d.gpus for _, d in request.own)
+    cpus = "".join(f" + {name}: {d.most} x {_amount(d.cpus)} CPU" for name, d in request.own)
+    gpus = "".join(f" + {name}: {d.most} x {_amount(d.gpus)} GPU" for name, d in request.own if d.gpus)
+    if request.own:
+        flags += " (or a model's config.toml replicas, max_replicas)"
     for unit, key, need, parts, knob in (
-        ("CPU", "CPU", models * request.replica_cpus + request.ingress_replicas * request.ingress_cpus,
-         f"{head} x {_amount(request.replica_cpus)} CPU + {request.ingress_replicas} ingress x "
+        ("CPU", "CPU", models * request.replica_cpus + own_cpus + request.ingress_replicas * request.ingress_cpus,
+         f"{head} x {_amount(request.replica_cpus)} CPU{cpus} + {request.ingress_replicas} ingress x "
          f"{_amount(request.ingress_cpus)} CPU", "--replica-cpus"),
-        ("GPU", "GPU", models * request.replica_gpus, f"{head} x {_amount(request.replica_gpus)} GPU",
+        ("GPU", "GPU", models * request.replica_gpus + own_gpus, f"{head} x {_amount(request.replica_gpus)} GPU{gpus}",
          "--replica-gpus"),
     ):
         have = float(total.get(key, 0.0))
@@ -324,12 +380,14 @@ def served_versions(settings: ServeSettings) -> list[tuple[ModelEntry, VersionSo
     return chosen
 
 
-def build_app(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: dict[str, Any] | None = None,
-              ray_actor_options: dict[str, Any] | None = None, ingress_replicas: int = 1,
+def build_app(settings: ServeSettings, num_replicas: int | None = None,
+              autoscaling_config: dict[str, Any] | None = None,
+              ray_actor_options: dict[str, Any] | None = None, ingress_replicas: int | None = None,
               ingress_actor_options: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
               startup_timeout_s: float = 600.0) -> serve.Application:
     """The application: the gateway's ingress (`ingress_replicas`, `ingress_actor_options`) and one deployment
-    per model version (`num_replicas`, or `autoscaling_config`; `ray_actor_options`, e.g. {"num_gpus": 1};
+    per model version (`num_replicas`, or `autoscaling_config`; `ray_actor_options`, e.g. {"num_gpus": 1}: the
+    defaults of the models whose config.toml sets none, settings.ray's where None, `deployment_of`;
     `max_ongoing_requests` per model replica, default twice its batch so that one batch fills while one runs).
     Replicas without a GPU see none (`actor_options`). ValueError for what Ray Serve cannot serve;
     FileNotFoundError for a missing MODEL."""
@@ -337,26 +395,27 @@ def build_app(settings: ServeSettings, num_replicas: int = 1, autoscaling_config
                   ingress_actor_options, max_ongoing_requests, startup_timeout_s)[0]
 
 
-def _build(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: dict[str, Any] | None = None,
-           ray_actor_options: dict[str, Any] | None = None, ingress_replicas: int = 1,
+def _build(settings: ServeSettings, num_replicas: int | None = None, autoscaling_config: dict[str, Any] | None = None,
+           ray_actor_options: dict[str, Any] | None = None, ingress_replicas: int | None = None,
            ingress_actor_options: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
            startup_timeout_s: float = 600.0) -> tuple[serve.Application, ResourceRequest]:
     """`build_app`, and what the application reserves at most."""
     check_launch(settings)
     settings = _absolute(settings)
-    replica = actor_options(ray_actor_options)
+    sizes = (num_replicas, autoscaling_config, ray_actor_options)
+    common = deployment_of(settings, ModelEntry(""), *sizes)  # a model without its own config's
     models: list[serve.Application] = []
+    own: list[tuple[str, Deployment]] = []
     for entry, source in served_versions(settings):
         max_batch, delay_ms = _limits(settings, entry)
+        size = deployment_of(settings, entry, *sizes)
+        if size != common:
+            own.append((entry.name, size))
         options: dict[str, Any] = {
             "name": deployment_name(entry.name, source.path),
             "max_ongoing_requests": max_ongoing_requests or 2 * max_batch,
-            "ray_actor_options": replica,
+            **size.options(autoscaling_config or {}, ray_actor_options or {}),
         }
-        if autoscaling_config is not None:
-            options["autoscaling_config"] = autoscaling_config
-        else:
-            options["num_replicas"] = num_replicas
         spec = LoadSpec.of(settings, path=str(source.path), backend=source.backend, name=entry.name, engine="local")
         if Path(settings.model).is_dir() and resolve_backend(spec) != "torch":  # as the local repository does:
             spec = spec.replace(tome=None, compile=False, torchscript=False)  # for its checkpoints only
@@ -364,11 +423,11 @@ def _build(settings: ServeSettings, num_replicas: int = 1, autoscaling_config: d
     if not models:
         raise ValueError(f"no model to serve in {settings.model}")
     front = actor_options(ingress_actor_options)
+    ingress_replicas = settings.ray.ingress_replicas if ingress_replicas is None else ingress_replicas
     ingress = INGRESS_DEPLOYMENT.options(num_replicas=ingress_replicas, max_ongoing_requests=settings.limits.max_queue,
                                          ray_actor_options=front)
-    most = num_replicas if autoscaling_config is None else int(autoscaling_config.get("max_replicas", 1))
-    request = ResourceRequest(len(models), most, float(replica["num_cpus"]), float(replica.get("num_gpus") or 0),
-                              ingress_replicas, float(front["num_cpus"]), autoscaling_config is not None)
+    request = ResourceRequest(len(models) - len(own), common.most, float(common.cpus), float(common.gpus),
+                              ingress_replicas, float(front["num_cpus"]), common.max_replicas is not None, tuple(own))
     return ingress.bind(settings.model_copy(update={"engine": "ray"}), models, startup_timeout_s), request
 
 

@@ -1,4 +1,4 @@
-"""Class-name files shipped with the package."""
+"""Class-name files shipped with the package (`imagenet1k.txt`, read by `imagenet1k_labels`); no modules."""
 
 from __future__ import annotations
 

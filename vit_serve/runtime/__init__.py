@@ -5,30 +5,31 @@ gRPC), `vit_serve.predict` and `vit_serve.deploy` build on it; it imports none o
 Modules:
 
 * `spec`: `LoadSpec` (one model to load), which backend it means and the checks made before loading.
-* `backends`: `load`, and one module per backend (torch, onnxruntime, tensorrt, triton, ray; each imported only when
-  it is loaded) behind `backends.base` (`Backend`, `LocalBackend`, `RemoteBackend`, `ModelInfo`); `sidecar`
-  reads an export's manifest.
+* `backends/`: `load`, and one module per backend (torch, onnxruntime, tensorrt, triton, ray; each imported only
+  when it is loaded) behind `backends.base` (`Backend`, `LocalBackend`, `RemoteBackend`, `ModelInfo`);
+  `backends.sidecar` reads an export's manifest.
 * `task`: `Task` (classify, explain, embed, grad_rollout) and `Outputs`.
 * `discovery`: what a repository holds (`scan`), the version policy (`VersionPolicy`, `select_versions`).
 * `model_config`: a model's own configuration (`ModelConfig`: limits, batching, instances, compute, decode,
   monitoring) from REPO/NAME/config.toml and its config.pbtxt, laid over the server's model defaults.
-* `decode`: upload bytes -> the model input (one decode, the crop kept), and the PNG overlay; `gpu_decode`: the
-  same on CUDA (nvJPEG).
+* `decode`: upload bytes -> the model input (one decode, the crop kept), and the PNG overlay (at a display size).
+* `gpu_decode`: the same decode on CUDA (nvJPEG).
 * `postprocess`: top-k classes, the rollout payload, embedding normalisation.
 * `text_tower`: a text tower served beside an image model (request-time labels -> class embeddings, cached, on its
-  own thread); `zero_shot`: those labels' limits and parsing, and their scores (the recipe is `vit_serve.zeroshot`).
+  own thread).
+* `zero_shot`: request-time labels' limits and parsing, and their scores (the recipe is `vit_serve.zeroshot`).
 * `errors`: what a request can be refused for (`ServingError` and its kinds); `vit_serve.serve.errors` maps them
   to HTTP and gRPC statuses.
-* `scheduling`: how a version's requests are queued, batched and run (`Ticket`, the pending queue, the cost
+* `scheduling/`: how a version's requests are queued, batched and run (`Ticket`, the pending queue, the cost
   model, the batching policy, instances and preemption, `BatchingRunner` / `DirectRunner`, `runner_for`), with
   an injected clock and an events protocol instead of metrics.
 * `settings`: the runtime's settings groups (`RunnerLimits`, `TritonClientSettings`, `RepositorySettings`).
-* `batch_curve`: what batching buys a backend (time per image at each batch size, measured at warm-up);
-  `torch_probe`: eager PyTorch against onnxruntime on this CPU, when a checkpoint loads.
-* `payload_sampler`: an opt-in sample of what is served (Parquet parts or a Redis stream); `password_file`: a
-  password read from a mounted file.
-* `metrics`: the labels and buckets every model metric shares; `trace_context`: the trace context passed on to a
-  model server.
+* `batch_curve`: what batching buys a backend (time per image at each batch size, measured at warm-up).
+* `torch_probe`: eager PyTorch against onnxruntime on this CPU, when a checkpoint loads.
+* `payload_sampler`: an opt-in sample of what is served (Parquet parts or a Redis stream).
+* `password_file`: a password read from a mounted file.
+* `metrics`: the labels and buckets every model metric shares.
+* `trace_context`: the trace context passed on to a model server.
 """
 
 from vit_serve.runtime.backends import load

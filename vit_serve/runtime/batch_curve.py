@@ -65,10 +65,11 @@ class BatchCurve:
         anything is measured: batching as configured)."""
         return not self.per_image_s or (self.limit > 1 and self.gain(self.limit) >= MIN_GAIN)
 
-    def describe(self) -> str:
-        """'1: 29.1, 2: 30.0, 4: 29.8 images/s; batches of up to 2, no waiting'."""
+    def describe(self, max_delay_ms: float) -> str:
+        """'1: 29.1, 2: 30.0, 4: 29.8 images/s; batches of up to 2, no waiting', or '..., waiting up to 2 ms for
+        more' (`max_delay_ms`: the version's batching delay)."""
         rates = ", ".join(f"{b}: {1 / s:.1f}" for b, s in sorted(self.per_image_s.items()))
-        wait = "waiting up to max_delay_ms for more" if self.worth_waiting else \
+        wait = f"waiting up to {max_delay_ms:g} ms for more" if self.worth_waiting else \
             f"no waiting (batching gains under {(MIN_GAIN - 1) * 100:.0f}%)"
         return f"{rates} images/s; batches of up to {self.limit}, {wait}"
 

@@ -55,8 +55,9 @@ def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Im
     try:
         return resize_and_crop(load_image(data, max_pixels=max_pixels, cfg=cfg), cfg)
     except ImageTooLargeError as e:
+        size = f"this one has {e.pixels} pixels" if e.pixels else "this one has more"
         raise TooLargeError(f"image too large: the limit is {max_pixels} pixels, width x height "
-                            f"(VIT_SERVE_MAX_PIXELS); {e}") from e
+                            f"(VIT_SERVE_MAX_PIXELS); {size}") from e
     except ImageDecodeError as e:
         if isinstance(e.__cause__, UnidentifiedImageError):
             raise UnsupportedMediaError(f"not an image in a format vit-serve reads ({ACCEPTED})") from e
@@ -79,12 +80,25 @@ def decode(data: bytes, cfg: PreprocessConfig, max_pixels: int, key: str = "",
     return Decoded(key, crop, input_tensor(crop, cfg), (time.perf_counter() - t0) * 1e3)
 
 
-def overlay_png(crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
-    """The map [gh, gw] blended over the crop (`vit_serve.overlay`), as PNG bytes.
+def display_size(crop_size: tuple[int, int], size: int) -> tuple[int, int]:
+    """(W, H) of a picture of `crop_size` (W, H) whose longer side is `size` pixels, the aspect kept."""
+    w, h = crop_size
+    scale = size / max(w, h)
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+def overlay_png(crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str,
+                size: int | None = None) -> bytes:
+    """The map [gh, gw] blended over the crop (`vit_serve.overlay`), as PNG bytes; `size`: the PNG's longer side
+    in pixels (None: the crop's), scaled nearest-neighbour so each of the model's input pixels stays a sharp block
+    (a 32 x 32 input is unreadable on a screen at its own size).
 
     zlib level 1: about 3x faster to encode than PIL's default level 6 for some 10% more bytes, which is the
     better trade on a request's critical path.
     """
+    picture = overlay(crop, heatmap, alpha=alpha, colormap=colormap)
+    if size is not None and size != max(picture.size):
+        picture = picture.resize(display_size(picture.size, size), Image.Resampling.NEAREST)
     buf = io.BytesIO()
-    overlay(crop, heatmap, alpha=alpha, colormap=colormap).save(buf, format="PNG", compress_level=1)
+    picture.save(buf, format="PNG", compress_level=1)
     return buf.getvalue()

@@ -11,6 +11,7 @@ config.toml wins. A config.toml holds these field names at its top level, e.g.
     threads = 1
     decode = "exact"
     monitoring = false
+    replicas = 2          # on Ray Serve (--engine ray): this model's deployment
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class ModelConfig:
     request_timeout_s, retry_after_s, max_images_per_request, batch_curve, batch_curve_budget_s; instances;
     compute: threads, intra_op_spinning, device, compile, torchscript, tome; decode ("fast", "exact" or
     "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy (which versions are
-    served). Each means what the server setting of the same name means."""
+    served); on Ray Serve, its deployment's replicas, max_replicas (autoscaling), replica_cpus and replica_gpus
+    (`deployment`). Each means what the server setting of the same name means."""
 
     max_batch: Annotated[int, Field(ge=0)] | None = None
     max_delay_ms: Annotated[float, Field(ge=0)] | None = None
@@ -75,6 +77,11 @@ class ModelConfig:
     monitoring: bool | None = None
     drift_window: Annotated[int, Field(ge=1)] | None = None
     version_policy: str | None = None  # `discovery.VersionPolicy.parse`'s forms, as config.pbtxt's version_policy
+    # Ray Serve (--engine ray): the model's deployment, as Ray Serve keeps them per deployment.
+    replicas: Annotated[int, Field(ge=1)] | None = None
+    max_replicas: Annotated[int, Field(ge=1)] | None = None
+    replica_cpus: Annotated[float, Field(ge=0)] | None = None
+    replica_gpus: Annotated[float, Field(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         if self.tome is not None:
@@ -106,6 +113,13 @@ class ModelConfig:
         if self.decode is not None:
             changes["decode"] = None if self.decode == "contract" else self.decode
         return spec.replace(**changes) if changes else spec
+
+    def deployment(self, replicas: int, max_replicas: int | None, cpus: float, gpus: float
+                   ) -> tuple[int, int | None, float, float]:
+        """(replicas, max_replicas, replica_cpus, replica_gpus) of this model's Ray Serve deployment: its own
+        values, else the given (the server's)."""
+        own = (self.replicas, self.max_replicas, self.replica_cpus, self.replica_gpus)
+        return tuple(v if o is None else o for o, v in zip(own, (replicas, max_replicas, cpus, gpus), strict=True))
 
     def monitoring_changes(self) -> dict[str, Any]:
         """The server's monitoring settings this model changes (`monitoring`, `drift_window`)."""

@@ -1,12 +1,14 @@
 """What a model's outputs become in an answer, whoever answers (HTTP, gRPC, offline prediction): the top-k classes of
 a row of logits (or of zero-shot logits over a request's labels), the rollout payload of a map, the L2-normalised
-embedding and the OOD verdict, gathered in one typed `Answer` (`answer`). Pure numpy, no I/O, no web framework.
+embedding and the OOD verdict, or for the Open Inference Protocol (/v2, gRPC) the named output tensors whole, gathered
+in one typed `Answer` (`answer`). Pure numpy, no I/O, no web framework.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,12 +67,14 @@ class Explanation:
 @dataclass(frozen=True)
 class Answer:
     """One image's answer, whatever was asked: its best classes, its embedding, its attention map, its OOD
-    verdict (each empty when not asked for or not available)."""
+    verdict (each empty when not asked for or not available); or a request's named output tensors, every row
+    (`tensors`: the Open Inference Protocol's logits, rollout, embedding, ood_score)."""
 
     predictions: tuple[Prediction, ...] = ()
     embedding: np.ndarray | None = None
     explanation: Explanation | None = None
     ood: Ood | None = None
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def prediction_dicts(self) -> list[dict[str, Any]]:
         """The predictions as the answers' {"label", "index", "score"} objects."""
@@ -81,7 +85,7 @@ class Answer:
 class Shape:
     """What an answer holds: `top_k` classes of the logits (None: none; `logits_optional`: none when the pass gave
     no logits, as an explain pass may), the map of the `explain` method (with the `rollout` settings its task
-    ran with), the embedding (`normalize`d or not)."""
+    ran with), the embedding (`normalize`d or not), the outputs named in `tensors` whole (every row, as they are)."""
 
     top_k: int | None = None
     logits_optional: bool = False
@@ -89,11 +93,12 @@ class Shape:
     rollout: RolloutSettings | None = None
     embedding: bool = False
     normalize: bool = False
+    tensors: tuple[str, ...] = ()
 
 
 def answer(outputs: Outputs, info: ModelInfo, shape: Shape, ood: Ood | None = None) -> Answer:
     """The first row of a pass's `outputs` as the typed answer `shape` asks for (with the OOD verdict the caller's
-    monitor gave, if any)."""
+    monitor gave, if any), and the outputs it names in `tensors`, whole."""
     found = None
     if shape.top_k is not None and not (shape.logits_optional and LOGITS not in outputs):
         found = predictions(outputs[LOGITS][0], shape.top_k, info)
@@ -102,7 +107,7 @@ def answer(outputs: Outputs, info: ModelInfo, shape: Shape, ood: Ood | None = No
         explanation = Explanation(shape.explain, shape.rollout, outputs[ROLLOUT][0], rollout_query(info.pool),
                                   info.grid)
     embedding = normalize_embedding(outputs[EMBEDDING][0], shape.normalize) if shape.embedding else None
-    return Answer(found or (), embedding, explanation, ood)
+    return Answer(found or (), embedding, explanation, ood, {name: outputs[name] for name in shape.tensors})
 
 
 def by_labels(logits: np.ndarray, labels: list[str], k: int, kind: str) -> Answer:

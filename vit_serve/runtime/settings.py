@@ -112,10 +112,10 @@ class TritonClientSettings(BaseSettings):
 
     triton_url: Annotated[str, Flag(section="triton")] = Field(
         "localhost:8000", description="Triton server host:port (HTTP) for --backend triton")
-    triton_timeout_s: Annotated[float, Flag(section="triton")] = Field(
+    triton_timeout_s: Annotated[float, Flag(section="triton", hidden=True)] = Field(
         10.0, gt=0, description="longest wait for one Triton call (inference, health) before answering 504; the "
         "others in flight are not affected")
-    triton_startup_timeout_s: Annotated[float, Flag(section="triton")] = Field(
+    triton_startup_timeout_s: Annotated[float, Flag(section="triton", hidden=True)] = Field(
         30.0, ge=0, description="how long start-up waits for the Triton server and model to be ready")
 
 
@@ -129,9 +129,9 @@ class RepositorySettings(BaseSettings):
     model_control: Annotated[Literal["none", "poll", "explicit"], Flag()] = Field(
         "none", description="Triton's model control modes: none (load REPO at start), poll (and follow its "
         "changes), explicit (load what --load-model and the repository API say)")
-    repository_poll_s: Annotated[float, Flag()] = Field(
+    repository_poll_s: Annotated[float, Flag(hidden=True)] = Field(
         15.0, gt=0, description="seconds between scans of REPO with --model-control poll")
-    unload_grace_s: Annotated[float, Flag()] = Field(
+    unload_grace_s: Annotated[float, Flag(hidden=True)] = Field(
         30.0, ge=0, description="how long an unloaded or replaced version waits for the requests it is "
         "answering; those still in flight then get 503")
     load_models: Annotated[list[str], Flag(name="--load-model",

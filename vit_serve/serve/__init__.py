@@ -2,29 +2,58 @@
 with `vit-serve serve REPO`. Backends, discovery, decode and postprocessing are the runtime's; this package is the
 protocols, the live models and the policies around them.
 
-Modules:
+The app:
 
-* the app: `settings` (`ServeSettings` and its groups), `setting_scopes` (each setting's scope: the server's own, or a
-  model default), `config_file` (`serve --config`), `app` (the factory, the lifespan, `run`), `gateway` (the running
-  parts of one app), `shutdown` (drain, then stop), `slow_clients` (header and body deadlines, the connection cap),
-  `metrics_listener` (the metrics port).
-* the models: `repository` (which versions are loaded; model control and polling), `model_version` (one loaded
-  version; its runner is `vit_serve.runtime.scheduling`'s), `admission` (a request's scheduling `Ticket` with the
-  gateway's errors), `traffic` (canaries, sticky sessions, the shadow) and `compare` (live agreement with them),
-  `monitoring` (OOD scores and drift of a version), `labels` (request-time zero-shot labels).
-* requests: `pipeline` (one request: announce, read, choose the version once, decode, infer, answer), `answer_hooks`
-  (what runs after an answer: Server-Timing, the payload sampler), `uploads` (the image out of a request), `deps` (the
-  app's gateway, the version a request goes to), `hangup` (a client that left cancels its work), `middleware` (request
-  ids, metrics, the 500 boundary, the body limit), `schemas` (response bodies, the strict JSON encoder), `errors`
-  (runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 envelope), `tracing` (OpenTelemetry),
-  `metrics` (Prometheus).
-* callers: `keys` (hashed API keys, key files), `security` (the key check, admin keys, CORS), `caller` (a request's
-  verified identity), `rate_limit` (token buckets per key), `in_flight` (requests in flight per key).
-* the Open Inference Protocol: `v2_protocol` (the KServe v2 wire format), `v2_model` (what HTTP /v2 and gRPC share),
-  `grpc` (the gRPC service).
-* `routes/` (thin: their query and their schema): classify, embed, explain, image_request (the errors and links the
-  image routes share), health, metrics, models, page, v2 (all of /v2) and repository (its model repository extension).
-* `stores/`: where recent images live for GET /explain?id= (base, memory, redis, the store secret, redaction).
+- `settings`: `ServeSettings`, its groups, and its two scopes `ServerSettings` and `ModelDefaults`.
+- `setting_scopes`: each setting's scope (the server's own, or a model default).
+- `config_file`: `serve --config`.
+- `app`: the factory, the lifespan, `run`.
+- `gateway`: the running parts of one app.
+- `shutdown`: drain, then stop.
+- `slow_clients`: header and body deadlines, the connection cap.
+- `metrics_listener`: the metrics port.
+
+The models:
+
+- `repository`: which versions are loaded; model control and polling.
+- `model_version`: one loaded version (its runner is `vit_serve.runtime.scheduling`'s).
+- `admission`: a request's scheduling `Ticket`, with the gateway's errors.
+- `traffic`, `compare`: canaries, sticky sessions and the shadow; live agreement with them.
+- `monitoring`: OOD scores and drift of a version.
+- `labels`: request-time zero-shot labels.
+
+Requests:
+
+- `pipeline`: one request: announce, read, choose the version once, decode, infer, answer (images from the
+  image routes, tensors from /v2 and gRPC through the same steps).
+- `answer_hooks`: what runs after an answer (Server-Timing, the payload sampler).
+- `uploads`: the image out of a request.
+- `deps`: the app's gateway, the version a request goes to.
+- `hangup`: a client that left cancels its work.
+- `middleware`: request ids, metrics, the 500 boundary, the body limit.
+- `schemas`: response bodies, the strict JSON encoder.
+- `errors`: runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 envelope.
+- `tracing`, `metrics`: OpenTelemetry; Prometheus.
+
+Callers:
+
+- `keys`: hashed API keys, key files.
+- `security`: the key check, admin keys, CORS.
+- `caller`: a request's verified identity.
+- `rate_limit`, `in_flight`: token buckets per key; requests in flight per key.
+
+The Open Inference Protocol:
+
+- `v2_protocol`: the KServe v2 wire format.
+- `v2_model`: what HTTP /v2 and gRPC share: a model's metadata, what a request asks of a version, its outputs
+  shaped from the answer.
+- `grpc`: the gRPC service.
+
+Folders:
+
+- `routes/`: the routes, thin (their query and their schema).
+- `stores/`: where recent images live for GET /explain?id= (memory, Redis, the store secret, redaction).
+- `static/`: the web page (`index.html`: upload, top-5, the overlay, the OOD flag, the model picker).
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def settings_from_file(path: str | os.PathLike[str], **overrides: Any) -> ServeS
     values = read_settings_file(path)
     token = _FILE_VALUES.set(values)
     try:
-        return ServeSettings(**overrides)
+        return ServeSettings.of(overrides)
     except ValidationError as e:
         from_file = set(values) - set(overrides) - _env_names()
         if all(_flat_name(err["loc"]) in from_file for err in e.errors()):
@@ -148,7 +148,7 @@ def serve_settings(config: str | os.PathLike[str] | None, flags: dict[str, Any])
     flags = {k: v for k, v in flags.items() if v is not None}
     try:
         if config is None:
-            return ServeSettings(**flags)
+            return ServeSettings.of(flags)
         return settings_from_file(config, **flags)
     except ValidationError as e:
         from_file = set()

@@ -39,9 +39,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer, add_GRPCInferenceServiceServicer_to_server
 
 from vit_serve.runtime.errors import ServingError
-from vit_serve.serve import v2_model
+from vit_serve.serve import pipeline, v2_model
 from vit_serve.serve.admission import Admission, Caller
 from vit_serve.serve.caller import ANYONE, Identity
+from vit_serve.serve.deps import ModelChoice
 from vit_serve.serve.errors import (
     BadRequestError,
     NotReadyError,
@@ -53,6 +54,7 @@ from vit_serve.serve.errors import (
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.in_flight import RETRY_AFTER_S
 from vit_serve.serve.labels import LabelCaller
+from vit_serve.serve.metrics import GatewayMetrics
 from vit_serve.serve.rate_limit import KeyCounts
 from vit_serve.serve.security import (
     GRPC_ADMIN_METHODS,
@@ -186,6 +188,28 @@ def infer_response(model: str, version: str, request_id: str | None,
     return response
 
 
+async def _read(request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    """The call's message: read already (grpc.aio hands it whole)."""
+    return request
+
+
+async def _cancelled_with_the_call(admission: Admission, work: Awaitable[R], metrics: GatewayMetrics) -> R:
+    """`work`'s answer. When grpc.aio cancels the call (the client cancelled, or its deadline passed), the request
+    is marked as left (`Ticket.caller_left`) before its work is cancelled, as `hangup` does over HTTP: counted in
+    `vit_serve_cancelled_total` here, or by the runner that holds it then (queued or running)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if admission.caller_left():
+            metrics.cancelled.labels(admission.stage, admission.model, admission.version).inc()
+        task.cancel()
+        await asyncio.wait([task])  # the work has left the queue (and its runner has counted it) when the call ends
+        if not task.cancelled():
+            task.exception()  # retrieved: a work that ended otherwise meanwhile is not logged as never retrieved
+        raise
+
+
 class Servicer(GRPCInferenceServiceServicer):
     """The RPCs, on one gateway (method names are the proto's)."""
 
@@ -237,23 +261,19 @@ class Servicer(GRPCInferenceServiceServicer):
 
     @_answers_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:  # noqa: N802
-        """Inference, as /v2 infer; the call's deadline and `timeout` / `priority` parameters are the request's
-        (`admission`), and a call the client cancels (or whose deadline passes) leaves the queue."""
+        """Inference, as /v2 infer (the same pipeline call); the call's deadline and `timeout` / `priority`
+        parameters are the request's (`admission`), and a call the client cancels (or whose deadline passes) leaves
+        the queue."""
         admission = Admission(caller=self.caller(context))  # the key's name and level
         admission.within(context.time_remaining(), "the call's deadline")
         metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        mv = self.gateway.model(request.model_name or None, request.model_version or None,
-                                metadata.get("x-session-id"))
-        try:
-            with mv.using(), mv.arriving(admission.priority) as arrival:
-                req, outputs = await v2_model.answer(self.gateway, mv, arrival,
-                                                     functools.partial(infer_request, request), admission,
-                                                     self._label_caller)
-        except asyncio.CancelledError:  # the client cancelled, or its deadline passed: grpc.aio cancels the call
-            admission.cancelled = True
-            self.gateway.metrics.cancelled.labels(admission.stage, admission.model, admission.version).inc()
-            raise
-        return infer_response(mv.name, str(mv.version), req.id, outputs)
+        choice = ModelChoice(self.gateway, request.model_name or None, request.model_version or None,
+                             metadata.get("x-session-id"))
+        source = pipeline.TensorRequest(functools.partial(_read, request), infer_request, self._label_caller)
+        done = await _cancelled_with_the_call(admission, pipeline.answer_tensors(choice, admission, source),
+                                              self.gateway.metrics)
+        outputs = v2_model.output_tensors(done.request, done.wanted, done.answer)
+        return infer_response(done.model, done.version, done.request.id, outputs)
 
     async def _label_caller(self) -> LabelCaller:
         """Whose label cache and rate a call's labels use: its verified key's."""

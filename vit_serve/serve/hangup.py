@@ -8,7 +8,8 @@ request whose client left is still decoded, queued and run, for nobody. `HangUp`
 request's task is cancelled: a decode not begun never starts (the decode pool's future is cancelled), the request
 leaves its queue and any batch that has not started (`runtime.scheduling`), and a Triton call is cancelled (the Triton
 backend's gRPC call is cancelled, its HTTP request closed). The request's `Admission` (made here, as the request
-arrives) says where it was: `vit_serve_cancelled_total{stage, model, version}` counts it there. Nothing is sent
+arrives) says where it was: `vit_serve_cancelled_total{stage, model, version}` counts it there, once (here, or
+by the version's runner when it holds the request: `Ticket.caller_left`). Nothing is sent
 to a client that has gone; the access line and the request counter say 499 (nginx's "client closed request").
 A client that half-closes after a complete request (`shutdown(SHUT_WR)`) has not gone: under `vit-serve serve`
 its EOF does not close the connection (`slow_clients`, which tells it from a socket closed entirely), so no
@@ -119,6 +120,5 @@ class _Watch:
 
     def _hung_up(self) -> None:
         a = self.admission
-        if not a.cancelled and not self.answered:
-            a.cancelled = True
+        if not self.answered and a.caller_left():  # else counted already, or by the runner that holds it
             self.metrics.cancelled.labels(a.stage, a.model, a.version).inc()

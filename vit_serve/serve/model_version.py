@@ -153,7 +153,7 @@ class ModelVersion:
         curve = await runner.call(batch_curve.measure, self.backend.classify, image, runner.max_batch,
                                   limits.batch_curve_budget_s)
         runner.use_curve(curve)  # type: ignore[union-attr]  # a runner that measures its curve batches
-        log.info("%s: batch curve %s", self.label, curve.describe())
+        log.info("%s: batch curve %s", self.label, curve.describe(limits.max_delay_ms))
 
     def warm_up_soon(self) -> None:
         """Warm up in the background (again, if an earlier warm-up failed)."""
@@ -267,9 +267,10 @@ class ModelVersion:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,
                                                                 self.info.preprocess)
 
-    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str) -> bytes:
+    async def overlay(self, crop: Image.Image, heatmap: np.ndarray, alpha: float, colormap: str,
+                      size: int | None = None) -> bytes:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.overlay_png, crop, heatmap, alpha,
-                                                                colormap)
+                                                                colormap, size)
 
     def explain_task(self, method: str, head_fusion: str | None, discard_ratio: float | None,
                      target: int | None = None) -> Task:

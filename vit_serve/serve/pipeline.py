@@ -1,14 +1,15 @@
 """One request through a model, whichever route asked: the one call every image route makes (`answer`; `answer_kept`
-for an image kept earlier, GET /explain?id=; /v2 infer takes its first steps, `arrive`, and runs its tensors
-through `v2_model`, as gRPC does).
+for an image kept earlier, GET /explain?id=), and its seam for requests whose inputs are tensors already, the Open
+Inference Protocol's over HTTP /v2 and gRPC alike (`answer_tensors`: the transport reads and parses, `v2_model` says
+what the request asks of the version and shapes the answer's outputs).
 
 In order: announce the request to the version that would answer (one repository lookup, one arrival: the batcher
 may wait for it; 404 / 400 / 503 / 504 before the body is read), read the body, keep that version unless it left
 service meanwhile (then, and only then, choose again), decode (kept for GET /explain), infer, and post-process the
 outputs into one typed answer (`runtime.postprocess.Answer`). What the request asks of the version (`Ask`) is
-resolved against it once (`Job`: the task, the parsed `?labels=`). The hooks run after the answer is made, in
-order (`answer_hooks`: `Server-Timing`, the payload sampler); the access line is the middleware's, for every
-request.
+resolved against it once (`Job`: the task, the parsed `?labels=`; `v2_model.Wanted` for tensors). The hooks run
+after the answer is made, in order (`answer_hooks`: `Server-Timing`, the payload sampler); the access line is the
+middleware's, for every request.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
+import numpy as np
 from PIL import Image
 from starlette.requests import Request
 
-from vit_serve.manifest import EMBEDDING
+from vit_serve.manifest import EMBEDDING, LOGITS, OOD_SCORE
 from vit_serve.runtime import postprocess
 from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.decode import Decoded
 from vit_serve.runtime.postprocess import Answer, Ood, Shape
 from vit_serve.runtime.scheduling import Arrival, Result
 from vit_serve.runtime.task import Task
+from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission
 from vit_serve.serve.deps import ModelChoice
 from vit_serve.serve.errors import NotFoundError
@@ -38,6 +41,7 @@ from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.uploads import Upload, read_image
+from vit_serve.serve.v2_protocol import InferRequest, RequestBounds
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,12 @@ class Explain:
 
 @dataclass(frozen=True)
 class Overlay:
-    """The map drawn over the model-input crop as a PNG (POST /explain?format=png)."""
+    """The map drawn over the model-input crop as a PNG (POST /explain?format=png), `size` pixels on its longer
+    side (None: the crop's)."""
 
     alpha: float = 0.5
     colormap: str = "jet"
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,8 @@ async def answer(request: Request, choice: ModelChoice, scope: str, admission: A
     queue)."""
     t0 = time.perf_counter()
     job_of = functools.partial(resolve, ask)
-    arrived, job = await _announce_and_read(choice, job_of, request, admission, lambda: read_image(request))
+    clock = body_clock(request.scope)
+    arrived, job = await _announce_and_read(choice, job_of, clock, admission, lambda: read_image(request))
     t_read = time.perf_counter()
     run = _keep_or_choose_again(arrived, job, choice, admission, job_of, t0)
     with run.mv.using(), run.arrival:
@@ -179,26 +186,18 @@ class Arrived(Generic[B]):
     body: B
 
 
-async def arrive(request: Request, choice: ModelChoice, admission: Admission,
-                 read: Callable[[], Awaitable[B]]) -> tuple[ModelVersion, Arrival, B]:
-    """Announce, read and choose the version once, for a request whose task is known only from its body (/v2): the
-    version that answers (not yet held: `with mv.using(), arrival:`), the request's one arrival, the body."""
-    arrived, _ = await _announce_and_read(choice, None, request, admission, read)
-    run = _keep_or_choose_again(arrived, None, choice, admission, None, 0.0)
-    return run.mv, run.arrival, arrived.body
-
-
-async def _announce_and_read(choice: ModelChoice, job_of: Callable[[ModelVersion], Job] | None, request: Request,
+async def _announce_and_read(choice: ModelChoice, job_of: Callable[[ModelVersion], Job] | None, clock: Any,
                              admission: Admission, read: Callable[[], Awaitable[B]]) -> tuple[Arrived[B], Job | None]:
     """Choose the version that would answer (one lookup) and resolve the job for it (`job_of`: 400 now), announce
-    the request to it, then read the body. While the body is read only the announcement (weak) holds that version,
-    so that an unload frees it. With a job: 504 before the body is read when the deadline has passed or the work
-    ahead leaves no time for it."""
+    the request to it, then read the body (`clock`: its `slow_clients.BodyClock`; None: it counts as coming until
+    read). While the body is read only the announcement (weak) holds that version, so that an unload frees it.
+    With a job: 504 before the body is read when the deadline has passed or the work ahead leaves no time for
+    it."""
     mv = choice.choose()
     job = job_of(mv) if job_of is not None else None
     announced = mv.announce(admission.priority)
     try:
-        announced.heard_from(body_clock(request.scope))  # a stalled upload stops counting as coming
+        announced.heard_from(clock)  # a stalled upload stops counting as coming
         admission.at("read", mv)
         if job is not None:
             admission.check(mv)  # a deadline past on arrival
@@ -266,7 +265,8 @@ async def _infer_and_answer(request: Request | None, scope: str, admission: Admi
         made = postprocess.answer(result.outputs, mv.info, _shape(ask, job), _ood(mv, ask, result))
     overlay = None
     if ask.overlay is not None and made.explanation is not None:
-        overlay = await mv.overlay(decoded.crop, made.explanation.heat, ask.overlay.alpha, ask.overlay.colormap)
+        overlay = await mv.overlay(decoded.crop, made.explanation.heat, ask.overlay.alpha, ask.overlay.colormap,
+                                   ask.overlay.size)
     total = (time.perf_counter() - run.t0) * 1e3
     timings = Timings(0.0, 0.0, decoded.decode_ms, result.queue_ms, result.infer_ms, text_ms, total,
                       result.batch_size)
@@ -312,3 +312,69 @@ async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
     image = secret.image_id(scope, upload.sha256)
     decoded = await mv.decode(upload.data, secret.slot(scope, image))
     return dataclasses.replace(decoded, id=image)
+
+
+# ---- tensors in, tensors out: the Open Inference Protocol (HTTP /v2, gRPC) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorRequest(Generic[B]):
+    """How a transport hands the pipeline an Open Inference Protocol request: `read` its body (HTTP: the bytes;
+    gRPC: the message, read already), `parse` it within the bounds of the version that answers, and `caller`:
+    whose label cache and rate its labels use; `clock`: its body's (`slow_clients.BodyClock`; None: none)."""
+
+    read: Callable[[], Awaitable[B]]
+    parse: Callable[[B, RequestBounds], InferRequest]
+    caller: Callable[[], Awaitable[LabelCaller]]
+    clock: Any = None
+
+
+@dataclass(frozen=True)
+class TensorsAnswered:
+    """One Open Inference Protocol request answered: by which version, the request as parsed, what it asked of
+    that version, and the typed answer (`Answer.tensors`: each output asked for, every row)."""
+
+    model: str
+    version: str
+    request: InferRequest
+    wanted: v2_model.Wanted
+    answer: Answer
+
+
+async def answer_tensors(choice: ModelChoice, admission: Admission, source: TensorRequest[B]) -> TensorsAnswered:
+    """The request `source` reads through the version `choice` names, in the module's order: announce, read, choose
+    once (404 / 503 before the body is read); then on the held version parse it within its bounds (400), apply its
+    `timeout` and `priority` to `admission` (504 now when its deadline has passed), resolve what it asks
+    (`v2_model.resolve`), decode its input (`v2_model.pixels`), infer and post-process (`_infer_tensors`)."""
+    arrived, _ = await _announce_and_read(choice, None, source.clock, admission, source.read)
+    run = _keep_or_choose_again(arrived, None, choice, admission, None, 0.0)
+    mv, settings = run.mv, choice.gateway.settings
+    with mv.using(), run.arrival:
+        admission.at("decode", mv)
+        req = source.parse(arrived.body, v2_model.request_bounds(mv, settings.limits))
+        admission.v2_parameters(req.parameters, settings.priority_levels)  # timeout (µs), priority
+        admission.check(mv)
+        caller = await source.caller()
+        wanted = v2_model.resolve(mv, req)
+        x = await v2_model.pixels(mv, req.inputs, settings.decode_workers)
+        answer = await _infer_tensors(mv, wanted, x, run.arrival, admission, caller)
+    return TensorsAnswered(mv.name, str(mv.version), req, wanted, answer)
+
+
+async def _infer_tensors(mv: ModelVersion, wanted: v2_model.Wanted, x: np.ndarray, arrival: Arrival,
+                         admission: Admission, caller: LabelCaller) -> Answer:
+    """One pass per task (the arrival announced one request: the first pass takes it), then post-processed while
+    the version is held: each image's OOD score joins the outputs (from the model's own logits or embedding,
+    before labels replace them), the labels' logits replace the model's, and the answer keeps each output asked
+    for, whole."""
+    monitor = mv.monitor
+    outputs: dict[str, np.ndarray] = {}
+    for i, task in enumerate(wanted.tasks):
+        outputs.update((await mv.infer(task, x, arrival if i == 0 else None, admission)).outputs)
+    if monitor is not None:
+        scores = monitor.observe(outputs)
+        if scores is not None:
+            outputs[OOD_SCORE] = scores.astype(np.float32)
+    if wanted.labels is not None and EMBEDDING in outputs:
+        outputs[LOGITS], _ = await mv.label_logits(wanted.labels, outputs[EMBEDDING], admission, caller)
+    return postprocess.answer(outputs, mv.info, Shape(tensors=tuple(o["name"] for o in wanted.outputs)))

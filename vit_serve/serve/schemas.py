@@ -157,6 +157,18 @@ class MonitoringInfo(BaseModel):
     description: str = Field(description="the reference in one line")
 
 
+class ExplainSupport(BaseModel):
+    """What GET / POST /explain answers for a version, so that a client offers only that (the web page disables
+    the rest, saying why)."""
+
+    methods: list[Literal["rollout", "grad_rollout"]] = Field(description="the methods it answers (grad_rollout: "
+                                                             "the torch backend only; empty: no explain graph)")
+    head_fusion: str | None = Field(description="the only head fusion it computes (an exported explain graph's, "
+                                    "baked in); null: any of mean, max, min")
+    discard_ratio: float | None = Field(description="the only discard ratio it computes (an exported explain "
+                                        "graph's, baked in); null: any in [0, 1)")
+
+
 class VersionInfo(BaseModel):
     version: int | None = Field(description="the version (null: a model of the repository never loaded)")
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
@@ -166,6 +178,8 @@ class VersionInfo(BaseModel):
     resolution: tuple[int, int] | None = Field(None, description="model input (H, W) (loaded versions)")
     num_classes: int | None = None
     explain: bool | None = Field(None, description="whether /explain can draw its attention rollout")
+    explain_support: ExplainSupport | None = Field(None, description="the /explain methods and rollout settings it "
+                                                   "answers (loaded versions)")
     memory_bytes: int | None = Field(None, description="resident memory the version took to load (RSS growth)")
     in_flight: int | None = Field(None, description="requests holding it now")
     token_merging: TokenMergingInfo | None = Field(None, description="the token merging (ToMe) it runs (null: none)")

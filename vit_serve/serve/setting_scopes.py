@@ -4,7 +4,8 @@ stores, telemetry), and the model defaults, which are exactly the keys a model's
 (`vit_serve.runtime.model_config.KEYS`): a model without its own takes the server's.
 
 Names only, flat (the flags', the VIT_SERVE_* variables' and the settings files'): the fields stay in their
-Python groups (`settings.limits`, `settings.security`, ...). `vit-serve serve --help` lists its options by these
+Python groups (`settings.limits`, `settings.security`, ...), and `vit_serve.serve.settings` makes one typed model of
+each side (`ServerSettings`, `ModelDefaults`) from these scopes. `vit-serve serve --help` lists its options by these
 scopes; tests/serve/test_setting_scopes.py checks that every setting has exactly one.
 """
 
@@ -38,7 +39,7 @@ SERVER_SETTINGS: dict[Scope, tuple[str, ...]] = {
     Scope.REPOSITORY: ("model", "model_name", "default_model", "model_control", "repository_poll_s",
                        "unload_grace_s", "load_models", "repository_api", "traffic", "shadow", "compare_window"),
     Scope.BACKENDS: ("backend", "triton_url", "triton_timeout_s", "triton_startup_timeout_s", "engine",
-                     "decode_workers", "gpu_decode"),
+                     "ingress_replicas", "decode_workers", "gpu_decode"),
     Scope.BOUNDS: ("max_body_bytes", "max_pixels", "priority_levels", "max_labels", "max_label_chars",
                    "label_cache_size", "max_label_bytes", "max_label_prompts", "text_chunk_size", "text_queue_size"),
     Scope.STORES: ("store", "store_size", "store_ttl_s", "store_password_file", "store_secret_file", "store_secret",

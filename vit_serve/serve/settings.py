@@ -3,12 +3,18 @@ flags, in typed groups.
 
 `ServeSettings` nests `limits` (`RunnerLimits`), `triton` (`TritonClientSettings`), `repository`
 (`RepositorySettings`), `security` (`SecuritySettings`: who may call), `explain_store` (`StoreSettings`: the
-images kept for GET /explain?id=) and `monitor` (`MonitoringSettings`: OOD scores, drift, the payload sampler);
+images kept for GET /explain?id=), `monitor` (`MonitoringSettings`: OOD scores, drift, the payload sampler) and
+`ray` (`RayDeploymentSettings`: the Ray Serve deployments of --engine ray);
 the rest (the model, the listeners, decode, compute) is its own. Components take their own group, and read a
 group's field through it (`settings.limits.max_batch`). The names of the outside stay flat: every field of every
-group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch), a name in a settings
-file and a keyword of `ServeSettings(max_batch=4)` (a group instance may be passed too:
-`ServeSettings(limits=RunnerLimits(...))`). The flat environment names are the canonical ones; the nested
+group is `VIT_SERVE_<FIELD>` (VIT_SERVE_MAX_BATCH), a `vit-serve serve` flag (--max-batch) and a name in a settings
+file (`ServeSettings.of({"max_batch": 4})` takes such names). In Python the settings are two typed models, by scope:
+`ServerSettings` (the server's: listeners, keys and TLS, repository control, backends, bounds, stores, telemetry) and
+`ModelDefaults` (the keys of a model's config.toml), given as `ServeSettings(model=REPO, server=ServerSettings(
+port=8080), model_defaults=ModelDefaults(max_batch=4))` and read back as `settings.server` / `settings.model_defaults`
+(a group instance may be passed too: `ServeSettings(limits=RunnerLimits(...))`). Flat keywords
+(`ServeSettings(max_batch=4)`) still work, deprecated: a DeprecationWarning names the typed keyword to use.
+The flat environment names are the canonical ones; the nested
 spelling of a group's field (VIT_SERVE_LIMITS__MAX_BATCH) is deprecated, read with a `SettingNameWarning` that
 names the flat one (`ENV_RENAMED`).
 
@@ -27,7 +33,16 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -46,6 +61,7 @@ from vit_serve.runtime.settings import (
 )
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.keys import key_hash
+from vit_serve.serve.setting_scopes import Scope, scope_of
 from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
 from vit_serve.tome import parse_tome
@@ -54,8 +70,9 @@ BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
 __all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "ENV_RENAMED", "BackendName",
-           "MonitoringSettings", "RepositorySettings", "RunnerLimits", "SecuritySettings", "ServeSettings",
-           "SettingNameWarning", "StoreSettings", "TritonClientSettings", "available_cpus", "default_decode_workers"]
+           "ModelDefaults", "MonitoringSettings", "RayDeploymentSettings", "RepositorySettings", "RunnerLimits",
+           "SecuritySettings", "ServeSettings", "ServerSettings", "SettingNameWarning", "StoreSettings",
+           "TritonClientSettings", "available_cpus", "default_decode_workers"]
 
 class SecuritySettings(BaseSettings):
     """Who may call: API keys (kept as sha256 hashes only), admin keys, open probes, TLS, browsers of other
@@ -76,7 +93,7 @@ class SecuritySettings(BaseSettings):
     admin_api_keys: Annotated[list[str], NoDecode, Flag(name="--admin-api-key", metavar="KEY")] = Field(
         default_factory=list, description="keys that may also load and unload models (the repository API); "
         "none: nobody may, unless allow_any_key_admin")
-    admin_api_keys_file: Annotated[str | None, Flag(metavar="FILE")] = Field(
+    admin_api_keys_file: Annotated[str | None, Flag(metavar="FILE", hidden=True)] = Field(
         None, description="a file of admin keys, one a line (the fields of api_keys_file); read again on SIGHUP and "
         "when it changes, as api_keys_file")
     default_key_priority: int | None = Field(
@@ -90,7 +107,7 @@ class SecuritySettings(BaseSettings):
     allow_any_key_admin: Annotated[bool, Flag()] = Field(
         False, description="without admin keys, let any caller with a valid key (anyone, when no API key is set) "
         "load and unload models; off: load / unload answer 403")
-    open_probes: Annotated[bool, Flag()] = Field(
+    open_probes: Annotated[bool, Flag(hidden=True)] = Field(
         True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
         "one on the main port: scrapers use metrics_port, or send a key)")
     cors_origins: Annotated[list[str], NoDecode, Flag(name="--cors-origin",
@@ -131,7 +148,7 @@ class StoreSettings(BaseSettings):
         "redis://HOST:PORT/DB (shared by every replica)")
     store_size: int = Field(256, ge=0, description="recent images kept (model-input crops); 0 keeps none")
     store_ttl_s: float = Field(600.0, gt=0, description="seconds an image stays available to GET /explain")
-    store_password_file: Annotated[str | None, Flag(section="store", metavar="FILE")] = Field(
+    store_password_file: Annotated[str | None, Flag(section="store", metavar="FILE", hidden=True)] = Field(
         None, description="a file holding the Redis password (a Secret mount), so that it is in neither the "
         "--store URL nor the environment")
     store_secret_file: Annotated[str | None, Flag(section="store", metavar="FILE")] = Field(
@@ -196,7 +213,7 @@ class MonitoringSettings(BaseSettings):
     sample_max_bytes: int = Field(256 * 2**20, ge=1, description="the sample folder's cap in bytes: the oldest "
                                   "unflagged parts are removed first")
     sample_retention_s: float = Field(7 * 86400.0, gt=0, description="seconds sampled parts are kept")
-    sample_redis_url: Annotated[str | None, Flag(section="sampler", metavar="URL")] = Field(
+    sample_redis_url: Annotated[str | None, Flag(section="sampler", metavar="URL", hidden=True)] = Field(
         None, description="a Redis server the samples are added to (stream sample_redis_stream) instead of a "
         "folder")
     sample_redis_stream: str = Field("vit_serve:samples", min_length=1, description="the Redis stream of the "
@@ -240,6 +257,25 @@ class MonitoringSettings(BaseSettings):
     def __repr_args__(self) -> Any:
         for name, value in super().__repr_args__():
             yield name, redacted(value) if name == "sample_redis_url" and isinstance(value, str) else value
+
+
+class RayDeploymentSettings(BaseSettings):
+    """With --engine ray (`vit_serve.deploy.ray`): each model version's Ray Serve deployment (its replicas,
+    autoscaling and actor resources: model defaults, which a model's config.toml may set, as Ray Serve keeps them
+    per deployment), and the gateway's own replicas."""
+
+    model_config = GROUP_CONFIG
+
+    replicas: Annotated[int, Flag(section="model")] = Field(
+        1, ge=1, description="Ray Serve (--engine ray): replicas of each model deployment")
+    max_replicas: Annotated[int | None, Flag(section="model")] = Field(
+        None, ge=1, description="Ray Serve: autoscale each model deployment from replicas up to this")
+    ingress_replicas: Annotated[int, Flag(section="ray")] = Field(
+        1, ge=1, description="gateway replicas (more need --store redis://... for GET /explain?id=)")
+    replica_cpus: Annotated[float, Flag(section="model")] = Field(
+        1.0, ge=0, description="Ray Serve: CPUs of each model replica (ray_actor_options num_cpus)")
+    replica_gpus: Annotated[float, Flag(section="model")] = Field(
+        0.0, ge=0, description="Ray Serve: GPUs of each model replica (ray_actor_options num_gpus)")
 
 
 class SettingNameWarning(DeprecationWarning):
@@ -325,21 +361,22 @@ class ServeSettings(BaseSettings):
         "(its scrape annotations and ServiceMonitor name it; deploy/ uses 8002) and nothing else there; 0 picks a "
         "free port. /metrics on the main port needs an API key when keys are on (it shows every model's traffic "
         "and every key's name), so set this where a scraper has no key; with TLS it serves HTTPS. Off when unset")
-    grpc_max_message_bytes: Annotated[int, Flag()] = Field(
+    grpc_max_message_bytes: Annotated[int, Flag(hidden=True)] = Field(
         64 * 1024 * 1024, ge=1024, description="largest gRPC message either way (gRPC's own default, 4 MiB, is "
         "smaller than a 12 MP JPEG)")
-    grpc_max_concurrent_calls: Annotated[int, Flag()] = Field(
+    grpc_max_concurrent_calls: Annotated[int, Flag(hidden=True)] = Field(
         32, ge=1, description="gRPC calls in flight at once (grpcio's maximum_concurrent_rpcs; RESOURCE_EXHAUSTED "
         "beyond): the messages held are at most this x grpc_max_message_bytes")
     root_path: Annotated[str, Flag()] = Field(
         "", pattern=r"^(/[^/?#\s]+)*$", description="the URL prefix a proxy serves the gateway under (uvicorn's "
         "root_path, e.g. /vit): routes and key checks see the path without it")
     # Graceful shutdown (vit_serve.serve.shutdown): on SIGTERM / SIGINT, drain, then grace, then 503 the rest.
-    shutdown_drain_s: Annotated[float, Flag()] = Field(5.0, ge=0, description="on SIGTERM / SIGINT: seconds the "
-        "readiness probes answer 503 (draining) while the server still accepts and answers, so that a load balancer "
-        "stops sending before the listener closes")
-    shutdown_grace_s: Annotated[float, Flag()] = Field(20.0, ge=0, description="after the drain: seconds the queued "
-        "and running requests have to finish; the requests still waiting then are answered 503 + Retry-After")
+    shutdown_drain_s: Annotated[float, Flag(hidden=True)] = Field(
+        5.0, ge=0, description="on SIGTERM / SIGINT: seconds the readiness probes answer 503 (draining) while the "
+        "server still accepts and answers, so that a load balancer stops sending before the listener closes")
+    shutdown_grace_s: Annotated[float, Flag(hidden=True)] = Field(
+        20.0, ge=0, description="after the drain: seconds the queued and running requests have to finish; the "
+        "requests still waiting then are answered 503 + Retry-After")
     limits: RunnerLimits = Field(default_factory=RunnerLimits)
 
     # Untrusted input.
@@ -399,7 +436,7 @@ class ServeSettings(BaseSettings):
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
     monitor: MonitoringSettings = Field(default_factory=MonitoringSettings)
-    request_ids: Annotated[bool, Flag()] = Field(
+    request_ids: Annotated[bool, Flag(hidden=True)] = Field(
         True, description="echo X-Request-ID (made when absent) and log one line per request with it")
     otel: Annotated[bool, Flag()] = Field(
         False, description="OpenTelemetry tracing (the otel extra): a span per request, the trace context passed "
@@ -421,6 +458,37 @@ class ServeSettings(BaseSettings):
                                 "default_decode_workers)")
     gpu_decode: bool = Field(True, description="on CUDA, decode JPEG uploads with nvJPEG and resize them on the "
                              "GPU (torchvision); other formats and any failure take the CPU path")
+    ray: RayDeploymentSettings = Field(default_factory=RayDeploymentSettings)  # last: its flags follow --address
+
+    def __init__(self, **values: Any) -> None:
+        flat = [k for k in values if k in _SCOPED]
+        if flat:  # before the sources merge: the environment's and a file's values are flat too, and fine
+            warnings.warn(_flat_keywords_message(flat), DeprecationWarning, stacklevel=2)
+        super().__init__(**values)
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any], **typed: Any) -> ServeSettings:
+        """Settings from flat setting names (`{"max_batch": 4, "port": 8080}`: the names of the flags, of the
+        VIT_SERVE_* variables and of settings files), without the deprecation warning of flat keywords: how the
+        command line and settings files build them. `typed`: other keywords (`model`, a group instance)."""
+        server = {k: v for k, v in values.items() if _SCOPED.get(k) == "server"}
+        defaults = {k: v for k, v in values.items() if _SCOPED.get(k) == "model_defaults"}
+        rest = {k: v for k, v in values.items() if k not in _SCOPED}
+        return cls(**rest, **typed, server=ServerSettings.model_construct(**server),
+                   model_defaults=ModelDefaults.model_construct(**defaults))
+
+    @property
+    def server(self) -> ServerSettings:
+        """The server's settings (every setting but `model` and the model defaults), flat: a copy."""
+        return ServerSettings.model_construct(**{k: self._flat(k) for k in ServerSettings.model_fields})
+
+    @property
+    def model_defaults(self) -> ModelDefaults:
+        """The settings of the models without their own config.toml (the keys of `ModelConfig`), flat: a copy."""
+        return ModelDefaults.model_construct(**{k: self._flat(k) for k in ModelDefaults.model_fields})
+
+    def _flat(self, name: str) -> Any:
+        return getattr(getattr(self, FLAT[name]) if name in FLAT else self, name)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -446,6 +514,15 @@ class ServeSettings(BaseSettings):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        for key, scoped in (("server", ServerSettings), ("model_defaults", ModelDefaults)):
+            typed = data.pop(key, None)
+            if isinstance(typed, BaseModel):
+                typed = {k: getattr(typed, k) for k in typed.model_fields_set}
+            wrong = sorted(set(typed or {}) - set(scoped.model_fields))
+            if wrong:
+                raise ValueError(f"{key}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not of "
+                                 f"{scoped.__name__}")
+            data.update(typed or {})  # over the environment's and the file's: given, as a keyword is
         for name, group in GROUPS.items():
             flat = {k: data.pop(k) for k in group.model_fields if k in data}
             if not flat:
@@ -499,3 +576,40 @@ FLAT: dict[str, str] = {k: name for name, group in GROUPS.items()
 # users write for a group's field (VIT_SERVE_LIMITS__MAX_BATCH) is read too, with a warning naming the flat one.
 ENV_RENAMED: dict[str, str] = {f"VIT_SERVE_{name.upper()}__{field.upper()}": f"VIT_SERVE_{field.upper()}"
                                for name, group in GROUPS.items() for field in group.model_fields}
+
+
+def _scoped_model(name: str, doc: str, scope: str) -> type[BaseModel]:
+    """A model of the flat settings of one scope (`_SCOPED`), each field ServeSettings' own (type, default,
+    constraints, description: one text), checked again by ServeSettings when passed to it."""
+    fields: dict[str, Any] = {k: (info.annotation, info) for k, info in ServeSettings.flat_fields().items()
+                              if _SCOPED.get(k) == scope}
+    return create_model(name, __doc__=doc, __config__=ConfigDict(extra="forbid", protected_namespaces=()),
+                        __module__=__name__, **fields)
+
+
+# Each setting a keyword of ServeSettings may not give flat without a warning, by the typed keyword it belongs to:
+# the model defaults (the keys of a model's config.toml, `ModelConfig`), else the server's; `model` (what to
+# serve) stays a keyword of its own.
+_SCOPED: dict[str, str] = {k: "model_defaults" if scope_of(k) is Scope.MODEL else "server"
+                           for k in ServeSettings.flat_fields() if k != "model"}
+ServerSettings = _scoped_model("ServerSettings", """The server's settings, as Triton keeps its server's options apart
+    from each model's config: listeners, keys and TLS, repository control, backends, request bounds, stores and
+    telemetry (`vit_serve.serve.setting_scopes.SERVER_SETTINGS`), flat: `ServerSettings(port=8080, api_keys=[...])`.
+    `ServeSettings(server=ServerSettings(...))` sets them (the fields given, over VIT_SERVE_* and a file), and
+    `settings.server` reads them.""", "server")
+ModelDefaults = _scoped_model("ModelDefaults", """The settings of the models without their own
+    REPO/NAME/config.toml (or config.pbtxt): exactly the keys of `vit_serve.runtime.model_config.ModelConfig`, with
+    the server's defaults: `ModelDefaults(max_batch=4, instances=2)`. `ServeSettings(model_defaults=ModelDefaults(
+    ...))` sets them (the fields given, over VIT_SERVE_* and a file), and `settings.model_defaults` reads them.""",
+                              "model_defaults")
+
+
+def _flat_keywords_message(names: list[str]) -> str:
+    """The deprecation of flat keywords `names`, naming the typed keyword each belongs to."""
+    parts = []
+    for scope, cls in (("server", "ServerSettings"), ("model_defaults", "ModelDefaults")):
+        mine = [f"{k}=..." for k in names if _SCOPED[k] == scope]
+        if mine:
+            parts.append(f"{scope}={cls}({', '.join(mine)})")
+    return (f"flat keywords of ServeSettings are deprecated ({', '.join(names)}): pass "
+            f"ServeSettings({', '.join(parts)}), or ServeSettings.of({{...}}) for flat setting names")

@@ -4,9 +4,10 @@ Metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (a req
 FP32 [-1, K], when the backend can explain `rollout` FP32 [-1, gh, gw], and when the model has one `embedding`
 FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`), and for a model with a reference (monitoring
 on) `ood_score` FP32 [-1] (`vit_serve.monitor`: from the same pass; answered only when asked for by name); a model
-served with its text tower takes the request parameter `labels` (logits over those labels, zero-shot). `infer` runs
-a parsed request (`v2_protocol.InferRequest`) through the version's runner, the batcher every transport shares, and
-answers its outputs (`classification = k` on an output: Triton's classification extension).
+served with its text tower takes the request parameter `labels` (logits over those labels, zero-shot). A parsed
+request (`v2_protocol.InferRequest`) runs through the one request pipeline (`pipeline.answer_tensors`, whichever
+transport): `resolve` says what it asks of a version, `pixels` decodes its input, and `output_tensors` shapes the
+typed answer into its outputs (`classification = k` on an output: Triton's classification extension).
 
 A request carries at most `request_bounds` images (`max_images_per_request`, by default the version's max_batch),
 checked by the parsers from each input's header. Its encoded images are decoded a few at a time (`decode_window`
@@ -19,7 +20,7 @@ ones not started never are.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,13 +28,11 @@ import numpy as np
 from vit_serve import __version__
 from vit_serve.manifest import EMBEDDING, LOGITS, OOD_SCORE, PIXEL_VALUES, ROLLOUT
 from vit_serve.runtime.backends.base import ModelInfo
-from vit_serve.runtime.scheduling import Arrival
+from vit_serve.runtime.postprocess import Answer
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import CLASSIFY, EMBED, Task
-from vit_serve.serve.admission import Admission
 from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.gateway import Gateway
-from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.v2_protocol import IMAGE, InferRequest, OutputTensor, RequestBounds, Tensor, classify
@@ -188,6 +187,40 @@ def _explain_task(mv: ModelVersion, parameters: dict[str, Any]) -> Task:
     return mv.explain_task("rollout", hf, dr)
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """What an inference request asks of a version (`resolve`): its outputs in the order asked (all but ood_score
+    when it names none), the passes they need (`tasks`: the first takes the request's arrival), its labels
+    (zero-shot; None: none) and the class names its classification outputs use (those labels, or the model's)."""
+
+    outputs: list[dict[str, Any]]
+    tasks: tuple[Task, ...]
+    labels: list[str] | None
+    names: list[str] | None
+
+
+def resolve(mv: ModelVersion, req: InferRequest) -> Wanted:
+    """What `req` asks of `mv`; 400 for an output the model does not have, or labels it cannot take.
+
+    With the request parameter `labels` (a model served with its text tower) `logits` is [B, n] over those labels,
+    zero-shot (`vit_serve.runtime.zero_shot`), and its classification names them; at most VIT_SERVE_MAX_LABELS
+    labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond)."""
+    available = [o["name"] for o in output_specs(mv.info, mv.monitor is not None)]
+    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available if n != OOD_SCORE]
+    for out in wanted:
+        if out["name"] not in available:
+            raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
+    labels = request_labels(mv, req.parameters)
+    tasks = _tasks(mv, wanted, req.parameters, labels is not None)
+    return Wanted(wanted, tuple(tasks), labels, labels if labels is not None else mv.info.labels)
+
+
+def output_tensors(req: InferRequest, wanted: Wanted, answer: Answer) -> list[OutputTensor]:
+    """The answer's tensors as the outputs `req` asked for, in order: FP32 tensors, or their classification
+    (`classification = k`: Triton's extension, the class names on the logits only), raw or not as asked."""
+    return [_output(o, answer.tensors[o["name"]], req.binary_output(o), wanted.names) for o in wanted.outputs]
+
+
 def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, labels: list[str] | None) -> OutputTensor:
     """One requested output: the FP32 tensor, or its classification (`labels` on the logits only)."""
     k = InferRequest.class_count(out)
@@ -195,50 +228,3 @@ def _output(out: dict[str, Any], arr: np.ndarray, binary: bool, labels: list[str
         return OutputTensor(out["name"], "FP32", list(arr.shape), arr, binary)
     shape, items = classify(arr, k, labels if out["name"] == LOGITS else None)
     return OutputTensor(out["name"], "BYTES", shape, items, binary)
-
-
-async def answer(gateway: Gateway, mv: ModelVersion, arrival: Arrival, parse: Callable[[RequestBounds], InferRequest],
-                 admission: Admission, caller: Callable[[], Awaitable[LabelCaller]]
-                 ) -> tuple[InferRequest, list[OutputTensor]]:
-    """One inference of the Open Inference Protocol on a held version, whatever the transport (HTTP /v2, gRPC):
-    the request parsed within the version's bounds (`parse`), its `timeout` and `priority` applied to `admission`
-    (504 now when its deadline has passed), then run (`infer`) with the label cache and rate of `caller()`."""
-    settings = gateway.settings
-    admission.at("decode", mv)
-    req = parse(request_bounds(mv, settings.limits))
-    admission.v2_parameters(req.parameters, settings.priority_levels)  # timeout (µs), priority
-    admission.check(mv)
-    return req, await infer(mv, req, arrival, settings.decode_workers, admission, await caller())
-
-
-async def infer(mv: ModelVersion, req: InferRequest, arrival: Arrival, decode_window: int,
-                admission: Admission | None = None, caller: LabelCaller | None = None) -> list[OutputTensor]:
-    """Run `req` (parsed within `request_bounds`) on the version (held by the caller, announced as `arrival`),
-    its images decoded `decode_window` at a time (the settings' decode_workers): its outputs, in the order asked
-    (all of them when it names none); 400 for an output the model does not have.
-
-    With the request parameter `labels` (a model served with its text tower) `logits` is [B, n] over those labels,
-    zero-shot (`vit_serve.runtime.zero_shot`), and its classification names them; at most VIT_SERVE_MAX_LABELS
-    labels of VIT_SERVE_MAX_LABEL_CHARS characters (400 beyond). `admission`: the request's level and deadline
-    (`parameters.priority`, `parameters.timeout`, a gRPC deadline); `caller`: whose label cache and rate the
-    labels use (`labels.LabelCaller`)."""
-    monitor = mv.monitor
-    available = [o["name"] for o in output_specs(mv.info, monitor is not None)]
-    wanted = req.outputs if req.outputs is not None else [{"name": n} for n in available if n != OOD_SCORE]
-    for out in wanted:
-        if out["name"] not in available:
-            raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
-    labels = request_labels(mv, req.parameters)
-    tasks = _tasks(mv, wanted, req.parameters, labels is not None)
-    x = await pixels(mv, req.inputs, decode_window)
-    outputs: dict[str, np.ndarray] = {}
-    for i, task in enumerate(tasks):  # the arrival announced one request: the first pass takes it
-        outputs.update((await mv.infer(task, x, arrival if i == 0 else None, admission)).outputs)
-    if monitor is not None:  # the model's own logits (and embedding), before labels replace them
-        scores = monitor.observe(outputs)
-        if scores is not None:
-            outputs[OOD_SCORE] = scores.astype(np.float32)
-    if labels is not None and EMBEDDING in outputs:
-        outputs[LOGITS], _ = await mv.label_logits(labels, outputs[EMBEDDING], admission, caller)
-    names = labels if labels is not None else mv.info.labels
-    return [_output(o, outputs[o["name"]], req.binary_output(o), names) for o in wanted]

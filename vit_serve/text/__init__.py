@@ -9,6 +9,13 @@
 
 Our checkpoint carries the tower as `text.*` tensors and `text_*` metadata (text_payload), which the
 image-model loader ignores.
+
+- `tower`: the text transformer (CLIP's causal one, SigLIP's bidirectional one).
+- `tokenizer`: open_clip's and Hugging Face's tokenizers.
+- `bundle`: `TextBundle` (tower, tokenizer, logit scale and bias) and how our checkpoint carries it.
+- `read`: the text tower of any supported checkpoint.
+- `open_clip_text`, `hf_text`: open_clip and transformers text towers -> ours.
+- `manifest`: the exported text tower's manifest.
 """
 
 from vit_serve.text.bundle import TextBundle, bundle_from_checkpoint, text_payload

@@ -239,4 +239,4 @@ def _check_config(path: Path) -> None:
     from vit_serve.serve.config_file import read_settings_file
     from vit_serve.serve.settings import ServeSettings
 
-    check(LoadSpec.of(ServeSettings(**read_settings_file(path))))
+    check(LoadSpec.of(ServeSettings.of(read_settings_file(path))))

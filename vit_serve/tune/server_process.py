@@ -38,7 +38,10 @@ class ServerProcess:
     """A gateway process serving on `HOST:port` (`url`), whichever way it was started: `serve(args)` runs
     `python -m vit_serve serve ARGS --port PORT`, `command(argv, port)` any command line, and
     `ServerProcess(proc, port)` wraps a `subprocess.Popen` or `multiprocessing.Process` already started.
-    A context manager: the block gets it ready (`wait_ready`) and the process stops when the block ends."""
+    A context manager: the block gets it ready (`wait_ready`) and the process stops when the block ends.
+    `ready_path` is what readiness polls: a server other than the gateway (tritonserver) names its own."""
+
+    ready_path = "/readyz"
 
     def __init__(self, proc: Process, port: int, ready_timeout: float = 300.0) -> None:
         self.proc, self.port, self.ready_timeout = proc, port, ready_timeout
@@ -74,14 +77,17 @@ class ServerProcess:
         return self.exitcode is None
 
     def ready(self) -> dict | None:
-        """One probe: the /readyz answer when it is 200, else None (any other answer, or none)."""
+        """One probe: the `ready_path` answer when it is 200 ({} when it has no body), else None (any other
+        answer, or none)."""
         import httpx
 
         try:
-            r = httpx.get(f"{self.url}/readyz", timeout=2.0)
+            r = httpx.get(f"{self.url}{self.ready_path}", timeout=2.0)
         except httpx.TransportError:
             return None
-        return r.json() if r.status_code == 200 else None
+        if r.status_code != 200:
+            return None
+        return r.json() if r.content else {}
 
     def wait_ready(self, timeout: float | None = None, poll: float = 0.1,
                    tick: Callable[[], None] = lambda: None) -> dict:

@@ -1,7 +1,16 @@
-"""Serving backends, one module each (torch, onnxruntime, tensorrt, triton, ray), behind `base.Backend`.
+"""Serving backends, one module each, behind `base.Backend`.
 
 `load(spec)` (`vit_serve.runtime.load`) picks and builds one for a `LoadSpec` (`runtime.spec`: which backend a
 path means, and the checks made before loading). Each backend's module is imported only when it is loaded.
+
+- `base`: what every backend provides (`Backend`, `LocalBackend`, `RemoteBackend`, `ModelInfo`).
+- `torch`: a checkpoint in PyTorch (eager, `torch.compile` or a TorchScript trace); the only one with gradient
+  rollout.
+- `onnxruntime`: an ONNX export and its explain graph.
+- `tensorrt`: a serialized TensorRT engine.
+- `triton`: a model on a Triton Inference Server (tritonclient, asyncio).
+- `ray`: a model version in its own Ray Serve deployment.
+- `sidecar`: the manifest beside an export -> `ModelInfo`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
 """The scheduler: how a model version's requests are queued, batched and run, with no web framework, no RPC and
-no metrics library (it reports `events`; the gateway counts them).
+no metrics library (it reports `events`; the gateway counts them). `runner_for` picks the runner a backend needs.
 
-ticket (a request's level, deadline, caller and cancellation), result, arrivals (requests on their way and the
-stalled-arrival rule), clock (the only source of time: `PerfClock`, `FakeClock`), errors (QueueFullError,
-DeadlineError, NotReadyError), pending (the queue: order, room and shedding, expiry, take), cost (what a batch
-takes), policy (the batching decisions, pure, in order), instances (model instances and preemption of staged runs),
-execution (one batch's run), events (what a runner reports), base, batching and direct (the runners).
-`runner_for` picks the runner a backend needs.
+- `ticket`: a request's level, deadline, caller and cancellation.
+- `result`: a request's answer from its runner.
+- `arrivals`: requests on their way, and the stalled-arrival rule.
+- `clock`: the only source of time (`PerfClock`, `FakeClock`).
+- `errors`: `QueueFullError`, `DeadlineError`, `NotReadyError`.
+- `pending`: the queue: order, room and shedding, expiry, take.
+- `cost`: what a batch takes.
+- `policy`: the batching decisions, pure, in order.
+- `instances`: model instances and the preemption of staged runs.
+- `execution`: one batch's run.
+- `events`: what a runner reports.
+- `base`, `batching`, `direct`: what the runners share; `BatchingRunner`; `DirectRunner` (a server that batches).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ and how a request is admitted, split into parts, and refused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -99,6 +100,20 @@ class RunnerBase:
             self.events.rejected("deadline")
             raise deadline_exceeded(f"before it reached the queue, {-left * 1e3:.0f} ms after it")
         return ticket
+
+    @contextlib.contextmanager
+    def holding(self, ticket: Ticket) -> Iterator[Ticket]:
+        """The runner holds `ticket` (queued, or in a batch) while the block runs: a cancellation that reaches it
+        there, its caller gone (`Ticket.caller_left`), is reported at the stage it reached (an unload's is not)."""
+        ticket.held = True
+        try:
+            yield ticket
+        except asyncio.CancelledError:
+            if ticket.cancelled:
+                self.events.cancelled(ticket.stage)
+            raise
+        finally:
+            ticket.held = False
 
     def _wait_s(self, ticket: Ticket) -> float:
         """How long the request may wait for its answer: the request timeout, or less to its deadline, a little

@@ -9,7 +9,8 @@ request never waits for nothing, and the model is never idle while requests wait
 model threads (`instances` of them where the backend allows it), so the event loop stays free. A request not
 answered within `request_timeout_s` of being queued, or by its deadline, gets `DeadlineError`; its rows are
 dropped if they have not started. A request whose caller went away (its task cancelled) leaves the queue and any
-batch that has not started. Time is read from the injected clock only.
+batch that has not started, and is reported cancelled at its stage, queue or infer (`RunnerBase.holding`). Time is
+read from the injected clock only.
 """
 
 from __future__ import annotations
@@ -165,17 +166,18 @@ class BatchingRunner(RunnerBase):
         if arrival is not None:
             arrival.done()
         self.arrivals.news.set()
-        try:
-            wait = self._wait_s(ticket)
-            if len(items) == 1:
-                return await asyncio.wait_for(items[0].future, wait)
-            results = await asyncio.wait_for(asyncio.gather(*(item.future for item in items)), wait)
-        except TimeoutError:
-            self._drop(*items)
-            raise self._timed_out(ticket) from None
-        except BaseException:  # a part failed (the others not started are dropped), or the client went away
-            self._drop(*items)
-            raise
+        with self.holding(ticket):
+            try:
+                wait = self._wait_s(ticket)
+                if len(items) == 1:
+                    return await asyncio.wait_for(items[0].future, wait)
+                results = await asyncio.wait_for(asyncio.gather(*(item.future for item in items)), wait)
+            except TimeoutError:
+                self._drop(*items)
+                raise self._timed_out(ticket) from None
+            except BaseException:  # a part failed (the others not started are dropped), or the client went away
+                self._drop(*items)
+                raise
         return Result.joined(list(results))
 
     def _make_room(self, items: list[Entry]) -> None:

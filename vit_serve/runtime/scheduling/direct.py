@@ -55,13 +55,14 @@ class DirectRunner(RunnerBase):
         self._outstanding += len(parts)
         self.events.queued(self._outstanding)
         ticket.at("infer")  # sent: the server has it (a cancel closes the call: the Triton backend)
-        try:
-            options = CallOptions(ticket.remaining(self.clock.now()),
-                                  0 if ticket.priority == DEFAULT_PRIORITY else ticket.priority)
-            results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p, options) for p in parts)),
-                                             self._wait_s(ticket))
-        except TimeoutError:
-            raise self._timed_out(ticket) from None
+        with self.holding(ticket):  # a caller gone meanwhile: reported at infer
+            try:
+                options = CallOptions(ticket.remaining(self.clock.now()),
+                                      0 if ticket.priority == DEFAULT_PRIORITY else ticket.priority)
+                results = await asyncio.wait_for(asyncio.gather(*(self._send(task, p, options) for p in parts)),
+                                                 self._wait_s(ticket))
+            except TimeoutError:
+                raise self._timed_out(ticket) from None
         return Result.joined(list(results))
 
     def check_arrival(self, task: Task, ticket: Ticket) -> None:

@@ -10,7 +10,8 @@ passed, or that the batcher predicts it cannot answer in time, is refused (`Dead
 late. Times are seconds on the scheduler's clock (`clock.PerfClock`: `time.perf_counter()`).
 
 Stages (where a request was when its caller went away): read (its body), decode, queue, infer (its batch had
-started: the answer is thrown away).
+started: the answer is thrown away). Whoever notices the caller leave says so (`caller_left`) before cancelling
+the request's work; the runner holding it then (queue, infer) reports it, else whoever noticed: once either way.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Ticket:
     model: str = ""
     version: str = ""
     cancelled: bool = False  # its caller went away
+    held: bool = False  # in a runner's queue or batch: the runner reports its cancellation (`caller_left`)
     # what a bad term is refused with (the gateway's subclass carries the same 422 and message)
     invalid: ClassVar[type[InvalidValueError]] = InvalidValueError
 
@@ -124,3 +126,12 @@ class Ticket:
     def at(self, stage: Stage) -> None:
         """The request has reached `stage`."""
         self.stage = stage
+
+    def caller_left(self) -> bool:
+        """Its caller went away (said before its work is cancelled): whether whoever noticed counts it. Once a
+        request is counted at most: False when it was said before, and False while a runner holds it (`held`),
+        for the runner reports it (`SchedulerEvents.cancelled`) as the cancellation reaches it."""
+        if self.cancelled:
+            return False
+        self.cancelled = True
+        return not self.held

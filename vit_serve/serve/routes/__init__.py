@@ -1,2 +1,13 @@
-"""The gateway's routes, one module each: classify, embed, explain, health, metrics, models, v2 (Open Inference
-Protocol) and its repository extension, page."""
+"""The gateway's routes, one module each (thin: their query and their schema):
+
+- `classify`: POST /classify.
+- `embed`: POST /embed.
+- `explain`: GET and POST /explain (the rollout as a PNG at a display size, or as JSON).
+- `image_request`: what the image routes share (their errors, links and deadline).
+- `health`: GET /healthz and /readyz.
+- `metrics`: GET /metrics.
+- `models`: GET /models (with what /explain answers for each version), its compare and drift.
+- `page`: GET /, the web page.
+- `v2`: the Open Inference Protocol under /v2.
+- `repository`: its model repository extension.
+"""

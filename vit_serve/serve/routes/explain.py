@@ -24,6 +24,9 @@ from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
 router = APIRouter(tags=["explain"])
 
+# ?size= bounds: a phone's thumbnail to a large screen; more would only spend the decode pool's time on pixels.
+MIN_SIZE, MAX_SIZE = 16, 2048
+
 PNG = {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}},
        "description": "format=png: the map over the model-input crop (headers X-Image-Id, X-Model); "
                       "format=json: the map as numbers"}
@@ -42,6 +45,7 @@ class ExplainParams:
     target: int | None
     alpha: float
     colormap: str
+    size: int | None
 
 
 async def explain_params(
@@ -58,15 +62,19 @@ async def explain_params(
     target: Annotated[int | None, Query(ge=0, description="grad_rollout: class to explain (default top-1)")] = None,
     alpha: Annotated[float, Query(ge=0.0, le=1.0, description="png: opacity of the map")] = 0.5,
     colormap: Annotated[Literal[COLORMAPS], Query(description="png: colour map")] = "jet",
+    size: Annotated[int | None, Query(
+        ge=MIN_SIZE, le=MAX_SIZE, examples=[256],
+        description=f"png: the picture's longer side in pixels, {MIN_SIZE} to {MAX_SIZE}, scaled nearest-neighbour "
+                    f"from the model-input crop (default: the crop's own size, e.g. 32 x 32)")] = None,
 ) -> ExplainParams:
-    return ExplainParams(method, head_fusion, discard_ratio, format, target, alpha, colormap)
+    return ExplainParams(method, head_fusion, discard_ratio, format, target, alpha, colormap, size)
 
 
 ParamsDep = Annotated[ExplainParams, Depends(explain_params)]
 
 
 def _ask(p: ExplainParams) -> pipeline.Ask:
-    overlay = pipeline.Overlay(p.alpha, p.colormap) if p.format == "png" else None
+    overlay = pipeline.Overlay(p.alpha, p.colormap, p.size) if p.format == "png" else None
     return pipeline.Ask("explain", explain=pipeline.Explain(p.method, p.head_fusion, p.discard_ratio, p.target),
                         overlay=overlay)
 

@@ -69,6 +69,17 @@ def _batching(mv: ModelVersion) -> dict | None:
     return None if info is None else asdict(info)
 
 
+def explain_support(mv: ModelVersion) -> dict:
+    """What /explain answers for `mv` (`schemas.ExplainSupport`): what `ModelVersion.explain_task` accepts."""
+    info = mv.info
+    methods = ["rollout"] if info.explain else []
+    if mv.backend.supports_grad_rollout:
+        methods.append("grad_rollout")
+    fixed = info.rollout if info.explain else None
+    return {"methods": methods, "head_fusion": fixed.head_fusion if fixed else None,
+            "discard_ratio": fixed.discard_ratio if fixed else None}
+
+
 def _unmonitored(gateway: Gateway, mv: ModelVersion) -> str:
     """Why a version without a monitor has none (its /models `monitoring` and its drift's 404)."""
     if not gateway.settings.monitor.monitoring:
@@ -87,10 +98,10 @@ def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
 @router.get("/models", response_model=ModelsResponse)
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
-    "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain",
-    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States are
-    Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
-    version and state null.
+    "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain", "explain_support",
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States
+    are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
+    version and state null. `explain_support`: the /explain methods and rollout settings it answers.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
     policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `monitoring`: the reference
     its OOD scores and drift compare with (`schemas.MonitoringInfo`), or a line saying why there is none."""
@@ -105,7 +116,8 @@ async def models(gateway: GatewayDep) -> dict:
         if mv is not None:
             info = mv.info
             version.update(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
-                           explain=info.explain, memory_bytes=mv.memory_bytes, in_flight=mv.in_flight,
+                           explain=info.explain, explain_support=explain_support(mv), memory_bytes=mv.memory_bytes,
+                           in_flight=mv.in_flight,
                            token_merging=None if info.token_merging is None else {
                                "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
                            batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,

@@ -23,17 +23,16 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from vit_serve.runtime.scheduling import Arrival
 from vit_serve.serve import pipeline, v2_model
-from vit_serve.serve.admission import Admission, admission_of
+from vit_serve.serve.admission import admission_of
 from vit_serve.serve.caller import caller_scope
 from vit_serve.serve.deps import SESSION_HEADER, GatewayDep, ModelChoice
 from vit_serve.serve.errors import V2, BadRequestError, TooLargeError, UnsupportedMediaError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.labels import LabelCaller
-from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.routes import health, repository
 from vit_serve.serve.schemas import StrictJSONResponse
+from vit_serve.serve.slow_clients import body_clock
 from vit_serve.serve.v2_model import model_metadata, versions
 from vit_serve.serve.v2_protocol import (
     HEADER_LENGTH,
@@ -184,16 +183,10 @@ async def version_infer(name: NameDep, version: VersionDep, request: Request, ga
 
 
 async def _infer(request: Request, gateway: Gateway, choice: ModelChoice) -> Response:
-    admission = admission_of(request.scope)
-    # 404 / 503 before the body is read; the version is chosen once, then kept unless it left service meanwhile
-    mv, arrival, raw = await pipeline.arrive(request, choice, admission, request.body)
-    with mv.using(), arrival:
-        return await _infer_on(raw, request, gateway, mv, arrival, admission)
+    """The request through the one pipeline (404 / 503 before the body is read; the version chosen once, then kept
+    unless it left service meanwhile), its outputs shaped into the protocol's body."""
 
-
-async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVersion, arrival: Arrival,
-                    admission: Admission) -> Response:
-    def parse(bounds: RequestBounds) -> InferRequest:
+    def parse(raw: bytes, bounds: RequestBounds) -> InferRequest:
         body = _decompress(raw, request.headers.get("content-encoding", "").strip().lower(),
                            gateway.settings.max_body_bytes)
         return parse_infer_request(body, request.headers.get(HEADER_LENGTH), bounds)
@@ -201,8 +194,10 @@ async def _infer_on(raw: bytes, request: Request, gateway: Gateway, mv: ModelVer
     async def caller() -> LabelCaller:
         return LabelCaller.of(request.app, await caller_scope(request))  # whose label cache and rate
 
-    req, outputs = await v2_model.answer(gateway, mv, arrival, parse, admission, caller)
-    content, headers = encode_infer_response(mv.name, str(mv.version), req.id, outputs)
+    source = pipeline.TensorRequest(request.body, parse, caller, body_clock(request.scope))
+    done = await pipeline.answer_tensors(choice, admission_of(request.scope), source)
+    outputs = v2_model.output_tensors(done.request, done.wanted, done.answer)
+    content, headers = encode_infer_response(done.model, done.version, done.request.id, outputs)
     return Response(content, headers=headers, media_type=headers["Content-Type"])
 
 

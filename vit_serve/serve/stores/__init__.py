@@ -17,6 +17,14 @@ the key and the bytes); an entry whose seal fails is ignored and counted (`vit_s
 A store is used from the decode threads (`get` / `put`) and for `GET /explain?id=` (`find`). A store that cannot
 be reached never fails a classification: `put` logs a warning, `get` is a miss (the upload is decoded again);
 `find` raises `StoreUnavailableError`, a 503 naming the store, since the image may well be there.
+
+Modules:
+
+- `base`: the store protocol (`CropStore`), `Namespaced`, `StoreUnavailableError`.
+- `memory`: `MemoryStore`, this process's memory.
+- `redis`: `RedisStore`, a Redis server shared by the replicas (entries sealed).
+- `secret`: `StoreSecret`, the ids' and keys' secret.
+- `redaction`: store URLs with their passwords hidden, for logs and errors.
 """
 
 from __future__ import annotations
