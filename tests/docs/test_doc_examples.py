@@ -91,7 +91,8 @@ def blocks(path: Path) -> list[Block]:
         j = i + 1
         while j < len(lines) and not re.match(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[j]):
             j += 1
-        body = "\n".join(line[indent:] if line[:indent].isspace() else line.lstrip() for line in lines[i + 1:j])
+        body = "\n".join(line[indent:] if not indent or line[:indent].isspace() else line.lstrip()
+                         for line in lines[i + 1:j])
         out.append(_apply(Block(path, i + 1, lang, body + "\n"), _markers(lines, i)))
         i = j + 1
     return out
@@ -164,10 +165,13 @@ def test_the_collector_reads_markers_and_nested_fences(tmp_path: Path) -> None:
     page.write_text("Intro\n\n<!-- docs-test: skip needs Docker -->\n\n```bash\ndocker build .\n```\n\n"
                     "- a list item:\n\n    ```python\n    print(1)\n    ```\n\n"
                     "<!-- docs-test: replace --steps 500 => --steps 2 -->\n<!-- docs-test: timeout 60 -->\n"
-                    "```sh\nvit-serve train --steps 500\n```\n\n````text\n```\nnot a fence\n```\n````\n")
+                    "```sh\nvit-serve train --steps 500\n```\n\n````text\n```\nnot a fence\n```\n````\n\n"
+                    "```python\nfor i in range(2):\n    print(i)\n```\n")
     found = blocks(page)
-    assert [(b.lang, b.line) for b in found] == [("bash", 5), ("python", 11), ("sh", 17), ("text", 21)]
+    assert [(b.lang, b.line) for b in found] == [("bash", 5), ("python", 11), ("sh", 17), ("text", 21),
+                                                 ("python", 27)]
     assert found[0].skip == "needs Docker" and found[1].text == "print(1)\n" and found[1].skip is None
     assert found[2].replace == [("--steps 500", "--steps 2")] and found[2].timeout_s == 60
     assert found[3].text == "```\nnot a fence\n```\n"
+    assert found[4].text == "for i in range(2):\n    print(i)\n"  # a top-level block keeps its indentation
     assert _script(found[2])[1] == "vit-serve train --steps 2\n"
