@@ -4,25 +4,12 @@ come out with every row. Reference: timm (random weights, `pretrained=False`); n
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _script(name: str):
-    sys.path.insert(0, str(BENCH))  # the scripts import their siblings
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from bench_script import load_script
 
 
 def test_families_prints_a_row_per_family_and_ours_equals_timm(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    m = _script("families")
+    m = load_script("families")
     m.main(["--tiny", "--batch", "2", "--rounds", "1", "--iters", "1"])
     out = capsys.readouterr().out
     table = out.split("| check | value |")[0]  # the families' table, not the checks' after it
@@ -32,7 +19,7 @@ def test_families_prints_a_row_per_family_and_ours_equals_timm(capsys, monkeypat
 
 
 def test_embed_dinov2_prints_the_gateway_the_offline_rate_and_their_ratio(capsys, tmp_path):
-    m = _script("embed_dinov2")
+    m = load_script("embed_dinov2")
     assert m.main(["--tiny", "--corpus", "small", "--images", "4", "--rounds", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for row in ("| gateway POST /embed, c=16", "| predict --embeddings over 4 files", "| ratio /embed / predict"):

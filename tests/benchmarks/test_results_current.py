@@ -3,32 +3,21 @@ renders from benchmarks/results/*.json now; and a results file round-trips and r
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _script(name: str):
-    sys.path.insert(0, str(BENCH))  # the scripts import their siblings
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_script import BENCH, load_script
 
 
 def test_the_pages_and_the_readme_table_are_current() -> None:
-    render = _script("render_results")
+    render = load_script("render_results")
     stale = [str(path.relative_to(render.ROOT)) for path, text in render.rendered().items()
              if not path.is_file() or path.read_text() != text]
     assert not stale, f"stale: {stale}; run python benchmarks/render_results.py"
 
 
 def test_every_benchmark_has_a_page_linked_from_the_index() -> None:
-    render = _script("render_results")
+    render = load_script("render_results")
     index = (render.DOCS / "index.md").read_text()
     for b in render.BENCHMARKS:
         assert (render.DOCS / f"{b.name}.md").is_file() and f"]({b.name}.md)" in index
@@ -36,8 +25,8 @@ def test_every_benchmark_has_a_page_linked_from_the_index() -> None:
 
 
 def test_a_results_file_round_trips_and_its_page_shows_its_numbers(tmp_path: Path) -> None:
-    rf = _script("results_file")
-    render = _script("render_results")
+    rf = load_script("results_file")
+    render = load_script("render_results")
     lines = ["Speed, 2 threads", "", "| runtime | images/s |", "|---|---:|", "| fp32 | 41.5 |", "| int8 | 80.25 |"]
     results = rf.ResultsFile.of("forward", rf.tables_in(lines), [("int8 / fp32", "1.93", ">= 1.5", True),
                                                                    ("fp32 / torch", "1.01", ">= 1.15", False)],
@@ -58,7 +47,7 @@ def test_a_results_file_round_trips_and_its_page_shows_its_numbers(tmp_path: Pat
 
 
 def test_a_benchmark_without_results_in_this_format_gives_its_command_and_no_numbers(tmp_path: Path) -> None:
-    render = _script("render_results")
+    render = load_script("render_results")
     (tmp_path / "forward.json").write_text(json.dumps({"cpu": "old format", "rows": [{"images/s": 20.7}]}))
     assert render.load("forward", tmp_path) is None
     text = render.page(render.BENCHMARKS[0], None)

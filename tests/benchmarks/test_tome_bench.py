@@ -5,20 +5,7 @@ model learnt something). No timing asserted."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _script(name: str):
-    sys.path.insert(0, str(BENCH))  # the scripts import their siblings
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_script import load_script
 
 
 def _table(lines: list[str], header_start: str) -> tuple[list[str], list[list[str]]]:
@@ -34,7 +21,7 @@ def _table(lines: list[str], header_start: str) -> tuple[list[str], list[list[st
 
 
 def test_tome_prints_speed_agreement_and_digits_rows_per_r(capsys):
-    m = _script("tome")
+    m = load_script("tome")
     assert m.main(["--tiny", "--r", "0,4", "--rounds", "1", "--iters", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from test_families_bench import _script
+from bench_script import load_script
 
 PCT = re.compile(r"^\d+\.\d\d( \(\d+\.\d\d-\d+\.\d\d\))?%?$")
 
@@ -19,7 +19,7 @@ def _rows(out: str, first: str) -> list[list[str]]:
 
 
 def test_digits_transfer_prints_every_mode_and_transfer_and_the_recipes(capsys, tmp_path):
-    m = _script("digits_transfer")
+    m = load_script("digits_transfer")
     recipes = ["clip 1, EMA 0.99", "no clipping (the quickstart's)"]
     m.main(["--tiny", "--out", str(tmp_path), "--modes", "jax,dinov2", "--recipes", ";".join(recipes),
             "--part", "modes,recipes,default"])
@@ -39,7 +39,7 @@ def test_digits_transfer_prints_every_mode_and_transfer_and_the_recipes(capsys, 
 
 
 def test_patch_resize_prints_each_patch_and_its_token_count(capsys, tmp_path):
-    m = _script("patch_resize")
+    m = load_script("patch_resize")
     m.main(["--tiny", "--out", str(tmp_path)])
     rows = _rows(capsys.readouterr().out, "patch")
     assert [(r[0], r[1], r[2]) for r in rows] == [("4", "32x32", "64"), ("2", "32x32", "256"), ("8", "32x32", "16"),
