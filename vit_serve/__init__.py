@@ -18,6 +18,7 @@
   options, the heat-map overlay drawn on the model-input crop.
 - `inspect`: `vit-serve inspect`, the paper's Figure 6 / 7 pictures.
 - `tome`: token merging (ToMe).
+- `tome_schedule`: how many tokens each layer merges (plain Python, no torch).
 - `embedding`, `zeroshot`: the image embedding; zero-shot heads from label text (CLIP, SigLIP).
 - `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
   record checkpoints and manifests carry.
