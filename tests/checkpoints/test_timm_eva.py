@@ -8,6 +8,7 @@ import torch
 from vit_serve.checkpoints import build_model
 from vit_serve.checkpoints.timm_state import convert_timm
 from vit_serve.config import get_config
+from vit_serve.model import VisionTransformer
 
 timm = pytest.importorskip("timm")
 
@@ -73,3 +74,43 @@ def test_a_checkpoint_that_does_not_fit_its_architecture_is_an_error():
     _, ref = _reference("eva02_tiny_patch14_224")
     with pytest.raises(ValueError, match=r"does not fit the model|cannot infer"):
         build_model(convert_timm(ref.state_dict(), "vit_small_patch16_dinov3"))
+
+
+MODULES = ("vision_transformer", "deit", "eva", "beit", "naflexvit")
+
+
+def _claim_or_refusal(name):
+    """("claimed", config) or ("refused", the one-line reason); anything else fails the test."""
+    try:
+        return "claimed", get_config(name)
+    except ValueError as e:
+        msg = str(e)
+        assert msg.startswith(f"model {name!r} is not supported: ") and "\n" not in msg, msg
+        return "refused", msg
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_timm_name_is_claimed_or_refused_in_one_line(module):
+    """timm's registry (timm.list_models(module=...)): no name falls through to key sniffing."""
+    names = timm.list_models(module=module)
+    assert names, module
+    verdicts = {n: _claim_or_refusal(n) for n in names}
+    claimed = [n for n, (v, _) in verdicts.items() if v == "claimed"]
+    print(f"{module}: {len(claimed)} of {len(names)} claimed")
+    if module == "eva":  # each claimed family has a parity case above
+        assert {verdicts[n][1].family for n in claimed} <= {get_config(c.split("-")[0]).family for c in CASES}
+        assert verdicts["vit_7b_patch16_dinov3"][0] == "refused"
+
+
+@pytest.mark.parametrize("name", [n for n in timm.list_models(module="eva") if _claim_or_refusal(n)[0] == "claimed"])
+def test_every_claimed_eva_name_builds_timms_shapes(name):
+    """Every claimed Eva architecture at its real size (meta device): our parameters are timm's, plus the zero key
+    bias our fused qkv carries where EVA has q / v biases only; grid and the MLP's width as timm's."""
+    cfg = get_config(name, num_classes=0)
+    with torch.device("meta"):
+        ref = timm.create_model(name, pretrained=False, num_classes=0)
+        ours = VisionTransformer(cfg)
+    extra = 0 if cfg.k_bias or not cfg.qkv_bias else cfg.depth * cfg.embed_dim
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters()) + extra
+    assert cfg.grid_size == tuple(ref.patch_embed.grid_size)
+    assert cfg.num_prefix_tokens == ref.num_prefix_tokens and (cfg.rope is None) == (ref.rope is None)
