@@ -114,3 +114,27 @@ def test_every_claimed_eva_name_builds_timms_shapes(name):
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters()) + extra
     assert cfg.grid_size == tuple(ref.patch_embed.grid_size)
     assert cfg.num_prefix_tokens == ref.num_prefix_tokens and (cfg.rope is None) == (ref.rope is None)
+
+
+def test_cli_converts_a_timm_eva_hub_folder_and_our_file_keeps_the_rope(tmp_path):
+    """`vit-serve convert` of a timm hub folder (config.json + model.safetensors, as timm's save_for_hf writes it):
+    our file's config (RoPE, SwiGLU, q/v biases) round-trips and gives timm's logits at a non-square size."""
+    import subprocess
+    import sys
+
+    from timm.models._hub import save_for_hf
+
+    import vit_serve
+
+    case = "eva02_tiny_patch14_224"
+    _, ref = _reference(case)
+    save_for_hf(ref, tmp_path / "hub", safe_serialization=True, model_args=dict(img_size=56))
+    dst = tmp_path / "eva02.safetensors"
+    r = subprocess.run([sys.executable, "-m", "vit_serve", "convert", str(tmp_path / "hub"), str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    model = vit_serve.load(dst)
+    assert model.cfg.rope is not None and model.cfg.rope.ref_grid == (16, 16) and model.cfg.mlp == "swiglu"
+    x = torch.randn(1, 3, 12 * 14, 9 * 14, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-4
