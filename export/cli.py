@@ -20,8 +20,8 @@ Where things go:
 
 Exit codes: 0 done; 1 error or failed parity check (of the ONNX graphs: the engine and the Triton repository
 are then not written; of the engine: it is written with the failure in its sidecar, the repository is not);
-2 bad usage; 3 TensorRT was asked for but cannot run here (no tensorrt package, no CUDA GPU, or a TensorRT
-outside 10.x-11.x): everything else is written.
+2 bad usage or an option the architecture cannot take (--tome with RoPE); 3 TensorRT was asked for but cannot
+run here (no tensorrt package, no CUDA GPU, or a TensorRT outside 10.x-11.x): everything else is written.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from vit_export.pipeline import (
     ExportResult,
     OptionError,
     OutputExistsError,
+    UnsupportedOptionError,
     export,
     parse_batch,
     parse_export_resolution,
@@ -83,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "TensorRT version in --out); triton writes the models <name>_onnx, "
         "<name>_explain_onnx, <name>_trt (with an engine), <name>_py, <name>_explain_py, <name>_preprocess and "
         "<name>_ensemble into --repo, adding a version when a model exists. Exit codes: 0 done, 1 error or "
-        "failed parity (of the ONNX graphs or the engine), 2 bad usage, 3 tensorrt requested but unavailable "
-        "here (everything else written).",
+        "failed parity (of the ONNX graphs or the engine), 2 bad usage (or --tome with RoPE), 3 tensorrt "
+        "requested but unavailable here (everything else written).",
     )
     _add_graph_flags(p)
     _add_tome_flags(p)
@@ -279,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_code(export(args.checkpoint, options(args), progress=_say))
     except NoTextTowerError as e:  # a usage error: nothing written
         _error(str(e))
+        return 2
+    except UnsupportedOptionError as e:  # what the architecture cannot take: a usage error, nothing written
+        _error(e.render(_flag))
         return 2
     except OptionError as e:
         _error(e.render(_flag))

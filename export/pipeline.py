@@ -68,6 +68,11 @@ class OptionError(ValueError):
         return re.sub(r"<(\w+)>", lambda m: spell(m[1]), self.template)
 
 
+class UnsupportedOptionError(OptionError):
+    """An option this model's architecture cannot take (token merging with RoPE): refused, as a usage error, before
+    anything is written (the CLI exits 2)."""
+
+
 class OutputExistsError(FileExistsError):
     """An output that is already there, and `force` is off (nothing was written)."""
 
@@ -514,7 +519,11 @@ def _set_patch_size(model: VisionTransformer, opts: ExportOptions, say: Progress
 
 
 def _set_token_merging(model: VisionTransformer, opts: ExportOptions) -> None:
-    """`opts.tome` set; OptionError for an r that does not fit the model's depth."""
+    """`opts.tome` set; OptionError for an r that does not fit the model's depth; UnsupportedOptionError for a
+    RoPE model (a merged token has no one position to rotate by)."""
+    if model.rope is not None and opts.tome not in (0, [0]):
+        raise UnsupportedOptionError("tome", "<tome>: token merging is not supported with RoPE: a merged token "
+                                             "has no one position to rotate by (export without <tome>)")
     try:
         model.set_token_merging(opts.tome, prop_attn=opts.tome_prop_attn)  # type: ignore[arg-type]
     except (ValueError, TypeError) as e:
