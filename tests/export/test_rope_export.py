@@ -37,7 +37,7 @@ def test_one_graph_runs_at_any_size_in_onnxruntime_and_openvino(tmp_path, key):
     ops = graph_ops(onnx.load(str(graph.path)))
     print(f"{key}: {ops.summary()}")
     assert ops.plain and ops.ops.get("Range", 0) >= 2, (ops.control_flow, ops.data_ranges)
-    assert graph.info.res == "dynamic"
+    assert graph.info.resolution == "dynamic"
     sessions = {"onnxruntime": ort.InferenceSession(str(graph.path), providers=["CPUExecutionProvider"])}
     pytest.importorskip("openvino", reason="openvino is not installed: no second runtime")
     from vit_export.parity import OpenVINOSession
