@@ -38,6 +38,10 @@ Stages, in order (the compile stages before TensorRT), and what each is judged b
                    passed), each engine served by `vit-serve serve --backend tensorrt` (POST /classify: top-1 equal
                    to PyTorch's), the Triton repository served by `tritonserver` when one with the TensorRT backend
                    is installed, and the TensorRT tests under tests/
+* tensorrt-rope:   a RoPE family exported once (timm's DINOv3, tiny, random weights; `--res dynamic`: its rotary
+                   tables computed from the input's shape) built by TensorRT, fp32 (TF32 off), with one profile over
+                   H and W, and run at two sizes it was not traced at, one non-square: max |Δ logit| <= 1e-3
+                   against onnxruntime on the same graph, and the graph plain (no If / Loop, Range from shapes)
 
 Verdicts: pass, FAIL, no verdict (it should have been judged and was not: a tool missing, every test skipped
 or none collected, stopped at its time limit), not available here (it needs what cannot travel to the machine:
@@ -96,6 +100,13 @@ COMPILED_RATIO_MIN = 0.95
 TRAIN_LOSS_REL_TOL = 0.02  # bf16 autocast against fp32: 8 mantissa bits, a few steps of AdamW
 DECODE_PSNR_MIN = 35.0
 DDP_PARAM_MAX_ABS = 1e-4
+TRT_FP32_MAX_ABS = 1e-3  # an fp32 engine, TF32 cleared, against onnxruntime's CPU kernels (vit_export.tensorrt_build)
+# The RoPE stage's model (timm.create_model overrides: tiny, built at 64 x 64) and its patch grids (H, W): the
+# sizes the engine runs at, none of them the traced 4 x 4; the profile spans grids 2 .. 16 and batches 1 .. 4.
+ROPE_TIMM = ("vit_small_patch16_dinov3", dict(embed_dim=96, depth=2, img_size=64, global_pool="token",
+                                               num_classes=10))
+ROPE_GRIDS = ((9, 9), (12, 7))
+ROPE_PROFILE = ((1, 2, 2), (2, 9, 9), (4, 16, 16))  # (batch, grid H, grid W): min, opt, max
 
 # A test file has CUDA-only tests when it asks for CUDA, a GPU or TensorRT in a skip condition.
 _CUDA_TEST_RE = re.compile(r"cuda\.is_available|\bneeds?_(?:cuda|gpu|trt)\b|mark\.(?:cuda|gpu)\b|CUDA GPU",
@@ -273,6 +284,8 @@ STAGES: tuple[Stage, ...] = (
           f"ratio >= {COMPILED_RATIO_MIN}", 50, 110),
     Stage("tensorrt", "vit-export --format tensorrt B/16 224 + 384, served by the gateway (and tritonserver), "
           "the TensorRT tests", "exports exit 0, served top-1 = PyTorch's, tests pass", 90, 200),
+    Stage("tensorrt-rope", "a DINOv3 (RoPE) --res dynamic graph built by TensorRT with an H x W profile, run at "
+          "two unseen sizes", f"max |Δ logit| vs onnxruntime <= {TRT_FP32_MAX_ABS:g}; graph plain", 30, 90),
 )
 
 
@@ -473,6 +486,9 @@ def criteria_of(name: str, data: dict[str, Any]) -> tuple[list[Criterion], str]:
     if name == "sdpa-kernel":
         return [at_least("flash kernel ran", float(data["flash"]), 1.0)], (
             f"kernels: {', '.join(data['kernels']) or 'none'}")
+    if name == "tensorrt-rope":
+        return [at_most("max |Δ logit| TensorRT vs onnxruntime", data["max_abs"], TRT_FP32_MAX_ABS),
+                at_least("graph plain", float(data["plain"]), 1.0)], rope_detail(data)
     if name == "gpu-decode":
         return [at_least("min PSNR dB", data["min_psnr"], DECODE_PSNR_MIN)], ", ".join(
             f"{k} {v:.1f} dB" for k, v in data["psnr"].items())
@@ -689,6 +705,24 @@ def stage_tensorrt(ctx: Context, timeout: float) -> Result:
     return Result("tensorrt", combine(parts), "; ".join(d for _, d in parts))
 
 
+def stage_tensorrt_rope(ctx: Context, timeout: float) -> Result:
+    if (res := unavailable("tensorrt-rope", "tensorrt", "onnx", "onnxruntime", "onnxscript", "timm")) is not None:
+        return res
+    return stage_measure("tensorrt-rope", ctx, timeout)
+
+
+def rope_profile(patch: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The (min, opt, max) [B, 3, H, W] shapes of the RoPE engine's one optimisation profile (ROPE_PROFILE)."""
+    return tuple((b, 3, gh * patch, gw * patch) for b, gh, gw in ROPE_PROFILE)
+
+
+def rope_detail(data: dict[str, Any]) -> str:
+    """The RoPE stage's numbers: per size, TensorRT vs onnxruntime and each vs timm; the graph and the build."""
+    sizes = "; ".join(f"{k}: TensorRT-onnxruntime {v['trt_vs_ort']:.1e}, TensorRT-timm {v['trt_vs_timm']:.1e}, "
+                      f"onnxruntime-timm {v['ort_vs_timm']:.1e}" for k, v in data["sizes"].items())
+    return f"{data['model']}: {sizes}; graph {data['ops']} nodes; built in {data['build_s']:.1f} s"
+
+
 def _test_photo(path: Path) -> None:
     """A real photograph (scikit-image's astronaut) as a PNG."""
     import skimage.data
@@ -856,6 +890,91 @@ def psnr(a: Any, b: Any) -> float:
     return float("inf") if mse == 0 else 10 * float(np.log10(255.0**2 / mse))
 
 
+def _rope_models() -> tuple[Any, Any]:
+    """timm's tiny DINOv3 (every float tensor + 0.2 N(0, 1), seeded) and ours converted from its state dict."""
+    import timm
+    import torch
+
+    from vit_serve.checkpoints.converted import build_model
+    from vit_serve.checkpoints.timm_state import convert_timm
+
+    name, kw = ROPE_TIMM
+    ref = timm.create_model(name, pretrained=False, dynamic_img_size=True, **kw).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ref.state_dict().values():
+            if p.is_floating_point():
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    hub = {"architecture": name, "model_args": {k: kw[k] for k in ("img_size", "global_pool")}}
+    return ref, build_model(convert_timm(ref.state_dict(), name, hub_config=hub)).eval()
+
+
+def _build_dynamic_engine(onnx_path: Path, plan_path: Path, patch: int) -> float:
+    """An fp32 engine (TF32 cleared, as vit_export.tensorrt_build's) of a dynamic-H x W graph, one profile
+    (`rope_profile`); the build's seconds. RuntimeError when TensorRT cannot parse or build it."""
+    import tensorrt as trt
+    from vit_export.tensorrt_compat import plan_build
+
+    plan = plan_build(str(trt.__version__), "fp32", "fp32")
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 0
+    for name in plan.creation_flags:
+        flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, name))
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        raise RuntimeError("TensorRT could not parse the graph: " + "; ".join(
+            str(parser.get_error(i)) for i in range(parser.num_errors)))
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    profile.set_shape(network.get_input(0).name, *rope_profile(patch))
+    config.add_optimization_profile(profile)
+    for name in plan.builder_flags:
+        config.set_flag(getattr(trt.BuilderFlag, name))
+    for name in plan.cleared_flags:
+        config.clear_flag(getattr(trt.BuilderFlag, name))
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError("TensorRT failed to build the engine of the dynamic graph")
+    plan_path.write_bytes(bytes(serialized))
+    return time.perf_counter() - t0
+
+
+def child_tensorrt_rope() -> dict[str, Any]:
+    """The `tensorrt-rope` stage: export, TensorRT build, and the logits at ROPE_GRIDS against onnxruntime and timm."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+    from vit_export.graph_ops import graph_ops
+    from vit_export.onnx_export import export_graph
+
+    from vit_serve.tensorrt_engine import TensorRTEngine
+
+    ref, ours = _rope_models()
+    p = ours.cfg.patch_size
+    with tempfile.TemporaryDirectory(prefix="gpu_check-rope-") as tmp:
+        graph = export_graph(ours, Path(tmp) / "dinov3.onnx", res="dynamic", simplify=False)
+        ops = graph_ops(onnx.load(str(graph.path)))
+        build_s = _build_dynamic_engine(graph.path, Path(tmp) / "dinov3.plan", p)
+        engine = TensorRTEngine(Path(tmp) / "dinov3.plan")
+        sess = ort.InferenceSession(str(graph.path), providers=["CPUExecutionProvider"])
+        sizes = {}
+        for gh, gw in ROPE_GRIDS:
+            x = torch.randn(2, 3, gh * p, gw * p, generator=torch.Generator().manual_seed(gh * 100 + gw))
+            with torch.no_grad():
+                want = ref(x).numpy()
+            got = np.asarray(engine.run(x.numpy())["logits"], dtype=np.float32)
+            on_cpu = sess.run(None, {"pixel_values": x.numpy()})[0]
+            sizes[f"{gh * p}x{gw * p}"] = {"trt_vs_ort": float(np.abs(got - on_cpu).max()),
+                                           "trt_vs_timm": float(np.abs(got - want).max()),
+                                           "ort_vs_timm": float(np.abs(on_cpu - want).max())}
+    return {"model": f"{ROPE_TIMM[0]} (tiny)", "plain": ops.plain, "ops": ops.count, "build_s": build_s,
+            "sizes": sizes, "max_abs": max(v["trt_vs_ort"] for v in sizes.values())}
+
+
 def child_gpu_decode() -> dict[str, Any]:
     """nvJPEG (`GpuDecoder` on cuda) against the CPU fast path on the corpus' two 12 MP phone JPEGs (in
     $GPU_CHECK_CORPUS, written by the stage)."""
@@ -940,7 +1059,7 @@ def run_child(name: str) -> int:
     fn = {"sdpa-kernel": child_sdpa_kernel, "gpu-decode": child_gpu_decode,
           "forward": lambda: child_throughput(False, False), "train": lambda: child_throughput(True, False),
           "forward-compile": lambda: child_throughput(False, True),
-          "train-compile": lambda: child_throughput(True, True)}[name]
+          "train-compile": lambda: child_throughput(True, True), "tensorrt-rope": child_tensorrt_rope}[name]
     print(json.dumps(fn()), flush=True)
     return 0
 
@@ -1034,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     runners: dict[str, Callable[[Context, float], Result]] = {
         "cuda-tests": stage_cuda_tests, "tensorrt": stage_tensorrt, "ddp-nccl": stage_ddp,
-        "gpu-decode": stage_gpu_decode}
+        "gpu-decode": stage_gpu_decode, "tensorrt-rope": stage_tensorrt_rope}
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
         site = Path(work) / "site"  # the carried wheels this machine lacks, installed for this run only
         if not args.no_install:

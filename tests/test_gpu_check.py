@@ -158,6 +158,9 @@ def test_a_failing_criterion_fails_its_stage_and_an_unmeasured_one_gives_no_verd
         "train-compile": ({**rate, "ours": 1100.0}, {"ours": 900.0}, {"ours": 949.0}),
         "gpu-decode": ({"psnr": {"a.jpg": 41.0}, "min_psnr": 41.0}, {"min_psnr": 34.9}, {"min_psnr": 20.0}),
         "sdpa-kernel": ({"flash": True, "kernels": ["flash_fwd"]}, {"flash": False}, {"flash": False}),
+        "tensorrt-rope": ({"model": "dinov3", "plain": True, "ops": 180, "build_s": 9.0, "max_abs": 2e-5,
+                           "sizes": {"144x112": {"trt_vs_ort": 2e-5, "trt_vs_timm": 2e-5, "ort_vs_timm": 6e-6}}},
+                          {"max_abs": 2e-3}, {"plain": False}),
     }
     for name, (good, *bad) in cases.items():
         assert gpu_check.judge(gpu_check.criteria_of(name, good)[0]) == pass_, name
@@ -341,3 +344,25 @@ def test_a_stage_that_needs_tensorrt_is_not_available_here_when_it_is_missing(tm
     assert r.verdict == "not available here" and "tensorrt" in r.detail
     assert gpu_check.unavailable("x", "json") is None
     assert gpu_check.unavailable("x", "gpu_check_no_such_module").verdict == "no verdict"
+
+
+def test_the_rope_stage_profile_holds_its_sizes_and_its_models_agree():
+    """tensorrt-rope: the engine's one profile spans the sizes it runs at (none of them the traced grid), and the
+    CPU half of its child, timm's tiny DINOv3 and ours converted from it, agree at those sizes."""
+    import torch
+
+    pytest.importorskip("timm")
+    ref, ours = gpu_check._rope_models()
+    p = ours.cfg.patch_size
+    lo, opt, hi = gpu_check.rope_profile(p)
+    traced = tuple(ours.cfg.img_size)
+    for gh, gw in gpu_check.ROPE_GRIDS:
+        shape = (2, 3, gh * p, gw * p)
+        assert all(a <= b <= c for a, b, c in zip(lo, shape, hi, strict=True)) and shape[2:] != traced
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(gh))
+        with torch.no_grad():
+            assert (ours(x) - ref(x)).abs().max() <= 1e-4
+    assert lo[0] <= opt[0] <= hi[0] and gh * p != gw * p  # a non-square size among them
+    if importlib.util.find_spec("tensorrt") is None:
+        r = gpu_check.stage_tensorrt_rope(gpu_check.Context(dict(os.environ), REPO, gpus=1), 60)
+        assert r.verdict == "not available here" and "tensorrt" in r.detail.lower()
