@@ -11,6 +11,12 @@ DINOv2 / SigLIP towers, pooled-feature) difference on the benchmark batch: a san
     python benchmarks/families.py                          # every family at 224, DINOv2 also at 518 (~15 min, 2 cores)
     python benchmarks/families.py --only dinov2 --res 518  # one family at one resolution
     python benchmarks/families.py --tiny --rounds 1 --iters 1   # a smoke run (seconds): tiny widths, same code
+    python benchmarks/families.py --part rope              # the RoPE families only (benchmarks/families_rope.py)
+
+A second table (benchmarks/families_rope.py; `--part rope`, part of the default run) sets each RoPE family
+(DINOv3-S/16, PE-Core-T/16 at 384, EVA02-Ti/14, RoPE-ViT-B/16 mixed) at its native size, batch 1 and 8, eager
+and in onnxruntime (its `--res dynamic` export) beside a plain ViT of the same width, with each export's node
+count: the cost of RoPE and SwiGLU.
 
 Exit status: 0 when every ratio meets the target, 1 when one does not (the table is printed either way).
 """
@@ -29,6 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file, a sibling, also when loaded by path
+from families_rope import BATCHES, markdown, measure_rope, rope_checks, rope_plan, rope_table
 from results_file import ResultsFile, Table, print_checks
 
 from vit_serve.config import ViTConfig
@@ -138,8 +145,8 @@ def table(rows: list[Row]) -> str:
 def plan(only: list[str] | None, res: int | None, tiny: bool) -> list[tuple[Family, int]]:
     """(family, resolution) pairs to run: the families asked for, at `res` or their own resolutions."""
     fams = [f for f in FAMILIES if not only or f.key in only]
-    if only and len(fams) != len(set(only)):
-        raise SystemExit(f"--only: unknown family; expected some of {', '.join(f.key for f in FAMILIES)}")
+    if only and len(fams) + len(rope_plan(only)) != len(set(only)):
+        raise SystemExit(f"--only: unknown family; expected some of {', '.join(all_keys())}")
     out = []
     for f in fams:
         patch = 14 if "patch14" in f.timm_name else 16
@@ -148,9 +155,19 @@ def plan(only: list[str] | None, res: int | None, tiny: bool) -> list[tuple[Fami
     return out
 
 
+def all_keys() -> list[str]:
+    from families_rope import ROPE_FAMILIES
+
+    return [f.key for f in (*FAMILIES, *ROPE_FAMILIES)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", metavar="FAMILY", help=f"some of {', '.join(f.key for f in FAMILIES)}")
+    p.add_argument("--only", nargs="+", metavar="FAMILY", help=f"some of {', '.join(all_keys())}")
+    p.add_argument("--part", choices=("all", "timm", "rope"), default="all",
+                   help="timm: ours against timm (the first table); rope: the RoPE families against a plain ViT")
+    p.add_argument("--rope-batch", type=int, nargs="+", default=list(BATCHES), metavar="B",
+                   help=f"the RoPE table's batches (default {' '.join(map(str, BATCHES))})")
     p.add_argument("--res", type=int, help="one resolution for every family (default: each family's own)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=7)
@@ -161,25 +178,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
-    for fam, res in plan(args.only, args.res, args.tiny):
+    pairs = plan(args.only, args.res, args.tiny) if args.part != "rope" else []
+    if args.only and args.part == "all" and not pairs:
+        args.part = "rope"
+    for fam, res in pairs:
         rows.append(measure(fam, res, args.batch, args.rounds, args.iters, args.tiny))
         r = rows[-1]
         print(f"{r.family} at {res}: timm {r.timm_ips:.2f}, ours {r.ours_ips:.2f} img/s ({r.ratio:.3f}x)",
               file=sys.stderr)
+    rope_rows = []
+    for rf in rope_plan(args.only) if args.part != "timm" else []:
+        rope_rows += measure_rope(rf, tuple(args.rope_batch), args.rounds, args.iters, time_pair,
+                                  TINY if args.tiny else None)
+        print(f"{rf.key}: " + ", ".join(f"b{r.batch} eager {r.eager:.2f} (plain {r.plain_eager:.2f}), onnxruntime "
+                                        f"{r.ort:.2f} (plain {r.plain_ort:.2f}) img/s" for r in rope_rows[-len(
+                                            args.rope_batch):]), file=sys.stderr)
     import timm
 
     title = (f"Forward, batch {args.batch}, fp32, eager, inference_mode, CPU x{torch.get_num_threads()} threads, "
              f"torch {torch.__version__}, timm {timm.__version__}; median of {args.rounds} rounds x {args.iters} "
              f"forwards, timm and ours taking turns")
-    print(f"\n{title}\n")
-    print(table(rows))
+    tables = []
+    if rows:
+        print(f"\n{title}\n")
+        print(table(rows))
+        data = [{"family": r.family, "timm model": r.timm_name, "res": r.res, "timm img/s": round(r.timm_ips, 3),
+                 "ours img/s": round(r.ours_ips, 3), "ours / timm": round(r.ratio, 3), "max abs diff": r.max_diff}
+                for r in rows]
+        tables.append(Table.from_dicts(title, data))
     checks = [(f"{r.family} at {r.res}: ours / timm images/s", f"{r.ratio:.3f}", f">= {TARGET}", r.ratio >= TARGET)
               for r in rows]
+    if rope_rows:
+        rope_title = (f"RoPE families beside a plain ViT of the same width: fp32, CPU x{torch.get_num_threads()} "
+                      f"threads, eager (inference_mode) and onnxruntime (the --res dynamic export); median of "
+                      f"{args.rounds} rounds x {args.iters} forwards, the four taking turns")
+        data = rope_table(rope_rows)
+        print(f"\n{rope_title}\n")
+        print(markdown(data))
+        tables.append(Table.from_dicts(rope_title, data))
+        checks += rope_checks(rope_rows)
     print_checks(checks)
-    data = [{"family": r.family, "timm model": r.timm_name, "res": r.res, "timm img/s": round(r.timm_ips, 3),
-             "ours img/s": round(r.ours_ips, 3), "ours / timm": round(r.ratio, 3), "max abs diff": r.max_diff}
-            for r in rows]
-    return ResultsFile.of("families", [Table.from_dicts(title, data)], checks, {}, args, argv).save()
+    return ResultsFile.of("families", tables, checks, {}, args, argv).save()
 
 
 if __name__ == "__main__":
