@@ -23,7 +23,7 @@ from vit_serve.text.open_clip_text import hf_pad_id
 from vit_serve.text.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
 from vit_serve.text.tower import TextConfig
 
-HF_TEXT_TYPES = ("clip", "siglip", "clip_text_model", "siglip_text_model")
+HF_TEXT_TYPES = ("clip", "siglip", "siglip2", "clip_text_model", "siglip_text_model", "siglip2_text_model")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 _ACTS = {"quick_gelu": "quick", "gelu": "exact", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 _NAMES = {"layer_norm1": "norm1", "layer_norm2": "norm2", "self_attn.out_proj": "attn.proj", "mlp.fc1": "mlp.fc1",
@@ -91,7 +91,7 @@ def read_hf_text(folder: str | Path) -> TextBundle | None:
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     model_type = cfg.get("model_type", "")
-    tc = cfg.get("text_config", cfg) if model_type in ("clip", "siglip") else cfg
+    tc = cfg.get("text_config", cfg) if model_type in ("clip", "siglip", "siglip2") else cfg
     weights = _weights(folder)
     top = {k: v for k, v in weights.items() if not k.startswith("text_model.")}
     sd = {k[len("text_model."):]: v for k, v in weights.items() if k.startswith("text_model.")}
