@@ -1,6 +1,7 @@
 """Hugging Face CLIPModel / SiglipModel folders -> vit_serve.text. Reference: transformers' `get_text_features`
 (random weights from a config) on the ids of a small word-level tokenizer.json built here with `tokenizers`
-(CLIP: <bos> ... <eos>, eos id 2 is the legacy argmax pooling, eos 5 the first-eos pooling; SigLIP: ... </s>,
+(CLIP: <bos> ... <eos>, eos id 2 is the legacy argmax pooling, eos 5 the first-eos pooling; SigLIP and
+SigLIP 2 (the same text tower; its Gemma tokenizer is a tokenizer.json too): ... </s>,
 padded to max_position_embeddings); zero-shot logits against the same recipe on SiglipModel's own features."""
 
 import json
@@ -55,6 +56,14 @@ def _siglip():
     return transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=vision)).eval()
 
 
+def _siglip2():
+    text = dict(vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=12, pad_token_id=0, eos_token_id=5)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_patches=16,
+                  patch_size=16)
+    return transformers.Siglip2Model(transformers.Siglip2Config(text_config=text, vision_config=vision)).eval()
+
+
 @torch.no_grad()
 def _randomize(model):
     g = torch.Generator().manual_seed(0)
@@ -64,10 +73,10 @@ def _randomize(model):
     return model
 
 
-@pytest.mark.parametrize("kind", ["clip-eos2", "clip-eos", "siglip"])
+@pytest.mark.parametrize("kind", ["clip-eos2", "clip-eos", "siglip", "siglip2"])
 def test_get_text_features_parity(kind, tmp_path):
-    if kind == "siglip":
-        model, tok = _randomize(_siglip()), _tokenizer_json(None, "</s>")
+    if kind.startswith("siglip"):
+        model, tok = _randomize(_siglip() if kind == "siglip" else _siglip2()), _tokenizer_json(None, "</s>")
     else:
         eos = "<eos>" if kind == "clip-eos2" else "</s>"
         model, tok = _randomize(_clip(WORDS.index(eos))), _tokenizer_json("<bos>", eos)
@@ -78,9 +87,9 @@ def test_get_text_features_parity(kind, tmp_path):
         out = model.get_text_features(input_ids=ids)
     expected = getattr(out, "pooler_output", out)
     assert (bundle.encode(TEXTS) - expected).abs().max() <= 1e-5
-    assert bundle.config.pool == {"clip-eos2": "argmax", "clip-eos": "eos", "siglip": "last"}[kind]
-    assert (bundle.logit_bias is not None) == (kind == "siglip")
-    if kind == "siglip":  # the zero-shot class embeddings: open_clip's recipe on HF's own text features
+    assert bundle.config.pool == {"clip-eos2": "argmax", "clip-eos": "eos", "siglip": "last", "siglip2": "last"}[kind]
+    assert (bundle.logit_bias is not None) == kind.startswith("siglip")
+    if kind.startswith("siglip"):  # the zero-shot class embeddings: open_clip's recipe on HF's own text features
         w = label_weights(bundle, ["cat", "dog"], ["a photo of a {}", "{}"])
         with torch.no_grad():
             e = model.get_text_features(input_ids=bundle.tokenize(["a photo of a cat", "cat", "a photo of a dog",
