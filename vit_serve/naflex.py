@@ -11,8 +11,8 @@ Reference reproduced: transformers 5.25 `models/siglip2`:
   fused as (x - 255 mean) / (255 std));
 - `modeling_siglip2.Siglip2VisionEmbeddings.resize_positional_embeddings`: per image, a triangle filter of
   support max(scale, 1) (= `F.interpolate(bilinear, antialias=True, align_corners=False)`) written as one
-  [max_patches, gh * gw] weight matrix, so it is plain arithmetic in an exported graph; padded rows read the
-  grid's first entry, as the reference's.
+  [max_patches, gh * gw] weight matrix, so it is plain arithmetic in an exported graph; padded rows repeat the
+  resampled grid's first entry, as the reference's.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def position_weights(grid: tuple[int, int], spatial_shapes: torch.Tensor, max_pa
     grid: the stored grid (gh, gw), Python ints. spatial_shapes [B, 2]: each image's grid (h, w).
     max_patches: the padded length M (an int, or a traced size). Returns [B, M, gh * gw] float32, so that
     `weights @ pos.reshape(gh * gw, D)` is each image's embeddings [B, M, D] row-major over its grid; rows past
-    h * w read grid entry (0, 0). Reference: `Siglip2VisionEmbeddings.resize_positional_embeddings` (same op
+    h * w repeat its entry (0, 0). Reference: `Siglip2VisionEmbeddings.resize_positional_embeddings` (same op
     order): a triangle filter of support max(g / s, 1) centred at (i + 0.5) g / s - 0.5, normalised, which is
     `F.interpolate(bilinear, antialias=True, align_corners=False)`; the reference's grid is square, here
     each axis has its own size.
