@@ -130,7 +130,9 @@ def position_weights(grid: tuple[int, int], spatial_shapes: torch.Tensor, max_pa
     """
     sizes = spatial_shapes.to(torch.float32)[:, None]  # [B, 1, 2]
     positions = torch.arange(max_patches, device=spatial_shapes.device, dtype=torch.float32)[None, :, None]
-    rows = torch.div(positions, sizes[..., 1:], rounding_mode="floor")
+    # floor(k / w) as floor((k + 0.5) / w): the same integer, and still right where a runtime divides by
+    # multiplying with 1 / w (OpenVINO: 246 * (1 / 82) rounds below 3).
+    rows = torch.floor((positions + 0.5) / sizes[..., 1:])
     index = torch.cat([rows, positions - rows * sizes[..., 1:]], dim=-1)  # [B, M, 2]
     index = index * (positions < sizes.prod(-1, keepdim=True))
     stored = torch.tensor(grid, dtype=torch.float32, device=spatial_shapes.device)
