@@ -4,6 +4,7 @@ grids, and the model's own image path."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,3 +98,20 @@ def test_patch_path_refuses_token_merging():
     model.set_token_merging(1)
     with pytest.raises(ValueError, match="no token merging"):
         model.forward_patches(torch.zeros(1, 4, 768), torch.tensor([[2, 2]]), torch.ones(1, 4))
+
+
+def test_pack_round_trip_and_budget():
+    imgs = [np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+            for i, (h, w) in enumerate([(40, 90), (100, 20)])]
+    b = naflex.batch_images(imgs, 16, 12)
+    packed = naflex.pack(b)
+    assert packed.shape == (2, 13, 768)
+    back = naflex.unpack(torch.cat([packed[1:], packed[:1]]))  # rows concatenated in any order stay whole
+    assert torch.equal(back.patches, torch.cat([b.patches[1:], b.patches[:1]]))
+    assert torch.equal(back.spatial_shapes, b.spatial_shapes.flip(0)) and torch.equal(back.mask, b.mask.flip(0))
+    assert naflex.check_budget(12, 256) == 12
+    for bad in (0, 257, True, 2.0):
+        with pytest.raises(ValueError, match="from 1 to 256"):
+            naflex.check_budget(bad, 256)
+    with pytest.raises(ValueError, match="fixed-size images"):
+        naflex.check_budget(12, None)

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DEFAULT_MAX_PATCHES", "NaFlexBatch", "batch_images", "conv_to_linear", "image_to_patches",
-           "linear_to_conv", "pad_patches", "position_weights", "resize_image", "target_size"]
+__all__ = ["DEFAULT_MAX_PATCHES", "NaFlexBatch", "batch_images", "check_budget", "conv_to_linear",
+           "image_to_patches", "linear_to_conv", "pack", "pad_patches", "position_weights", "resize_image",
+           "target_size", "unpack"]
 
 DEFAULT_MAX_PATCHES = 256  # Siglip2ImageProcessor.max_num_patches
 
@@ -68,7 +69,10 @@ def target_size(height: int, width: int, patch_size: int, max_patches: int, eps:
 def resize_image(image: np.ndarray | torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """uint8 RGB [H, W, C] -> uint8 [C, H', W']: bilinear with antialias (align_corners=False) on the uint8
     image, as torchvision's `resize` on a CPU uint8 tensor (the reference's processor); unchanged at its size."""
-    x = torch.as_tensor(np.asarray(image)) if not isinstance(image, torch.Tensor) else image
+    if not isinstance(image, torch.Tensor):
+        image = np.asarray(image)
+        image = torch.from_numpy(image if image.flags.writeable else image.copy())  # e.g. a view of a PIL image
+    x = image
     if x.dtype != torch.uint8 or x.ndim != 3:
         raise ValueError(f"expected a uint8 [H, W, C] image, got {x.dtype} {tuple(x.shape)}")
     x = x.permute(2, 0, 1)
@@ -160,3 +164,34 @@ def conv_to_linear(weight: torch.Tensor) -> torch.Tensor:
 def linear_to_conv(weight: torch.Tensor, in_chans: int, patch_size: int) -> torch.Tensor:
     """The reference's `patch_embedding` Linear weight [D, P * P * C] -> the conv kernel [D, C, P, P]."""
     return weight.reshape(weight.shape[0], patch_size, patch_size, in_chans).permute(0, 3, 1, 2).contiguous()
+
+
+def check_budget(max_patches: int, limit: int | None) -> int:
+    """A requested patch budget, checked against a model's (`cfg.extra["max_patches"]`; None: the model is not a
+    NaFlex model): ValueError in one line naming the allowed range (callers prefix the option's name)."""
+    if limit is None:
+        raise ValueError("this model takes fixed-size images, not NaFlex patches (a SigLIP 2 NaFlex "
+                         "checkpoint, e.g. a transformers siglip2 folder, does)")
+    if isinstance(max_patches, bool) or not isinstance(max_patches, int) or not 1 <= max_patches <= limit:
+        raise ValueError(f"must be an integer from 1 to {limit} (the model's patch budget), got {max_patches!r}")
+    return max_patches
+
+
+def pack(batch: NaFlexBatch) -> torch.Tensor:
+    """A NaFlexBatch as one float32 array [B, 1 + M, K]: row 0 of each image holds its grid (h, w) in its first
+    two columns (zeros after), rows 1.. its patches. The mask is implied (the first h * w patches are real), so
+    images of one budget concatenate along B as fixed-size images do (a batcher needs nothing else)."""
+    b, _, k = batch.patches.shape
+    if k < 2:
+        raise ValueError("pack: patches narrower than 2 values cannot carry the grid")
+    head = torch.zeros(b, 1, k, dtype=torch.float32)
+    head[:, 0, :2] = batch.spatial_shapes.to(torch.float32)
+    return torch.cat([head, batch.patches.to(torch.float32)], dim=1)
+
+
+def unpack(x: torch.Tensor) -> NaFlexBatch:
+    """`pack`'s array [B, 1 + M, K] -> the NaFlexBatch (patches [B, M, K], spatial_shapes [B, 2], mask [B, M])."""
+    shapes = x[:, 0, :2].round().to(torch.int64)
+    patches = x[:, 1:]
+    mask = torch.arange(patches.shape[1], device=x.device)[None] < shapes.prod(-1, keepdim=True)
+    return NaFlexBatch(patches, shapes, mask)
