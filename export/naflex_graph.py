@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -116,3 +117,48 @@ def naflex_info(proto: onnx.ModelProto) -> dict | None:
     """metadata_props["vit_export_naflex"] of a graph `export_naflex` wrote, None for other graphs."""
     value = next((p.value for p in proto.metadata_props if p.key == METADATA_KEY), None)
     return None if value is None else json.loads(value)
+
+
+@dataclass(frozen=True)
+class WrittenNaFlex:
+    """NAME_naflex.onnx and its check: the largest |Δ| of logits and embedding against `forward_patches` in
+    onnxruntime (images of several grids, at `PARITY_BUDGETS`), and whether it is within `tol`."""
+
+    path: Path
+    graph: ExportedGraph
+    max_abs_diff: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tol
+
+
+# budget -> the grids (h, w) of the check's three images: square, wide and tall, filling most of the budget
+PARITY_GRIDS = {64: ((8, 8), (4, 13), (11, 5)), 256: ((16, 16), (7, 36), (30, 8))}
+
+
+def naflex_parity(model: VisionTransformer, path: str | Path) -> float:
+    """max |Δ| of (logits, embedding) between the graph in onnxruntime and `model.forward_patches`, on one batch
+    per budget of `PARITY_GRIDS` (random patches, fixed seed, padding left random)."""
+    from vit_export.parity import session
+
+    sess = session(path)
+    g = torch.Generator().manual_seed(0)
+    k = model.cfg.patch_size ** 2 * model.cfg.in_chans
+    worst = 0.0
+    for m, grids in PARITY_GRIDS.items():
+        shapes = torch.tensor(grids, dtype=torch.int64)
+        mask = (torch.arange(m)[None] < shapes.prod(-1)[:, None]).to(torch.int64)
+        patches = torch.randn(len(grids), m, k, generator=g)
+        with torch.no_grad():
+            want = [t.numpy() for t in model.forward_patches(patches, shapes, mask != 0)]
+        got = sess.run(None, {PATCHES: patches.numpy(), SPATIAL_SHAPES: shapes.numpy(), MASK: mask.numpy()})
+        worst = max(worst, *(float(abs(a - b).max()) for a, b in zip(got, want, strict=True)))
+    return worst
+
+
+def write_naflex(model: VisionTransformer, path: Path, opset: int, tol: float, overwrite: bool) -> WrittenNaFlex:
+    """`export_naflex`, then `naflex_parity` against the model."""
+    graph = export_naflex(model, path, opset, overwrite)
+    return WrittenNaFlex(path, graph, naflex_parity(model, path), tol)

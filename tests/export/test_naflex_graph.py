@@ -85,3 +85,24 @@ def test_refuses_what_forward_patches_refuses(tmp_path):
     with pytest.raises(ValueError, match="no token merging"):
         export_naflex(model, tmp_path / "x.onnx")
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_pipeline_writes_the_naflex_graph(exported, tmp_path):
+    import vit_export
+
+    model = load(exported[1].parent)
+    result = vit_export.export(model, vit_export.ExportOptions(out=tmp_path, name="s2", naflex=True))
+    assert result.ok and result.naflex is not None and result.naflex.ok
+    assert result.naflex.path == tmp_path / "s2_naflex.onnx" and result.naflex.max_abs_diff <= 1e-4
+    assert [t.name for t in result.naflex.graph.io.inputs] == list(NAFLEX_INPUTS)
+    with pytest.raises(vit_export.OutputExistsError):
+        vit_export.export(model, vit_export.ExportOptions(out=tmp_path, name="s2", naflex=True))
+
+
+def test_pipeline_refuses_a_fixed_size_model(tmp_path):
+    import vit_export
+
+    model = create_model("Ti/16", img_size=32, depth=1, num_classes=3).eval()
+    with pytest.raises(vit_export.OptionError, match="needs a NaFlex model"):
+        vit_export.export(model, vit_export.ExportOptions(out=tmp_path, naflex=True))
+    assert not any(tmp_path.iterdir())
