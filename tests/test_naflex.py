@@ -115,3 +115,14 @@ def test_pack_round_trip_and_budget():
             naflex.check_budget(bad, 256)
     with pytest.raises(ValueError, match="fixed-size images"):
         naflex.check_budget(12, None)
+
+
+def test_pil_images_and_unpacking_into_the_model():
+    from PIL import Image
+
+    arr = np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    a, b = naflex.batch_images([arr], 16, 9), naflex.batch_images([Image.fromarray(arr).convert("RGBA")], 16, 9)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    model = create_model("Ti/16", img_size=32, depth=1, num_classes=3, resample_mode="naflex").eval()
+    with torch.no_grad():
+        assert model.forward_patches(*a)[0].shape == (1, 3)

@@ -18,11 +18,13 @@ Reference reproduced: transformers 5.25 `models/siglip2`:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 __all__ = ["DEFAULT_MAX_PATCHES", "NaFlexBatch", "batch_images", "check_budget", "conv_to_linear",
            "image_to_patches", "linear_to_conv", "pack", "pad_patches", "position_weights", "resize_image",
@@ -42,6 +44,10 @@ class NaFlexBatch:
     patches: torch.Tensor
     spatial_shapes: torch.Tensor
     mask: torch.Tensor
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """(patches, spatial_shapes, mask): `model.forward_patches(*batch)`."""
+        return iter((self.patches, self.spatial_shapes, self.mask))
 
 
 def target_size(height: int, width: int, patch_size: int, max_patches: int, eps: float = 1e-5) -> tuple[int, int]:
@@ -66,9 +72,12 @@ def target_size(height: int, width: int, patch_size: int, max_patches: int, eps:
     return side(lo, height), side(lo, width)
 
 
-def resize_image(image: np.ndarray | torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """uint8 RGB [H, W, C] -> uint8 [C, H', W']: bilinear with antialias (align_corners=False) on the uint8
-    image, as torchvision's `resize` on a CPU uint8 tensor (the reference's processor); unchanged at its size."""
+def resize_image(image: np.ndarray | torch.Tensor | Image.Image, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 RGB [H, W, C] (or a PIL image, converted to RGB) -> uint8 [C, H', W']: bilinear with antialias
+    (align_corners=False) on the uint8 image, as torchvision's `resize` on a CPU uint8 tensor (the reference's
+    processor); unchanged at its size."""
+    if isinstance(image, Image.Image):
+        image = np.asarray(image.convert("RGB"))
     if not isinstance(image, torch.Tensor):
         image = np.asarray(image)
         image = torch.from_numpy(image if image.flags.writeable else image.copy())  # e.g. a view of a PIL image
@@ -100,17 +109,17 @@ def pad_patches(patches: torch.Tensor, max_patches: int) -> tuple[torch.Tensor, 
     return F.pad(patches, (0, 0, 0, max_patches - n)), mask
 
 
-def batch_images(images: list[np.ndarray | torch.Tensor], patch_size: int, max_patches: int,
+def batch_images(images: Sequence[np.ndarray | torch.Tensor | Image.Image], patch_size: int, max_patches: int,
                  mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
                  std: tuple[float, float, float] = (0.5, 0.5, 0.5)) -> NaFlexBatch:
-    """uint8 RGB images [H, W, 3] of any sizes -> a NaFlexBatch of `max_patches` rows each: resized by
+    """uint8 RGB images [H, W, 3] (or PIL images) of any sizes -> a NaFlexBatch of `max_patches` rows each: resized by
     `target_size`, normalised as (x - 255 mean) / (255 std) in float32 (the reference's fused rescale and
     normalise), patchified and padded."""
     m = torch.tensor([255.0 * v for v in mean])[:, None, None]
     s = torch.tensor([255.0 * v for v in std])[:, None, None]
     rows, shapes, masks = [], [], []
     for img in images:
-        h, w = (img.shape[0], img.shape[1])
+        h, w = (img.height, img.width) if isinstance(img, Image.Image) else (img.shape[0], img.shape[1])
         size = target_size(h, w, patch_size, max_patches)
         x = (resize_image(img, size).to(torch.float32) - m) / s
         p, mask = pad_patches(image_to_patches(x, patch_size), max_patches)
