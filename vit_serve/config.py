@@ -16,7 +16,7 @@ from typing import Any
 POOLS = ("token", "gap", "map")
 # "quick": x * sigmoid(1.702 x), the activation OpenAI's CLIP weights were trained with.
 GELUS = ("exact", "tanh", "quick")
-RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision", "dinov2", "open_clip")
+RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision", "dinov2", "open_clip", "naflex")
 SCORES = ("softmax", "sigmoid")
 # Which image embedding a family's users mean (manifest `embedding.kind`), and whether it is compared by cosine.
 FAMILIES = ("vit", "deit", "dinov2", "clip", "siglip", "dinov3", "pe", "eva", "ropevit")

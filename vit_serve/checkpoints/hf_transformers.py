@@ -513,10 +513,9 @@ UNSUPPORTED: dict[str, str] = {
     "beit": "relative position bias (BEiT)",
     "data2vec-vision": "relative position bias (data2vec-vision is BEiT's architecture)",
     "dinov3_vit": "RoPE position embeddings (DINOv3)",
-    "siglip2": "NaFlex variable-resolution patches (SigLIP 2)",
-    "siglip2_vision_model": "NaFlex variable-resolution patches (SigLIP 2)",
     "clip_text_model": "a vision tower (this folder is a CLIP text tower alone)",
     "siglip_text_model": "a vision tower (this folder is a SigLIP text tower alone)",
+    "siglip2_text_model": "a vision tower (this folder is a SigLIP 2 text tower alone)",
     "deit": "the transformers DeiT layout (convert timm's deit_* weights instead)",
     "swin": "shifted-window attention (Swin)",
 }

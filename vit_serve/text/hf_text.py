@@ -23,7 +23,7 @@ from vit_serve.text.open_clip_text import hf_pad_id
 from vit_serve.text.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
 from vit_serve.text.tower import TextConfig
 
-HF_TEXT_TYPES = ("clip", "siglip", "clip_text_model", "siglip_text_model")
+HF_TEXT_TYPES = ("clip", "siglip", "siglip2", "clip_text_model", "siglip_text_model", "siglip2_text_model")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 _ACTS = {"quick_gelu": "quick", "gelu": "exact", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 _NAMES = {"layer_norm1": "norm1", "layer_norm2": "norm2", "self_attn.out_proj": "attn.proj", "mlp.fc1": "mlp.fc1",
@@ -77,6 +77,21 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"transformers folder {folder} has no model.safetensors or pytorch_model.bin")
 
 
+def _siglip2_tokenizer(tokenizer_json: str, folder: Path) -> tuple[str, str]:
+    """What transformers (5.25) tokenizes a siglip2 folder with: `Siglip2Tokenizer` whatever tokenizer_config.json
+    names (siglip2 is in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS): a Lowercase normaliser before the file's
+    own (added to the tokenizer.json here, once), padding on the left unless tokenizer_config.json says otherwise.
+    Returns (tokenizer.json, padding side)."""
+    cfg_file = folder / "tokenizer_config.json"
+    side = json.loads(cfg_file.read_text()).get("padding_side", "left") if cfg_file.is_file() else "left"
+    data = json.loads(tokenizer_json)
+    norm = data.get("normalizer")
+    if norm is None or '"Lowercase"' in json.dumps(norm):
+        return tokenizer_json, side
+    data["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, norm]}
+    return json.dumps(data, ensure_ascii=False), side
+
+
 def is_hf_text_folder(folder: Path) -> bool:
     """A transformers folder whose config is a CLIP / SigLIP model with a text tower."""
     try:
@@ -91,7 +106,7 @@ def read_hf_text(folder: str | Path) -> TextBundle | None:
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     model_type = cfg.get("model_type", "")
-    tc = cfg.get("text_config", cfg) if model_type in ("clip", "siglip") else cfg
+    tc = cfg.get("text_config", cfg) if model_type in ("clip", "siglip", "siglip2") else cfg
     weights = _weights(folder)
     top = {k: v for k, v in weights.items() if not k.startswith("text_model.")}
     sd = {k[len("text_model."):]: v for k, v in weights.items() if k.startswith("text_model.")}
@@ -104,8 +119,10 @@ def read_hf_text(folder: str | Path) -> TextBundle | None:
     if not tok_file.is_file():
         raise TokenizerError(f"the tokenizer of {folder} is not local: it needs {TOKENIZER_FILE} in that folder "
                              "(save it with the model's tokenizer.save_pretrained; nothing is downloaded)")
-    text = tok_file.read_text(encoding="utf-8")
-    tok = HFTokenizer(text, tcfg.context_length, hf_pad_id(text, folder))
+    text, side = tok_file.read_text(encoding="utf-8"), "right"
+    if model_type.startswith("siglip2"):
+        text, side = _siglip2_tokenizer(text, folder)
+    tok = HFTokenizer(text, tcfg.context_length, hf_pad_id(text, folder), padding_side=side)
     scale = float(top["logit_scale"].reshape(-1)[0]) if "logit_scale" in top else float(
         cfg.get("logit_scale_init_value", 2.6592))
     bias = float(top["logit_bias"].reshape(-1)[0]) if "logit_bias" in top else None
