@@ -103,13 +103,15 @@ def test_img_size_override_needs_no_resampling(folders):
     assert err <= 1e-4
 
 
-@pytest.mark.parametrize("model_type, message", [
-    ("radio", "RADIO"), ("dinov3_convnext", "ConvNeXt"), ("some_new_vit", "not supported")])
-def test_unsupported_model_types_refused_in_one_line(tmp_path, capsys, model_type, message):
-    """Refused by config.json's model_type (the architecture), before any weights are read."""
+@pytest.mark.parametrize("model_type, width, message", [
+    ("radio", 64, "RADIO"), ("dinov3_convnext", 64, "ConvNeXt"), ("some_new_vit", 64, "not supported"),
+    ("dinov3_vit", 4096, "the 7B DINOv3")])
+def test_unsupported_model_types_refused_in_one_line(tmp_path, capsys, model_type, width, message):
+    """Refused by config.json (model_type, the 7B's width: the architecture), before any weights are read (the
+    folders here have none)."""
     folder = tmp_path / model_type
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": width}))
     with pytest.raises(UnsupportedCheckpoint, match=message):
         load(folder)
     dst = tmp_path / "out.safetensors"

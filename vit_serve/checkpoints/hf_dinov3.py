@@ -45,7 +45,7 @@ from vit_serve.checkpoints.hf_transformers import (
 )
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 
-__all__ = ["DINOV3_PROCESSOR_DEFAULTS", "convert_dinov3"]
+__all__ = ["DINOV3_PROCESSOR_DEFAULTS", "check_dinov3", "convert_dinov3"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -53,10 +53,20 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 DINOV3_PROCESSOR_DEFAULTS: dict[str, Any] = {"size": {"height": 224, "width": 224}, "resample": 2,
                                              "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD}
 _DROPPED = re.compile(r"^embeddings\.mask_token$")
+SEVEN_B_WIDTH = 4096  # DINOv3 ViT-7B/16's hidden_size; the distilled ViTs are at most 1280 (H+)
+
+
+def check_dinov3(config: Mapping[str, Any]) -> None:
+    """UnsupportedCheckpoint (one line) for the DINOv3 configs we refuse, from config.json alone (before the
+    weights are read): the 7B (hidden_size 4096), as timm's `vit_7b_patch16_dinov3` is refused."""
+    if hf_int(config, "hidden_size", 384) >= SEVEN_B_WIDTH:
+        raise UnsupportedCheckpoint(f"config.json model_type='dinov3_vit' with hidden_size={config['hidden_size']}: "
+                                    "the 7B DINOv3 (6.7B parameters) is beyond what vit-serve exports and serves")
 
 
 def _fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json of a DINOv3ViTConfig -> ViTConfig fields (HF defaults where absent)."""
+    check_dinov3(config)
     try:
         from vit_serve.config import RopeConfig
     except ImportError:  # a build without the RoPE options

@@ -14,7 +14,7 @@ import torch
 from vit_serve.checkpoints.converted import CheckpointError, Converted
 from vit_serve.checkpoints.hf_clip import convert_clip
 from vit_serve.checkpoints.hf_dinov2 import convert_dinov2
-from vit_serve.checkpoints.hf_dinov3 import convert_dinov3
+from vit_serve.checkpoints.hf_dinov3 import check_dinov3, convert_dinov3
 from vit_serve.checkpoints.hf_siglip import convert_siglip
 from vit_serve.checkpoints.hf_transformers import UNSUPPORTED, convert_hf_vit, read_hf_weights, read_json
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
@@ -59,6 +59,8 @@ def load_hf_dir(path: str | os.PathLike, **overrides: Any) -> Converted:
         raise CheckpointError(f"{folder} has no config.json")
     config = read_json(folder / "config.json")
     _family_converter(config.get("model_type", "vit"))  # refused by its architecture before any weights are read
+    if config.get("model_type") == "dinov3_vit":
+        check_dinov3(config)
     pre_file = folder / "preprocessor_config.json"
     preprocessor = read_json(pre_file) if pre_file.is_file() else None
     weights = read_hf_weights(folder)
