@@ -135,3 +135,28 @@ def test_gemma_tokenizer_not_local(siglip2, tmp_path, capsys):
     assert main(["convert", str(src), str(dst), "--arch", ARCH, "--zero-shot", str(tmp_path / "labels.txt")]) == 2
     err = capsys.readouterr().err.strip()
     assert "tokenizer.json" in err and len(err.splitlines()) == 1 and not dst.exists()
+
+
+@pytest.mark.parametrize("config", ["gemma-right", "gemma-class-default"])
+def test_exported_text_tower_for_labels(siglip2, tmp_path, config):
+    """What the gateway's `?labels=` runs: the exported text tower (onnxruntime) with the tokenizer its manifest
+    names, padded on the side transformers pads (left for GemmaTokenizer's class default)."""
+    from vit_export.text_tower import export_text_tower
+
+    from vit_serve.runtime.text_tower import TextTower
+
+    model, folder = siglip2
+    local = tmp_path / "w"
+    local.mkdir()
+    (local / "open_clip.safetensors").symlink_to(folder / "open_clip.safetensors")
+    tiny_gemma.write(local, CONFIGS[config])
+    bundle = read_text_tower(local / "open_clip.safetensors", arch=ARCH)
+    written = export_text_tower(bundle, None, tmp_path / "repo", "sl2", family="siglip")
+    assert written.record.parity["ok"] and written.record.scores == "sigmoid"
+    tower = TextTower(written.path)
+    ids = OpenClipHFTokenizer(str(local), context_length=64, clean="canonicalize")(TEXTS[:3])
+    assert (ids[1, 0] == 0) == (config == "gemma-class-default")
+    assert torch.equal(tower.tokenizer(TEXTS[:3]), ids)
+    with torch.no_grad():
+        want = model.encode_text(ids)
+    assert abs(tower.embed_texts(TEXTS[:3]) - want.numpy()).max() <= 1e-4
