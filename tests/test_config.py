@@ -98,8 +98,11 @@ def test_family_presets_match_timm(name):
                                                              tuple(ref.patch_embed.grid_size))
 
 
-@pytest.mark.parametrize("name, what", [("eva02_base_patch14_224", "RoPE"), ("beit_base_patch16_224", "relative"),
-                                        ("vit_giant_patch14_dinov2.lvd142m", "SwiGLU")])
+@pytest.mark.parametrize("name, what", [("eva02_enormous_patch14_clip_224", "post-norm"),
+                                        ("beit_base_patch16_224", "relative"),
+                                        ("vit_giant_patch14_dinov2.lvd142m", "SwiGLU"), ("vit_7b_patch16_dinov3", "7B"),
+                                        ("vit_so400m_patch16_radio_v4", "RADIO"),
+                                        ("naflexvit_base_patch16_siglip", "naflex")])
 def test_unsupported_architectures_name_what_is_missing(name, what):
     with pytest.raises(ValueError, match=f"not supported: .*{what}"):
         get_config(name)
