@@ -22,13 +22,6 @@ from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint  # noqa: E40
 from vit_serve.cli import main  # noqa: E402
 
 T = transformers
-try:
-    from vit_serve.config import RopeConfig  # noqa: F401
-    HAS_ROPE = True
-except ImportError:
-    HAS_ROPE = False
-needs_rope = pytest.mark.xfail(not HAS_ROPE, strict=True, raises=UnsupportedCheckpoint,
-                               reason="the RoPE model options (vit_serve.config.RopeConfig, branch rope) are missing")
 _BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96, image_size=32,
              patch_size=8)
 CONFIGS = {
@@ -52,7 +45,6 @@ def folders(tmp_path_factory, randomize):
     return out
 
 
-@needs_rope
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_dinov3_equals_hf_at_native_and_other_sizes(folders, kind):
     folder, ref = folders[kind]
@@ -77,7 +69,6 @@ def test_dinov3_equals_hf_at_native_and_other_sizes(folders, kind):
         assert want.pooler_output.abs().max() > 0.5 and err <= 1e-4 and tok_err <= 1e-4
 
 
-@needs_rope
 def test_hub_and_in_memory_names_convert_identically(folders):
     """transformers 5 names the encoder `model.layer.*` in memory; the hub's files `layer.*` (its
     conversion_mapping renames them on load): both convert to the same weights."""
@@ -91,7 +82,6 @@ def test_hub_and_in_memory_names_convert_identically(folders):
     assert "blocks.0.attn.qkv.bias" in a and not any("mask_token" in k for k in a)
 
 
-@needs_rope
 def test_img_size_override_needs_no_resampling(folders):
     folder, ref = folders["swiglu_reg"]
     ours = load(folder, img_size=(48, 24))

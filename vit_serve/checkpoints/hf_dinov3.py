@@ -44,6 +44,7 @@ from vit_serve.checkpoints.hf_transformers import (
     strip_prefix,
 )
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
+from vit_serve.config import RopeConfig
 
 __all__ = ["DINOV3_PROCESSOR_DEFAULTS", "check_dinov3", "convert_dinov3"]
 
@@ -67,11 +68,6 @@ def check_dinov3(config: Mapping[str, Any]) -> None:
 def _fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json of a DINOv3ViTConfig -> ViTConfig fields (HF defaults where absent)."""
     check_dinov3(config)
-    try:
-        from vit_serve.config import RopeConfig
-    except ImportError:  # a build without the RoPE options
-        raise UnsupportedCheckpoint("config.json model_type='dinov3_vit' needs RoPE position embeddings, which "
-                                    "this build of vit-serve does not implement") from None
     ph, pw = hf_pair(config.get("patch_size", 16), "patch_size")
     if ph != pw:
         raise CheckpointError(f"config.json patch_size={ph}x{pw}: only square patches are supported")
