@@ -103,3 +103,28 @@ def test_pe_core_file_converts_with_its_zero_shot_head(towers, tmp_path):
     with torch.no_grad():
         assert (ours(x) - open_clip_recipe(ref, name, x, LABELS, TEMPLATES)).abs().max() <= 1e-4
     assert load_text_tower(dst) is not None and ours.cfg.rope is not None
+
+
+def test_every_pe_eva_and_siglip2_config_is_claimed_or_refused_by_its_architecture():
+    """Each open_clip PE-Core-* / EVA0*-* / *-SigLIP2* config: its timm trunk resolves to our architecture (RoPE
+    for PE-Core and EVA-02, none for EVA-01 and SigLIP 2's plain SigLIP ViT), or is refused in one line (EVA02-E's
+    post-norm blocks); the text options are all ones we have."""
+    from vit_serve.checkpoints.open_clip_state import vision_problem
+    from vit_serve.checkpoints.timm_state import architecture_of
+    from vit_serve.text.open_clip_text import _UNSUPPORTED
+
+    names = [n for n in open_clip.list_models() if n.startswith(("PE-Core-", "EVA0")) or "-SigLIP2" in n]
+    assert len(names) >= 25
+    refused = {}
+    for name in names:
+        cfg = open_clip.get_model_config(name)
+        assert not [k for k in _UNSUPPORTED if cfg["text_cfg"].get(k)]
+        if problem := vision_problem(cfg):
+            assert "\n" not in problem
+            refused[name] = problem
+            continue
+        base = architecture_of(cfg["vision_cfg"]["timm_model_name"])
+        assert (base.rope is not None) == name.startswith(("PE-Core-", "EVA02-")), name
+        assert base.family == ("pe" if name.startswith("PE-") else "eva" if name.startswith("EVA") else "siglip")
+    assert set(refused) == {"EVA02-E-14", "EVA02-E-14-plus"}
+    assert all("post-norm" in why for why in refused.values())
