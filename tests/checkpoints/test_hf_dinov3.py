@@ -82,6 +82,17 @@ def test_hub_and_in_memory_names_convert_identically(folders):
     assert "blocks.0.attn.qkv.bias" in a and not any("mask_token" in k for k in a)
 
 
+def test_embedding_recorded_as_the_class_token(folders):
+    """The manifest's embedding: HF's pooler_output (the [class] token, DINOv3's own); with the patch average
+    (pool "gap", timm's default) it is named pre_logits instead."""
+    from vit_serve.manifest import embedding_of
+
+    folder, _ = folders["plain"]
+    cfg = load(folder).cfg
+    assert (embedding_of(cfg).kind, embedding_of(cfg).dim, cfg.pool) == ("pooler_output", 64, "token")
+    assert embedding_of(cfg.replace(pool="gap")).kind == "pre_logits"
+
+
 def test_img_size_override_needs_no_resampling(folders):
     folder, ref = folders["swiglu_reg"]
     ours = load(folder, img_size=(48, 24))
