@@ -119,3 +119,18 @@ def test_unsupported_model_types_refused_in_one_line(tmp_path, capsys, model_typ
     assert main(["convert", str(folder), str(dst)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and not dst.exists()
+
+
+def test_backbone_folder_converts_as_the_model(folders, tmp_path):
+    """`DINOv3ViTBackbone` (the detection / segmentation wrapper) holds the same weights: its folder gives the same
+    model, whose patch tokens are the backbone's last feature map."""
+    _, ref = folders["swiglu_reg"]
+    backbone = T.DINOv3ViTBackbone(T.DINOv3ViTConfig(**CONFIGS["swiglu_reg"], out_indices=[2])).eval()
+    backbone.load_state_dict(ref.state_dict())
+    backbone.save_pretrained(tmp_path)
+    ours = load(tmp_path)
+    x = torch.randn(1, 3, 48, 24, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        (fmap,) = backbone(pixel_values=x).feature_maps  # [1, D, 6, 3]
+        tokens = ours.forward_features(x)[:, ours.cfg.num_prefix_tokens:]
+    assert (tokens - fmap.flatten(2).transpose(1, 2)).abs().max() <= 1e-4
