@@ -55,6 +55,10 @@ def test_image_tower_equals_encode_image(towers, name):
     ours = build_model(convert_open_clip(ref.state_dict(), f"open_clip:{name}"))
     c = ours.cfg
     assert (c.family, c.pool, c.rope.grid_indexing, c.proj_bias) == ("clip", pool, indexing, True)
+    pre = ours.preprocess_cfg  # open_clip's transform for the config's pretrained weights (PE: _pecfg)
+    assert (pre.mean, pre.interpolation, pre.crop_mode) == (
+        ((0.5,) * 3, "bilinear", "squash") if name.startswith("PE") else ((0.48145466, 0.4578275, 0.40821073),
+                                                                             "bicubic", "center"))
     native = c.img_size
     g = torch.Generator().manual_seed(5)
     for size in (native, other):

@@ -97,9 +97,21 @@ def vision_problem(cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _preprocess(cfg: Mapping[str, Any], img: tuple[int, int], siglip: bool) -> PreprocessConfig:
-    """open_clip's image transform for the config (pretrained.py's _pcfg / _slpcfg defaults)."""
-    pre = dict(cfg.get("preprocess_cfg") or {})
+def _pretrained_transform(name: str) -> dict[str, Any]:
+    """The transform every pretrained tag of open_clip config `name` names (pretrained.py: `_pecfg` for PE-Core's
+    0.5 statistics and bilinear squash, `_slpcfg`, ...); {} when it has no tags or they disagree."""
+    import open_clip
+
+    keys = ("mean", "std", "interpolation", "resize_mode")
+    found = {tuple((k, open_clip.get_pretrained_cfg(name, tag).get(k)) for k in keys)
+             for tag in open_clip.list_pretrained_tags_by_model(name)}
+    return {k: v for k, v in next(iter(found)) if v is not None} if len(found) == 1 else {}
+
+
+def _preprocess(cfg: Mapping[str, Any], img: tuple[int, int], siglip: bool, name: str) -> PreprocessConfig:
+    """open_clip's image transform for config `name`: its pretrained tags' (else pretrained.py's _pcfg / _slpcfg
+    defaults), under the config's own preprocess_cfg."""
+    pre = {**_pretrained_transform(name), **(cfg.get("preprocess_cfg") or {})}
     mean = tuple(pre.get("mean", (0.5,) * 3 if siglip else OPENAI_MEAN))
     std = tuple(pre.get("std", (0.5,) * 3 if siglip else OPENAI_STD))
     mode = pre.get("resize_mode", "squash" if siglip else "shortest")
@@ -158,7 +170,8 @@ def _rename(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _convert_trunk(visual: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], overrides: dict[str, Any]) -> Converted:
+def _convert_trunk(visual: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], overrides: dict[str, Any],
+                   name: str) -> Converted:
     """A timm trunk (SigLIP configs): timm's own state dict, plus open_clip's linear head projection."""
     from vit_serve.checkpoints.timm_state import convert_timm
 
@@ -186,7 +199,7 @@ def _convert_trunk(visual: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], o
     config = config.replace(**overrides) if overrides else config
     siglip = fields["family"] == "siglip"
     return Converted(config, state, source=f"open_clip {v['timm_model_name']} tower", labels=None,
-                     preprocess=_preprocess(cfg, config.img_size, siglip))
+                     preprocess=_preprocess(cfg, config.img_size, siglip, name))
 
 
 def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **overrides: Any) -> Converted:
@@ -198,6 +211,7 @@ def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **override
         overrides: ViTConfig fields to replace.
     """
     cfg = model_config(arch)
+    name = arch[len(ARCH_PREFIX):] if arch.startswith(ARCH_PREFIX) else arch
     if problem := vision_problem(cfg):
         raise UnsupportedCheckpoint(problem)
     sd = strip_prefixes(weights, ("module.", "_orig_mod."))
@@ -205,7 +219,7 @@ def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **override
     if not visual:
         raise CheckpointError(f"no open_clip image tower (visual.*) in the state dict for {arch}")
     if cfg["vision_cfg"].get("timm_model_name"):
-        return _convert_trunk(visual, cfg, overrides)
+        return _convert_trunk(visual, cfg, overrides, name)
     try:
         fields = _vision_fields(cfg, visual)
         config = ViTConfig(**fields)
@@ -215,5 +229,5 @@ def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **override
             raise
         raise CheckpointError(f"open_clip state dict for {arch}: cannot infer the model ({e})") from e
     state = {k: t.float() if t.is_floating_point() else t for k, t in _rename(visual).items()}
-    return Converted(config, state, source=f"open_clip {arch[len(ARCH_PREFIX):]} state dict", labels=None,
-                     preprocess=_preprocess(cfg, config.img_size, siglip=False))
+    return Converted(config, state, source=f"open_clip {name} state dict", labels=None,
+                     preprocess=_preprocess(cfg, config.img_size, False, name))
