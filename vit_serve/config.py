@@ -280,8 +280,7 @@ _UNSUPPORTED: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"_18x2_|_xp_|_pwee_|_dpwee_"), "parallel blocks (timm ParallelThingsBlock / ParallelScalingBlock)"),
     (re.compile(r"_dlittle_|_dwee_"), "differential attention"),
     (re.compile(r"_rpn_"), "res-post-norm blocks (timm ResPostBlock)"),
-    (re.compile(r"^vit_giant_patch14_(?:reg\d+_)?dinov2|_tipsv2$"),
-     "a packed SwiGLU MLP in timm's VisionTransformer (mlp.fc1 twice fc2's width) is not mapped yet"),
+    (re.compile(r"_tipsv2$"), "TIPSv2's preset (LayerScale 1.0, a register, SwiGLU for the giant) is not mapped yet"),
     (re.compile(r"^test_vit"), "timm's unit-test models"),
 )
 # Names of timm's ViT modules we have no preset for: refused as such rather than read from a state dict's keys.
@@ -325,10 +324,14 @@ def _deit(m: re.Match[str]) -> ViTConfig:
 
 
 def _dinov2(m: re.Match[str]) -> ViTConfig:
-    """timm's DINOv2 (518 px, LayerScale 1e-5); `_reg4_`: 4 registers without position embeddings."""
+    """timm's DINOv2 (518 px, LayerScale 1e-5); `_reg4_`: 4 registers without position embeddings; the giant:
+    1536 wide, 24 heads, SwiGLU 4096 wide per branch (timm's packed GluMlp, int(1536 * 5.33334) / 2)."""
     reg = int(m["reg"] or 0)
-    return _preset(m["size"], int(m["patch"]), 518, family="dinov2", init_values=1e-5, reg_tokens=reg,
-                   no_embed_class=reg > 0)
+    kw: dict[str, Any] = dict(family="dinov2", init_values=1e-5, reg_tokens=reg, no_embed_class=reg > 0)
+    if m["size"] == "giant":
+        return ViTConfig(embed_dim=1536, depth=40, num_heads=24, mlp="swiglu", mlp_dim=int(1536 * 5.33334) // 2,
+                         patch_size=14, img_size=(518, 518), **kw)
+    return _preset(m["size"], int(m["patch"]), 518, **kw)
 
 
 def _clip(m: re.Match[str]) -> ViTConfig:
@@ -455,14 +458,14 @@ _TIMM_R50 = re.compile(r"^vit_(?P<size>base|large)_r50_s16_(?P<img>\d+)$")
 _FAMILIES: tuple[tuple[re.Pattern[str], Any], ...] = (
     (re.compile(r"^deit_(?P<size>tiny|small|base)_(?P<dist>distilled_)?patch(?P<patch>16)_(?P<img>\d+)$"), _deit),
     (re.compile(r"^deit(?P<v3>3)_(?P<size>small|medium|base|large|huge)_patch(?P<patch>\d+)_(?P<img>\d+)$"), _deit),
-    (re.compile(r"^vit_(?P<size>small|base|large)_patch(?P<patch>14)_(?:reg(?P<reg>\d+)_)?dinov2$"), _dinov2),
+    (re.compile(r"^vit_(?P<size>small|base|large|giant)_patch(?P<patch>14)_(?:reg(?P<reg>\d+)_)?dinov2$"), _dinov2),
     (re.compile(r"^vit_(?P<size>xsmall|medium|betwixt|base|large|huge|giant|gigantic)_patch(?P<patch>\d+)_clip_"
                 r"(?P<quick>quickgelu_)?(?P<img>\d+)$"), _clip),
     (re.compile(r"^vit_(?P<size>base|large|so400m|giantopt)_patch(?P<patch>\d+)_siglip_(?P<gap>gap_)?"
                 r"(?P<img>\d+)$"), _siglip),
 )
 FAMILY_PATTERNS = ("deit_{tiny,small,base}_[distilled_]patch16_<img>", "deit3_<size>_patch<p>_<img>",
-                   "vit_{small,base,large}_patch14_[reg<n>_]dinov2", "vit_<size>_patch<p>_clip_[quickgelu_]<img>",
+                   "vit_{small,base,large,giant}_patch14_[reg<n>_]dinov2", "vit_<size>_patch<p>_clip_[quickgelu_]<img>",
                    "vit_{base,large,so400m,giantopt}_patch<p>_siglip_[gap_]<img>",
                    "vit_<size>_patch16_dinov3[_qkvb]", "vit_pe_{core,spatial,lang}_<size>_patch<p>_<img>",
                    "eva02_<size>_patch<p>_[clip_]<img>", "vit_<size>_patch16_rope[_mixed][_ape]_224")

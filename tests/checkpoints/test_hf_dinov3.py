@@ -83,14 +83,12 @@ def test_hub_and_in_memory_names_convert_identically(folders):
 
 
 def test_embedding_recorded_as_the_class_token(folders):
-    """The manifest's embedding: HF's pooler_output (the [class] token, DINOv3's own); with the patch average
-    (pool "gap", timm's default) it is named pre_logits instead."""
+    """The manifest's embedding: HF's pooler_output, the [class] token (DINOv3's own; pool "token" in the config)."""
     from vit_serve.manifest import embedding_of
 
     folder, _ = folders["plain"]
     cfg = load(folder).cfg
     assert (embedding_of(cfg).kind, embedding_of(cfg).dim, cfg.pool) == ("pooler_output", 64, "token")
-    assert embedding_of(cfg.replace(pool="gap")).kind == "pre_logits"
 
 
 def test_img_size_override_needs_no_resampling(folders):

@@ -8,6 +8,7 @@ import torch
 from vit_serve.checkpoints import build_model
 from vit_serve.checkpoints.timm_state import convert_timm
 from vit_serve.config import get_config
+from vit_serve.model import VisionTransformer
 
 timm = pytest.importorskip("timm")
 
@@ -73,3 +74,67 @@ def test_a_checkpoint_that_does_not_fit_its_architecture_is_an_error():
     _, ref = _reference("eva02_tiny_patch14_224")
     with pytest.raises(ValueError, match=r"does not fit the model|cannot infer"):
         build_model(convert_timm(ref.state_dict(), "vit_small_patch16_dinov3"))
+
+
+MODULES = ("vision_transformer", "deit", "eva", "beit", "naflexvit")
+
+
+def _claim_or_refusal(name):
+    """("claimed", config) or ("refused", the one-line reason); anything else fails the test."""
+    try:
+        return "claimed", get_config(name)
+    except ValueError as e:
+        msg = str(e)
+        assert msg.startswith(f"model {name!r} is not supported: ") and "\n" not in msg, msg
+        return "refused", msg
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_timm_name_is_claimed_or_refused_in_one_line(module):
+    """timm's registry (timm.list_models(module=...)): no name falls through to key sniffing."""
+    names = timm.list_models(module=module)
+    assert names, module
+    verdicts = {n: _claim_or_refusal(n) for n in names}
+    claimed = [n for n, (v, _) in verdicts.items() if v == "claimed"]
+    print(f"{module}: {len(claimed)} of {len(names)} claimed")
+    if module == "eva":  # each claimed family has a parity case above
+        assert {verdicts[n][1].family for n in claimed} <= {get_config(c.split("-")[0]).family for c in CASES}
+        assert verdicts["vit_7b_patch16_dinov3"][0] == "refused"
+
+
+@pytest.mark.parametrize("name", [n for n in timm.list_models(module="eva") if _claim_or_refusal(n)[0] == "claimed"])
+def test_every_claimed_eva_name_builds_timms_shapes(name):
+    """Every claimed Eva architecture at its real size (meta device): our parameters are timm's, plus the zero key
+    bias our fused qkv carries where EVA has q / v biases only; grid and the MLP's width as timm's."""
+    cfg = get_config(name, num_classes=0)
+    with torch.device("meta"):
+        ref = timm.create_model(name, pretrained=False, num_classes=0)
+        ours = VisionTransformer(cfg)
+    extra = 0 if cfg.k_bias or not cfg.qkv_bias else cfg.depth * cfg.embed_dim
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters()) + extra
+    assert cfg.grid_size == tuple(ref.patch_embed.grid_size)
+    assert cfg.num_prefix_tokens == ref.num_prefix_tokens and (cfg.rope is None) == (ref.rope is None)
+
+
+def test_cli_converts_a_timm_eva_hub_folder_and_our_file_keeps_the_rope(tmp_path):
+    """`vit-serve convert` of a timm hub folder (config.json + model.safetensors, as timm's save_for_hf writes it):
+    our file's config (RoPE, SwiGLU, q/v biases) round-trips and gives timm's logits at a non-square size."""
+    import subprocess
+    import sys
+
+    from timm.models._hub import save_for_hf
+
+    import vit_serve
+
+    case = "eva02_tiny_patch14_224"
+    _, ref = _reference(case)
+    save_for_hf(ref, tmp_path / "hub", safe_serialization=True, model_args=dict(img_size=56))
+    dst = tmp_path / "eva02.safetensors"
+    r = subprocess.run([sys.executable, "-m", "vit_serve", "convert", str(tmp_path / "hub"), str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    model = vit_serve.load(dst)
+    assert model.cfg.rope is not None and model.cfg.rope.ref_grid == (16, 16) and model.cfg.mlp == "swiglu"
+    x = torch.randn(1, 3, 12 * 14, 9 * 14, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-4

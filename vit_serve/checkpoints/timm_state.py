@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line, strip_prefixes
-from vit_serve.checkpoints.timm_eva import EVA_FAMILIES, convert_timm_eva
+from vit_serve.checkpoints.timm_eva import EVA_FAMILIES, convert_timm_eva, rename_eva
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.config import ViTConfig, backbone_stride, get_config, unsupported_reason
 from vit_serve.preprocess import PreprocessConfig
@@ -80,7 +80,7 @@ def _infer_config(sd: Mapping[str, torch.Tensor], base: ViTConfig, model_args: M
         fields["patch_size"] = proj.shape[-1]
         fields["in_chans"] = proj.shape[1]
     fields["depth"] = 1 + max(int(m[1]) for k in sd if (m := _BLOCK.match(k)))
-    fields["mlp_dim"] = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    fields["mlp_dim"] = sd["blocks.0.mlp.fc2.weight"].shape[1]
     fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
     fields["class_token"] = "cls_token" in sd
     fields["dist_token"] = "dist_token" in sd
@@ -98,7 +98,7 @@ def _infer_config(sd: Mapping[str, torch.Tensor], base: ViTConfig, model_args: M
                                            model_args.get("img_size"), fields["reg_tokens"] > 0)
     fields["img_size"] = (grid[0] * fields["patch_size"], grid[1] * fields["patch_size"])
     fields["num_heads"] = model_args.get("num_heads") or base.num_heads
-    named = ("std_conv_style", "std_conv_eps", "group_norm_eps", "layer_norm_eps", "gelu", "family")
+    named = ("std_conv_style", "std_conv_eps", "group_norm_eps", "layer_norm_eps", "gelu", "family", "mlp")
     fields = {**{k: getattr(base, k) for k in named}, **fields}
     if isinstance(model_args.get("act_layer"), str) and model_args["act_layer"] in _ACTS:
         fields["gelu"] = _ACTS[model_args["act_layer"]]
@@ -151,6 +151,8 @@ def convert_timm(
         pre = _preprocess(hub_config.get("pretrained_cfg", {}), cfg.img_size)
         return Converted(cfg, state, source="timm Eva state dict", labels=list(labels) if labels else None,
                          preprocess=pre)
+    if base.mlp == "swiglu":  # DINOv2 giant: timm's packed GluMlp fc1 -> fc1_g / fc1_x
+        sd = rename_eva(sd, swiglu=True)
     try:
         cfg = _infer_config(sd, base, hub_config.get("model_args", {}))
         cfg = cfg.replace(**overrides) if overrides else cfg
