@@ -309,7 +309,7 @@ class VisionTransformer(nn.Module):
         self.attn_pool = AttentionPool(cfg) if cfg.pool == "map" else None
         self.fc_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.fc_norm else nn.Identity()
         self.pre_logits = self._make_pre_logits(cfg)
-        self.proj = nn.Linear(cfg.representation_size or d, cfg.proj_dim, bias=False) if cfg.proj_dim else None
+        self.proj = nn.Linear(cfg.representation_size or d, cfg.proj_dim, bias=cfg.proj_bias) if cfg.proj_dim else None
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes else nn.Identity()
         # DeiT: a second head on the distillation token; at inference the two heads' logits are averaged.

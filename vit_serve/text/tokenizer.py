@@ -139,16 +139,16 @@ class HFTokenizer:
 
     `clean` (optional) is open_clip's text cleaning applied first, as open_clip's HFTokenizer does
     ("canonicalize" for its SigLIP configs); None applies only the tokenizer's own normaliser (transformers).
-    `padding_side` "left" puts the pads first (transformers' Siglip2Tokenizer).
+    `padding_side` "left" puts the pads first (transformers' default for the Gemma tokenizers of SigLIP 2,
+    `tokenizer_config.as_transformers_loads`).
     """
 
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, context_length: int, pad_id: int, clean: str | None = None,
                  padding_side: str = "right") -> None:
-        if padding_side not in ("right", "left"):
-            raise TokenizerError(f"padding_side={padding_side!r}; expected right or left")
-        self.padding_side = padding_side
+        if padding_side not in ("left", "right"):
+            raise TokenizerError(f"tokenizer padding_side={padding_side!r}; expected left or right")
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
@@ -162,6 +162,7 @@ class HFTokenizer:
         self.context_length = context_length
         self.pad_id = pad_id
         self.clean = clean
+        self.padding_side = padding_side
         self._tok.no_padding()
         self._tok.enable_truncation(context_length)
 
@@ -198,15 +199,19 @@ class HFTokenizer:
                 n = len(enc.ids) + sum(len(o.ids) for o in enc.overflowing)
                 raise TextTooLongError(f"{text[:24]!r}... is about {n} tokens, over the text tower's context length "
                                        f"of {self.context_length}")
-            ids = enc.ids[: self.context_length]
-            at = self.context_length - len(ids) if self.padding_side == "left" else 0
-            out[i, at:at + len(ids)] = torch.tensor(ids, dtype=torch.long)
+            ids = torch.tensor(enc.ids[: self.context_length], dtype=torch.long)
+            if self.padding_side == "left":
+                out[i, self.context_length - len(ids):] = ids
+            else:
+                out[i, : len(ids)] = ids
         return out
 
     def to_spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "context_length": self.context_length, "pad_id": self.pad_id,
-                "clean": self.clean, "tokenizer_json": self._json,
-                **({"padding_side": "left"} if self.padding_side == "left" else {})}
+        spec = {"kind": self.kind, "context_length": self.context_length, "pad_id": self.pad_id,
+                "clean": self.clean, "tokenizer_json": self._json}
+        if self.padding_side != "right":  # specs written before the option read as right-padded
+            spec["padding_side"] = self.padding_side
+        return spec
 
 
 Tokenizer = OpenClipTokenizer | HFTokenizer
