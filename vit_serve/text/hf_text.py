@@ -21,6 +21,7 @@ from vit_serve.checkpoints.io import read_weights
 from vit_serve.text.bundle import TextBundle, bundle_from_state
 from vit_serve.text.open_clip_text import hf_pad_id
 from vit_serve.text.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
+from vit_serve.text.tokenizer_config import as_transformers_loads, read_tokenizer_config
 from vit_serve.text.tower import TextConfig
 
 HF_TEXT_TYPES = ("clip", "siglip", "siglip2", "clip_text_model", "siglip_text_model", "siglip2_text_model")
@@ -77,21 +78,6 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"transformers folder {folder} has no model.safetensors or pytorch_model.bin")
 
 
-def _siglip2_tokenizer(tokenizer_json: str, folder: Path) -> tuple[str, str]:
-    """What transformers (5.25) tokenizes a siglip2 folder with: `Siglip2Tokenizer` whatever tokenizer_config.json
-    names (siglip2 is in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS): a Lowercase normaliser before the file's
-    own (added to the tokenizer.json here, once), padding on the left unless tokenizer_config.json says otherwise.
-    Returns (tokenizer.json, padding side)."""
-    cfg_file = folder / "tokenizer_config.json"
-    side = json.loads(cfg_file.read_text()).get("padding_side", "left") if cfg_file.is_file() else "left"
-    data = json.loads(tokenizer_json)
-    norm = data.get("normalizer")
-    if norm is None or '"Lowercase"' in json.dumps(norm):
-        return tokenizer_json, side
-    data["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, norm]}
-    return json.dumps(data, ensure_ascii=False), side
-
-
 def is_hf_text_folder(folder: Path) -> bool:
     """A transformers folder whose config is a CLIP / SigLIP model with a text tower."""
     try:
@@ -120,8 +106,10 @@ def read_hf_text(folder: str | Path) -> TextBundle | None:
         raise TokenizerError(f"the tokenizer of {folder} is not local: it needs {TOKENIZER_FILE} in that folder "
                              "(save it with the model's tokenizer.save_pretrained; nothing is downloaded)")
     text, side = tok_file.read_text(encoding="utf-8"), "right"
-    if model_type.startswith("siglip2"):
-        text, side = _siglip2_tokenizer(text, folder)
+    if model_type.startswith("siglip2"):  # transformers 5 tokenizes siglip2 folders with Siglip2Tokenizer, whatever
+        # tokenizer_config.json names (siglip2 is among its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
+        config = {**read_tokenizer_config(folder), "tokenizer_class": "Siglip2Tokenizer"}
+        text, side = as_transformers_loads(text, config)
     tok = HFTokenizer(text, tcfg.context_length, hf_pad_id(text, folder), padding_side=side)
     scale = float(top["logit_scale"].reshape(-1)[0]) if "logit_scale" in top else float(
         cfg.get("logit_scale_init_value", 2.6592))
