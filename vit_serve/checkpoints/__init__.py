@@ -8,8 +8,8 @@
 - `converted`: what every converter returns, and the one place that builds the model from it (key checks).
 - `jax_npz`: vit_jax / AugReg / big_vision `.npz`.
 - `timm_state`, `torchvision_state`, `open_clip_state`: timm, torchvision and open_clip state dicts.
-- `hf_models`, `hf_transformers`, `hf_clip`, `hf_dinov2`, `hf_siglip`: Hugging Face transformers folders, by
-  `model_type` (ViT, CLIP, DINOv2, SigLIP).
+- `hf_models`, `hf_transformers`, `hf_clip`, `hf_dinov2`, `hf_siglip`, `hf_siglip2`: Hugging Face transformers
+  folders, by `model_type` (ViT, CLIP, DINOv2, SigLIP, SigLIP 2 NaFlex).
 - `hub`: `hf-hub:<owner>/<name>` ids -> a local folder.
 - `unsupported`: the readable checkpoints we refuse, with why.
 """
