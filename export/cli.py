@@ -53,7 +53,7 @@ from vit_export.pipeline import (
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.explain import HEAD_FUSIONS
 from vit_serve.manifest import LOGITS
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 EXIT_NO_TENSORRT = 3
 FLAGS = {"formats": "format"}  # ExportOptions fields whose flag is not their name

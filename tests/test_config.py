@@ -74,7 +74,8 @@ def test_config_dict_round_trip():
 # One name per entry of the family tables in vit_serve/config.py (every name takes ~1 s on the meta device).
 FAMILY_NAMES = ["deit_tiny_patch16_224", "deit_small_distilled_patch16_224", "deit_base_distilled_patch16_384",
                 "deit3_small_patch16_224", "vit_small_patch14_dinov2", "vit_base_patch14_reg4_dinov2",
-                "vit_base_patch16_clip_224", "vit_base_patch32_clip_quickgelu_224", "vit_large_patch14_clip_336",
+                "vit_giant_patch14_dinov2", "vit_base_patch16_clip_224", "vit_base_patch32_clip_quickgelu_224",
+                "vit_large_patch14_clip_336",
                 "vit_base_patch16_siglip_224", "vit_base_patch16_siglip_gap_224", "vit_so400m_patch14_siglip_384",
                 "vit_base_patch32_siglip_256"]
 
@@ -98,8 +99,12 @@ def test_family_presets_match_timm(name):
                                                              tuple(ref.patch_embed.grid_size))
 
 
-@pytest.mark.parametrize("name, what", [("eva02_base_patch14_224", "RoPE"), ("beit_base_patch16_224", "relative"),
-                                        ("vit_giant_patch14_dinov2.lvd142m", "SwiGLU")])
+@pytest.mark.parametrize("name, what", [("eva02_enormous_patch14_clip_224", "post-norm"),
+                                        ("beit_base_patch16_224", "relative"),
+                                        ("aimv2_large_patch14_224.apple_pt", "RMSNorm"),
+                                        ("vit_7b_patch16_dinov3", "7B"),
+                                        ("vit_so400m_patch16_radio_v4", "RADIO"),
+                                        ("naflexvit_base_patch16_siglip", "naflex")])
 def test_unsupported_architectures_name_what_is_missing(name, what):
     with pytest.raises(ValueError, match=f"not supported: .*{what}"):
         get_config(name)

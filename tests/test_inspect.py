@@ -420,3 +420,16 @@ def test_cli_inspect_bad_tome_is_one_line(cli_inputs, tmp_path, capsys, tome, me
     assert len(err.err.strip().splitlines()) == 1 and err.err.startswith("vit-serve inspect: error: ")
     assert message in err.err
     assert not (tmp_path / "out").exists()
+
+
+def test_rope_only_model_skips_the_position_embedding_figure_with_a_reason(tmp_path, randomize):
+    """DINOv3-style RoPE without absolute embeddings: nothing to compare, said so; the other figures are made."""
+    from vit_serve.config import RopeConfig
+
+    model = tiny(randomize, pos_embed=False, rope=RopeConfig("dinov3", 100.0, rotate_half=True), reg_tokens=2)
+    out = tmp_path / "rope"
+    result = inspect_model(model, photos(), out, names=NAMES)
+    assert "RoPE" in result["pos_embed_similarity"]["skipped"]
+    assert not (out / "pos_embed_similarity.png").exists() and "pos_embed_similarity.png" not in result["files"]
+    assert_not_blank(out / "mean_attention_distance.png")
+    assert result["rollout"]["images"][0]["map"] and (out / "registers.png").is_file()

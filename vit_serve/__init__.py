@@ -14,11 +14,13 @@
   BiT ResNet stem).
 - `pos_embed`, `resolution`: position-embedding resampling (paper §3.2) and resolutions as people write them.
 - `naflex`: SigLIP 2's NaFlex inputs (each image at its aspect ratio, as padded rows of patches with a mask).
+- `rope`: 2-D rotary position embeddings (EVA-02, PE, DINOv3, RoPE-ViT): sin / cos tables from the patch grid.
 - `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
 - `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
   options, the heat-map overlay drawn on the model-input crop.
 - `inspect`: `vit-serve inspect`, the paper's Figure 6 / 7 pictures.
 - `tome`: token merging (ToMe).
+- `tome_schedule`: how many tokens each layer merges (plain Python, no torch).
 - `embedding`, `zeroshot`: the image embedding; zero-shot heads from label text (CLIP, SigLIP).
 - `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
   record checkpoints and manifests carry.

@@ -19,8 +19,52 @@ GELUS = ("exact", "tanh", "quick")
 RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision", "dinov2", "open_clip", "naflex")
 SCORES = ("softmax", "sigmoid")
 # Which image embedding a family's users mean (manifest `embedding.kind`), and whether it is compared by cosine.
-FAMILIES = ("vit", "deit", "dinov2", "clip", "siglip")
+FAMILIES = ("vit", "deit", "dinov2", "clip", "siglip", "dinov3", "pe", "eva", "ropevit")
+MLPS = ("gelu", "swiglu")
 STD_CONV_STYLES = ("var", "std")
+ROPE_KINDS = ("axial", "dinov3", "mixed")
+GRID_INDEXING = ("ij", "xy")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Which rotary embedding a model uses (see vit_serve.rope); part of ViTConfig (`cfg.rope`).
+
+    kind: "axial", "dinov3" or "mixed". temperature: the frequency base. grid_offset: added to the patch
+    coordinates (PE: 1). grid_indexing: "ij" (coordinate channels y, x) or "xy" (x, y). ref_grid: the
+    reference grid (H, W) coordinates are rescaled to (EVA-02's `ref_feat_shape`), or None. rotate_half: the
+    "half" layout (x * cos + [-x2, x1] * sin) instead of interleaved pairs (DINOv3).
+    """
+
+    kind: str = "axial"
+    temperature: float = 10000.0
+    grid_offset: float = 0.0
+    grid_indexing: str = "ij"
+    ref_grid: tuple[int, int] | None = None
+    rotate_half: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope kind {self.kind!r}; expected one of {', '.join(ROPE_KINDS)}")
+        if self.grid_indexing not in GRID_INDEXING:
+            raise ValueError(f"rope grid_indexing {self.grid_indexing!r}; expected 'ij' or 'xy'")
+        if self.ref_grid is not None:
+            h, w = self.ref_grid
+            object.__setattr__(self, "ref_grid", (int(h), int(w)))
+        if self.kind == "mixed" and self.rotate_half:
+            raise ValueError("mixed RoPE uses interleaved pairs (rotate_half=False), as timm requires")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "grid_offset", float(self.grid_offset))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ref_grid"] = list(self.ref_grid) if self.ref_grid is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RopeConfig:
+        check_fields(cls, d, "RopeConfig fields")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -67,12 +111,27 @@ class ViTConfig:
     embed_norm: bool = False  # L2-normalise the embedding before the head (zero-shot heads)
     scores: str = "softmax"  # how logits become scores: softmax (one label) or sigmoid (SigLIP, multi-label)
     family: str = "vit"
+    # The pieces of timm's `Eva` class (EVA-02, PE, DINOv3, RoPE-ViT), each off by default.
+    rope: RopeConfig | None = None  # 2-D rotary position embeddings on the patch tokens' q and k (vit_serve.rope)
+    pos_embed: bool = True  # absolute position embeddings; False: RoPE only (with rope set and True: both)
+    mlp: str = "gelu"  # "swiglu": fc2(silu(fc1_g x) * fc1_x x), mlp_dim wide per branch (EVA-02, DINOv3+)
+    mlp_norm: bool = False  # EVA-02's sub-LayerNorm in the MLP, before fc2 (timm scale_mlp)
+    k_bias: bool = True  # False: the key projection has no bias (EVA's q_bias / v_bias); needs qkv_bias
+    attn_norm: bool = False  # a LayerNorm on the attention output before its projection (EVA-CLIP, scale_attn_inner)
+    fc_norm: bool = False  # a LayerNorm on the pooled token (timm Eva with global_pool='avg')
+    final_norm: bool = True  # the encoder's last LayerNorm (absent with fc_norm, and in PE-spatial / PE-lang)
+    pool_heads: int | None = None  # MAP pool heads (PE: 8); None: num_heads
+    pool_mlp_dim: int | None = None  # MAP pool MLP width; None: mlp_dim
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "img_size", _pair(self.img_size))
         if self.resnet_layers is not None:
             object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
+        if isinstance(self.rope, dict):
+            object.__setattr__(self, "rope", RopeConfig.from_dict(self.rope))
+        _check_choice("mlp", self.mlp, MLPS)
+        self._check_eva_pieces()
         _check_choice("pool", self.pool, POOLS)
         _check_choice("gelu", self.gelu, GELUS)
         _check_choice("resample_mode", self.resample_mode, RESAMPLE_MODES)
@@ -93,6 +152,14 @@ class ViTConfig:
         for n, s in zip(("height", "width"), self.img_size, strict=True):
             if s <= 0 or s % self.patch_size:
                 raise ValueError(f"img_size {n} {s} is not a positive multiple of patch_size {self.patch_size}")
+
+    def _check_eva_pieces(self) -> None:
+        if self.rope is not None and (self.embed_dim // self.num_heads) % 4:
+            raise ValueError(f"2-D RoPE needs a head dimension divisible by 4, got {self.embed_dim // self.num_heads}")
+        if not self.k_bias and not self.qkv_bias:
+            raise ValueError("k_bias=False (q and v biases only) needs qkv_bias=True")
+        if self.pool_heads is not None and self.embed_dim % self.pool_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by pool_heads {self.pool_heads}")
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -125,6 +192,8 @@ class ViTConfig:
         d["img_size"] = list(self.img_size)
         if self.resnet_layers is not None:
             d["resnet_layers"] = list(self.resnet_layers)
+        if self.rope is not None:
+            d["rope"] = self.rope.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -195,19 +264,37 @@ _SIGLIP_TANH = frozenset({
     "vit_so400m_patch16_siglip_384", "vit_so400m_patch16_siglip_512", "vit_giantopt_patch16_siglip_256",
     "vit_giantopt_patch16_siglip_384",
 })
-# Architectures whose pieces this model does not implement, and what is missing (one line each).
+# Architectures whose pieces this model does not implement, and what is missing (one line each). Decided by the
+# architecture's name, never by the keys a state dict happens to have.
 _UNSUPPORTED: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^eva"), "EVA / EVA-02 needs rotary position embeddings (RoPE) and SwiGLU MLPs"),
+    (re.compile(r"^eva02_enormous"), "EVA-02-E has post-norm blocks (timm EvaBlockPostNorm)"),
     (re.compile(r"^beit"), "BEiT needs relative position bias (relative_position_bias_table)"),
-    (re.compile(r"_rope_|_rope$|^vit_.*rope"), "rotary position embeddings (RoPE)"),
-    (re.compile(r"^vit_giant_patch14_(?:reg\d+_)?dinov2"), "DINOv2 giant needs a SwiGLU MLP (mlp.w12 / packed fc1)"),
+    (re.compile(r"^vit_7b_patch16_dinov3"), "the 7B DINOv3 (6.7B parameters) is beyond what vit-serve exports and "
+                                            "serves"),
+    (re.compile(r"radio"), "RADIO needs its CPE position embedding and summary / adaptor heads"),
+    (re.compile(r"_sapiens2$"), "Sapiens2 needs grouped-query attention, q/k norms and RMSNorm"),
+    (re.compile(r"^naflexvit"), "NaFlex (variable resolution at native aspect ratio) needs the naflex path "
+                                "(vit_serve.naflex, not in this build)"),
+    (re.compile(r"^aimv2_"), "AIMv2 needs RMSNorm"),
+    (re.compile(r"_18x2_|_xp_|_pwee_|_dpwee_"), "parallel blocks (timm ParallelThingsBlock / ParallelScalingBlock)"),
+    (re.compile(r"_dlittle_|_dwee_"), "differential attention"),
+    (re.compile(r"_rpn_"), "res-post-norm blocks (timm ResPostBlock)"),
+    (re.compile(r"_tipsv2$"), "TIPSv2's preset (LayerScale 1.0, a register, SwiGLU for the giant) is not mapped yet"),
+    (re.compile(r"^test_vit"), "timm's unit-test models"),
 )
+# Names of timm's ViT modules we have no preset for: refused as such rather than read from a state dict's keys.
+_TIMM_STYLE = re.compile(r"^(?:vit_|deit|eva|beit|naflexvit|flexivit|samvit|aimv2)")
 
 
 def unsupported_reason(name: str) -> str | None:
-    """What an architecture named `name` (timm style, any ".tag") needs that this model lacks, or None."""
+    """What an architecture named `name` (timm style, any ".tag") needs that this model lacks, or None. timm-style
+    names that neither resolve nor match a known refusal are refused as having no preset."""
     key = name.split(".")[0]
-    return next((why for pattern, why in _UNSUPPORTED if pattern.search(key)), None)
+    if why := next((why for pattern, why in _UNSUPPORTED if pattern.search(key)), None):
+        return why
+    if _TIMM_STYLE.match(key) and _resolve(key) is None:
+        return "a timm architecture with no vit-serve preset (its options are not mapped)"
+    return None
 
 
 def _dims(size: str) -> tuple[int, int, int, int]:
@@ -236,10 +323,14 @@ def _deit(m: re.Match[str]) -> ViTConfig:
 
 
 def _dinov2(m: re.Match[str]) -> ViTConfig:
-    """timm's DINOv2 (518 px, LayerScale 1e-5); `_reg4_`: 4 registers without position embeddings."""
+    """timm's DINOv2 (518 px, LayerScale 1e-5); `_reg4_`: 4 registers without position embeddings; the giant:
+    1536 wide, 24 heads, SwiGLU 4096 wide per branch (timm's packed GluMlp, int(1536 * 5.33334) / 2)."""
     reg = int(m["reg"] or 0)
-    return _preset(m["size"], int(m["patch"]), 518, family="dinov2", init_values=1e-5, reg_tokens=reg,
-                   no_embed_class=reg > 0)
+    kw: dict[str, Any] = dict(family="dinov2", init_values=1e-5, reg_tokens=reg, no_embed_class=reg > 0)
+    if m["size"] == "giant":
+        return ViTConfig(embed_dim=1536, depth=40, num_heads=24, mlp="swiglu", mlp_dim=int(1536 * 5.33334) // 2,
+                         patch_size=14, img_size=(518, 518), **kw)
+    return _preset(m["size"], int(m["patch"]), 518, **kw)
 
 
 def _clip(m: re.Match[str]) -> ViTConfig:
@@ -256,21 +347,127 @@ def _siglip(m: re.Match[str]) -> ViTConfig:
                    pool="gap" if m["gap"] else "map", gelu="tanh" if tanh else "exact")
 
 
+# timm.models.eva: DINOv3 (and LingBot-Vision, the same architecture), PE, EVA / EVA-02, RoPE-ViT and timm's own
+# RoPE ViTs, each with its numerics (timm 1.0.31's `model_args`).
+_EVA_SIZES: dict[str, tuple[int, int, int]] = {
+    "tiny": (192, 12, 3), "small": (384, 12, 6), "small_plus": (384, 12, 6), "base": (768, 12, 12),
+    "medium": (512, 12, 8), "mediumd": (512, 20, 8), "betwixt": (640, 12, 10), "large": (1024, 24, 16),
+    "huge_plus": (1280, 32, 20), "giant": (1536, 40, 24), "gigantic": (1536, 50, 16),
+}
+
+
+def _eva_base(size: str, patch: int, img: int, **kw: Any) -> ViTConfig:
+    d, depth, heads = _EVA_SIZES[size]
+    ratio = kw.pop("mlp_ratio", 4.0)
+    fields: dict[str, Any] = dict(embed_dim=d, depth=depth, num_heads=heads, mlp_dim=int(d * ratio),
+                                  patch_size=patch, img_size=(img, img), resample_mode="timm")
+    return ViTConfig(**{**fields, **kw})
+
+
+def _dinov3(m: re.Match[str]) -> ViTConfig:
+    """DINOv3 (timm `vit_*_patch16_dinov3[_qkvb]`, LingBot `*_lingbot`): 4 registers, RoPE only ("dinov3": centred
+    coordinates in [-1, 1], temperature 100, half rotation), LayerScale 1e-5, LayerNorm eps 1e-5, EvaAttention (with
+    `_qkvb`: q and v biases); `*_plus`: SwiGLU. Pooled by the class token, as upstream (timm defaults to the
+    patch average: pool='gap' gives timm's)."""
+    size = m["size"]
+    lingbot = m["kind"] == "lingbot"
+    bias = bool(m["qkvb"]) or (lingbot and size != "giant")
+    swiglu = size in ("small_plus", "huge_plus", "giant")
+    return _eva_base(size, 16, 512 if lingbot else 256, family="dinov3", reg_tokens=4, pos_embed=False,
+                     init_values=1e-5, layer_norm_eps=1e-5, qkv_bias=bias, k_bias=not bias,
+                     mlp="swiglu" if swiglu else "gelu", mlp_ratio=8 / 3 if size == "giant" else 4.0,
+                     rope=RopeConfig("dinov3", temperature=100, rotate_half=True))
+
+
+def _pe(m: re.Match[str]) -> ViTConfig:
+    """Perception Encoder (timm `vit_pe_{core,spatial,lang}_*`): RoPE ("axial", offset 1, 'xy', rescaled to the
+    pretraining grid) and absolute embeddings both, norm_pre with a bias-free patch conv, eps 1e-5. Core: MAP pool
+    (8 heads, MLP 4x); spatial and lang: the patch average without any final norm. The gigantic ones have no
+    class token and no offset."""
+    size, patch, img = m["size"], int(m["patch"]), int(m["img"])
+    gig = size == "gigantic"
+    grid = 32 if m["kind"] != "core" else img // patch
+    kw: dict[str, Any] = dict(family="pe", norm_pre=True, patch_bias=False, layer_norm_eps=1e-5,
+                              class_token=not gig, mlp_ratio=5.833333333333333 if gig else 4.0,
+                              rope=RopeConfig("axial", grid_offset=0.0 if gig else 1.0, grid_indexing="xy",
+                                              ref_grid=(grid, grid)))
+    if m["kind"] == "core":
+        kw.update(pool="map", pool_heads=8, pool_mlp_dim=int(_EVA_SIZES[size][0] * 4.0))
+    else:
+        kw.update(pool="gap", final_norm=False)
+    if m["kind"] == "lang" or (m["kind"] == "spatial" and gig):
+        kw["init_values"] = 0.1
+    base = _eva_base(size, patch, img, **kw)
+    return base.replace(depth={"lang": {"large": 23, "gigantic": 47}}.get(m["kind"], {}).get(size, base.depth))
+
+
+def _eva(m: re.Match[str]) -> ViTConfig:
+    """EVA-02 (timm `eva02_*`): RoPE ("axial", 'ij', rescaled to 16 x 16) with absolute embeddings, SwiGLU
+    (`base` / `large`: with the sub-LayerNorm), q and v biases only; patch average + fc_norm, or (`_clip_`) the
+    class token, the final norm and EVA-CLIP's attention norm. EVA-01 (`eva_giant_*`): GELU MLP, no RoPE."""
+    g = m.groupdict()
+    size, patch, img, clip = g["size"], int(g["patch"]), int(g["img"]), bool(g.get("clip"))
+    pool = dict(pool="token") if clip else dict(pool="gap", fc_norm=True, final_norm=False)
+    if g.get("v1"):
+        return ViTConfig(embed_dim=1408, depth=40, num_heads=16, mlp_dim=int(1408 * (6144 / 1408)), patch_size=14,
+                         img_size=(img // 14 * 14,) * 2, family="eva", k_bias=False, resample_mode="timm", **pool)
+    big = size in ("base", "large")
+    d, depth, heads = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12),
+                       "large": (1024, 24, 16)}[size]
+    return ViTConfig(embed_dim=d, depth=depth, num_heads=heads, mlp_dim=int(d * (4 * 2 / 3)), patch_size=patch,
+                     img_size=(img, img), family="eva", k_bias=False, mlp="swiglu", mlp_norm=big,
+                     attn_norm=clip, rope=RopeConfig("axial", ref_grid=(16, 16)), resample_mode="timm", **pool)
+
+
+def _ropevit(m: re.Match[str]) -> ViTConfig:
+    """RoPE-ViT (Heo et al. 2024; timm `vit_*_patch16_rope[_mixed][_ape]_224`): RoPE "axial" (temperature 100) or
+    "mixed" (learned, temperature 10), 'xy'; `_ape`: with absolute embeddings (patches only). LayerScale 1e-5,
+    class token. timm's own `vit_*_patch16_rope_reg<n>_gap_256`: registers, no class token, RoPE rescaled to 16 x
+    16, q / v biases, patch average + fc_norm."""
+    g = m.groupdict()
+    if g.get("reg"):
+        bias = g["size"] != "mediumd"
+        return _eva_base(g["size"], 16, 256, family="ropevit", class_token=False, reg_tokens=int(g["reg"]),
+                         pos_embed=False, pool="gap", fc_norm=True, final_norm=False, init_values=1e-5,
+                         qkv_bias=bias, k_bias=not bias, rope=RopeConfig("axial", ref_grid=(16, 16)))
+    mixed, ape = bool(g["mixed"]), bool(g["ape"])
+    rope = RopeConfig("mixed", temperature=10) if mixed else RopeConfig("axial", temperature=100)
+    return _eva_base(g["size"], 16, 224, family="ropevit", pos_embed=ape, no_embed_class=ape, init_values=1e-5,
+                     rope=dataclasses.replace(rope, grid_indexing="xy"))
+
+
+_EVA_FAMILIES: tuple[tuple[re.Pattern[str], Any], ...] = (
+    (re.compile(r"^vit_(?P<size>tiny|small|small_plus|base|large|huge_plus)_patch16_(?P<kind>dinov3)(?P<qkvb>_qkvb)?$"),
+     _dinov3),
+    (re.compile(r"^vit_(?P<size>small|base|large|giant)_patch16_(?P<kind>lingbot)(?P<qkvb>)$"), _dinov3),
+    (re.compile(r"^vit_pe_(?P<kind>core)_(?P<size>tiny|small|base|large|gigantic)_patch(?P<patch>14|16)_(?P<img>\d+)$"),
+     _pe),
+    (re.compile(r"^vit_pe_(?P<kind>spatial|lang)_(?P<size>tiny|small|base|large|gigantic)_patch(?P<patch>14|16)_"
+                r"(?P<img>\d+)$"), _pe),
+    (re.compile(r"^eva02_(?P<size>tiny|small|base|large)_patch(?P<patch>14|16)_(?P<clip>clip_)?(?P<img>\d+)$"), _eva),
+    (re.compile(r"^(?P<v1>eva)_(?P<size>giant)_patch(?P<patch>14)_(?P<clip>clip_)?(?P<img>\d+)$"), _eva),
+    (re.compile(r"^vit_(?P<size>small|base|large)_patch16_rope(?P<mixed>_mixed)?(?P<ape>_ape)?_224$"), _ropevit),
+    (re.compile(r"^vit_(?P<size>medium|mediumd|betwixt|base)_patch16_rope_reg(?P<reg>\d)_gap_256$"), _ropevit),
+)
+
+
 _PAPER = re.compile(r"^(?:(?P<r50>R50\+))?(?:ViT-)?(?P<size>Ti|S|B|L|H)/(?P<patch>\d+)$")
 _TIMM = re.compile(r"^vit_(?P<size>tiny|small|base|large|huge)_patch(?P<patch>\d+)(?P<gap>_gap)?_(?P<img>\d+)$")
 _TIMM_R50 = re.compile(r"^vit_(?P<size>base|large)_r50_s16_(?P<img>\d+)$")
 _FAMILIES: tuple[tuple[re.Pattern[str], Any], ...] = (
     (re.compile(r"^deit_(?P<size>tiny|small|base)_(?P<dist>distilled_)?patch(?P<patch>16)_(?P<img>\d+)$"), _deit),
     (re.compile(r"^deit(?P<v3>3)_(?P<size>small|medium|base|large|huge)_patch(?P<patch>\d+)_(?P<img>\d+)$"), _deit),
-    (re.compile(r"^vit_(?P<size>small|base|large)_patch(?P<patch>14)_(?:reg(?P<reg>\d+)_)?dinov2$"), _dinov2),
+    (re.compile(r"^vit_(?P<size>small|base|large|giant)_patch(?P<patch>14)_(?:reg(?P<reg>\d+)_)?dinov2$"), _dinov2),
     (re.compile(r"^vit_(?P<size>xsmall|medium|betwixt|base|large|huge|giant|gigantic)_patch(?P<patch>\d+)_clip_"
                 r"(?P<quick>quickgelu_)?(?P<img>\d+)$"), _clip),
     (re.compile(r"^vit_(?P<size>base|large|so400m|giantopt)_patch(?P<patch>\d+)_siglip_(?P<gap>gap_)?"
                 r"(?P<img>\d+)$"), _siglip),
 )
 FAMILY_PATTERNS = ("deit_{tiny,small,base}_[distilled_]patch16_<img>", "deit3_<size>_patch<p>_<img>",
-                   "vit_{small,base,large}_patch14_[reg<n>_]dinov2", "vit_<size>_patch<p>_clip_[quickgelu_]<img>",
-                   "vit_{base,large,so400m,giantopt}_patch<p>_siglip_[gap_]<img>")
+                   "vit_{small,base,large,giant}_patch14_[reg<n>_]dinov2", "vit_<size>_patch<p>_clip_[quickgelu_]<img>",
+                   "vit_{base,large,so400m,giantopt}_patch<p>_siglip_[gap_]<img>",
+                   "vit_<size>_patch16_dinov3[_qkvb]", "vit_pe_{core,spatial,lang}_<size>_patch<p>_<img>",
+                   "eva02_<size>_patch<p>_[clip_]<img>", "vit_<size>_patch16_rope[_mixed][_ape]_224")
 
 
 def family_preset_names() -> list[str]:
@@ -305,7 +502,8 @@ def _resolve(key: str) -> ViTConfig | None:
         return _preset(_TIMM_SIZE[m["size"]], int(m["patch"]), int(m["img"]), **gap)
     if m := _TIMM_R50.match(key):
         return _preset(_TIMM_SIZE[m["size"]], 16, int(m["img"]), hybrid=True)
-    return next((build(m) for pattern, build in _FAMILIES if (m := pattern.match(key))), None)
+    families = (*_FAMILIES, *_EVA_FAMILIES)
+    return next((build(m) for pattern, build in families if (m := pattern.match(key))), None)
 
 
 def get_config(name: str, **overrides: Any) -> ViTConfig:

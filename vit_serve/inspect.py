@@ -489,7 +489,11 @@ def _write_filters(model: torch.nn.Module, out: Path) -> dict[str, Any]:
 
 
 def _write_similarity(model: torch.nn.Module, out: Path) -> dict[str, Any]:
-    """Figure 7 centre (``pos_embed_similarity.png``): [gh, gw, gh, gw] cosine similarities."""
+    """Figure 7 centre (``pos_embed_similarity.png``): [gh, gw, gh, gw] cosine similarities; skipped, with the
+    reason, for a model without absolute position embeddings (RoPE only: DINOv3, RoPE-ViT)."""
+    if model.pos_embed is None:
+        return {"skipped": "the model has no absolute position embeddings: its rotary ones (RoPE) rotate q and k "
+                           "by the patch coordinates and have no per-position vector to compare"}
     pos = model.pos_embed.detach().cpu()
     # no_embed_class models (DINOv2 with registers) have no position embeddings for the prefix tokens
     sim = explain.pos_embed_similarity(pos, model.grid_size, model.cfg.num_pos_prefix_tokens).numpy()
@@ -500,6 +504,8 @@ def _write_similarity(model: torch.nn.Module, out: Path) -> dict[str, Any]:
         "measure": "cosine",
         "panels_shown": shown,
         "similarity": np.round(sim, 6).tolist(),
+        **({"note": "the model also rotates q and k (RoPE): these are its absolute embeddings only"}
+           if model.rope is not None else {}),
     }
 
 
@@ -653,7 +659,8 @@ def inspect_model(
 
     Returns the dict written to ``inspect.json`` (:class:`InspectResult`): ``files`` (names inside out_dir),
     ``model`` (config, preprocessing, grids), ``settings``, ``filters`` (explained-variance ratios, or
-    ``skipped`` with the reason), ``pos_embed_similarity`` ([gh, gw, gh, gw] nested lists),
+    ``skipped`` with the reason), ``pos_embed_similarity`` ([gh, gw, gh, gw] nested lists, or ``skipped``
+    without absolute position embeddings),
     ``mean_attention_distance`` ([L, heads] in pixels, averaged over the images) and ``rollout`` (per image:
     name, source path, the raw [gh, gw] map, its ``query`` ("cls", or "patch-mean" for GAP models) and the
     top-5 labels and softmax scores) and ``registers`` (models with register tokens: per image the last layer's
@@ -692,7 +699,7 @@ def inspect_model(
     registers = _write_registers(image_names, seen, model.cfg.depth, out)
     files = [
         *([filters["file"]] if "file" in filters else []),
-        "pos_embed_similarity.png",
+        *([similarity["file"]] if "file" in similarity else []),
         "mean_attention_distance.png",
         rollout["file"],
         *(im["file"] for im in rollout["images"]),

@@ -258,14 +258,15 @@ class Embedding:
 def embedding_of(cfg: Any) -> Embedding:
     """The Embedding of a model's config (a `vit_serve.config.ViTConfig`, read by its fields): a converter's
     `cfg.extra["embedding_kind"]` when it set one (open_clip: "encode_image"), else by family: CLIP with a
-    projection "image_embeds", DINOv2 / SigLIP / CLIP without one "pooler_output", the 2020 ViT and DeiT
+    projection "image_embeds", DINOv2 / DINOv3 / SigLIP / CLIP without one "pooler_output" (DINOv3's: the class
+    token, as upstream and HF's `pooler_output`), the 2020 ViT, DeiT and the other Eva families
     "pre_logits". Normalised: CLIP and SigLIP (their embeddings are compared by cosine)."""
     family = getattr(cfg, "family", "vit")
     kind = (getattr(cfg, "extra", None) or {}).get("embedding_kind")
     if kind is None:
         if family == "clip" and getattr(cfg, "proj_dim", None):
             kind = "image_embeds"
-        elif family in ("dinov2", "siglip", "clip"):
+        elif family in ("dinov2", "dinov3", "siglip", "clip"):
             kind = "pooler_output"
         else:
             kind = "pre_logits"

@@ -7,8 +7,10 @@
 
 The families people deploy are options of this one model (ViTConfig), each reproducing its source:
 DeiT's distillation token, DINOv2's LayerScale and registers, CLIP's pre-encoder LayerNorm, QuickGELU and
-projection, SigLIP's attention-pool (MAP) head without a class token. Parameter names follow timm, so a timm
-state dict is our state dict.
+projection, SigLIP's attention-pool (MAP) head without a class token; and timm's `Eva` pieces (EVA-02, PE,
+DINOv3, RoPE-ViT): 2-D rotary position embeddings (vit_serve.rope) with or without absolute ones, SwiGLU MLPs
+(with EVA's sub-LayerNorm), q/v-only biases, fc_norm. Parameter names follow timm, so a timm VisionTransformer
+state dict is our state dict (an Eva one is renamed by vit_serve.checkpoints.timm_eva).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from vit_serve import naflex
-from vit_serve.config import ViTConfig, get_config
+from vit_serve.config import RopeConfig, ViTConfig, get_config
 from vit_serve.pos_embed import is_tracing, resample_patch_embed, resample_pos_embed
 from vit_serve.resnet import ResNetStem
+from vit_serve.rope import init_mixed_freqs, rope_table, rotate_patches
 from vit_serve.tome import LayerMerge, MergeState, TokenMerging, TomeR, parse_r, size_bias
 
 
@@ -54,28 +57,51 @@ class Attention(nn.Module):
 
     Fused (default): F.scaled_dot_product_attention, i.e. FlashAttention / memory-efficient kernels on CUDA.
     Explicit (only when asked): softmax(q k^T / sqrt(d)) v, also returning the probabilities [B, heads, N, N].
+    With RoPE (`rope` set), q and k of the patch tokens are rotated before either path, so the probabilities
+    are those after rotation; the `num_prefix` class / register tokens are not rotated (as timm's Eva).
+    `k_bias=False`: the key has no bias (EVA's q_bias / v_bias; the k third of `qkv.bias` is ignored).
+    `attn_norm`: a LayerNorm on the heads' output before `proj` (EVA-CLIP).
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0) -> None:
+                 proj_drop: float = 0.0, k_bias: bool = True, attn_norm: bool = False, eps: float = 1e-6,
+                 rope: RopeConfig | None = None, num_prefix: int = 0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.k_bias = k_bias
+        self.rope = rope
+        self.num_prefix = num_prefix
         self.attn_drop = attn_drop
+        self.norm = nn.LayerNorm(dim, eps=eps) if attn_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         # The fused kernel; swappable for an accelerator's own (e.g. Pallas flash attention on TPU).
         self.attention_fn: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.qkv.bias
+        if self.k_bias or b is None:
+            return self.qkv(x)
+        d = b.shape[0] // 3
+        return F.linear(x, self.qkv.weight, torch.cat([b[:d], torch.zeros_like(b[d:2 * d]), b[2 * d:]]))
+
     def forward(self, x: torch.Tensor, return_attention: bool = False, bias: torch.Tensor | None = None,
-                keys: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                keys: bool = False, rope: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x [B, N, C] -> (out [B, N, C], probabilities [B, heads, N, N] if asked, the keys averaged over heads
         [B, N, C / heads] if asked: token merging's similarity). `bias` [B, 1, 1, N] is added to the logits
-        (token merging's proportional attention, log of the token sizes)."""
+        (token merging's proportional attention, log of the token sizes). `rope`: the rotary table of the patch
+        grid (vit_serve.rope), required when the attention was built with RoPE."""
         B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self._qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.rope is not None:
+            if rope is None:
+                raise ValueError("this attention uses RoPE: pass the grid's rotary table (VisionTransformer does)")
+            q = rotate_patches(q, rope, self.num_prefix, self.rope.rotate_half)
+            k = rotate_patches(k, rope, self.num_prefix, self.rope.rotate_half)
         drop = self.attn_drop if self.training else 0.0
         probs = None
         if return_attention:
@@ -86,7 +112,7 @@ class Attention(nn.Module):
             x = self.attention_fn(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=drop)
         else:
             x = self.attention_fn(q, k, v, dropout_p=drop)
-        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        x = self.proj_drop(self.proj(self.norm(x.transpose(1, 2).reshape(B, N, C))))
         return x, probs, (k.mean(1) if keys else None)
 
 
@@ -103,17 +129,65 @@ def make_act(gelu: str) -> nn.Module:
 
 
 class Mlp(nn.Module):
-    """Two layers with a GELU between (paper: "two layers with a GELU non-linearity")."""
+    """Two layers with a GELU between (paper: "two layers with a GELU non-linearity"); `norm_eps`: a LayerNorm
+    on the hidden layer before fc2 (timm's scale_mlp)."""
 
-    def __init__(self, dim: int, hidden: int, gelu: str = "exact", drop: float = 0.0) -> None:
+    def __init__(self, dim: int, hidden: int, gelu: str = "exact", drop: float = 0.0,
+                 norm_eps: float | None = None) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.act = make_act(gelu)
+        self.norm = nn.LayerNorm(hidden, eps=norm_eps) if norm_eps is not None else nn.Identity()
         self.fc2 = nn.Linear(hidden, dim)
         self.drop = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        return self.drop(self.fc2(self.norm(self.drop(self.act(self.fc1(x))))))
+
+
+class SwiGLU(nn.Module):
+    """fc2(silu(fc1_g x) * fc1_x x) (Shazeer 2020), `hidden` wide per branch; `norm_eps`: EVA-02's sub-LayerNorm
+    on the gated product before fc2. timm's `SwiGLU` (its packed `GluMlp` is split into fc1_g / fc1_x on import)."""
+
+    def __init__(self, dim: int, hidden: int, drop: float = 0.0, norm_eps: float | None = None) -> None:
+        super().__init__()
+        self.fc1_g = nn.Linear(dim, hidden)
+        self.fc1_x = nn.Linear(dim, hidden)
+        self.act = nn.SiLU()
+        self.norm = nn.LayerNorm(hidden, eps=norm_eps) if norm_eps is not None else nn.Identity()
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.norm(self.drop(self.act(self.fc1_g(x)) * self.fc1_x(x)))))
+
+
+def make_mlp(cfg: ViTConfig) -> nn.Module:
+    """The block's MLP of `cfg.mlp`: GELU (the paper's) or SwiGLU, with EVA-02's sub-LayerNorm if `mlp_norm`."""
+    eps = cfg.layer_norm_eps if cfg.mlp_norm else None
+    if cfg.mlp == "swiglu":
+        return SwiGLU(cfg.embed_dim, cfg.mlp_dim, cfg.drop_rate, eps)
+    return Mlp(cfg.embed_dim, cfg.mlp_dim, cfg.gelu, cfg.drop_rate, eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """A model's RoPE (`cfg.rope`): forward(h, w) -> the table of the H x W patch grid, [N, 2 hd], or for
+    "mixed" [depth, heads, N, 2 hd] from its learned frequencies `freqs` [2, depth, heads, hd / 2] (timm's
+    `rope.freqs`; block i reads row i)."""
+
+    def __init__(self, cfg: ViTConfig) -> None:
+        super().__init__()
+        assert cfg.rope is not None
+        self.rope = cfg.rope
+        self.head_dim = cfg.embed_dim // cfg.num_heads
+        self.freqs = None
+        if cfg.rope.kind == "mixed":
+            self.freqs = nn.Parameter(init_mixed_freqs(self.head_dim, cfg.depth, cfg.num_heads, cfg.rope.temperature))
+
+    def forward(self, h, w) -> torch.Tensor:
+        r = self.rope
+        return rope_table(r.kind, h, w, self.head_dim, r.temperature, r.grid_offset, r.grid_indexing, r.ref_grid,
+                          r.rotate_half, self.freqs)
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -142,22 +216,24 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.embed_dim
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.attn = Attention(d, cfg.num_heads, cfg.qkv_bias, cfg.attn_drop_rate, cfg.drop_rate)
+        self.attn = Attention(d, cfg.num_heads, cfg.qkv_bias, cfg.attn_drop_rate, cfg.drop_rate, cfg.k_bias,
+                              cfg.attn_norm, cfg.layer_norm_eps, cfg.rope, cfg.num_prefix_tokens)
         self.ls1 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.mlp = Mlp(d, cfg.mlp_dim, cfg.gelu, cfg.drop_rate)
+        self.mlp = make_mlp(cfg)
         self.ls2 = LayerScale(d, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.drop_path_rate = drop_path_rate
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False,
-                merging: MergeState | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, return_attention: bool = False, merging: MergeState | None = None,
+                rope: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, N, D] -> (x, attention probabilities if asked). With `merging` (token merging), its r tokens
         are merged between the attention and the MLP (ToMe), and the state's sizes and sources updated.
-        `mask` [B, 1, 1, N]: an additive key-padding mask (0 or -inf; NaFlex's padded patches)."""
+        `rope`: this block's rotary table (RoPE models). `mask` [B, 1, 1, N]: an additive key-padding mask (0 or
+        -inf; NaFlex's padded patches)."""
         r = merging.next_r() if merging is not None else 0
         bias = size_bias(merging.size) if merging is not None and merging.prop_attn else mask
-        y, attn, keys = self.attn(self.norm1(x), return_attention, bias, keys=r > 0)
+        y, attn, keys = self.attn(self.norm1(x), return_attention, bias, keys=r > 0, rope=rope)
         x = x + drop_path(self.ls1(y), self.drop_path_rate, self.training)
         if merging is not None:
             x = merging.merge(x, keys, r)
@@ -175,14 +251,14 @@ class AttentionPool(nn.Module):
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         d = cfg.embed_dim
-        self.num_heads = cfg.num_heads
-        self.head_dim = d // cfg.num_heads
+        self.num_heads = cfg.pool_heads or cfg.num_heads
+        self.head_dim = d // self.num_heads
         self.latent = nn.Parameter(torch.zeros(1, 1, d))
         self.q = nn.Linear(d, d)
         self.kv = nn.Linear(d, 2 * d)
         self.proj = nn.Linear(d, d)
         self.norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.mlp = Mlp(d, cfg.mlp_dim, cfg.gelu)
+        self.mlp = Mlp(d, cfg.pool_mlp_dim or cfg.mlp_dim, cfg.gelu)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False,
                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -221,14 +297,17 @@ class VisionTransformer(nn.Module):
         self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.dist_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, d)) if cfg.reg_tokens else None
         gh, gw = cfg.grid_size
-        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_pos_prefix_tokens + gh * gw, d))
+        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_pos_prefix_tokens + gh * gw, d)) if cfg.pos_embed \
+            else None
+        self.rope = RotaryEmbedding(cfg) if cfg.rope is not None else None
         self.pos_drop = nn.Dropout(cfg.drop_rate)
         self.norm_pre = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.norm_pre else nn.Identity()
         # Stochastic depth grows linearly with depth, as in timm.
         dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
         self.blocks = nn.ModuleList([Block(cfg, r) for r in dpr])
-        self.norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.final_norm else nn.Identity()
         self.attn_pool = AttentionPool(cfg) if cfg.pool == "map" else None
+        self.fc_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.fc_norm else nn.Identity()
         self.pre_logits = self._make_pre_logits(cfg)
         self.proj = nn.Linear(cfg.representation_size or d, cfg.proj_dim, bias=False) if cfg.proj_dim else None
         self.head_drop = nn.Dropout(cfg.drop_rate)
@@ -258,6 +337,9 @@ class VisionTransformer(nn.Module):
         register tokens are never merged. `prop_attn`: proportional attention (for models trained without
         ToMe); `trace_source`: keep the last forward's sources in `tome_source` [B, T, prefix + N]."""
         schedule = parse_r(len(self.blocks), r)
+        if self.rope is not None and any(schedule):
+            raise ValueError("token merging is not supported with RoPE: a merged token has no one position to "
+                             "rotate by")
         self.token_merging = (TokenMerging(tuple(schedule), prop_attn, trace_source) if any(schedule) else None)
         self.tome_source = None
 
@@ -325,9 +407,10 @@ class VisionTransformer(nn.Module):
         """The position embeddings resampled from `old_grid` to the grid of H x W at the current patch size;
         the config and the preprocessing contract at H x W."""
         p = self.cfg.patch_size
-        new = resample_pos_embed(self.pos_embed.detach(), old_grid, (h // p, w // p), self.cfg.num_pos_prefix_tokens,
-                                 mode or self.cfg.resample_mode)
-        self.pos_embed = nn.Parameter(new.clone())
+        if self.pos_embed is not None:  # RoPE tables follow the grid by themselves
+            new = resample_pos_embed(self.pos_embed.detach(), old_grid, (h // p, w // p),
+                                     self.cfg.num_pos_prefix_tokens, mode or self.cfg.resample_mode)
+            self.pos_embed = nn.Parameter(new.clone())
         self.cfg = self.cfg.replace(img_size=(h, w))
         if self.preprocess_cfg is not None:
             self.preprocess_cfg = self.preprocess_cfg.with_size(h, w)
@@ -363,7 +446,8 @@ class VisionTransformer(nn.Module):
 
     def reset_pos_embed(self) -> None:
         """Fresh position embeddings, N(0, 0.02²) as at initialisation (the control of resolution transfer)."""
-        nn.init.normal_(self.pos_embed, std=0.02)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed, std=0.02)
 
     def reset_head(self, num_classes: int, keep_pre_logits: bool = False) -> None:
         """Replace the head with a zero-initialised D x K layer (paper §3.2), dropping pre_logits by default."""
@@ -374,7 +458,7 @@ class VisionTransformer(nn.Module):
         self.labels = None
         self.reference = None
         self.cfg = self.cfg.replace(embed_norm=False, scores="softmax")  # a new head is an ordinary classifier
-        ref = self.pos_embed
+        ref = self.patch_embed.proj.weight
         self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype) \
             if num_classes else nn.Identity()
         self.head_dist = None
@@ -387,13 +471,16 @@ class VisionTransformer(nn.Module):
 
     def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """Patch tokens [B, N, D] -> [B, prefix + N, D]: [class], [dist], registers, patches, plus position
-        embeddings (on the patches only when `no_embed_class`, as timm's DINOv2-reg and SigLIP)."""
+        embeddings (on the patches only when `no_embed_class`, as timm's DINOv2-reg and SigLIP; none without
+        absolute position embeddings)."""
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token)
+                  if t is not None]
+        if self.pos_embed is None:
+            return self.pos_drop(torch.cat([*prefix, x], dim=1) if prefix else x)
         pos = self.pos_embed
         if (self.dynamic_size and is_tracing()) or grid != self.grid_size:  # no symbolic compare when tracing
             pos = resample_pos_embed(pos, self.grid_size, grid, self.cfg.num_pos_prefix_tokens,
                                      self.cfg.resample_mode)
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token)
-                  if t is not None]
         if self.cfg.no_embed_class:
             x = x + pos
             return self.pos_drop(torch.cat([*prefix, x], dim=1) if prefix else x)
@@ -416,18 +503,27 @@ class VisionTransformer(nn.Module):
         embedding = self.embed(self.pool(tokens))
         return self.head_logits(tokens, embedding), embedding
 
+    def rope_tables(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """The rotary table each block reads for input [B, C, H, W] (vit_serve.rope, computed from its patch grid
+        with tensor arithmetic only); [None] * depth without RoPE."""
+        if self.rope is None:
+            return [None] * len(self.blocks)
+        table = self.rope(*self.check_size(x.shape[-2], x.shape[-1]))
+        return list(table.unbind(0)) if self.rope.freqs is not None else [table] * len(self.blocks)
+
     def _features(self, x: torch.Tensor, return_attention: bool = False, record: bool = False):
         """forward_features, and the token-merging state (None without ToMe): (tokens, attentions, state);
         `record`: the state keeps each layer's `LayerMerge`."""
+        ropes = self.rope_tables(x)
         x = self.forward_stem(x)
         tm = self.token_merging
         merging = tm.start(self.num_prefix_tokens, record) if tm is not None else None
         attentions = []
-        for blk in self.blocks:
+        for blk, rope in zip(self.blocks, ropes, strict=True):
             if self.grad_checkpointing and self.training and not return_attention and merging is None:
-                x, attn = checkpoint(blk, x, use_reentrant=False)
+                x, attn = checkpoint(blk, x, False, None, rope, use_reentrant=False)
             else:
-                x, attn = blk(x, return_attention, merging)
+                x, attn = blk(x, return_attention, merging, rope)
             if return_attention:
                 attentions.append(attn)
         if merging is not None and merging.trace_source and not is_tracing():  # an exported graph keeps no state
@@ -465,8 +561,9 @@ class VisionTransformer(nn.Module):
         return self.pool(x, return_attention, merging.size, merging.prop_attn)
 
     def embed(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Pooled [B, D] -> the image embedding [B, E]: pre-logits layer, then the projection (CLIP)."""
-        x = self.pre_logits(pooled)
+        """Pooled [B, D] -> the image embedding [B, E]: fc_norm (Eva's average-pooled models), pre-logits layer,
+        then the projection (CLIP)."""
+        x = self.pre_logits(self.fc_norm(pooled))
         return self.proj(x) if self.proj is not None else x
 
     def head_logits(self, tokens: torch.Tensor, embedding: torch.Tensor):
@@ -504,8 +601,9 @@ class VisionTransformer(nn.Module):
         The patch conv as a linear map on flattened patches, the position embeddings resampled per image to its
         own grid (`naflex.position_weights`, transformers' Siglip2VisionEmbeddings), and the key-padding mask in
         every attention, so padded rows never change a real token (their own rows are not meaningful)."""
-        if self.patch_embed.backbone is not None or self.token_merging is not None:
-            raise ValueError("NaFlex inputs need a plain patch embedding and no token merging")
+        if self.patch_embed.backbone is not None or self.token_merging is not None or self.cfg.rope is not None:
+            raise ValueError("NaFlex inputs need a plain patch embedding, absolute position embeddings and no "
+                             "token merging")
         conv = self.patch_embed.proj
         x = F.linear(patches.to(conv.weight.dtype), naflex.conv_to_linear(conv.weight), conv.bias)
         p, d = self.cfg.num_pos_prefix_tokens, x.shape[-1]
@@ -525,7 +623,7 @@ class VisionTransformer(nn.Module):
         x = self.norm_pre(self.pos_drop(x))
         for blk in self.blocks:
             if self.grad_checkpointing and self.training:
-                x, _ = checkpoint(blk, x, False, None, bias, use_reentrant=False)
+                x, _ = checkpoint(blk, x, False, None, None, bias, use_reentrant=False)
             else:
                 x, _ = blk(x, mask=bias)
         return self.norm(x), bias

@@ -125,7 +125,7 @@ def zero_shot_classifier(model: VisionTransformer, bundle: TextBundle, labels: S
         raise ZeroShotError(f"the text tower's embeddings ({w.shape[1]}) do not match the image embedding "
                             f"({model.cfg.embed_dim_out})")
     model.reset_head(len(labels), keep_pre_logits=True)
-    ref = model.pos_embed
+    ref = model.patch_embed.proj.weight  # its device and dtype (RoPE models have no pos_embed)
     model.head.weight.copy_((w * float(logit_multiplier(bundle.logit_scale))).to(ref))
     model.head.bias.fill_(bundle.logit_bias if bundle.logit_bias is not None else 0.0)
     model.cfg = model.cfg.replace(embed_norm=True, scores="sigmoid" if bundle.sigmoid else "softmax")

@@ -20,6 +20,7 @@ FAMILIES = {
     "deit_small_distilled_patch16_224": (6, 32, 48),
     "vit_small_patch14_dinov2": (6, 28, 42),
     "vit_small_patch14_reg4_dinov2": (6, 28, 56),
+    "vit_giant_patch14_dinov2": (24, 28, 42),
     "vit_base_patch16_clip_224": (12, 32, 48),
     "vit_base_patch16_clip_quickgelu_224": (12, 32, 48),
     "vit_base_patch16_siglip_224": (12, 32, 48),
@@ -88,16 +89,20 @@ def test_cli_converts_a_timm_hub_folder(tmp_path):
 
 
 def _refusal_cases():
-    eva = timm.create_model("eva02_tiny_patch14_224", pretrained=False, depth=1, img_size=28, num_classes=2)
+    """Refused by architecture, in one line; a bare state dict (PE-Core's: its RoPE has no keys) needs --arch."""
+    pe = timm.create_model("vit_pe_core_tiny_patch16_384", pretrained=False, depth=1, img_size=32, num_classes=2)
     beit = timm.create_model("beit_base_patch16_224", pretrained=False, embed_dim=96, depth=1, img_size=32,
                              num_classes=2)
-    giant = timm.create_model("vit_giant_patch14_dinov2", pretrained=False, embed_dim=96, num_heads=4, depth=1,
-                              img_size=28, num_classes=2)
-    return {"eva02": (eva, "eva02_tiny_patch14_224", "RoPE"), "beit": (beit, None, "relative position bias"),
-            "swiglu": (giant, None, "SwiGLU")}
+    aim = timm.create_model("aimv2_large_patch14_224", pretrained=False, embed_dim=64, num_heads=4, depth=1,
+                            img_size=28, num_classes=2)
+    big = timm.create_model("vit_7b_patch16_dinov3", pretrained=False, embed_dim=64, num_heads=2, depth=1,
+                            img_size=32, num_classes=2)
+    return {"bare_pe": (pe, None, "pass --arch NAME"),
+            "beit": (beit, "beit_base_patch16_224", "relative position bias"),
+            "rmsnorm": (aim, "aimv2_large_patch14_224", "RMSNorm"), "dinov3_7b": (big, "vit_7b_patch16_dinov3", "7B")}
 
 
-@pytest.mark.parametrize("case", ["eva02", "beit", "swiglu"])
+@pytest.mark.parametrize("case", ["bare_pe", "beit", "rmsnorm", "dinov3_7b"])
 def test_unsupported_models_are_refused_in_one_line(case, tmp_path):
     model, arch, what = _refusal_cases()[case]
     src = tmp_path / "w.safetensors"

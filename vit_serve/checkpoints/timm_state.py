@@ -1,4 +1,6 @@
-"""timm `VisionTransformer` state dicts -> our layout (timm's parameter names are ours)."""
+"""timm state dicts -> our layout: `VisionTransformer` (its parameter names are ours) and, through
+`timm_eva`, `Eva` (DINOv3, PE, EVA-02, RoPE-ViT). What a state dict is, is decided by its architecture's name
+(--arch or the hub config.json's `architecture`), never by the keys it happens to have."""
 
 from __future__ import annotations
 
@@ -9,16 +11,14 @@ from typing import Any
 
 import torch
 
-from vit_serve.checkpoints.converted import CheckpointError, Converted, strip_prefixes
+from vit_serve.checkpoints.converted import CheckpointError, Converted, one_line, strip_prefixes
+from vit_serve.checkpoints.timm_eva import EVA_FAMILIES, convert_timm_eva, rename_eva
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
-from vit_serve.config import HEADS_BY_WIDTH, ViTConfig, backbone_stride, get_config, unsupported_reason
+from vit_serve.config import ViTConfig, backbone_stride, get_config, unsupported_reason
 from vit_serve.preprocess import PreprocessConfig
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 _STAGE = re.compile(r"^patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.")
-
-
-_SWIGLU_KEYS = re.compile(r"^blocks\.0\.mlp\.(w12|w1|w2|w3|fc1_g|fc1_x)\.")
 _ACTS = {"gelu": "exact", "gelu_tanh": "tanh", "quick_gelu": "quick"}
 
 
@@ -29,30 +29,19 @@ def is_timm_layout(keys: Iterable[str]) -> bool:
     return "patch_embed.proj.weight" in keys and ("pos_embed" in keys or "blocks.0.norm1.weight" in keys)
 
 
-def _missing_pieces(sd: Mapping[str, torch.Tensor], arch: str | None) -> str | None:
-    """One line naming what a state dict / architecture needs that our model lacks, or None."""
-    if arch and (why := unsupported_reason(arch)):
-        return f"{arch}: {why}"
-    found = []
-    if any("relative_position_bias_table" in k for k in sd):
-        found.append("BEiT-style relative position bias (relative_position_bias_table)")
-    if any(k.startswith("rope.") or ".rope." in k for k in sd):
-        found.append("rotary position embeddings (rope.*)")
-    fc1, fc2 = sd.get("blocks.0.mlp.fc1.weight"), sd.get("blocks.0.mlp.fc2.weight")
-    if any(_SWIGLU_KEYS.match(k) for k in sd) or (fc1 is not None and fc2 is not None and fc1.shape[0] != fc2.shape[1]):
-        found.append("a SwiGLU MLP (mlp.w12 / fc1 twice fc2's width)")
-    if "blocks.0.attn.q_bias" in sd:
-        found.append("separate q/v biases (attn.q_bias, EVA / BEiT)")
-    if "fc_norm.weight" in sd:
-        found.append("fc_norm (a LayerNorm after pooling)")
-    if "pos_embed" not in sd:
-        found.append("absolute position embeddings (no pos_embed)")
-    if "attn_pool.latent" in sd and sd["attn_pool.latent"].shape[1] != 1:
-        found.append("an attention pool with several latents")
-    if not found:
-        return None
-    eva = "EVA-02-like " if "blocks.0.attn.q_bias" in sd and "SwiGLU" in " ".join(found) else ""
-    return f"{eva}timm model not supported: needs " + "; ".join(found)
+def architecture_of(arch: str | None) -> ViTConfig:
+    """The config of a timm architecture name; UnsupportedCheckpoint (one line, exit 2) for no name, a refused
+    architecture or an unknown one. A bare state dict cannot be told from a plain ViT by its keys (PE-Core's
+    rotary embeddings have none), so it needs the name."""
+    if not arch:
+        raise UnsupportedCheckpoint("a bare timm state dict does not say its architecture: pass --arch NAME (its timm "
+                                    "model name, e.g. vit_base_patch16_224), or convert its timm hub folder")
+    if why := unsupported_reason(arch):
+        raise UnsupportedCheckpoint(f"{arch}: {why}")
+    try:
+        return get_config(arch)
+    except ValueError as e:
+        raise UnsupportedCheckpoint(one_line(e)) from e
 
 
 def _grid(rows: int, prefix: int, patch: int, img: Any, reg: bool) -> tuple[tuple[int, int], bool]:
@@ -74,33 +63,7 @@ def _grid(rows: int, prefix: int, patch: int, img: Any, reg: bool) -> tuple[tupl
     return (side, side), nec
 
 
-def _name_hints(arch: str) -> dict[str, Any]:
-    """What an architecture name outside the presets still says (timm's naming): family, act, CLIP's eps."""
-    hints: dict[str, Any] = {}
-    for fam in ("deit", "dinov2", "clip", "siglip"):
-        if fam in arch:
-            hints["family"] = fam
-    if "quickgelu" in arch:
-        hints["gelu"] = "quick"
-    if "_clip_" in arch:
-        hints["layer_norm_eps"] = 1e-5
-    return hints
-
-
-def _family_from_keys(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """No architecture name: the family from the keys, with timm's defaults for it (see convert_timm)."""
-    if fields["dist_token"]:
-        return {"family": "deit"}
-    if fields["norm_pre"]:
-        return {"family": "clip", "layer_norm_eps": 1e-5}
-    if fields["pool"] == "map":
-        return {"family": "siglip"}
-    if fields["init_values"] is not None or fields["reg_tokens"]:
-        return {"family": "dinov2"}
-    return {}
-
-
-def _infer_config(sd: Mapping[str, torch.Tensor], arch: str | None, model_args: Mapping[str, Any]) -> ViTConfig:
+def _infer_config(sd: Mapping[str, torch.Tensor], base: ViTConfig, model_args: Mapping[str, Any]) -> ViTConfig:
     proj = sd["patch_embed.proj.weight"]  # [D, C_in, k, k]
     d = proj.shape[0]
     fields: dict[str, Any] = dict(embed_dim=d)
@@ -117,7 +80,7 @@ def _infer_config(sd: Mapping[str, torch.Tensor], arch: str | None, model_args: 
         fields["patch_size"] = proj.shape[-1]
         fields["in_chans"] = proj.shape[1]
     fields["depth"] = 1 + max(int(m[1]) for k in sd if (m := _BLOCK.match(k)))
-    fields["mlp_dim"] = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    fields["mlp_dim"] = sd["blocks.0.mlp.fc2.weight"].shape[1]
     fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
     fields["class_token"] = "cls_token" in sd
     fields["dist_token"] = "dist_token" in sd
@@ -128,34 +91,18 @@ def _infer_config(sd: Mapping[str, torch.Tensor], arch: str | None, model_args: 
     if model_args.get("global_pool") == "avg":
         fields["pool"] = "gap"
     fields["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
-    base = get_config(arch) if arch and _known(arch) else None
     has_ls = "blocks.0.ls1.gamma" in sd
-    fields["init_values"] = (model_args.get("init_values") or (base and base.init_values) or 1e-5) if has_ls else None
+    fields["init_values"] = (model_args.get("init_values") or base.init_values or 1e-5) if has_ls else None
     prefix = int(fields["class_token"]) + int(fields["dist_token"]) + fields["reg_tokens"]
     grid, fields["no_embed_class"] = _grid(sd["pos_embed"].shape[1], prefix, fields["patch_size"],
                                            model_args.get("img_size"), fields["reg_tokens"] > 0)
     fields["img_size"] = (grid[0] * fields["patch_size"], grid[1] * fields["patch_size"])
-    heads = model_args.get("num_heads") or (base.num_heads if base else HEADS_BY_WIDTH.get(d))
-    if heads is None:
-        raise CheckpointError(f"cannot infer the number of attention heads for width {d}; "
-                              "pass the timm architecture name (--arch)")
-    fields["num_heads"] = heads
-    if base is not None:
-        named = ("std_conv_style", "std_conv_eps", "group_norm_eps", "layer_norm_eps", "gelu", "family")
-        fields = {**{k: getattr(base, k) for k in named}, **fields}
-    else:
-        fields = {**(_name_hints(arch) if arch else _family_from_keys(fields)), **fields}
+    fields["num_heads"] = model_args.get("num_heads") or base.num_heads
+    named = ("std_conv_style", "std_conv_eps", "group_norm_eps", "layer_norm_eps", "gelu", "family", "mlp")
+    fields = {**{k: getattr(base, k) for k in named}, **fields}
     if isinstance(model_args.get("act_layer"), str) and model_args["act_layer"] in _ACTS:
         fields["gelu"] = _ACTS[model_args["act_layer"]]
     return ViTConfig(resample_mode="timm", **fields)
-
-
-def _known(arch: str) -> bool:
-    try:
-        get_config(arch)
-    except ValueError:
-        return False
-    return True
 
 
 def _preprocess(pretrained_cfg: Mapping[str, Any], img_size: tuple[int, int]) -> PreprocessConfig:
@@ -171,8 +118,8 @@ def convert_timm(
     hub_config: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> Converted:
-    """Convert a timm ViT / R50-hybrid / DeiT / DINOv2 / CLIP / SigLIP state dict; reproduces
-    `timm.create_model(arch)` exactly.
+    """Convert a timm ViT / R50-hybrid / DeiT / DINOv2 / CLIP / SigLIP state dict, or an Eva one (DINOv3, PE,
+    EVA-02, RoPE-ViT: `timm_eva`); reproduces `timm.create_model(arch)` exactly.
 
     From the keys: [dist] token (`dist_token`, `head_dist`), registers (`reg_token` [1, R, D]), no_embed_class
     (`pos_embed` rows = N rather than prefix + N), LayerScale (`blocks.i.ls1.gamma`), norm_pre, patch bias,
@@ -181,8 +128,8 @@ def convert_timm(
     timm builds them) and the family. Without a name the family comes from the keys, with timm's defaults:
     norm_pre -> CLIP (eps 1e-5, exact GELU: OpenAI weights need the `_quickgelu_` name), attn_pool -> SigLIP
     (exact GELU: SigLIP 2 shapes need their name), LayerScale / registers -> DINOv2, dist_token -> DeiT.
-    Refused in one line naming what is missing: EVA-02 (RoPE, SwiGLU), BEiT (relative position bias), SwiGLU
-    MLPs (DINOv2 giant), fc_norm.
+    The architecture decides (`architecture_of`): refused in one line, naming what is missing, without a name
+    (a bare state dict), for a refused architecture (BEiT, RADIO, the 7B DINOv3, ...) and an unknown one.
 
     Args:
         weights: timm state dict (`patch_embed.proj.weight` [D, C, P, P], `pos_embed` [1, 1 + N, D], ...),
@@ -197,16 +144,22 @@ def convert_timm(
         raise CheckpointError("not a timm VisionTransformer state dict (no patch_embed.proj.weight / pos_embed)")
     hub_config = hub_config or {}
     arch = arch or hub_config.get("architecture")
-    if missing := _missing_pieces(sd, arch):
-        raise UnsupportedCheckpoint(missing)
+    base = architecture_of(arch)
+    labels = hub_config.get("label_names")
+    if base.family in EVA_FAMILIES:
+        cfg, state = convert_timm_eva(sd, base, hub_config, **overrides)
+        pre = _preprocess(hub_config.get("pretrained_cfg", {}), cfg.img_size)
+        return Converted(cfg, state, source="timm Eva state dict", labels=list(labels) if labels else None,
+                         preprocess=pre)
+    if base.mlp == "swiglu":  # DINOv2 giant: timm's packed GluMlp fc1 -> fc1_g / fc1_x
+        sd = rename_eva(sd, swiglu=True)
     try:
-        cfg = _infer_config(sd, arch, hub_config.get("model_args", {}))
+        cfg = _infer_config(sd, base, hub_config.get("model_args", {}))
         cfg = cfg.replace(**overrides) if overrides else cfg
     except (KeyError, ValueError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"timm state dict: cannot infer the model ({e})") from e
-    labels = hub_config.get("label_names")
     pre = _preprocess(hub_config.get("pretrained_cfg", {}), cfg.img_size)
     state = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
     return Converted(cfg, state, source="timm state dict", labels=list(labels) if labels else None,

@@ -1,5 +1,6 @@
-"""Refusals: a checkpoint that is readable but of an architecture or format we do not take (EVA-02's RoPE and
-SwiGLU, BEiT's relative position bias, a TorchScript archive). One line naming what is missing; the CLI exits 2."""
+"""Refusals: a checkpoint that is readable but of an architecture or format we do not take (BEiT's relative position
+bias, RADIO, the 7B DINOv3, a bare timm state dict that does not name its architecture, a TorchScript archive). One
+line naming what is missing; the CLI exits 2."""
 
 from __future__ import annotations
 

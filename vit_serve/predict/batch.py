@@ -16,7 +16,7 @@ import numpy as np
 
 from vit_serve.predict.options import PredictOptions
 from vit_serve.predict.writers import ErrorLog, RolloutFile, Row, printable
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig

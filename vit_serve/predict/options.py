@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from vit_serve.flag import FLAG_KEY, Flag
 from vit_serve.predict.writers import output_format
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 
 def _flag(help: str, **kw: Any) -> dict[str, Flag]:
