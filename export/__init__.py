@@ -15,6 +15,7 @@
 - `quantize`: int8 (dynamic or static) and what it costs and gains.
 - `sidecar`: the manifest written beside every export.
 - `text_tower`: a checkpoint's text tower as its own graph.
+- `naflex_graph`: a SigLIP 2 NaFlex model's patch graph (patches, spatial shapes, mask), any batch and budget.
 - `tensorrt_build`, `tensorrt_compat`, `typed_graph`: TensorRT engines (a CUDA GPU), what each TensorRT version
   needs, fp16 / bf16-typed graphs for them.
 - `triton_repo`, `triton_config`, `triton_models/`: the Triton model repository, its config.pbtxt files, its
