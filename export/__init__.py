@@ -10,6 +10,8 @@
 - `cli`: the `vit-export` command.
 - `onnx_export`, `graph_info`: the ONNX graphs (static or dynamic resolution; the explain graph computes the
   rollout in the graph) and what a graph says about itself.
+- `graph_ops`: what a graph is made of (its op counts) and whether its size arithmetic is plain (no If / Loop,
+  every Range bounded by a Shape), as TensorRT's dynamic profiles need.
 - `simplify`: onnxslim, kept only when outputs stay equal.
 - `parity`: the export against PyTorch, with onnxruntime.
 - `quantize`: int8 (dynamic or static) and what it costs and gains.
