@@ -14,7 +14,7 @@ import vit_serve
 from vit_serve.checkpoints import build_model, read_checkpoint
 from vit_serve.data import digits_tensors
 from vit_serve.model import VisionTransformer
-from vit_serve.train.config import TrainConfig
+from vit_serve.train.config import OptionError, TrainConfig
 from vit_serve.train.fewshot import few_shot_eval, few_shot_eval_features
 from vit_serve.train.loop import Trainer
 from vit_serve.train.loop import build_model as build_train_model
@@ -140,6 +140,8 @@ def test_resolution_change_of_a_rope_only_model(tmp_path):
         want = ref.forward_features(x)[:, 0]  # timm's class token after the final norm
         got = moved.eval().forward_embedding(x)[1]
     assert (got - want).abs().max() <= 1e-4
+    with pytest.raises(OptionError, match="no absolute position embeddings to reinitialise"):
+        build_train_model(TrainConfig(mode="finetune", init=str(init), reinit_pos_embed=True), [])
 
 
 def _losses(out) -> dict[int, float]:
