@@ -5,6 +5,7 @@ frequencies with their blocks); the resolution change of a RoPE-only model; few-
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -16,7 +17,7 @@ from vit_serve.data import digits_tensors
 from vit_serve.model import VisionTransformer
 from vit_serve.train.config import OptionError, TrainConfig
 from vit_serve.train.fewshot import few_shot_eval, few_shot_eval_features
-from vit_serve.train.loop import Trainer
+from vit_serve.train.loop import Trainer, train
 from vit_serve.train.loop import build_model as build_train_model
 from vit_serve.train.progress import read_metrics
 from vit_serve.train.recipes import build_optimizer, layer_decay_groups
@@ -184,3 +185,24 @@ def test_few_shot_of_a_rope_model_is_that_of_timms_features(tmp_path):
     want = few_shot_eval_features(ftr, ytr, fte, yte, shots=(1, 5))
     print("few-shot, ours:", got, "timm's features:", want)
     assert got == want and got[5] > 0.15
+
+
+def test_rope_mixed_finetune_resumes_exactly(tmp_path, one_thread):
+    """RoPE-ViT mixed with layer decay (its frequencies scaled row by row after each step): 6 steps straight =
+    4 steps, stop, resume, 2 more, bit for bit; the frequencies did move."""
+    _, model = _converted("vit_small_patch16_rope_mixed_224", tmp_path / "hub")
+    init = vit_serve.save(model, tmp_path / "mixed.safetensors")
+    kw = dict(mode="finetune", init=str(init), steps=6, batch_size=16, lr=0.01, optimizer="adam", warmup_steps=1,
+              layer_decay=0.5, log_every=1, eval_every=0, progress=False, reference=False)
+    train(TrainConfig(out=str(tmp_path / "straight"), **kw))
+    t = Trainer(TrainConfig(out=str(tmp_path / "split"), **kw))
+    t.t_start = t.t_log = time.perf_counter()  # what run() sets before its loop
+    while t.state.step < 4:
+        t.log(t.step())
+    t.checkpoint()
+    t.log_file.close()
+    train(TrainConfig(out=str(tmp_path / "split"), resume=True, **kw))
+    a, b = (vit_serve.load(tmp_path / run / "model.safetensors").state_dict() for run in ("straight", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
+    assert (a["rope.freqs"] - model.rope.freqs.detach()).abs().max() > 1e-4
