@@ -1,8 +1,9 @@
 """The gateway with the torch backend on the 2025-26 encoders: an open_clip PE-Core tower (RoPE, MAP pool; random
 weights, a one-layer text tower) converted with `--zero-shot` so that its text tower comes along, and a timm DINOv3
 (RoPE only, registers; its embedding is the [class] token) converted from the hub folder timm writes. ?labels=
-reads the text tower from NAME_text.onnx beside the checkpoint, as for every backend: written here by the call
-`vit-export --text-tower` makes (vit_export.text_tower), checked there against the torch tower. References:
+runs the text tower of NAME_text.onnx beside the checkpoint (`pe`: written by the call `vit-export --text-tower`
+makes, vit_export.text_tower), or, with none there, the one the checkpoint stores, with torch (`pe_stored`: the
+same file under another name). References:
 open_clip's `encode_image` and its zero-shot recipe (normalise, mean over the templates, renormalise,
 logit_scale.exp(), softmax), timm's `forward_features` class token after the final norm, on the pixels
 `vit_serve.preprocess` makes of each upload (the gateway decodes by the model's contract)."""
@@ -46,6 +47,7 @@ def repo(tmp_path_factory):
     pe_ckpt = folder / "repo" / "pe.safetensors"
     written = export_text_tower(load_text_bundle(pe_ckpt), pe_ckpt, folder / "repo", "pe", family="pe")
     assert written.ok and written.record.templates == tuple(TEMPLATES)
+    (folder / "repo" / "pe_stored.safetensors").write_bytes(pe_ckpt.read_bytes())
     dino = timm.create_model(DINOV3, pretrained=False, embed_dim=96, depth=2, img_size=64, num_classes=0,
                              global_pool="token").eval()
     g = torch.Generator().manual_seed(3)
@@ -72,6 +74,10 @@ def answers(repo, photos):
                     "pe_labels": await client.post(f"/classify?model=pe&top_k=3&labels={','.join(ASKED)}",
                                                    files={"file": (name, data)}),
                     "dino_embed": await client.post("/embed?model=dinov3", files={"file": (name, data)}),
+                    "stored_labels": await client.post(f"/classify?model=pe_stored&top_k=3&labels={','.join(ASKED)}",
+                                                       files={"file": (name, data)}),
+                    "dino_labels": await client.post("/classify?model=dinov3&labels=a,b",
+                                                     files={"file": (name, data)}),
                 }
         return got
 
@@ -111,9 +117,12 @@ def test_pe_core_embed_and_labels_equal_open_clip(repo, answers, photos):
         emb_err = float(np.abs(emb - want).max())  # encode_image itself: projected, not normalised
         head_err = _check_scores(got["pe_head"], _zero_shot(pe, x, LABELS), LABELS)
         labels_err = _check_scores(got["pe_labels"], _zero_shot(pe, x, ASKED), ASKED)
+        stored_err = _check_scores(got["stored_labels"], _zero_shot(pe, x, ASKED), ASKED)
         print(f"PE-Core {name}: |Δ embedding| {emb_err:.2e} (norm {np.linalg.norm(emb):.3f}), |Δ score| baked head "
-              f"{head_err:.2e}, ?labels= {labels_err:.2e}")
-        assert e.json()["dim"] == want.shape[0] and emb_err <= TOL and head_err <= TOL and labels_err <= TOL
+              f"{head_err:.2e}, ?labels= {labels_err:.2e} (ONNX text tower), {stored_err:.2e} (the checkpoint's)")
+        assert e.json()["dim"] == want.shape[0] and max(emb_err, head_err, labels_err, stored_err) <= TOL
+        no_text = got["dino_labels"]
+        assert no_text.status_code == 400 and "no text tower" in no_text.json()["detail"]
 
 
 def test_dinov3_embed_is_timms_class_token(repo, answers, photos):
