@@ -13,6 +13,7 @@
 - `config`, `model`, `resnet`: the architecture (`ViTConfig` and the presets; the `VisionTransformer`; the hybrids'
   BiT ResNet stem).
 - `pos_embed`, `resolution`: position-embedding resampling (paper §3.2) and resolutions as people write them.
+- `rope`: 2-D rotary position embeddings (DINOv3, PE, EVA-02, RoPE-ViT): the tables from the patch grid.
 - `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
 - `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
   options, the heat-map overlay drawn on the model-input crop.

@@ -8,6 +8,7 @@
 - `converted`: what every converter returns, and the one place that builds the model from it (key checks).
 - `jax_npz`: vit_jax / AugReg / big_vision `.npz`.
 - `timm_state`, `torchvision_state`, `open_clip_state`: timm, torchvision and open_clip state dicts.
+- `timm_eva`: timm `Eva` state dicts (DINOv3, PE, EVA-02, RoPE-ViT), dispatched from `timm_state` by architecture.
 - `hf_models`, `hf_transformers`, `hf_clip`, `hf_dinov2`, `hf_siglip`: Hugging Face transformers folders, by
   `model_type` (ViT, CLIP, DINOv2, SigLIP).
 - `hub`: `hf-hub:<owner>/<name>` ids -> a local folder.
