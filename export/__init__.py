@@ -11,6 +11,8 @@
 - `onnx_export`, `graph_info`: the ONNX graphs (static or dynamic resolution; the explain graph computes the
   rollout in the graph) and what a graph says about itself.
 - `simplify`: onnxslim, kept only when outputs stay equal.
+- `naflex_graph`: the SigLIP 2 NaFlex graph (patches, their grid and the padding mask in; position embeddings
+  resampled per image inside).
 - `parity`: the export against PyTorch, with onnxruntime.
 - `quantize`: int8 (dynamic or static) and what it costs and gains.
 - `sidecar`: the manifest written beside every export.

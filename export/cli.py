@@ -13,6 +13,7 @@ Errors are one line and a non-zero exit.
 Where things go:
     <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
     <out>/<name>_text.onnx, <name>_text.json, <name>_text_tokenizer/        --text-tower (CLIP / SigLIP)
+    <out>/<name>_naflex.onnx   patches, spatial_shapes, mask -> logits, embedding   --naflex (SigLIP 2 NaFlex)
     <out>/<name>_tensorrt/model_sm<XY>.plan                                --format tensorrt
     <out>/<name>_tensorrt/<name>_<fp16|bf16>.onnx   the typed graph TensorRT 11 builds from (strongly typed only)
     <out>/tensorrt_sm<XY>_trt<version>.cache                               TensorRT's timing cache
@@ -52,7 +53,7 @@ from vit_export.pipeline import (
 from vit_serve.cli_parser import OneLineParser, argument_type
 from vit_serve.explain import HEAD_FUSIONS
 from vit_serve.manifest import LOGITS
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 EXIT_NO_TENSORRT = 3
 FLAGS = {"formats": "format"}  # ExportOptions fields whose flag is not their name
@@ -125,6 +126,9 @@ def _add_graph_flags(p: argparse.ArgumentParser) -> None:
                    help="also write the checkpoint's text tower (CLIP / SigLIP): <name>_text.onnx (input_ids -> "
                         "text_embeds), its tokenizer files and manifest, for POST /classify?labels=; adds the "
                         "embedding output")
+    p.add_argument("--naflex", action="store_true",
+                   help="also write the NaFlex graph of a SigLIP 2 NaFlex model: <name>_naflex.onnx (patches, "
+                        "spatial_shapes, mask -> logits, embedding; any batch and patch budget)")
     p.add_argument("--out", default="exports", help="folder of the ONNX files and engines (default: exports)")
     p.add_argument("--repo", default="model_repo", help="Triton model repository (default: model_repo)")
     p.add_argument("--name", help="file name stem (default: the checkpoint's name and the resolution)")
@@ -241,7 +245,7 @@ def options(args: argparse.Namespace) -> ExportOptions:
         max_batch=args.max_batch, instances=args.instances, triton_ensemble=args.triton_ensemble,
         triton_device=args.triton_device, queue_delay_us=args.queue_delay_us, max_queue=args.max_queue,
         outputs=args.outputs, text_tower=args.text_tower, tome=args.tome, tome_prop_attn=args.tome_prop_attn,
-        reference_images=args.reference_images,
+        reference_images=args.reference_images, naflex=args.naflex,
     )
 
 

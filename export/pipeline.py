@@ -36,6 +36,7 @@ from vit_serve.resolution import parse_resolution
 from vit_serve.tome import TomeR, parse_tome
 
 if TYPE_CHECKING:
+    from vit_export.naflex_graph import WrittenNaFlex
     from vit_export.onnx_export import ExportedGraph
     from vit_export.parity import ParityReport
     from vit_export.text_tower import WrittenTextTower
@@ -155,6 +156,8 @@ class ExportOptions:
     the Triton models and ensemble).
     text_tower: also write the checkpoint's text tower (`NAME_text.onnx`, its tokenizer and manifest,
     `vit_export.text_tower`), for POST /classify?labels=; the logits graph then has the embedding output too.
+    naflex: also write the NaFlex graph of a SigLIP 2 NaFlex model (`NAME_naflex.onnx`: patches, spatial_shapes,
+    mask -> logits, embedding; `vit_export.naflex_graph`), checked against `forward_patches` in onnxruntime.
     force: replace existing ONNX files and engines (never a repository's versions: a re-export adds one).
     tome: token merging in the graphs (ToMe, `VisionTransformer.set_token_merging`): r merged per layer (an int),
     one r per layer (a list), (r, inflection), or the CLI's text ("13", "13,13,8", "16:-1"); the default name
@@ -189,6 +192,7 @@ class ExportOptions:
     max_queue: int = 128
     outputs: tuple[str, ...] | str = (LOGITS,)
     text_tower: bool = False
+    naflex: bool = False
     tome: TomeR | str | None = None
     tome_prop_attn: bool = True
     reference_images: Path | str | None = None
@@ -320,6 +324,7 @@ class ExportResult:
     tensorrt_unavailable: str | None = None
     source_checkpoint: Path | None = None
     text: WrittenTextTower | None = None  # `text_tower`: NAME_text.onnx and its manifest
+    naflex: WrittenNaFlex | None = None  # `naflex`: NAME_naflex.onnx and its parity
 
     @property
     def onnx(self) -> Path:
@@ -336,7 +341,8 @@ class ExportResult:
 
     @property
     def graphs_ok(self) -> bool:
-        return self.graph.parity.ok and self.explain.parity.ok and (self.text is None or self.text.ok)
+        return (self.graph.parity.ok and self.explain.parity.ok and (self.text is None or self.text.ok)
+                and (self.naflex is None or self.naflex.ok))
 
     @property
     def engine_ok(self) -> bool | None:
@@ -403,7 +409,7 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     job = _job(model, options or ExportOptions(), progress or log.info)
     graph, explain = _write_graphs(job)
     result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint,
-                          text=_write_text_tower(job))
+                          text=_write_text_tower(job), naflex=_write_naflex(job))
     later = tuple(f for f in job.opts.formats if f != "onnx")
     if not result.graphs_ok:
         return dataclasses.replace(result, skipped=later)
@@ -458,9 +464,35 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
         from vit_export.text_tower import text_targets
 
         existing += [p for p in text_targets(opts.out, name) if p.exists()]
+    if opts.naflex:
+        if "max_patches" not in model.cfg.extra:
+            raise OptionError("naflex", "<naflex> needs a NaFlex model (SigLIP 2 NaFlex, e.g. a transformers siglip2 "
+                                        "folder); this one takes fixed-size images")
+        existing += [p for p in (naflex_target(opts.out, name),) if p.exists()]
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
     return job
+
+
+def naflex_target(out: Path, name: str) -> Path:
+    """Where `naflex` writes its graph."""
+    return Path(out) / f"{name}_naflex.onnx"
+
+
+def _write_naflex(job: _Job) -> WrittenNaFlex | None:
+    """NAME_naflex.onnx (`naflex`), checked against `forward_patches` in onnxruntime."""
+    if not job.opts.naflex:
+        return None
+    from vit_export.naflex_graph import write_naflex
+
+    job.say(f"exporting the NaFlex graph (patch budget {job.model.cfg.extra['max_patches']}, opset "
+            f"{job.opts.opset}) ...")
+    job.opts.out.mkdir(parents=True, exist_ok=True)
+    written = write_naflex(job.model, naflex_target(job.opts.out, job.name), job.opts.opset, job.opts.tol,
+                           job.opts.force)
+    job.say(f"  {written.path.name}: max |Δ| {written.max_abs_diff:.2e} against forward_patches "
+            f"({'ok' if written.ok else 'FAILED'}, tol {written.tol:g})")
+    return written
 
 
 def _reference(model: VisionTransformer, opts: ExportOptions, res: Resolution, say: Progress) -> Reference | None:

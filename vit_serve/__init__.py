@@ -13,12 +13,15 @@
 - `config`, `model`, `resnet`: the architecture (`ViTConfig` and the presets; the `VisionTransformer`; the hybrids'
   BiT ResNet stem).
 - `pos_embed`, `resolution`: position-embedding resampling (paper §3.2) and resolutions as people write them.
-- `rope`: 2-D rotary position embeddings (DINOv3, PE, EVA-02, RoPE-ViT): the tables from the patch grid.
+- `rope`: 2-D rotary position embeddings (EVA-02, PE, DINOv3, RoPE-ViT): sin / cos tables from the patch grid.
+- `naflex`: SigLIP 2's NaFlex: the aspect-preserving resize to a patch budget, patchify, the padding mask, per-image
+  position weights.
 - `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
 - `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
   options, the heat-map overlay drawn on the model-input crop.
 - `inspect`: `vit-serve inspect`, the paper's Figure 6 / 7 pictures.
 - `tome`: token merging (ToMe).
+- `tome_schedule`: how many tokens each layer merges (plain Python, no torch).
 - `embedding`, `zeroshot`: the image embedding; zero-shot heads from label text (CLIP, SigLIP).
 - `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
   record checkpoints and manifests carry.

@@ -16,7 +16,7 @@ from typing import Any
 POOLS = ("token", "gap", "map")
 # "quick": x * sigmoid(1.702 x), the activation OpenAI's CLIP weights were trained with.
 GELUS = ("exact", "tanh", "quick")
-RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision", "dinov2", "open_clip")
+RESAMPLE_MODES = ("jax", "timm", "hf", "torchvision", "dinov2", "open_clip", "naflex")
 SCORES = ("softmax", "sigmoid")
 # Which image embedding a family's users mean (manifest `embedding.kind`), and whether it is compared by cosine.
 FAMILIES = ("vit", "deit", "dinov2", "clip", "siglip", "dinov3", "pe", "eva", "ropevit")
@@ -108,6 +108,7 @@ class ViTConfig:
     norm_pre: bool = False  # a LayerNorm on the tokens before the encoder (CLIP's ln_pre)
     patch_bias: bool = True  # CLIP's patch projection has no bias
     proj_dim: int | None = None  # CLIP: a bias-free projection of the pooled token (the image embedding)
+    proj_bias: bool = False  # the projection with a bias (open_clip's timm towers whose classifier is the projection)
     embed_norm: bool = False  # L2-normalise the embedding before the head (zero-shot heads)
     scores: str = "softmax"  # how logits become scores: softmax (one label) or sigmoid (SigLIP, multi-label)
     family: str = "vit"

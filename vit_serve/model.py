@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from vit_serve import naflex
 from vit_serve.config import RopeConfig, ViTConfig, get_config
 from vit_serve.pos_embed import is_tracing, resample_patch_embed, resample_pos_embed
 from vit_serve.resnet import ResNetStem
@@ -224,12 +225,14 @@ class Block(nn.Module):
         self.drop_path_rate = drop_path_rate
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, merging: MergeState | None = None,
-                rope: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rope: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, N, D] -> (x, attention probabilities if asked). With `merging` (token merging), its r tokens
         are merged between the attention and the MLP (ToMe), and the state's sizes and sources updated.
-        `rope`: this block's rotary table (RoPE models)."""
+        `rope`: this block's rotary table (RoPE models). `mask` [B, 1, 1, N]: an additive key-padding mask (0 or
+        -inf; NaFlex's padded patches)."""
         r = merging.next_r() if merging is not None else 0
-        bias = size_bias(merging.size) if merging is not None and merging.prop_attn else None
+        bias = size_bias(merging.size) if merging is not None and merging.prop_attn else mask
         y, attn, keys = self.attn(self.norm1(x), return_attention, bias, keys=r > 0, rope=rope)
         x = x + drop_path(self.ls1(y), self.drop_path_rate, self.training)
         if merging is not None:
@@ -306,7 +309,7 @@ class VisionTransformer(nn.Module):
         self.attn_pool = AttentionPool(cfg) if cfg.pool == "map" else None
         self.fc_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.fc_norm else nn.Identity()
         self.pre_logits = self._make_pre_logits(cfg)
-        self.proj = nn.Linear(cfg.representation_size or d, cfg.proj_dim, bias=False) if cfg.proj_dim else None
+        self.proj = nn.Linear(cfg.representation_size or d, cfg.proj_dim, bias=cfg.proj_bias) if cfg.proj_dim else None
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(self.num_features, cfg.num_classes) if cfg.num_classes else nn.Identity()
         # DeiT: a second head on the distillation token; at inference the two heads' logits are averaged.
@@ -586,6 +589,60 @@ class VisionTransformer(nn.Module):
         image_embeds for CLIP with projection), the logits the head on it."""
         tokens, _, merging = self._features(x)
         embedding = self.embed(self._pool(tokens, merging))
+        return self.head_logits(tokens, embedding), embedding
+
+    # -- NaFlex (SigLIP 2: each image at its own aspect ratio, as padded rows of patches) ----------------
+    def forward_patch_features(self, patches: torch.Tensor, spatial_shapes: torch.Tensor,
+                               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NaFlex inputs (`vit_serve.naflex.batch_images`): patches [B, M, P * P * C] ((p, q, c) order),
+        spatial_shapes [B, 2] (each image's grid h, w; h * w <= M), mask [B, M] (nonzero: a real patch) ->
+        (tokens [B, prefix + M, D] after the final LayerNorm, the additive key mask [B, 1, 1, prefix + M]).
+
+        The patch conv as a linear map on flattened patches, the position embeddings resampled per image to its
+        own grid (`naflex.position_weights`, transformers' Siglip2VisionEmbeddings), and the key-padding mask in
+        every attention, so padded rows never change a real token (their own rows are not meaningful)."""
+        if self.patch_embed.backbone is not None or self.token_merging is not None or self.cfg.rope is not None:
+            raise ValueError("NaFlex inputs need a plain patch embedding, absolute position embeddings and no "
+                             "token merging")
+        conv = self.patch_embed.proj
+        x = F.linear(patches.to(conv.weight.dtype), naflex.conv_to_linear(conv.weight), conv.bias)
+        p, d = self.cfg.num_pos_prefix_tokens, x.shape[-1]
+        grid = self.pos_embed[0, p:].reshape(-1, d)
+        weights = naflex.position_weights(self.grid_size, spatial_shapes, patches.shape[1])
+        x = x + (weights @ grid.float()).to(x.dtype)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token)
+                  if t is not None]
+        keep = mask.bool()
+        if prefix:
+            pre = torch.cat(prefix, dim=1)
+            pre = pre if self.cfg.no_embed_class else pre + self.pos_embed[:, :p]
+            x = torch.cat([pre, x], dim=1)
+            keep = torch.cat([keep.new_ones(keep.shape[0], pre.shape[1]), keep], dim=1)
+        bias = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))
+        bias = bias[:, None, None, :]
+        x = self.norm_pre(self.pos_drop(x))
+        for blk in self.blocks:
+            if self.grad_checkpointing and self.training:
+                x, _ = checkpoint(blk, x, False, None, None, bias, use_reentrant=False)
+            else:
+                x, _ = blk(x, mask=bias)
+        return self.norm(x), bias
+
+    def forward_patches(self, patches: torch.Tensor, spatial_shapes: torch.Tensor,
+                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NaFlex inputs (as `forward_patch_features`) -> (logits [B, K], embedding [B, E]), as
+        `forward_embedding`: the pool reads real patches only (MAP: the probe's keys masked, HF's
+        Siglip2MultiheadAttentionPoolingHead; GAP: the mean over real patches)."""
+        tokens, bias = self.forward_patch_features(patches, spatial_shapes, mask)
+        if self.cfg.pool == "map":
+            pooled = self.attn_pool(tokens, False, bias)[0]
+        elif self.cfg.pool == "gap":
+            n = self.num_prefix_tokens
+            keep = torch.isfinite(bias[:, 0, 0, n:, None]).to(tokens.dtype)
+            pooled = (tokens[:, n:] * keep).sum(dim=1) / keep.sum(dim=1)
+        else:
+            pooled = self.pool(tokens)
+        embedding = self.embed(pooled)
         return self.head_logits(tokens, embedding), embedding
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):

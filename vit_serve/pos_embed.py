@@ -35,6 +35,9 @@ _MODES: dict[str, tuple[str, bool, bool, float]] = {
     "dinov2": ("bicubic", False, False, 0.1),
     # open_clip.model.resize_pos_embed (bicubic, antialias, align_corners=False).
     "open_clip": ("bicubic", False, True, 0.0),
+    # transformers Siglip2VisionEmbeddings.resize_positional_embeddings (NaFlex): a triangle filter of support
+    # max(scale, 1), i.e. bilinear with antialias (vit_serve.naflex.position_weights per image).
+    "naflex": ("bilinear", False, True, 0.0),
 }
 
 
@@ -64,7 +67,8 @@ def interpolation_weights(in_size: int, out_size, kind: str, align_corners: bool
       scale * (j + 0.5) - 0.5 (scale = in/out; clamped at 0 for bilinear); taps at floor(s) + {0, 1} or
       floor(s) + {-1, 0, 1, 2}, clamped to the border; bicubic with Keys' a = -0.75.
     - bicubic with antialias (PIL's filter, a = -0.5): centre c = scale * (j + 0.5), support 2 * max(scale, 1),
-      w_i = k((i - c + 0.5) / max(scale, 1)) over the inputs in range, normalised to sum 1.
+      w_i = k((i - c + 0.5) / max(scale, 1)) over the inputs in range, normalised to sum 1; bilinear with
+      antialias the same with the triangle k(x) = max(0, 1 - |x|) (support max(scale, 1)).
     - offset (F.interpolate given scale_factor = (out + offset) / in rather than a size): scale = in / (out + offset)
       in the formulas above, the output still `out` long.
     """
@@ -78,11 +82,12 @@ def interpolation_weights(in_size: int, out_size, kind: str, align_corners: bool
             raise ValueError("an offset scale factor is implemented for align_corners=False only")
         n_out = n_out + offset
     if antialias:
-        if kind != "bicubic" or align_corners:
-            raise ValueError("antialias is implemented for bicubic with align_corners=False only")
+        if align_corners:
+            raise ValueError("antialias is implemented for align_corners=False only")
         # (i + 0.5 - scale * (j + 0.5)) / max(scale, 1) with scale = in / out
         num = (2 * src[None, :] + 1) * n_out - in_size * (2 * dst[:, None] + 1)
-        w = _cubic(num / (2 * torch.clamp(n_out, min=in_size)), -0.5)
+        x = num / (2 * torch.clamp(n_out, min=in_size))
+        w = (1 - x.abs()).clamp(min=0) if kind == "bilinear" else _cubic(x, -0.5)
         return w / w.sum(dim=-1, keepdim=True)
     if align_corners:  # s = j * (in - 1) / (out - 1); a single output row reads input 0, as in torch
         num, den = dst * (in_size - 1), (n_out - 1).clamp(min=1)
@@ -130,8 +135,9 @@ def resample_pos_embed(
         mode: "jax" (bilinear, align_corners=True = scipy.ndimage.zoom(order=1) as in vit_jax),
             "timm" (bicubic, antialias, align_corners=False), "hf" (bicubic, no antialias, as transformers),
             "torchvision" (bicubic, align_corners=True), "dinov2" (bicubic at scale (new + 0.1) / old, the
-            DINOv2 release's), "open_clip" (as timm). On non-square grids "dinov2" scales each axis by its own
-            size (the DINOv2 code pairs the width's factor with the height axis; equal for square grids).
+            DINOv2 release's), "naflex" (bilinear, antialias: SigLIP 2's transformers code), "open_clip" (as
+            timm). On non-square grids "dinov2" scales each axis by its own size (the DINOv2 code pairs the
+            width's factor with the height axis; equal for square grids).
         portable: the matmul form (`interpolation_weights`) instead of `F.interpolate`; default: while
             exporting (ONNX, torch.export) only, so eager numbers are the references' own.
 

@@ -84,3 +84,23 @@ def test_a_prefixed_hub_id_goes_to_the_hub(no_hub):
     with pytest.raises(CheckpointError, match="cannot fetch 'someone/my-vit'"):
         vit_serve.load("hf-hub:someone/my-vit")
     assert no_hub == ["someone/my-vit"]
+
+
+def test_a_gated_repository_says_how_to_get_its_weights(monkeypatch, tmp_path):
+    """DINOv3's weights are gated by Meta's licence: huggingface_hub's own GatedRepoError (what it raises without
+    an accepted licence and token) becomes one line naming the licence, HF_TOKEN and the local-folder way."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    repo = "facebook/dinov3-vits16-pretrain-lvd1689m"
+
+    def snapshot_download(repo_id, *args, **kwargs):
+        response = httpx.Response(401, request=httpx.Request("GET", f"https://huggingface.co/api/models/{repo_id}"))
+        raise GatedRepoError(f"401 Client Error. Cannot access gated repo {repo_id}.", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=f"cannot fetch '{repo}'.*gated repository.*HF_TOKEN") as e:
+        vit_serve.load(f"hf-hub:{repo}")
+    assert "\n" not in str(e.value) and "never redistributes" in str(e.value)

@@ -101,7 +101,7 @@ def test_siglip_timm_trunk(tmp_path):
 
 
 @pytest.mark.parametrize("arch, message", [
-    ("open_clip:EVA02-B-16", "EVA towers (RoPE, SwiGLU) are not supported"),
+    ("open_clip:EVA02-E-14", "EVA-02-E has post-norm blocks"),
     ("open_clip:RN50", "ModifiedResNet towers"),
     ("open_clip:convnext_base", "is not a ViT"),
     ("open_clip:ViT-H-14-CLIPA", "final_ln_after_pool"),

@@ -44,6 +44,16 @@ def test_a_command_s_help_still_lists_its_own_flags():
     assert "--batch-size" in probe["help"] and "--engine" in probe["help"]
 
 
+def test_every_command_s_help_imports_no_model_stack():
+    """A command's --help builds its flags from typed settings (pydantic; serve's also from the gateway's error
+    table, which names FastAPI's exceptions) but never loads the model, export or runtime stacks."""
+    model_stack = ("torch", "onnx", "onnxruntime", "matplotlib", "ray", "tensorrt", "tritonclient", "safetensors")
+    for command in ("convert", "inspect", "train", "eval", "serve", "predict", "quickstart", "tune"):
+        probe = _probe(command, "--help")
+        assert probe["code"] == 0, command
+        assert [m for m in model_stack if m in set(probe["modules"])] == [], command
+
+
 def test_the_help_of_the_light_parser_is_the_full_parser_s():
     from vit_serve.cli import build_parser
 

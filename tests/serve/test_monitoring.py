@@ -330,6 +330,11 @@ def test_v2_ood_score_over_http_and_grpc(live, direct, watched):
     out = {o["name"]: o for o in r.json()["outputs"]}
     assert out["ood_score"]["shape"] == [3] and out["ood_score"]["datatype"] == "FP32"
     np.testing.assert_allclose(out["ood_score"]["data"], want, rtol=1e-4)
+    # Asked beside the rollout alone, the score still comes from the model's own pass (not a 500: the explain
+    # pass is not what the score reads).
+    r = client.post("/v2/models/watched/infer", json=_v2_body(x, ["rollout", "ood_score"]))
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose({o["name"]: o for o in r.json()["outputs"]}["ood_score"]["data"], want, rtol=1e-4)
     default = client.post("/v2/models/watched/infer", json=_v2_body(x, None)).json()
     assert "ood_score" not in [o["name"] for o in default["outputs"]]  # only when asked for by name
     r = client.post("/v2/models/plain/infer", json=_v2_body(x, ["ood_score"]))

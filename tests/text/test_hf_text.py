@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_serve.text import TokenizerError, read_text_tower
+from vit_serve.text.tokenizer import tokenizer_from_spec
 from vit_serve.zeroshot import label_weights
 
 transformers = pytest.importorskip("transformers")
@@ -94,3 +95,39 @@ def test_tokenizer_not_local(tmp_path):
     with pytest.raises(TokenizerError, match=r"needs tokenizer\.json") as e:
         read_text_tower(folder)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("lowercase_in_file", [False, True])
+def test_siglip2_tokenizes_as_transformers(tmp_path, lowercase_in_file):
+    """SigLIP 2's text tower is SigLIP's. A siglip2 folder is tokenized by transformers' Siglip2Tokenizer
+    whatever tokenizer_config.json names (the hub's say GemmaTokenizer): lowercased, padded on the left, no special
+    tokens added. Reference: AutoTokenizer on the same folder, and get_text_features on its ids."""
+    chars = list("abcdefghijklmnopqrstuvwxyz▁")
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, **{c: 5 + i for i, c in enumerate(chars)}}
+    model = _siglip2_with_vocab(len(vocab))
+    model.save_pretrained(tmp_path)
+    transformers.Siglip2Tokenizer(vocab=vocab, merges=[]).save_pretrained(tmp_path)
+    tok_file, cfg_file = tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json"
+    data = json.loads(tok_file.read_text())
+    if not lowercase_in_file:  # as the hub's Gemma tokenizer.json: no Lowercase
+        data["normalizer"] = data["normalizer"]["normalizers"][1]
+    tok_file.write_text(json.dumps(data))
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "tokenizer_class": "GemmaTokenizer"}))
+    texts = ["A Photo of a CAT", "dog", "the big big big big dog"]
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    want = auto(texts, padding="max_length", max_length=12, truncation=True, return_tensors="pt").input_ids
+    bundle = read_text_tower(tmp_path)
+    assert type(auto).__name__ == "Siglip2Tokenizer" and torch.equal(bundle.tokenize(texts), want)
+    with torch.no_grad():
+        out = model.get_text_features(input_ids=want)
+    assert (bundle.encode(texts) - getattr(out, "pooler_output", out)).abs().max() <= 1e-5
+    spec = bundle.tokenizer.to_spec()
+    assert spec["padding_side"] == "left" and tokenizer_from_spec(spec)(texts).equal(want)
+
+
+def _siglip2_with_vocab(n: int):
+    text = dict(vocab_size=n, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=12, pad_token_id=0, eos_token_id=1)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_patches=16,
+                  patch_size=16)
+    return _randomize(transformers.Siglip2Model(transformers.Siglip2Config(text_config=text, vision_config=vision)))

@@ -1,6 +1,7 @@
 """Hugging Face transformers folders: each config.json `model_type` to its converter (hf_transformers: vit;
-hf_dinov2: dinov2, dinov2_with_registers; hf_clip: clip, clip_vision_model; hf_siglip: siglip,
-siglip_vision_model); the rest refused in one line naming what they need."""
+hf_dinov2: dinov2, dinov2_with_registers; hf_dinov3: dinov3_vit; hf_clip: clip, clip_vision_model; hf_siglip:
+siglip, siglip_vision_model; hf_siglip2: siglip2, siglip2_vision_model); the rest refused in one line naming what
+they need."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 from vit_serve.checkpoints.converted import CheckpointError, Converted
 from vit_serve.checkpoints.hf_clip import convert_clip
 from vit_serve.checkpoints.hf_dinov2 import convert_dinov2
+from vit_serve.checkpoints.hf_dinov3 import check_dinov3, convert_dinov3
 from vit_serve.checkpoints.hf_siglip import convert_siglip
+from vit_serve.checkpoints.hf_siglip2 import convert_siglip2
 from vit_serve.checkpoints.hf_transformers import UNSUPPORTED, convert_hf_vit, read_hf_weights, read_json
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 
@@ -22,8 +25,10 @@ from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 def _family_converter(model_type: str) -> Callable[..., Converted]:
     """The converter for a model_type; UnsupportedCheckpoint (one line) for the rest."""
     families = {"vit": convert_hf_vit, "dinov2": convert_dinov2, "dinov2_with_registers": convert_dinov2,
+                "dinov3_vit": convert_dinov3,
                 "clip": convert_clip, "clip_vision_model": convert_clip,
-                "siglip": convert_siglip, "siglip_vision_model": convert_siglip}
+                "siglip": convert_siglip, "siglip_vision_model": convert_siglip,
+                "siglip2": convert_siglip2, "siglip2_vision_model": convert_siglip2}
     if model_type in families:
         return families[model_type]
     known = ", ".join(families)
@@ -56,6 +61,9 @@ def load_hf_dir(path: str | os.PathLike, **overrides: Any) -> Converted:
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} has no config.json")
     config = read_json(folder / "config.json")
+    _family_converter(config.get("model_type", "vit"))  # refused by its architecture before any weights are read
+    if config.get("model_type") == "dinov3_vit":
+        check_dinov3(config)
     pre_file = folder / "preprocessor_config.json"
     preprocessor = read_json(pre_file) if pre_file.is_file() else None
     weights = read_hf_weights(folder)

@@ -45,7 +45,7 @@ from vit_serve.checkpoints.hf_transformers import (
 )
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 
-__all__ = ["SIGLIP_PROCESSOR_DEFAULTS", "convert_siglip"]
+__all__ = ["SIGLIP_PROCESSOR_DEFAULTS", "convert_siglip", "head_state"]
 
 # SiglipImageProcessor's class defaults (transformers 5.24): squash resize, mean = std = 0.5; size: the model's.
 SIGLIP_PROCESSOR_DEFAULTS: dict[str, Any] = {"resample": 3, "image_mean": (0.5, 0.5, 0.5),
@@ -65,7 +65,7 @@ def _fields(vcfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _head(take: Taker, d: int) -> dict[str, torch.Tensor | None]:
+def head_state(take: Taker, d: int) -> dict[str, torch.Tensor | None]:
     """SiglipMultiheadAttentionPoolingHead -> attn_pool.*: nn.MultiheadAttention's packed in-projection split
     into the probe's query rows [:D] and the tokens' key/value rows [D:]."""
     w, b = take("head.attention.in_proj_weight"), take("head.attention.in_proj_bias")
@@ -109,7 +109,7 @@ def convert_siglip(config: Mapping[str, Any], weights: Mapping[str, torch.Tensor
     for i in range(native.depth):
         state.update(encoder_layer(take, i))
     state["norm.weight"], state["norm.bias"] = take("post_layernorm.weight"), take("post_layernorm.bias")
-    state.update(_head(take, native.embed_dim))
+    state.update(head_state(take, native.embed_dim))
     check_consumed(take, source, f"a transformers SigLIP vision tower with {native.depth} layers", _DROPPED)
     h, w = native.img_size
     defaults = {**SIGLIP_PROCESSOR_DEFAULTS, "size": {"height": h, "width": w}}

@@ -501,7 +501,7 @@ def finish(native: ViTConfig, cfg: ViTConfig, state: dict[str, torch.Tensor | No
     rows only when `no_embed_class`) with `cfg.resample_mode`, and wrap it up (no labels: base models)."""
     sd = {k: v for k, v in state.items() if v is not None}
     check_against_model(native, sd, f"{source} (as described by its config.json)")
-    if cfg.img_size != native.img_size:
+    if cfg.img_size != native.img_size and "pos_embed" in sd:  # RoPE-only models have none to resample
         pos = resample_pos_embed(sd["pos_embed"], native.grid_size, cfg.grid_size, native.num_pos_prefix_tokens,
                                  cfg.resample_mode)
         sd["pos_embed"] = pos.contiguous()
@@ -512,11 +512,11 @@ def finish(native: ViTConfig, cfg: ViTConfig, state: dict[str, torch.Tensor | No
 UNSUPPORTED: dict[str, str] = {
     "beit": "relative position bias (BEiT)",
     "data2vec-vision": "relative position bias (data2vec-vision is BEiT's architecture)",
-    "dinov3_vit": "RoPE position embeddings (DINOv3)",
-    "siglip2": "NaFlex variable-resolution patches (SigLIP 2)",
-    "siglip2_vision_model": "NaFlex variable-resolution patches (SigLIP 2)",
+    "dinov3_convnext": "a ConvNeXt (DINOv3's ConvNeXt distillations are not ViTs)",
+    "radio": "RADIO's multi-teacher adaptor heads and its own position embeddings (CPE)",
     "clip_text_model": "a vision tower (this folder is a CLIP text tower alone)",
     "siglip_text_model": "a vision tower (this folder is a SigLIP text tower alone)",
+    "siglip2_text_model": "a vision tower (this folder is a SigLIP 2 text tower alone)",
     "deit": "the transformers DeiT layout (convert timm's deit_* weights instead)",
     "swin": "shifted-window attention (Swin)",
 }

@@ -60,5 +60,8 @@ def download(repo_id: str, revision: str | None = None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_ALLOW))
     except Exception as e:  # offline, unknown repo, gated repo: all one clear message
         msg = " ".join(str(e).split())[:300]
-        raise CheckpointError(f"cannot fetch {repo_id!r} from the model hub (offline, unknown or private "
-                              f"repository?): {msg}") from e
+        gated = "gated" in type(e).__name__.lower() or "gated" in msg.lower()
+        why = ("a gated repository: accept its licence on the hub and log in (HF_TOKEN), or pass the folder you "
+               "downloaded; vit-serve never redistributes such weights" if gated
+               else "offline, unknown or private repository?")
+        raise CheckpointError(f"cannot fetch {repo_id!r} from the model hub ({why}): {msg}") from e

@@ -8,8 +8,11 @@ Architecture from `open_clip.get_model_config(name)` (`--arch open_clip:ViT-B-32
     ls1.gamma, ls2.gamma}     ln_post -> norm     proj [W, E] -> proj.weight [E, W]
 
 LayerNorm eps 1e-5, QuickGELU for the *-quickgelu configs, resample mode "open_clip". SigLIP configs wrap a
-timm trunk (`visual.trunk.*`): a timm state dict, converted by `convert_timm`, plus open_clip's optional
-linear `visual.head.proj`. EVA, ResNet, ConvNeXt and the other non-ViT towers are refused in one line.
+timm trunk (`visual.trunk.*`): a timm state dict, converted by `convert_timm` (timm's VisionTransformer, or its
+`Eva` for PE-Core-* and EVA02-*: RoPE and SwiGLU, see timm_eva), plus open_clip's optional linear
+`visual.head.proj`; with `timm_proj: null` (PE-Core, EVA02) the trunk's own classifier `head` [E, W], with its
+bias, is the projection (`proj_bias`). The timm architecture decides what is refused (`unsupported_reason`:
+EVA02-E's post-norm blocks, ...); ResNet, ConvNeXt and the other non-ViT towers are refused in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from vit_serve.checkpoints.converted import CheckpointError, Converted, strip_prefixes
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
-from vit_serve.config import ViTConfig
+from vit_serve.config import ViTConfig, unsupported_reason
 from vit_serve.preprocess import PreprocessConfig
 
 ARCH_PREFIX = "open_clip:"
@@ -40,9 +43,8 @@ _UNSUPPORTED_VISION = {  # open_clip vision_cfg options our ViT does not have
     "scale_attn_inner": "inner attention LayerNorm", "scale_attn": "post-attention LayerNorm",
     "scale_fc": "MLP LayerNorm",
 }
-_TIMM_REFUSED = (("eva", "EVA towers (RoPE, SwiGLU) are not supported"),
-                 ("vit_pe_", "Perception Encoder towers (RoPE) are not supported"),
-                 ("vit_relpos", "relative position bias (BEiT-style) is not supported"))
+_TIMM_REFUSED = (("vit_relpos", "relative position bias (BEiT-style) is not supported"),)
+_TIMM_VITS = ("vit_", "eva")  # timm's VisionTransformer and Eva (EVA, EVA-02, PE, DINOv3, RoPE-ViT) towers
 
 
 def is_open_clip_layout(keys: Iterable[str]) -> bool:
@@ -76,7 +78,9 @@ def vision_problem(cfg: Mapping[str, Any]) -> str | None:
         for prefix, why in _TIMM_REFUSED:
             if name.startswith(prefix):
                 return f"open_clip tower {name}: {why}"
-        if not name.startswith("vit_") or "_mci_" in name:
+        if why := unsupported_reason(name):  # decided by the timm architecture, as for timm's own files
+            return f"open_clip tower {name}: {why}"
+        if not name.startswith(_TIMM_VITS) or "_mci_" in name:
             return f"open_clip tower {name} is not a ViT (only ViT towers are supported)"
         if v.get("timm_pool", "avg") in ("abs_attn", "rot_attn") or v.get("timm_proj", "linear") == "mlp":
             return f"open_clip tower {name}: pool {v.get('timm_pool')!r} / proj {v.get('timm_proj')!r} unsupported"
@@ -93,9 +97,21 @@ def vision_problem(cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _preprocess(cfg: Mapping[str, Any], img: tuple[int, int], siglip: bool) -> PreprocessConfig:
-    """open_clip's image transform for the config (pretrained.py's _pcfg / _slpcfg defaults)."""
-    pre = dict(cfg.get("preprocess_cfg") or {})
+def _pretrained_transform(name: str) -> dict[str, Any]:
+    """The transform every pretrained tag of open_clip config `name` names (pretrained.py: `_pecfg` for PE-Core's
+    0.5 statistics and bilinear squash, `_slpcfg`, ...); {} when it has no tags or they disagree."""
+    import open_clip
+
+    keys = ("mean", "std", "interpolation", "resize_mode")
+    found = {tuple((k, open_clip.get_pretrained_cfg(name, tag).get(k)) for k in keys)
+             for tag in open_clip.list_pretrained_tags_by_model(name)}
+    return {k: v for k, v in next(iter(found)) if v is not None} if len(found) == 1 else {}
+
+
+def _preprocess(cfg: Mapping[str, Any], img: tuple[int, int], siglip: bool, name: str) -> PreprocessConfig:
+    """open_clip's image transform for config `name`: its pretrained tags' (else pretrained.py's _pcfg / _slpcfg
+    defaults), under the config's own preprocess_cfg."""
+    pre = {**_pretrained_transform(name), **(cfg.get("preprocess_cfg") or {})}
     mean = tuple(pre.get("mean", (0.5,) * 3 if siglip else OPENAI_MEAN))
     std = tuple(pre.get("std", (0.5,) * 3 if siglip else OPENAI_STD))
     mode = pre.get("resize_mode", "squash" if siglip else "shortest")
@@ -154,7 +170,8 @@ def _rename(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _convert_trunk(visual: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], overrides: dict[str, Any]) -> Converted:
+def _convert_trunk(visual: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], overrides: dict[str, Any],
+                   name: str) -> Converted:
     """A timm trunk (SigLIP configs): timm's own state dict, plus open_clip's linear head projection."""
     from vit_serve.checkpoints.timm_state import convert_timm
 
@@ -163,17 +180,26 @@ def _convert_trunk(visual: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], o
     head = {k: t for k, t in visual.items() if not k.startswith("trunk.")}
     if set(head) - {"head.proj.weight"}:
         raise UnsupportedCheckpoint(f"open_clip timm head {', '.join(sorted(head))} is not supported")
+    # `timm_proj: null` (PE-Core, EVA02): the trunk's own classifier [E, W] (with its bias) is the projection
+    classifier = {k: trunk.pop(k) for k in ("head.weight", "head.bias") if k in trunk}
     conv = convert_timm(trunk, arch=v["timm_model_name"])
+    # a CLIP tower whatever its trunk (PE-Core, EVA02 included): the projected embedding, compared by cosine
     fields: dict[str, Any] = {"family": "siglip" if "siglip" in v["timm_model_name"] else "clip"}
     state = dict(conv.state_dict)
     if "head.proj.weight" in head:  # open_clip's `proj: linear` (bias-free): our CLIP projection
         state["proj.weight"] = head["head.proj.weight"].float()
         fields["proj_dim"] = head["head.proj.weight"].shape[0]
+    elif "head.weight" in classifier:
+        state["proj.weight"] = classifier["head.weight"].float()
+        fields["proj_dim"] = classifier["head.weight"].shape[0]
+        if "head.bias" in classifier:
+            state["proj.bias"] = classifier["head.bias"].float()
+            fields["proj_bias"] = True
     config = conv.config.replace(**fields, resample_mode="open_clip")
     config = config.replace(**overrides) if overrides else config
     siglip = fields["family"] == "siglip"
     return Converted(config, state, source=f"open_clip {v['timm_model_name']} tower", labels=None,
-                     preprocess=_preprocess(cfg, config.img_size, siglip))
+                     preprocess=_preprocess(cfg, config.img_size, siglip, name))
 
 
 def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **overrides: Any) -> Converted:
@@ -185,6 +211,7 @@ def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **override
         overrides: ViTConfig fields to replace.
     """
     cfg = model_config(arch)
+    name = arch[len(ARCH_PREFIX):] if arch.startswith(ARCH_PREFIX) else arch
     if problem := vision_problem(cfg):
         raise UnsupportedCheckpoint(problem)
     sd = strip_prefixes(weights, ("module.", "_orig_mod."))
@@ -192,7 +219,7 @@ def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **override
     if not visual:
         raise CheckpointError(f"no open_clip image tower (visual.*) in the state dict for {arch}")
     if cfg["vision_cfg"].get("timm_model_name"):
-        return _convert_trunk(visual, cfg, overrides)
+        return _convert_trunk(visual, cfg, overrides, name)
     try:
         fields = _vision_fields(cfg, visual)
         config = ViTConfig(**fields)
@@ -202,5 +229,5 @@ def convert_open_clip(weights: Mapping[str, torch.Tensor], arch: str, **override
             raise
         raise CheckpointError(f"open_clip state dict for {arch}: cannot infer the model ({e})") from e
     state = {k: t.float() if t.is_floating_point() else t for k, t in _rename(visual).items()}
-    return Converted(config, state, source=f"open_clip {arch[len(ARCH_PREFIX):]} state dict", labels=None,
-                     preprocess=_preprocess(cfg, config.img_size, siglip=False))
+    return Converted(config, state, source=f"open_clip {name} state dict", labels=None,
+                     preprocess=_preprocess(cfg, config.img_size, False, name))

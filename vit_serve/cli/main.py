@@ -311,7 +311,7 @@ def _convert_parser(c: argparse.ArgumentParser) -> None:
 
 def _inspect_parser(i: argparse.ArgumentParser) -> None:
     """`vit-serve inspect`."""
-    from vit_serve.tome import parse_tome
+    from vit_serve.tome_schedule import parse_tome
 
     i.add_argument("ckpt", metavar="CKPT", help="checkpoint (any format `convert` reads); with --drift, a "
                                                 "running gateway's URL (http://HOST:PORT) or a saved JSON of its "

@@ -16,7 +16,7 @@ import numpy as np
 
 from vit_serve.predict.options import PredictOptions
 from vit_serve.predict.writers import ErrorLog, RolloutFile, Row, printable
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 if TYPE_CHECKING:
     from vit_serve.preprocess import PreprocessConfig
@@ -48,10 +48,12 @@ def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
     return backend
 
 
-def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.ndarray | None, str | None]:
+def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int, naflex: tuple[int, int] | None = None
+                ) -> tuple[np.ndarray | None, str | None]:
     """A file -> (its model input [3, H, W] float32, None), or (None, why it cannot be read), decoded as the
-    gateway decodes an upload of the same bytes (`vit_serve.runtime.decode`)."""
-    from vit_serve.runtime.decode import decode_crop, input_tensor
+    gateway decodes an upload of the same bytes (`vit_serve.runtime.decode`). `naflex` (patch size, max_patches):
+    the NaFlex input [1 + max_patches, P*P*3] instead (`decode_naflex`)."""
+    from vit_serve.runtime.decode import decode_crop, decode_naflex, input_tensor
     from vit_serve.runtime.errors import ServingError
 
     if "\n" in path or "\r" in path:
@@ -59,6 +61,8 @@ def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.n
     try:
         with open(path, "rb") as f:
             data = f.read()
+        if naflex is not None:
+            return decode_naflex(data, cfg, max_pixels, *naflex)[0], None
         return input_tensor(decode_crop(data, cfg, max_pixels), cfg)[0], None
     except ServingError as e:  # too large, not an image, corrupt: one line
         return None, e.message
@@ -66,13 +70,17 @@ def decode_file(path: str, cfg: PreprocessConfig, max_pixels: int) -> tuple[np.n
         return None, f"cannot read: {e.strerror or e}"
 
 
-def batch_tasks(info: ModelInfo, embeddings: bool, explain: bool) -> tuple[Task, ...]:
+def batch_tasks(info: ModelInfo, embeddings: bool, explain: bool, max_patches: int | None = None
+                ) -> tuple[Task, ...]:
     """What the model runs for each image: classify (or embed, for `embeddings` or a reference that scores the
-    embedding), then explain with the model's rollout settings when asked for (`split_outputs` reads them)."""
+    embedding; on NaFlex inputs of `max_patches`), then explain with the model's rollout settings when asked for
+    (`split_outputs` reads them)."""
     from vit_serve.runtime.task import CLASSIFY, EMBED, Task
 
     ref = info.reference
     main = EMBED if embeddings or (ref is not None and ref.needs_embedding) else CLASSIFY
+    if max_patches is not None:
+        main = Task(main.kind, max_patches=max_patches)
     return (main, Task("explain", info.resolve_rollout())) if explain else (main,)
 
 

@@ -177,6 +177,16 @@ def check_outputs(info: ModelInfo, opts: PredictOptions) -> None:
     if opts.embeddings and not info.embedding_dim:
         raise ValueError(f"--embeddings: the model {info.name!r} has no embedding output (re-export it with its "
                          f"embedding, or predict with its checkpoint)")
+    if opts.max_patches is not None:
+        from vit_serve.naflex import check_budget  # torch: a NaFlex run has loaded it already
+
+        try:
+            check_budget(opts.max_patches, info.max_patches)
+        except ValueError as e:
+            raise ValueError(f"--max-patches {opts.max_patches}: {e}") from None
+        if info.backend != "torch":
+            raise ValueError(f"--max-patches: NaFlex inputs need the torch backend (a checkpoint); the model "
+                             f"{info.name!r} runs on {info.backend}")
     if opts.explain:
         if not info.explain:
             raise ValueError(f"--explain: the model {info.name!r} has no explain graph (vit-export writes "
@@ -195,7 +205,8 @@ def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> di
     """What must match for a rerun to append to OUT."""
     return {"model": source.name, "version": source.version, "model_sha256": digest, "top_k": opts.top_k,
             "decode": opts.decode, "columns": list(columns_of(opts)), "normalize": opts.normalize,
-            "max_pixels": opts.max_pixels, **({"tome": opts.tome} if opts.tome is not None else {})}
+            "max_pixels": opts.max_pixels, **({"tome": opts.tome} if opts.tome is not None else {}),
+            **({"max_patches": opts.max_patches} if opts.max_patches is not None else {})}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def queued_max(opts: PredictOptions) -> int:
 
 
 async def _job(backend: LocalBackend, items: list[Item], sink: Sink, opts: PredictOptions, workers: int) -> None:
-    tasks = batch_tasks(backend.info, opts.embeddings, opts.explain)
+    tasks = batch_tasks(backend.info, opts.embeddings, opts.explain, opts.max_patches)
     model_thread = ThreadPoolExecutor(1, thread_name_prefix="vit-serve-predict-model")
     runner = BatchingRunner(backend, limits_for(opts, len(tasks)), NoEvents(), model_thread)
     if opts.processes:
@@ -94,12 +94,13 @@ async def _feed(runner: BatchingRunner, tasks: tuple[Task, ...], items: list[Ite
     runner (at most `room` files not yet written), in order; report an unreadable one to `sink`. The end (None)
     or the failure goes to `queued` last."""
     loop = asyncio.get_running_loop()
+    naflex = None if opts.max_patches is None else (runner.backend.info.patch_size, opts.max_patches)
     todo, window = iter(items), deque()
     rest = runner.arriving()  # the files not yet queued: a batch waits for them to fill
     try:
         while True:
             while len(window) < ahead and (item := next(todo, None)) is not None:
-                window.append((item, loop.run_in_executor(pool, decode_file, item.path, cfg, opts.max_pixels)))
+                window.append((item, loop.run_in_executor(pool, decode_file, item.path, cfg, opts.max_pixels, naflex)))
             if not window:
                 break
             item, future = window.popleft()

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from vit_serve.flag import FLAG_KEY, Flag
 from vit_serve.predict.writers import output_format
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 
 def _flag(help: str, **kw: Any) -> dict[str, Flag]:
@@ -49,6 +49,9 @@ class PredictOptions:
         "run a checkpoint as a TorchScript trace, checked against eager at load (as serve --torchscript)"))
     decode: Literal["fast", "exact", "contract"] = field(default="fast", metadata=_flag(
         "decode path, as `serve --decode` (default {default}, the gateway's default)"))
+    max_patches: int | None = field(default=None, metadata=_flag(
+        "NaFlex models (SigLIP 2): each whole image at its own aspect ratio, resized to at most N patches (1 to "
+        "the model's budget; default: fixed-size input as the contract says)", metavar="N"))
     embeddings: bool = field(default=False, metadata=_flag("add the pre-logits embedding"))
     normalize: bool = field(default=False, metadata=_flag("L2-normalise the embeddings"))
     explain: bool = field(default=False, metadata=_flag(
@@ -78,6 +81,11 @@ class PredictOptions:
         for name in ("workers", "actors"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be 0 (automatic) or more, got {getattr(self, name)}")
+        if self.max_patches is not None and self.max_patches < 1:
+            raise ValueError(f"--max-patches must be at least 1, got {self.max_patches}")
+        if self.max_patches is not None and (self.explain or self.engine == "ray"):
+            raise ValueError("--max-patches runs classify and embed on the local engine (not --explain, not "
+                             "--engine ray)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.tome is not None:

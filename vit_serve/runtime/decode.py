@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -31,6 +33,7 @@ from vit_serve.preprocess import (
 from vit_serve.runtime.errors import TooLargeError, UnreadableImageError, UnsupportedMediaError
 
 # The 415's list of what uploads may be (`IMAGE_FORMATS`, the formats Pillow is allowed to open them as).
+T = TypeVar("T")
 ACCEPTED = ", ".join("PPM/PGM/PBM" if f == "PPM" else "WebP" if f == "WEBP" else f for f in IMAGE_FORMATS)
 
 
@@ -52,8 +55,24 @@ def image_id(data: bytes) -> str:
 def decode_crop(data: bytes, cfg: PreprocessConfig, max_pixels: int) -> Image.Image:
     """Encoded image -> the model-input crop (cfg.input_size, on cfg.decode's path); UnsupportedMediaError,
     UnreadableImageError or TooLargeError (`vit_serve.runtime.errors`) when it cannot be."""
+    return _decoded(lambda: resize_and_crop(load_image(data, max_pixels=max_pixels, cfg=cfg), cfg), max_pixels)
+
+
+def decode_naflex(data: bytes, cfg: PreprocessConfig, max_pixels: int, patch_size: int,
+                  max_patches: int) -> np.ndarray:
+    """Encoded image -> NaFlex input [1, 1 + max_patches, P*P*3] (`vit_serve.naflex.pack`): the whole image (no
+    crop), resized keeping its aspect ratio to at most `max_patches` patches, normalised with cfg's mean and std
+    (`naflex.batch_images`, transformers' Siglip2ImageProcessor); the errors of `decode_crop`."""
+    from vit_serve import naflex  # torch: imported when a NaFlex model needs it
+
+    rgb = _decoded(lambda: np.asarray(load_image(data, max_pixels=max_pixels)), max_pixels)
+    return naflex.pack(naflex.batch_images([rgb], patch_size, max_patches, cfg.mean, cfg.std)).numpy()
+
+
+def _decoded(load: Callable[[], T], max_pixels: int) -> T:
+    """`load()`, its decode failures as the runtime's errors."""
     try:
-        return resize_and_crop(load_image(data, max_pixels=max_pixels, cfg=cfg), cfg)
+        return load()
     except ImageTooLargeError as e:
         size = f"this one has {e.pixels} pixels" if e.pixels else "this one has more"
         raise TooLargeError(f"image too large: the limit is {max_pixels} pixels, width x height "

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 
 class _Limits(Protocol):

@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 
 from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
 from vit_serve.runtime.settings import RunnerLimits, TritonClientSettings
-from vit_serve.tome import TomeR, parse_tome
+from vit_serve.tome_schedule import TomeR, parse_tome
 
 BackendChoice = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 

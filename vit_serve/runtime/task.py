@@ -28,6 +28,9 @@ class Task:
     kind: TaskKind = "classify"
     rollout: RolloutSettings | None = None
     target: int | None = None
+    # NaFlex (SigLIP 2): x is `vit_serve.naflex.pack`'s [B, 1 + max_patches, P*P*C], not [B, 3, H, W]; only
+    # requests of one budget share a batch (classify and embed).
+    max_patches: int | None = None
 
 
 CLASSIFY = Task()

@@ -216,7 +216,8 @@ def _tokenizer(manifest: TextTowerManifest, onnx_path: Path):
     if spec.kind == "open_clip":
         return OpenClipTokenizer(spec.context_length, opts.get("clean", "lower"))
     (path, *_) = manifest.tokenizer_files(onnx_path)
-    return HFTokenizer.from_file(path, spec.context_length, int(opts.get("pad_id", 0)), opts.get("clean"))
+    return HFTokenizer.from_file(path, spec.context_length, int(opts.get("pad_id", 0)), opts.get("clean"),
+                                 opts.get("padding_side", "right"))
 
 
 class TextTower:

@@ -201,8 +201,7 @@ async def _cancelled_with_the_call(admission: Admission, work: Awaitable[R], met
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        if admission.caller_left():
-            metrics.cancelled.labels(admission.stage, admission.model, admission.version).inc()
+        metrics.caller_left(admission)
         task.cancel()
         await asyncio.wait([task])  # the work has left the queue (and its runner has counted it) when the call ends
         if not task.cancelled():

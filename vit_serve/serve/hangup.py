@@ -119,6 +119,5 @@ class _Watch:
                 self.task.cancel()
 
     def _hung_up(self) -> None:
-        a = self.admission
-        if not self.answered and a.caller_left():  # else counted already, or by the runner that holds it
-            self.metrics.cancelled.labels(a.stage, a.model, a.version).inc()
+        if not self.answered:
+            self.metrics.caller_left(self.admission)

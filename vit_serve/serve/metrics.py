@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from vit_serve.monitor import DriftReport
 from vit_serve.runtime.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, MODEL
+from vit_serve.runtime.scheduling.ticket import Ticket
 
 CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 OOD_RATIO_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)
@@ -89,6 +90,12 @@ class GatewayMetrics:
         if view.labels not in self._owners:
             view.publish()
         return view
+
+    def caller_left(self, ticket: Ticket) -> None:
+        """`ticket`'s caller went away (HTTP hang-up, gRPC cancel): counted in vit_serve_cancelled_total at the
+        stage it had reached, unless it was counted before or a runner holds it (`Ticket.caller_left`)."""
+        if ticket.caller_left():
+            self.cancelled.labels(ticket.stage, ticket.model, ticket.version).inc()
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -64,7 +64,7 @@ from vit_serve.serve.keys import key_hash
 from vit_serve.serve.setting_scopes import Scope, scope_of
 from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
-from vit_serve.tome import parse_tome
+from vit_serve.tome_schedule import parse_tome
 
 BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()

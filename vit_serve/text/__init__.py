@@ -18,11 +18,36 @@ image-model loader ignores.
 - `manifest`: the exported text tower's manifest.
 """
 
-from vit_serve.text.bundle import TextBundle, bundle_from_checkpoint, text_payload
-from vit_serve.text.read import load_text_tower, read_text_tower
-from vit_serve.text.tokenizer import HFTokenizer, OpenClipTokenizer, Tokenizer, TokenizerError, tokenizer_from_spec
-from vit_serve.text.tower import TextConfig, TextTransformer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The names below load their module on first use (PEP 562), so that reading an exported text tower's manifest
+# (`vit_serve.text.manifest`, which the gateway's settings and `--help` reach) does not import torch.
+_HOMES = {"TextBundle": "bundle", "bundle_from_checkpoint": "bundle", "text_payload": "bundle",
+          "load_text_tower": "read", "read_text_tower": "read", "HFTokenizer": "tokenizer",
+          "OpenClipTokenizer": "tokenizer", "Tokenizer": "tokenizer", "TokenizerError": "tokenizer",
+          "tokenizer_from_spec": "tokenizer", "TextConfig": "tower", "TextTransformer": "tower"}
+
+if TYPE_CHECKING:
+    from vit_serve.text.bundle import TextBundle, bundle_from_checkpoint, text_payload
+    from vit_serve.text.read import load_text_tower, read_text_tower
+    from vit_serve.text.tokenizer import (
+        HFTokenizer,
+        OpenClipTokenizer,
+        Tokenizer,
+        TokenizerError,
+        tokenizer_from_spec,
+    )
+    from vit_serve.text.tower import TextConfig, TextTransformer
 
 __all__ = ["HFTokenizer", "OpenClipTokenizer", "TextBundle", "TextConfig", "TextTransformer", "Tokenizer",
            "TokenizerError", "bundle_from_checkpoint", "load_text_tower", "read_text_tower", "text_payload",
            "tokenizer_from_spec"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'vit_serve.text' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"vit_serve.text.{_HOMES[name]}"), name)

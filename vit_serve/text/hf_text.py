@@ -21,9 +21,10 @@ from vit_serve.checkpoints.io import read_weights
 from vit_serve.text.bundle import TextBundle, bundle_from_state
 from vit_serve.text.open_clip_text import hf_pad_id
 from vit_serve.text.tokenizer import TOKENIZER_FILE, HFTokenizer, TokenizerError
+from vit_serve.text.tokenizer_config import as_transformers_loads, read_tokenizer_config
 from vit_serve.text.tower import TextConfig
 
-HF_TEXT_TYPES = ("clip", "siglip", "clip_text_model", "siglip_text_model")
+HF_TEXT_TYPES = ("clip", "siglip", "siglip2", "clip_text_model", "siglip_text_model", "siglip2_text_model")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 _ACTS = {"quick_gelu": "quick", "gelu": "exact", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 _NAMES = {"layer_norm1": "norm1", "layer_norm2": "norm2", "self_attn.out_proj": "attn.proj", "mlp.fc1": "mlp.fc1",
@@ -91,7 +92,7 @@ def read_hf_text(folder: str | Path) -> TextBundle | None:
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     model_type = cfg.get("model_type", "")
-    tc = cfg.get("text_config", cfg) if model_type in ("clip", "siglip") else cfg
+    tc = cfg.get("text_config", cfg) if model_type in ("clip", "siglip", "siglip2") else cfg
     weights = _weights(folder)
     top = {k: v for k, v in weights.items() if not k.startswith("text_model.")}
     sd = {k[len("text_model."):]: v for k, v in weights.items() if k.startswith("text_model.")}
@@ -104,8 +105,12 @@ def read_hf_text(folder: str | Path) -> TextBundle | None:
     if not tok_file.is_file():
         raise TokenizerError(f"the tokenizer of {folder} is not local: it needs {TOKENIZER_FILE} in that folder "
                              "(save it with the model's tokenizer.save_pretrained; nothing is downloaded)")
-    text = tok_file.read_text(encoding="utf-8")
-    tok = HFTokenizer(text, tcfg.context_length, hf_pad_id(text, folder))
+    text, side = tok_file.read_text(encoding="utf-8"), "right"
+    if model_type.startswith("siglip2"):  # transformers 5 tokenizes siglip2 folders with Siglip2Tokenizer, whatever
+        # tokenizer_config.json names (siglip2 is among its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
+        config = {**read_tokenizer_config(folder), "tokenizer_class": "Siglip2Tokenizer"}
+        text, side = as_transformers_loads(text, config)
+    tok = HFTokenizer(text, tcfg.context_length, hf_pad_id(text, folder), padding_side=side)
     scale = float(top["logit_scale"].reshape(-1)[0]) if "logit_scale" in top else float(
         cfg.get("logit_scale_init_value", 2.6592))
     bias = float(top["logit_bias"].reshape(-1)[0]) if "logit_bias" in top else None

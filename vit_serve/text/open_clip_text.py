@@ -3,8 +3,9 @@
 CLIP keeps the text tower at the top level (token_embedding, positional_embedding, transformer.resblocks.*,
 ln_final, text_projection [W, E]); CustomTextCLIP (SigLIP configs) under `text.` (text_projection a Linear
 with bias). Blocks map as the image tower's (open_clip_state.block_key). The tokenizer: open_clip's
-SimpleTokenizer, or for configs naming a Hugging Face tokenizer (`hf_tokenizer_name`) a tokenizer.json found
-beside the weights (never downloaded).
+SimpleTokenizer, or for configs naming a Hugging Face tokenizer (`hf_tokenizer_name`: SigLIP's T5 and SigLIP 2's
+Gemma) a tokenizer.json found beside the weights, with its tokenizer_config.json read as transformers reads it
+(`tokenizer_config`; never downloaded).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vit_serve.checkpoints.open_clip_state import _BLOCK, block_key, model_confi
 from vit_serve.checkpoints.unsupported import UnsupportedCheckpoint
 from vit_serve.text.bundle import TextBundle, bundle_from_state
 from vit_serve.text.tokenizer import TOKENIZER_FILE, HFTokenizer, OpenClipTokenizer, Tokenizer, TokenizerError
+from vit_serve.text.tokenizer_config import TOKENIZER_CONFIG_FILE, as_transformers_loads, read_tokenizer_config
 from vit_serve.text.tower import TextConfig
 
 _UNSUPPORTED = ("hf_model_name", "embed_cls", "qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
@@ -97,10 +99,14 @@ def _tokenizer(cfg: Mapping[str, Any], context_length: int, folder: Path | None)
     path = (folder or Path(".")) / TOKENIZER_FILE
     if folder is None or not path.is_file():
         raise TokenizerError(f"the tokenizer of this open_clip config ({t['hf_tokenizer_name']}) is not local: "
-                             f"put its {TOKENIZER_FILE} beside the weights{f' in {folder}' if folder else ''} "
-                             "(nothing is downloaded)")
+                             f"put its {TOKENIZER_FILE} (and {TOKENIZER_CONFIG_FILE}) beside the weights"
+                             f"{f' in {folder}' if folder else ''} (nothing is downloaded)")
     text = path.read_text(encoding="utf-8")
-    return HFTokenizer(text, context_length, hf_pad_id(text, path.parent), clean or "whitespace")
+    try:  # what open_clip's HFTokenizer gets from transformers' AutoTokenizer for this folder
+        run, side = as_transformers_loads(text, read_tokenizer_config(path.parent))
+    except ValueError as e:
+        raise TokenizerError(f"{path.parent}: {e}") from None
+    return HFTokenizer(run, context_length, hf_pad_id(text, path.parent), clean or "whitespace", side)
 
 
 def convert_open_clip_text(weights: Mapping[str, torch.Tensor], arch: str,

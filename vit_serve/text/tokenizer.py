@@ -139,11 +139,16 @@ class HFTokenizer:
 
     `clean` (optional) is open_clip's text cleaning applied first, as open_clip's HFTokenizer does
     ("canonicalize" for its SigLIP configs); None applies only the tokenizer's own normaliser (transformers).
+    `padding_side` "left" puts the pads first (transformers' default for the Gemma tokenizers of SigLIP 2,
+    `tokenizer_config.as_transformers_loads`).
     """
 
     kind = "hf"
 
-    def __init__(self, tokenizer_json: str, context_length: int, pad_id: int, clean: str | None = None) -> None:
+    def __init__(self, tokenizer_json: str, context_length: int, pad_id: int, clean: str | None = None,
+                 padding_side: str = "right") -> None:
+        if padding_side not in ("left", "right"):
+            raise TokenizerError(f"tokenizer padding_side={padding_side!r}; expected left or right")
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
@@ -157,16 +162,18 @@ class HFTokenizer:
         self.context_length = context_length
         self.pad_id = pad_id
         self.clean = clean
+        self.padding_side = padding_side
         self._tok.no_padding()
         self._tok.enable_truncation(context_length)
 
     @classmethod
-    def from_file(cls, path: str | Path, context_length: int, pad_id: int, clean: str | None = None) -> HFTokenizer:
+    def from_file(cls, path: str | Path, context_length: int, pad_id: int, clean: str | None = None,
+                  padding_side: str = "right") -> HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"the tokenizer is not local: put its {TOKENIZER_FILE} in {path.parent} "
                                  "(nothing is downloaded)")
-        return cls(path.read_text(encoding="utf-8"), context_length, pad_id, clean)
+        return cls(path.read_text(encoding="utf-8"), context_length, pad_id, clean, padding_side)
 
     def check(self, text: str) -> int:
         """The tokens of `text` (TextTooLongError beyond the context length or for a word of more than
@@ -192,13 +199,19 @@ class HFTokenizer:
                 n = len(enc.ids) + sum(len(o.ids) for o in enc.overflowing)
                 raise TextTooLongError(f"{text[:24]!r}... is about {n} tokens, over the text tower's context length "
                                        f"of {self.context_length}")
-            ids = enc.ids[: self.context_length]
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            ids = torch.tensor(enc.ids[: self.context_length], dtype=torch.long)
+            if self.padding_side == "left":
+                out[i, self.context_length - len(ids):] = ids
+            else:
+                out[i, : len(ids)] = ids
         return out
 
     def to_spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "context_length": self.context_length, "pad_id": self.pad_id,
+        spec = {"kind": self.kind, "context_length": self.context_length, "pad_id": self.pad_id,
                 "clean": self.clean, "tokenizer_json": self._json}
+        if self.padding_side != "right":  # specs written before the option read as right-padded
+            spec["padding_side"] = self.padding_side
+        return spec
 
 
 Tokenizer = OpenClipTokenizer | HFTokenizer
@@ -211,7 +224,7 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
         return OpenClipTokenizer(int(spec["context_length"]), spec.get("clean", "lower"), spec.get("bpe_path"))
     if kind == "hf":
         return HFTokenizer(spec["tokenizer_json"], int(spec["context_length"]), int(spec["pad_id"]),
-                           spec.get("clean"))
+                           spec.get("clean"), spec.get("padding_side", "right"))
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected open_clip or hf")
 
 

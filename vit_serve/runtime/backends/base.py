@@ -44,6 +44,7 @@ class ModelInfo:
     token merging (ToMe) the model runs (None: none). compiled: classify / embed run a `torch.compile`d forward
     (the torch backend's --compile); torchscript: they run a TorchScript trace (--torchscript). reference: the
     in-distribution sketch OOD scores and drift compare with (`vit_serve.monitor`; None: the model carries none).
+    max_patches: a NaFlex model's patch budget, the default and the most a request may ask (None: not NaFlex).
     """
 
     name: str
@@ -71,6 +72,7 @@ class ModelInfo:
     compiled: bool = False
     torchscript: bool = False
     reference: Reference | None = None
+    max_patches: int | None = None
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -134,7 +136,12 @@ class LocalBackend(Backend):
     concurrent: bool = True
 
     def run(self, task: Task, x: np.ndarray) -> Outputs:
-        """`task` on x [B, 3, H, W] float32 -> its outputs."""
+        """`task` on x [B, 3, H, W] float32 (NaFlex tasks: `naflex.pack`'s [B, 1 + M, K]) -> its outputs."""
+        if task.max_patches is not None:
+            if task.kind not in ("classify", "embed"):
+                raise ValueError(f"{task.kind} is not available for NaFlex inputs (max_patches); classify or embed")
+            logits, embedding = self.embed_patches(x)
+            return {LOGITS: logits} if task.kind == "classify" else {LOGITS: logits, EMBEDDING: embedding}
         if task.kind == "classify":
             return {LOGITS: self.classify(x)}
         if task.kind == "explain":
@@ -169,6 +176,11 @@ class LocalBackend(Backend):
         reads (timm's `forward_head(x, pre_logits=True)`), not normalised."""
         raise NotImplementedError(f"the model {self.info.name!r} has no embedding output (re-export it with "
                                   f"vit-export --outputs logits,embedding, or serve its checkpoint)")
+
+    def embed_patches(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex: `vit_serve.naflex.pack`'s [B, 1 + M, K] -> (logits [B, K'], embedding [B, D])."""
+        raise NotImplementedError(f"NaFlex inputs (max_patches) need the torch backend (a checkpoint); the model "
+                                  f"{self.info.name!r} runs on {self.name}")
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         """x [1, 3, H, W] -> gradient rollout map [gh, gw] (torch backend only)."""

@@ -35,6 +35,7 @@ import torch
 
 from vit_serve.explain import explain_forward, grad_rollout
 from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of
+from vit_serve.naflex import unpack
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo, Staged
 from vit_serve.runtime.spec import BOTH_FORWARDS
@@ -264,6 +265,7 @@ class TorchBackend(LocalBackend):
             compiled=compile,
             torchscript=torchscript,
             reference=None if self.model.token_merging else self.model.reference,  # made without merging
+            max_patches=cfg.extra.get("max_patches"),
         )
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
@@ -286,10 +288,17 @@ class TorchBackend(LocalBackend):
             logits, embedding = self._forward(self._input(x))
             return self._out(logits), self._out(embedding)
 
+    def embed_patches(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex (`VisionTransformer.forward_patches`), eager."""
+        b = unpack(self._input(x))
+        with torch.inference_mode():
+            logits, embedding = self.model.forward_patches(b.patches, b.spatial_shapes, b.mask)
+        return self._out(logits), self._out(embedding)
+
     def staged(self, task: Task, x: np.ndarray) -> Staged | None:
         """classify / embed one step a stage (`Stages`: the stem, each block, the tail), eager or traced as the
         whole forward is; None for explain and grad_rollout, with --compile, with token merging or RoPE."""
-        if self._stages is None or task.kind not in ("classify", "embed"):
+        if self._stages is None or task.kind not in ("classify", "embed") or task.max_patches is not None:
             return None
         return self._steps(self._stages, task, x)
 
