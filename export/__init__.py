@@ -11,12 +11,11 @@
 - `onnx_export`, `graph_info`: the ONNX graphs (static or dynamic resolution; the explain graph computes the
   rollout in the graph) and what a graph says about itself.
 - `simplify`: onnxslim, kept only when outputs stay equal.
-- `naflex_graph`: the SigLIP 2 NaFlex graph (patches, their grid and the padding mask in; position embeddings
-  resampled per image inside).
 - `parity`: the export against PyTorch, with onnxruntime.
 - `quantize`: int8 (dynamic or static) and what it costs and gains.
 - `sidecar`: the manifest written beside every export.
 - `text_tower`: a checkpoint's text tower as its own graph.
+- `naflex_graph`: a SigLIP 2 NaFlex model's patch graph (patches, spatial shapes, mask), any batch and budget.
 - `tensorrt_build`, `tensorrt_compat`, `typed_graph`: TensorRT engines (a CUDA GPU), what each TensorRT version
   needs, fp16 / bf16-typed graphs for them.
 - `triton_repo`, `triton_config`, `triton_models/`: the Triton model repository, its config.pbtxt files, its

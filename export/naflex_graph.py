@@ -11,7 +11,8 @@ read its antialias differently): the graph computes each image's [M, gh * gw] in
 spatial_shapes with Range, Div/Floor, Mul, Abs, Clip and ReduceSum (`naflex.position_weights`) and applies it
 with one MatMul. The mask becomes an additive -inf on padded keys in every attention and in the MAP probe.
 The settings are stored as for the other graphs (`GraphInfo`, resample_mode "naflex", resolution "dynamic"),
-and the inputs under metadata_props["vit_export_naflex"] (JSON: inputs, patch_size, in_chans, max_patches).
+and the inputs under metadata_props["vit_export_naflex"] (JSON: inputs, patch_size, in_chans, max_patches, and
+graph_sha256, the sha256 of the export's logits graph NAME.onnx, which the onnxruntime backend serves it with).
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ def _export(graph: nn.Module, args: tuple[torch.Tensor, ...], opset: int) -> tup
     return onnx.load_from_string(buf.getvalue()), f"torchscript (dynamo failed: {dynamo_error})"
 
 
-def export_naflex(model: VisionTransformer, path: str | Path, opset: int = 18,
-                  overwrite: bool = False) -> ExportedGraph:
+def export_naflex(model: VisionTransformer, path: str | Path, opset: int = 18, overwrite: bool = False,
+                  graph_sha256: str | None = None) -> ExportedGraph:
     """Export `model.forward_patches` to ONNX at `path` (atomically; FileExistsError if it exists and not
-    `overwrite`): dynamic batch and patch budget, fp32. ValueError for a model without a plain patch
-    embedding or with token merging (what `forward_patches` refuses)."""
+    `overwrite`): dynamic batch and patch budget, fp32. `graph_sha256`: the logits graph of the same export,
+    recorded so that a runtime pairs the two only when they belong together. ValueError for a model without a
+    plain patch embedding or with token merging (what `forward_patches` refuses)."""
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass --force to replace it")
@@ -106,7 +108,8 @@ def export_naflex(model: VisionTransformer, path: str | Path, opset: int = 18,
     info = info.replace(checker=check(proto))
     info.write(proto)
     meta = {"inputs": list(NAFLEX_INPUTS), "patch_size": cfg.patch_size, "in_chans": cfg.in_chans,
-            "max_patches": int(cfg.extra.get("max_patches", DEFAULT_MAX_PATCHES))}
+            "max_patches": int(cfg.extra.get("max_patches", DEFAULT_MAX_PATCHES)),
+            **({"graph_sha256": graph_sha256} if graph_sha256 else {})}
     onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props},
                                         METADATA_KEY: json.dumps(meta, sort_keys=True)})
     atomic_write(path, partial(save_proto, proto), overwrite=overwrite)
@@ -158,7 +161,8 @@ def naflex_parity(model: VisionTransformer, path: str | Path) -> float:
     return worst
 
 
-def write_naflex(model: VisionTransformer, path: Path, opset: int, tol: float, overwrite: bool) -> WrittenNaFlex:
+def write_naflex(model: VisionTransformer, path: Path, opset: int, tol: float, overwrite: bool,
+                 graph_sha256: str | None = None) -> WrittenNaFlex:
     """`export_naflex`, then `naflex_parity` against the model."""
-    graph = export_naflex(model, path, opset, overwrite)
+    graph = export_naflex(model, path, opset, overwrite, graph_sha256)
     return WrittenNaFlex(path, graph, naflex_parity(model, path), tol)

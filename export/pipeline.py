@@ -409,7 +409,7 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     job = _job(model, options or ExportOptions(), progress or log.info)
     graph, explain = _write_graphs(job)
     result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint,
-                          text=_write_text_tower(job), naflex=_write_naflex(job))
+                          text=_write_text_tower(job), naflex=_write_naflex(job, graph))
     later = tuple(f for f in job.opts.formats if f != "onnx")
     if not result.graphs_ok:
         return dataclasses.replace(result, skipped=later)
@@ -479,17 +479,21 @@ def naflex_target(out: Path, name: str) -> Path:
     return Path(out) / f"{name}_naflex.onnx"
 
 
-def _write_naflex(job: _Job) -> WrittenNaFlex | None:
-    """NAME_naflex.onnx (`naflex`), checked against `forward_patches` in onnxruntime."""
+def _write_naflex(job: _Job, graph: WrittenGraph) -> WrittenNaFlex | None:
+    """NAME_naflex.onnx (`naflex`), checked against `forward_patches` in onnxruntime, paired with `graph` (the
+    logits graph's sha256 in its metadata)."""
     if not job.opts.naflex:
         return None
     from vit_export.naflex_graph import write_naflex
 
+    from vit_serve.manifest import file_sha256
+
     job.say(f"exporting the NaFlex graph (patch budget {job.model.cfg.extra['max_patches']}, opset "
             f"{job.opts.opset}) ...")
     job.opts.out.mkdir(parents=True, exist_ok=True)
+    sha = graph.record.file_sha256 if graph.record is not None else file_sha256(graph.path)
     written = write_naflex(job.model, naflex_target(job.opts.out, job.name), job.opts.opset, job.opts.tol,
-                           job.opts.force)
+                           job.opts.force, sha)
     job.say(f"  {written.path.name}: max |Δ| {written.max_abs_diff:.2e} against forward_patches "
             f"({'ok' if written.ok else 'FAILED'}, tol {written.tol:g})")
     return written

@@ -47,15 +47,16 @@ def test_convert_at_new_resolution_with_new_head(timm_file, tmp_path):
 def test_convert_keeps_labels_and_refuses_to_overwrite(timm_file, tmp_path):
     _, src = timm_file
     dst = tmp_path / "m.safetensors"
-    assert run_cli("convert", str(src), str(dst)).returncode == 0
+    assert run_cli("convert", str(src), str(dst), "--arch", "vit_tiny_patch16_224").returncode == 0
     assert vit_serve.load(dst).labels[:2] == ["tench", "goldfish"]
     before = dst.read_bytes()
-    r = run_cli("convert", str(src), str(dst), "--res", "256")
+    r = run_cli("convert", str(src), str(dst), "--res", "256", "--arch", "vit_tiny_patch16_224")
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip() == f"vit-serve convert: error: {dst} exists; pass overwrite=True (CLI: --force) to " \
                                "replace it"
     assert dst.read_bytes() == before
-    assert run_cli("convert", str(src), str(dst), "--res", "256", "--force").returncode == 0
+    assert run_cli("convert", str(src), str(dst), "--res", "256", "--force", "--arch",
+                   "vit_tiny_patch16_224").returncode == 0
     assert vit_serve.load(dst).cfg.img_size == (256, 256)
 
 
@@ -67,7 +68,7 @@ def test_convert_keeps_labels_and_refuses_to_overwrite(timm_file, tmp_path):
 def test_convert_bad_resolution(timm_file, tmp_path, args, message):
     _, src = timm_file
     dst = tmp_path / "m.safetensors"
-    r = run_cli("convert", str(src), str(dst), *args)
+    r = run_cli("convert", str(src), str(dst), "--arch", "vit_tiny_patch16_224", *args)
     assert r.returncode != 0 and message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not dst.exists()

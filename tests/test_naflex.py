@@ -126,3 +126,19 @@ def test_pil_images_and_unpacking_into_the_model():
     model = create_model("Ti/16", img_size=32, depth=1, num_classes=3, resample_mode="naflex").eval()
     with torch.no_grad():
         assert model.forward_patches(*a)[0].shape == (1, 3)
+
+
+def test_mask_reaches_the_fused_and_explicit_attention():
+    torch.manual_seed(0)
+    model = create_model("Ti/16", img_size=32, depth=1, num_classes=0).eval()
+    blk = model.blocks[0]
+    x = torch.randn(2, 7, 192)
+    keep = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    bias = torch.zeros(2, 7).masked_fill(~keep, float("-inf"))[:, None, None, :]
+    with torch.no_grad():
+        fused, _ = blk(x, mask=bias)
+        explicit, probs = blk(x, True, mask=bias)
+        alone, _ = blk(x[:1, :4])
+    assert (fused - explicit).abs().max() <= 1e-5
+    assert probs[~keep[:, None, None, :].expand_as(probs)].abs().max() == 0  # no weight on a padded key
+    assert (fused[:1, :4] - alone).abs().max() <= 1e-5

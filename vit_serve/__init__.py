@@ -13,9 +13,8 @@
 - `config`, `model`, `resnet`: the architecture (`ViTConfig` and the presets; the `VisionTransformer`; the hybrids'
   BiT ResNet stem).
 - `pos_embed`, `resolution`: position-embedding resampling (paper §3.2) and resolutions as people write them.
+- `naflex`: SigLIP 2's NaFlex inputs (each image at its aspect ratio, as padded rows of patches with a mask).
 - `rope`: 2-D rotary position embeddings (EVA-02, PE, DINOv3, RoPE-ViT): sin / cos tables from the patch grid.
-- `naflex`: SigLIP 2's NaFlex: the aspect-preserving resize to a patch budget, patchify, the padding mask, per-image
-  position weights.
 - `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
 - `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
   options, the heat-map overlay drawn on the model-input crop.

@@ -232,13 +232,14 @@ def test_embeddings_and_rollout_maps_equal_the_librarys(ckpt, photos, tmp_path):
 
 def test_normalized_embeddings_equal_timms(photos, tmp_path, randomize):
     """Reference: timm's own ViT (random weights) and its `forward_head(forward_features(x), pre_logits=True)`,
-    L2-normalised, against predict on the timm checkpoint file (converted on load)."""
+    L2-normalised, against predict on the timm hub folder timm itself writes (converted on load: its config.json
+    names the architecture)."""
     timm = pytest.importorskip("timm")
-    from safetensors.torch import save_file
+    from timm.models import save_for_hf
 
     ref = randomize(timm.create_model("vit_tiny_patch16_224", num_classes=10, depth=2, img_size=32), seed=5)
-    path = tmp_path / "timm_tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    path = tmp_path / "timm_tiny"
+    save_for_hf(ref, str(path), safe_serialization=True)
     out = tmp_path / "t.jsonl"
     assert run(path, photos, "--out", out, "--embeddings", "--normalize", "--threads", "1") == 0
     rows = read_rows(out)

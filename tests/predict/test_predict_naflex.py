@@ -73,3 +73,43 @@ def test_fixed_size_model_refuses(setup, tmp_path, save_tiny):
     ckpt = save_tiny(tmp_path / "tiny.safetensors", (32, 32), 3, ["a", "b", "c"])
     with pytest.raises(ValueError, match="--max-patches 8: this model takes fixed-size images"):
         _run(ckpt, photos, tmp_path / "d.jsonl", max_patches=8)
+
+
+@pytest.fixture(scope="module")
+def exported(setup, tmp_path_factory):
+    import vit_export
+
+    out = tmp_path_factory.mktemp("naflex_export")
+    result = vit_export.export(setup[1], vit_export.ExportOptions(out=out, name="s2", naflex=True,
+                                                                    outputs="logits,embedding"))
+    assert result.ok
+    return result
+
+
+def test_onnx_export_with_its_naflex_graph(setup, exported, tmp_path):
+    """The onnxruntime backend serves NAME_naflex.onnx beside NAME.onnx: the same rows as transformers."""
+    ref, _, photos, images = setup
+    rows = _run(exported.onnx, photos, tmp_path / "p.jsonl", max_patches=64, batch_size=2)
+    for name, pixels in images.items():
+        x = transformers.Siglip2ImageProcessor(max_num_patches=64)(images=[pixels], return_tensors="pt")
+        with torch.no_grad():
+            want = ref(**x).pooler_output[0].numpy()
+        assert np.abs(np.array(rows[name]["embedding"]) - want).max() <= 1e-4, name
+
+
+def test_a_naflex_graph_of_another_export_is_not_used(setup, exported, tmp_path):
+    import shutil
+
+    from vit_export.naflex_graph import export_naflex
+
+    from vit_serve.checkpoints import load
+    from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    assert OnnxRuntimeBackend(exported.onnx).info.max_patches == 256
+    for f in (exported.onnx, exported.onnx.with_suffix(".json")):
+        shutil.copy(f, tmp_path / f.name)
+    export_naflex(load(setup[1]), tmp_path / "s2_naflex.onnx", graph_sha256="0" * 64)  # names another graph
+    backend = OnnxRuntimeBackend(tmp_path / "s2.onnx")
+    assert backend.info.max_patches is None
+    with pytest.raises(NotImplementedError, match="NaFlex inputs"):
+        backend.embed_patches(np.zeros((1, 5, 768), np.float32))

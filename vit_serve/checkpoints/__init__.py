@@ -9,8 +9,8 @@
 - `jax_npz`: vit_jax / AugReg / big_vision `.npz`.
 - `timm_state`, `torchvision_state`, `open_clip_state`: timm, torchvision and open_clip state dicts.
 - `timm_eva`: timm `Eva` state dicts (DINOv3, PE, EVA-02, RoPE-ViT), dispatched from `timm_state` by architecture.
-- `hf_models`, `hf_transformers`, `hf_clip`, `hf_dinov2`, `hf_siglip`, `hf_siglip2`: Hugging Face transformers
-  folders, by `model_type` (ViT, CLIP, DINOv2, SigLIP, SigLIP 2 NaFlex).
+- `hf_models`, `hf_transformers`, `hf_clip`, `hf_dinov2`, `hf_dinov3`, `hf_siglip`, `hf_siglip2`: Hugging Face
+  transformers folders, by `model_type` (ViT, CLIP, DINOv2, DINOv3, SigLIP, SigLIP 2 NaFlex).
 - `hub`: `hf-hub:<owner>/<name>` ids -> a local folder.
 - `unsupported`: the readable checkpoints we refuse, with why.
 """

@@ -180,13 +180,13 @@ def check_outputs(info: ModelInfo, opts: PredictOptions) -> None:
     if opts.max_patches is not None:
         from vit_serve.naflex import check_budget  # torch: a NaFlex run has loaded it already
 
+        if info.max_patches is None and info.backend != "torch":
+            raise ValueError(f"--max-patches: the model {info.name!r} on {info.backend} has no NaFlex graph (a "
+                             f"NaFlex checkpoint runs on torch; its export with vit-export --naflex on onnxruntime)")
         try:
             check_budget(opts.max_patches, info.max_patches)
         except ValueError as e:
             raise ValueError(f"--max-patches {opts.max_patches}: {e}") from None
-        if info.backend != "torch":
-            raise ValueError(f"--max-patches: NaFlex inputs need the torch backend (a checkpoint); the model "
-                             f"{info.name!r} runs on {info.backend}")
     if opts.explain:
         if not info.explain:
             raise ValueError(f"--explain: the model {info.name!r} has no explain graph (vit-export writes "

@@ -12,6 +12,7 @@ image-model loader ignores.
 
 - `tower`: the text transformer (CLIP's causal one, SigLIP's bidirectional one).
 - `tokenizer`: open_clip's and Hugging Face's tokenizers.
+- `tokenizer_config`: what transformers makes of a local tokenizer folder (SigLIP 2's Gemma tokenizer).
 - `bundle`: `TextBundle` (tower, tokenizer, logit scale and bias) and how our checkpoint carries it.
 - `read`: the text tower of any supported checkpoint.
 - `open_clip_text`, `hf_text`: open_clip and transformers text towers -> ours.

@@ -29,15 +29,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-_STEM = re.compile(r"^(patch_embed\.|norm_pre\.|mask_token$|(pos_embed|cls_token|dist_token|reg_token)$)")
+_STEM = re.compile(r"^(patch_embed\.|norm_pre\.|mask_token$|(pos_embed|cls_token|dist_token|reg_token|rope\.freqs)$)")
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
 def layer_id(name: str, depth: int) -> int:
     """The layer of parameter `name` (timm's names, relative to the VisionTransformer) for lr decay, as timm's
     `group_matcher` and MAE's `get_layer_id_for_vit`: 0 for the embeddings (patch_embed, [class], [dist],
-    registers, pos_embed, norm_pre; MPP's [mask]), i + 1 for blocks.i, depth + 1 for everything after the
-    encoder (norm, attn_pool, pre_logits, proj, head, head_dist; MPP's head)."""
+    registers, pos_embed, RoPE-mixed's rope.freqs, norm_pre; MPP's [mask]), i + 1 for blocks.i, depth + 1 for
+    everything after the encoder (norm, fc_norm, attn_pool, pre_logits, proj, head, head_dist; MPP's head).
+    rope.freqs as one tensor is a position embedding; `layer_decay_groups` gives its row i block i's lr."""
     if _STEM.match(name):
         return 0
     if m := _BLOCK.match(name):

@@ -179,8 +179,9 @@ class LocalBackend(Backend):
 
     def embed_patches(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """NaFlex: `vit_serve.naflex.pack`'s [B, 1 + M, K] -> (logits [B, K'], embedding [B, D])."""
-        raise NotImplementedError(f"NaFlex inputs (max_patches) need the torch backend (a checkpoint); the model "
-                                  f"{self.info.name!r} runs on {self.name}")
+        raise NotImplementedError(f"NaFlex inputs (max_patches) need a NaFlex checkpoint on torch or its export "
+                                  f"with vit-export --naflex on onnxruntime; the model {self.info.name!r} on "
+                                  f"{self.name} has no NaFlex graph")
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         """x [1, 3, H, W] -> gradient rollout map [gh, gw] (torch backend only)."""

@@ -1,5 +1,6 @@
 """The ONNX Runtime backend: `<name>.onnx` (logits, and the embedding when exported with it) and, when present,
-`<name>_explain.onnx` (logits + rollout).
+`<name>_explain.onnx` (logits + rollout) and `<name>_naflex.onnx` (SigLIP 2 NaFlex patches; `vit-export --naflex`,
+used when its metadata names this `<name>.onnx`'s sha256).
 
 The sidecars `vit-export` wrote beside them give the resolution, preprocessing, labels and the explain graph's
 rollout settings, which are baked into the graph: `explain` with other settings raises ValueError naming them.
@@ -9,14 +10,20 @@ CUDA is used when onnxruntime has its CUDA provider and the device is not forced
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings
+from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings, read_manifest
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.sidecar import check_bytes, read_export
+
+log = logging.getLogger("vit_serve.runtime")
+NAFLEX_SUFFIX = "_naflex"  # = vit_export.pipeline.naflex_target's
+NAFLEX_METADATA_KEY = "vit_export_naflex"  # = vit_export.naflex_graph.METADATA_KEY
 
 
 def session_providers(device: str) -> list[str]:
@@ -73,9 +80,11 @@ class OnnxRuntimeBackend(LocalBackend):
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
         used = tuple(self.session.get_providers())
         has_embedding = any(o.name == EMBEDDING for o in self.session.get_outputs())
+        self.naflex_session, max_patches = _naflex_twin(path, read_manifest(path).file_sha256, opts, providers)
         self.info = dataclasses.replace(self.info, providers=used,
                                         device="cuda" if "CUDAExecutionProvider" in used else "cpu",
-                                        embedding_dim=self.info.embedding_dim if has_embedding else 0)
+                                        embedding_dim=self.info.embedding_dim if has_embedding else 0,
+                                        max_patches=max_patches)
 
     def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
         return {PIXEL_VALUES: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
@@ -98,3 +107,34 @@ class OnnxRuntimeBackend(LocalBackend):
                                       f"(vit-export writes NAME_explain.onnx)")
         logits, heat = self.explain_session.run([LOGITS, ROLLOUT], self._feed(x))
         return logits.astype(np.float32, copy=False), heat.astype(np.float32, copy=False)
+
+    def embed_patches(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex (`naflex.pack`'s [B, 1 + M, K]) on the NaFlex twin graph."""
+        if self.naflex_session is None:
+            return super().embed_patches(x)
+        shapes = np.rint(x[:, 0, :2]).astype(np.int64)  # `vit_serve.naflex.unpack`, without torch
+        patches = np.ascontiguousarray(x[:, 1:], dtype=np.float32)
+        mask = (np.arange(patches.shape[1])[None] < shapes.prod(-1)[:, None]).astype(np.int64)
+        logits, embedding = self.naflex_session.run([LOGITS, EMBEDDING], {"patches": patches,
+                                                                          "spatial_shapes": shapes, "mask": mask})
+        return logits.astype(np.float32, copy=False), embedding.astype(np.float32, copy=False)
+
+
+def _naflex_twin(path: Path, graph_sha256: str, opts: Any, providers: list[str]) -> tuple[Any, int | None]:
+    """(session, patch budget) of `<name>_naflex.onnx` beside `path` when its metadata names this graph's sha256;
+    (None, None) without one, or with one of another export (logged)."""
+    import onnxruntime as ort
+
+    twin = path.with_name(path.stem + NAFLEX_SUFFIX + path.suffix)
+    if not twin.is_file():
+        return None, None
+    try:
+        session = ort.InferenceSession(str(twin), opts, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types for unreadable models
+        raise ValueError(f"onnxruntime cannot load {twin.name}: {' '.join(str(e).split())}") from e
+    meta = json.loads(session.get_modelmeta().custom_metadata_map.get(NAFLEX_METADATA_KEY, "{}"))
+    if meta.get("graph_sha256", "").lower() != graph_sha256.lower():
+        log.warning("%s is not of the export of %s (its metadata names another graph): not used", twin.name,
+                    path.name)
+        return None, None
+    return session, int(meta["max_patches"])

@@ -231,9 +231,10 @@ class TorchBackend(LocalBackend):
             self._forward = compile_forward(self.model, res, self.device, name)
         elif torchscript:
             self._forward = torchscript_forward(self.model, res, self.device, name)
-        # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging
+        # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging,
+        # nor with RoPE (a block alone cannot know the patch grid its rotary table comes from)
         self._stages: Stages | None = None
-        if not compile and self.model.token_merging is None:
+        if not compile and self.model.token_merging is None and getattr(self.model, "rope", None) is None:
             self._stages = (Stages.traced(self.model, res, self.device, name) if torchscript
                             else Stages.eager(self.model))
         self.probe: ProbeResult | None = None
@@ -296,7 +297,7 @@ class TorchBackend(LocalBackend):
 
     def staged(self, task: Task, x: np.ndarray) -> Staged | None:
         """classify / embed one step a stage (`Stages`: the stem, each block, the tail), eager or traced as the
-        whole forward is; None for explain and grad_rollout, with --compile or with token merging."""
+        whole forward is; None for explain and grad_rollout, with --compile, with token merging or RoPE."""
         if self._stages is None or task.kind not in ("classify", "embed") or task.max_patches is not None:
             return None
         return self._steps(self._stages, task, x)
