@@ -11,8 +11,8 @@ import torch
 from vit_serve.train.config import TrainConfig
 
 _TOKENS = ("pos_embed", "cls_token", "dist_token", "reg_token")  # timm's VisionTransformer.no_weight_decay()
-# RoPE-ViT mixed's learned frequencies [2, depth, heads, hd / 2]: no weight decay (timm's Eva.no_weight_decay);
-# row i (dim 1) is block i's, so under layer decay each row takes its block's lr.
+# RoPE-ViT mixed's learned frequencies [2, depth, heads, hd / 2]: no weight decay (timm's Eva.no_weight_decay); under
+# layer decay timm's group_matcher matches them to no layer, so they take the head's lr, as here (`layer_id`).
 _ROPE_FREQS = "rope.freqs"
 _NO_DECAY = (*_TOKENS, "mask_token", _ROPE_FREQS)
 
@@ -29,16 +29,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-_STEM = re.compile(r"^(patch_embed\.|norm_pre\.|mask_token$|(pos_embed|cls_token|dist_token|reg_token|rope\.freqs)$)")
+_STEM = re.compile(r"^(patch_embed\.|norm_pre\.|mask_token$|(pos_embed|cls_token|dist_token|reg_token)$)")
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
 def layer_id(name: str, depth: int) -> int:
     """The layer of parameter `name` (timm's names, relative to the VisionTransformer) for lr decay, as timm's
     `group_matcher` and MAE's `get_layer_id_for_vit`: 0 for the embeddings (patch_embed, [class], [dist],
-    registers, pos_embed, RoPE-mixed's rope.freqs, norm_pre; MPP's [mask]), i + 1 for blocks.i, depth + 1 for
-    everything after the encoder (norm, fc_norm, attn_pool, pre_logits, proj, head, head_dist; MPP's head).
-    rope.freqs as one tensor is a position embedding; `layer_decay_groups` gives its row i block i's lr."""
+    registers, pos_embed, norm_pre; MPP's [mask]), i + 1 for blocks.i, depth + 1 for everything after the encoder
+    (norm, fc_norm, attn_pool, pre_logits, proj, head, head_dist; MPP's head) and for what timm's matcher leaves
+    unmatched (RoPE-ViT mixed's rope.freqs: timm's Eva gives it the head's lr)."""
     if _STEM.match(name):
         return 0
     if m := _BLOCK.match(name):
@@ -51,22 +51,14 @@ def layer_decay_groups(model: torch.nn.Module, weight_decay: float, layer_decay:
     per (layer, decay or not), lr_scale = layer_decay^(depth + 1 - layer id); no weight decay on 1-D
     parameters (biases, norms, LayerScale gammas) and the tokens and position embeddings. Names under an
     MPPModel (`vit.`) count as the ViT's.
-
-    RoPE-ViT mixed's learned frequencies (`rope.freqs`, one tensor whose row i along dim 1 is block i's) get a
-    group of their own at the last block's scale, with `block_scales`: the factor of each row's update relative
-    to it (R^(depth - 1 - i)), applied after each optimizer step (:func:`scale_block_rows`), so that row i
-    moves as block i's parameters do. timm leaves the whole tensor at the head's lr (1.0)."""
+    RoPE-ViT mixed's learned frequencies (`rope.freqs`) take the head's lr without weight decay, as in timm."""
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         plain = name.removeprefix("vit.")
-        if plain == _ROPE_FREQS:
-            groups["rope_freqs"] = {"params": [p], "weight_decay": 0.0, "lr_scale": layer_decay,
-                                    "block_scales": [layer_decay ** (depth - 1 - i) for i in range(depth)]}
-            continue
         layer = layer_id(plain, depth)
-        no_decay = p.ndim <= 1 or plain in _TOKENS or plain == "mask_token"
+        no_decay = p.ndim <= 1 or plain in _NO_DECAY
         key = f"layer_{layer}_{'no_decay' if no_decay else 'decay'}"
         if key not in groups:
             groups[key] = {"params": [], "weight_decay": 0.0 if no_decay else weight_decay,
@@ -91,32 +83,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, depth: int | None 
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
     else:
         opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    if any("block_scales" in g for g in groups):
-        scale_block_rows(opt)
     return opt
-
-
-def scale_block_rows(optimizer: torch.optim.Optimizer) -> None:
-    """Hooks that scale each step's update of a group with `block_scales` row by row (dim 1). Exact for AdamW and
-    SGD with momentum: their update is linear in the lr and their state does not depend on it, so row i moves
-    as it would in a group of its own at lr x block_scales[i]."""
-    before: dict[torch.nn.Parameter, torch.Tensor] = {}
-
-    def scaled(opt: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, list[float]]]:
-        return [(p, g["block_scales"]) for g in opt.param_groups if "block_scales" in g for p in g["params"]]
-
-    def pre(opt: torch.optim.Optimizer, *_: object) -> None:
-        before.update({p: p.detach().clone() for p, _ in scaled(opt)})
-
-    @torch.no_grad()
-    def post(opt: torch.optim.Optimizer, *_: object) -> None:
-        for p, scales in scaled(opt):
-            s = torch.tensor(scales, dtype=p.dtype, device=p.device).view(1, -1, *[1] * (p.ndim - 2))
-            old = before.pop(p)
-            p.copy_(old + s * (p - old))
-
-    optimizer.register_step_pre_hook(pre)
-    optimizer.register_step_post_hook(post)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float = 0.0) -> float:
