@@ -36,9 +36,10 @@ DESCRIPTION = inspect.cleandoc("""Classify one image.
     graph, which gives the logits and the rollout together; other rollout settings: GET /explain?id=. A model
     without an explain graph answers 400.
 
-    `?labels=cat,dog,...` (a model served with its text tower, `NAME_text.onnx`): the classes are these labels,
-    zero-shot, as open_clip's recipe: the image embedding (normalised) . each label's text embedding (its prompts'
-    normalised embeddings averaged, normalised) x exp(logit_scale) (+ logit_bias); scores softmax over the labels
+    `?labels=cat,dog,...` (a model served with its text tower: `NAME_text.onnx` beside an export, or the tower a
+    converted checkpoint holds): the classes are these labels, zero-shot, as open_clip's recipe: the image
+    embedding (normalised) . each label's text embedding (its prompts' normalised embeddings averaged, normalised)
+    x exp(logit_scale) (+ logit_bias); scores softmax over the labels
     (CLIP) or each label's sigmoid (SigLIP); `index` is the label's position in `labels`. Label embeddings are
     cached per API key (VIT_SERVE_LABEL_CACHE_SIZE); labels within VIT_SERVE_MAX_LABELS, VIT_SERVE_MAX_LABEL_BYTES
     and the text tower's context length, labels x templates within VIT_SERVE_MAX_LABEL_PROMPTS (400 beyond; also
