@@ -36,7 +36,7 @@ from vit_serve.runtime.task import Task
 from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission
 from vit_serve.serve.deps import ModelChoice
-from vit_serve.serve.errors import NotFoundError
+from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotFoundError
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.slow_clients import body_clock
@@ -76,6 +76,7 @@ class Ask:
     explain: Explain | None = None
     normalize: bool = False
     overlay: Overlay | None = None
+    max_patches: int | None = None  # ?max_patches= (NaFlex models; None: the model's own budget)
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,32 @@ class Job:
 
 def resolve(ask: Ask, mv: ModelVersion) -> Job:
     """The job `ask` is for `mv`, or 400 / 422 saying why `mv` cannot do it."""
+    budget = patch_budget(ask.max_patches, mv.info)
     if ask.labels is not None:
         task = mv.zero_shot_task()
-        return Job(task, mv.parse_labels(ask.labels))
+        return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels))
     if ask.explain is not None:
+        if budget is not None:
+            raise BadRequestError(f"{mv.name} is a NaFlex model: its attention map is not served yet (the rollout "
+                                  f"over a padded batch of patches is not built); classify or embed it")
         e = ask.explain
         return Job(mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target))
-    return Job(mv.embed_task() if ask.kind == "embed" else mv.classify_task())
+    task = mv.embed_task() if ask.kind == "embed" else mv.classify_task()
+    return Job(dataclasses.replace(task, max_patches=budget))
+
+
+def patch_budget(asked: int | None, info: ModelInfo) -> int | None:
+    """A request's NaFlex patch budget: `asked` (?max_patches=) within the model's own, else the model's own; None
+    for a fixed-size model asked for none. 400 when a fixed-size model is asked for one, 422 out of bounds."""
+    limit = info.max_patches
+    if limit is None:
+        if asked is not None:
+            raise BadRequestError(f"max_patches: {info.name} is not a NaFlex model (it takes fixed-size "
+                                  f"{info.resolution[0]}x{info.resolution[1]} images); omit max_patches")
+        return None
+    if asked is not None and not 1 <= asked <= limit:
+        raise InvalidValueError(f"max_patches must be from 1 to {limit} (the model's patch budget), got {asked}")
+    return limit if asked is None else asked
 
 
 @dataclass(frozen=True)
@@ -170,7 +190,7 @@ async def answer(request: Request, choice: ModelChoice, scope: str, admission: A
     run = _keep_or_choose_again(arrived, job, choice, admission, job_of, t0)
     with run.mv.using(), run.arrival:
         admission.at("decode", run.mv)
-        decoded = await decode_kept(run.mv, arrived.body, scope)
+        decoded = await decode_kept(run.mv, arrived.body, scope, run.job.task.max_patches if run.job else None)
         t_decoded = time.perf_counter()
         done = await _infer_and_answer(request, scope, admission, ask, run, decoded)
     wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
@@ -304,13 +324,17 @@ def _finish(done: Answered, timings: Timings, hooks: Sequence[Hook]) -> Answered
     return done
 
 
-async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
+async def decode_kept(mv: ModelVersion, upload: Upload, scope: str, max_patches: int | None = None) -> Decoded:
     """The upload decoded (none if the caller sent it before: its crop is in the store) and kept for GET
     /explain, with the caller's id for it (`stores.secret`): another caller's identical upload neither finds
-    this crop nor gets this id."""
+    this crop nor gets this id. `max_patches`: a NaFlex model's input of that budget instead, the whole image at
+    its own aspect ratio (not kept)."""
     secret = mv.decoder.secret
     image = secret.image_id(scope, upload.sha256)
-    decoded = await mv.decode(upload.data, secret.slot(scope, image))
+    if max_patches is not None:
+        decoded = await mv.decoder.decode_naflex(upload.data, image, mv.info.patch_size, max_patches)
+    else:
+        decoded = await mv.decode(upload.data, secret.slot(scope, image))
     return dataclasses.replace(decoded, id=image)
 
 

@@ -81,6 +81,13 @@ class VersionDecoder:
             self.crops.put(key, decoded.crop)
         return dataclasses.replace(decoded, decode_ms=(time.perf_counter() - t0) * 1e3)
 
+    async def decode_naflex(self, data: bytes, key: str, patch_size: int, max_patches: int) -> Decoded:
+        """Upload bytes -> the NaFlex input of `max_patches` patches (`decode.decode_naflex_upload`), in the decode
+        pool; nothing is kept (the store's crops are the fixed-size contract's)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, decoding.decode_naflex_upload, data, self.preprocess, self.max_pixels, patch_size, max_patches,
+            key)
+
     async def tensor_of(self, crop: Image.Image) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,
                                                                 self.preprocess)
