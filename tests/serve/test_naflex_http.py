@@ -3,9 +3,11 @@
 Reference: transformers 5.25's own `Siglip2ImageProcessor(max_num_patches=N)` and `Siglip2VisionModel` (tiny, random
 weights, built here; nothing downloaded), saved as a Hugging Face folder and served as it is. Photos: scikit-image's
 astronaut, coffee and chelsea cut to a portrait, a wide and a square image, sent as PNG (lossless: both sides read
-the same pixels, so the same patches, 1e-4) and as JPEG (the reference is given the file as PIL opens it: end to
-end, cosine >= 0.999). An image's embedding is the same alone and in a burst of concurrent requests of other shapes
-and budgets that really batch (transformers #23218 is the bug where it is not). Bounds and refusals in one line.
+the same pixels, so the same patches: 1e-4) and as JPEG (end to end against the photo's own pixels: cosine >= 0.999;
+against the processor given the same file as PIL opens it: 1e-4). An image's embedding is the same alone and in a
+burst of concurrent requests of other shapes and budgets that really batch (transformers #23218 is the bug where it
+is not). POST /explain?max_patches= is the rollout of transformers' own attention probabilities over the real
+patches, at the image's own grid. Bounds and refusals in one line.
 """
 
 from __future__ import annotations
@@ -79,8 +81,12 @@ def test_embed_equals_hf_processor_and_model(siglip2, photos):
                 jpeg = _encode(pixels, "JPEG")
                 r = client.post(f"/embed?max_patches={n}", content=jpeg, headers=JPEG)
                 assert r.status_code == 200, r.text
-                got, want = np.array(r.json()["embedding"]), _hf_embedding(ref, Image.open(io.BytesIO(jpeg)), n)
-                assert _cosine(got, want) >= 0.999, (name, n, _cosine(got, want))
+                got = np.array(r.json()["embedding"])
+                # end to end: the photo's embedding through a JPEG encode and decode
+                assert _cosine(got, _hf_embedding(ref, pixels, n)) >= 0.999, (name, n)
+                # the same file as PIL opens it for the processor: the same pixels again
+                want = _hf_embedding(ref, Image.open(io.BytesIO(jpeg)), n)
+                assert np.abs(got - want).max() <= 1e-4, (name, n, np.abs(got - want).max())
 
 
 def test_default_budget_is_the_models(siglip2, photos):
@@ -114,7 +120,8 @@ def test_alone_equals_in_a_burst_of_other_shapes_and_budgets(siglip2, photos):
     with live_app(settings_for(folder, max_batch=16, max_delay_ms=1000)) as (url, _):
         alone, burst = asyncio.run(scenario(url))
     assert all(a["timing_ms"]["batch_size"] == 1 for a in alone)
-    assert max(b["timing_ms"]["batch_size"] for b in burst) > 1  # the burst really batched
+    # the burst really batched: 3 rows of one budget hold at least 2 shapes (each shape is sent twice per budget)
+    assert max(b["timing_ms"]["batch_size"] for b in burst) >= 3
     for i, (name, n, _) in enumerate(uploads * 2):
         a, b = np.array(alone[i % len(uploads)]["embedding"]), np.array(burst[i]["embedding"])
         assert np.abs(a - b).max() <= 1e-5, (name, n, np.abs(a - b).max())
@@ -126,12 +133,13 @@ def test_bounds_and_refusals(siglip2, photos, save_tiny, tmp_path):
     with live_app(settings_for(folder, max_batch=1)) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
         over = client.post("/embed?max_patches=257", content=png, headers=PNG)
         zero = client.post("/classify?max_patches=0", content=png, headers=PNG)
-        explain = client.post("/explain?max_patches=64", content=png, headers=PNG)
-        explain_by_id = client.get(f"/explain?id={'0' * 64}")
+        kept = client.post("/embed", content=png, headers=PNG).json()["id"]
+        by_id = client.get(f"/explain?id={kept}")
+        by_gradient = client.post("/explain?method=grad_rollout", content=png, headers=PNG)
     for r in (over, zero):
         assert r.status_code == 422 and "from 1 to 256 (the model's patch budget)" in r.text, r.text
-    for r in (explain, explain_by_id):
-        assert r.status_code == 400 and "NaFlex model: its attention map is not served" in r.text, r.text
+    assert by_id.status_code == 400 and "NaFlex model: its images are not kept" in by_id.text, by_id.text
+    assert by_gradient.status_code == 400 and "explained by method=rollout only" in by_gradient.text, by_gradient.text
 
     fixed = save_tiny(tmp_path / "tiny.safetensors", (32, 32), 3, ["a", "b", "c"])
     with live_app(settings_for(fixed)) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
@@ -139,3 +147,38 @@ def test_bounds_and_refusals(siglip2, photos, save_tiny, tmp_path):
         plain = client.post("/embed", content=png, headers=PNG)
     assert refused.status_code == 400 and "is not a NaFlex model" in refused.text, refused.text
     assert plain.status_code == 200
+
+
+def _hf_rollout(ref, pixels: np.ndarray, n: int, head_fusion: str, discard_ratio: float) -> np.ndarray:
+    """The reference map: attention rollout (`vit_serve.explain.rollout`) of transformers' own attention
+    probabilities on its own processor's patches, cut to the real ones (padded keys carry no probability), the
+    MAP head's probe attention from its nn.MultiheadAttention; [h, w] at the processor's spatial_shapes."""
+    from vit_serve.explain import rollout
+
+    x = transformers.Siglip2ImageProcessor(max_num_patches=n)(images=[pixels], return_tensors="pt")
+    h, w = x["spatial_shapes"][0].tolist()
+    with torch.no_grad():
+        out = ref(**x, output_attentions=True)
+        hidden = out.last_hidden_state[:, :h * w]
+        head = ref.head
+        _, probe = head.attention(head.probe, hidden, hidden, need_weights=True, average_attn_weights=False)
+    attentions = [a[:, :, :h * w, :h * w] for a in out.attentions] + [probe]
+    return rollout(attentions, (h, w), 0, "map", head_fusion, discard_ratio).map[0].numpy()
+
+
+def test_explain_is_the_rollout_over_real_patches_at_the_images_grid(siglip2, photos):
+    ref, folder = siglip2
+    ref.set_attn_implementation("eager")  # probabilities out of every layer
+    with live_app(settings_for(folder, max_batch=1)) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        for n in BUDGETS:
+            for name, pixels in photos.items():
+                png = _encode(pixels, "PNG")
+                r = client.post(f"/explain?max_patches={n}&format=json", content=png, headers=PNG)
+                assert r.status_code == 200, r.text
+                got = r.json()
+                want = _hf_rollout(ref, pixels, n, got["head_fusion"], got["discard_ratio"])
+                assert got["grid"] == list(want.shape) and got["query"] == "map-probe", (name, n, got["grid"])
+                assert np.abs(np.array(got["map"]) - want).max() <= 1e-5, (name, n)
+                picture = client.post(f"/explain?max_patches={n}", content=png, headers=PNG)
+                assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
+                assert Image.open(io.BytesIO(picture.content)).size == pixels.shape[1::-1]  # over the whole image

@@ -95,11 +95,11 @@ def resolve(ask: Ask, mv: ModelVersion) -> Job:
         task = mv.zero_shot_task()
         return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels))
     if ask.explain is not None:
-        if budget is not None:
-            raise BadRequestError(f"{mv.name} is a NaFlex model: its attention map is not served yet (the rollout "
-                                  f"over a padded batch of patches is not built); classify or embed it")
         e = ask.explain
-        return Job(mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target))
+        if budget is not None and e.method != "rollout":
+            raise BadRequestError(f"method={e.method}: {mv.name} is a NaFlex model, explained by method=rollout only")
+        task = mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target)
+        return Job(dataclasses.replace(task, max_patches=budget))
     task = mv.embed_task() if ask.kind == "embed" else mv.classify_task()
     return Job(dataclasses.replace(task, max_patches=budget))
 
@@ -253,6 +253,9 @@ async def answer_kept(mv: ModelVersion, scope: str, admission: Admission, ask: A
     `ask` asks; 404 when it is not kept (any more)."""
     t0 = time.perf_counter()
     job = resolve(ask, mv)
+    if job.task.max_patches is not None:
+        raise BadRequestError(f"{mv.name} is a NaFlex model: its images are not kept, so GET /explain?id= has none "
+                              f"to explain; POST /explain?max_patches= the image")
     slot = mv.decoder.secret.slot(scope, image_id)  # the caller's own: another key's id names another slot
     crop = await asyncio.get_running_loop().run_in_executor(mv.decoder.pool, mv.crop_of, slot)  # Redis: a round trip
     if crop is None:
