@@ -110,8 +110,10 @@ def patch_budget(asked: int | None, info: ModelInfo) -> int | None:
     limit = info.max_patches
     if limit is None:
         if asked is not None:
-            raise BadRequestError(f"max_patches: {info.name} is not a NaFlex model (it takes fixed-size "
-                                  f"{info.resolution[0]}x{info.resolution[1]} images); omit max_patches")
+            raise BadRequestError(f"max_patches: {info.name} is not a NaFlex model here (it takes fixed-size "
+                                  f"{info.resolution[0]}x{info.resolution[1]} images on {info.backend or 'its'} "
+                                  f"backend; NaFlex is a SigLIP 2 NaFlex checkpoint on the torch backend); omit "
+                                  f"max_patches")
         return None
     if asked is not None and not 1 <= asked <= limit:
         raise InvalidValueError(f"max_patches must be from 1 to {limit} (the model's patch budget), got {asked}")
