@@ -182,3 +182,27 @@ def test_explain_is_the_rollout_over_real_patches_at_the_images_grid(siglip2, ph
                 picture = client.post(f"/explain?max_patches={n}", content=png, headers=PNG)
                 assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
                 assert Image.open(io.BytesIO(picture.content)).size == pixels.shape[1::-1]  # over the whole image
+
+
+def test_v2_infer_takes_max_patches_on_encoded_images(siglip2, photos):
+    """/v2 infer with `parameters.max_patches`: the images of one request (three shapes) at that budget, each row
+    the processor's and model's embedding; refusals in one line."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import InferenceServerException
+
+    ref, folder = siglip2
+    images = np.array([_encode(p, "PNG") for p in photos.values()], dtype=np.object_)
+    inp = httpclient.InferInput("image", [len(images)], "BYTES")
+    inp.set_data_from_numpy(images, binary_data=True)
+    embedding = [httpclient.InferRequestedOutput("embedding", binary_data=True)]
+    with live_app(settings_for(folder, max_batch=4)) as (url, _):
+        client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        name = client.get_model_repository_index()[0]["name"]
+        got = client.infer(name, [inp], outputs=embedding, parameters={"max_patches": 64}).as_numpy("embedding")
+        with pytest.raises(InferenceServerException, match="from 1 to 256"):
+            client.infer(name, [inp], outputs=embedding, parameters={"max_patches": 1000})
+        with pytest.raises(InferenceServerException, match="served by POST /explain"):
+            client.infer(name, [inp], outputs=[httpclient.InferRequestedOutput("rollout")],
+                         parameters={"max_patches": 64})
+    for row, pixels in zip(got, photos.values(), strict=True):
+        assert np.abs(row - _hf_embedding(ref, pixels, 64)).max() <= 1e-4

@@ -36,7 +36,7 @@ from vit_serve.runtime.task import Task
 from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission
 from vit_serve.serve.deps import ModelChoice
-from vit_serve.serve.errors import BadRequestError, InvalidValueError, NotFoundError
+from vit_serve.serve.errors import BadRequestError, NotFoundError
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.slow_clients import body_clock
@@ -90,7 +90,7 @@ class Job:
 
 def resolve(ask: Ask, mv: ModelVersion) -> Job:
     """The job `ask` is for `mv`, or 400 / 422 saying why `mv` cannot do it."""
-    budget = patch_budget(ask.max_patches, mv.info)
+    budget = mv.patch_budget(ask.max_patches)
     if ask.labels is not None:
         task = mv.zero_shot_task()
         return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels))
@@ -102,22 +102,6 @@ def resolve(ask: Ask, mv: ModelVersion) -> Job:
         return Job(dataclasses.replace(task, max_patches=budget))
     task = mv.embed_task() if ask.kind == "embed" else mv.classify_task()
     return Job(dataclasses.replace(task, max_patches=budget))
-
-
-def patch_budget(asked: int | None, info: ModelInfo) -> int | None:
-    """A request's NaFlex patch budget: `asked` (?max_patches=) within the model's own, else the model's own; None
-    for a fixed-size model asked for none. 400 when a fixed-size model is asked for one, 422 out of bounds."""
-    limit = info.max_patches
-    if limit is None:
-        if asked is not None:
-            raise BadRequestError(f"max_patches: {info.name} is not a NaFlex model here (it takes fixed-size "
-                                  f"{info.resolution[0]}x{info.resolution[1]} images on {info.backend or 'its'} "
-                                  f"backend; NaFlex is a SigLIP 2 NaFlex checkpoint on the torch backend); omit "
-                                  f"max_patches")
-        return None
-    if asked is not None and not 1 <= asked <= limit:
-        raise InvalidValueError(f"max_patches must be from 1 to {limit} (the model's patch budget), got {asked}")
-    return limit if asked is None else asked
 
 
 @dataclass(frozen=True)
@@ -337,7 +321,7 @@ async def decode_kept(mv: ModelVersion, upload: Upload, scope: str, max_patches:
     secret = mv.decoder.secret
     image = secret.image_id(scope, upload.sha256)
     if max_patches is not None:
-        decoded = await mv.decoder.decode_naflex(upload.data, image, mv.info.patch_size, max_patches)
+        decoded = await mv.decoder.decode_naflex(upload.data, max_patches, image)
     else:
         decoded = await mv.decode(upload.data, secret.slot(scope, image))
     return dataclasses.replace(decoded, id=image)
@@ -385,7 +369,7 @@ async def answer_tensors(choice: ModelChoice, admission: Admission, source: Tens
         admission.check(mv)
         caller = await source.caller()
         wanted = v2_model.resolve(mv, req)
-        x = await v2_model.pixels(mv, req.inputs, settings.decode_workers)
+        x = await v2_model.pixels(mv, req.inputs, settings.decode_workers, wanted.tasks[0].max_patches)
         answer = await _infer_tensors(mv, wanted, x, run.arrival, admission, caller)
     return TensorsAnswered(mv.name, str(mv.version), req, wanted, answer)
 
