@@ -206,3 +206,29 @@ def test_v2_infer_takes_max_patches_on_encoded_images(siglip2, photos):
                          parameters={"max_patches": 64})
     for row, pixels in zip(got, photos.values(), strict=True):
         assert np.abs(row - _hf_embedding(ref, pixels, 64)).max() <= 1e-4
+
+
+def test_onnxruntime_serves_the_naflex_graph(siglip2, photos, tmp_path):
+    """An export with `vit-export --naflex` served on onnxruntime: `?max_patches=` runs NAME_naflex.onnx, with the
+    same embeddings as transformers; its rollout is the torch backend's (one line)."""
+    import vit_export
+
+    from vit_serve.checkpoints import convert
+
+    ref, folder = siglip2
+    convert(folder, tmp_path / "s2.safetensors")
+    result = vit_export.export(tmp_path / "s2.safetensors",
+                               vit_export.ExportOptions(out=tmp_path / "export", name="s2", naflex=True))
+    assert result.ok and (tmp_path / "export" / "s2_naflex.onnx").is_file()
+    with live_app(settings_for(result.onnx, max_batch=1)) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as client:
+        for n in BUDGETS:
+            for name, pixels in photos.items():
+                r = client.post(f"/embed?max_patches={n}", content=_encode(pixels, "PNG"), headers=PNG)
+                assert r.status_code == 200, r.text
+                got = np.array(r.json()["embedding"])
+                assert np.abs(got - _hf_embedding(ref, pixels, n)).max() <= 1e-4, (name, n)
+        explain = client.post("/explain?max_patches=64", content=_encode(photos["wide"], "PNG"), headers=PNG)
+        models = client.get("/models").text
+    assert explain.status_code == 400 and "need the torch backend" in explain.text, explain.text
+    assert "onnxruntime" in models

@@ -1,5 +1,6 @@
 """The ONNX Runtime backend: `<name>.onnx` (logits, and the embedding when exported with it) and, when present,
-`<name>_explain.onnx` (logits + rollout).
+`<name>_explain.onnx` (logits + rollout) and `<name>_naflex.onnx` (a SigLIP 2 NaFlex model's patches path,
+`vit-export --naflex`: logits + embedding of NaFlex inputs; its budget is the model's `max_patches`).
 
 The sidecars `vit-export` wrote beside them give the resolution, preprocessing, labels and the explain graph's
 rollout settings, which are baked into the graph: `explain` with other settings raises ValueError naming them.
@@ -9,6 +10,7 @@ CUDA is used when onnxruntime has its CUDA provider and the device is not forced
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ import numpy as np
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings
 from vit_serve.runtime.backends.base import LocalBackend
 from vit_serve.runtime.backends.sidecar import check_bytes, read_export
+
+NAFLEX_METADATA = "vit_export_naflex"  # the NaFlex graph's metadata_props key (export/naflex_graph.METADATA_KEY)
 
 
 def session_providers(device: str) -> list[str]:
@@ -69,13 +73,15 @@ class OnnxRuntimeBackend(LocalBackend):
                                     if explain is not None else None)
         except Exception as e:  # onnxruntime raises its own exception types for unreadable models
             raise ValueError(f"onnxruntime cannot load {path.name}: {' '.join(str(e).split())}") from e
+        self.naflex_session, max_patches, naflex_dim = _naflex_session(path, opts, providers)
         # fp16 exports take float16 pixels; everything leaves as float32.
         self.input_dtype = np.float16 if "float16" in self.session.get_inputs()[0].type else np.float32
         used = tuple(self.session.get_providers())
         has_embedding = any(o.name == EMBEDDING for o in self.session.get_outputs())
         self.info = dataclasses.replace(self.info, providers=used,
                                         device="cuda" if "CUDAExecutionProvider" in used else "cpu",
-                                        embedding_dim=self.info.embedding_dim if has_embedding else 0)
+                                        embedding_dim=self.info.embedding_dim if has_embedding else naflex_dim,
+                                        max_patches=max_patches)
 
     def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:
         return {PIXEL_VALUES: x if x.dtype == self.input_dtype else x.astype(self.input_dtype)}
@@ -98,3 +104,33 @@ class OnnxRuntimeBackend(LocalBackend):
                                       f"(vit-export writes NAME_explain.onnx)")
         logits, heat = self.explain_session.run([LOGITS, ROLLOUT], self._feed(x))
         return logits.astype(np.float32, copy=False), heat.astype(np.float32, copy=False)
+
+    def embed_patches(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex (`vit_serve.naflex.pack`'s rows) through `<name>_naflex.onnx`."""
+        if self.naflex_session is None:
+            return super().embed_patches(x)
+        shapes = x[:, 0, :2].round().astype(np.int64)
+        patches = np.ascontiguousarray(x[:, 1:])
+        mask = (np.arange(patches.shape[1])[None] < shapes.prod(-1, keepdims=True)).astype(np.int64)
+        logits, embedding = self.naflex_session.run([LOGITS, EMBEDDING], {
+            "patches": patches, "spatial_shapes": shapes, "mask": mask})
+        return logits.astype(np.float32, copy=False), embedding.astype(np.float32, copy=False)
+
+
+def _naflex_session(path: Path, opts: Any, providers: list[str]) -> tuple[Any, int | None, int]:
+    """The session of `<name>_naflex.onnx` beside `path`, the model's patch budget and the graph's embedding width,
+    or (None, None, 0)."""
+    import onnxruntime as ort
+
+    naflex = path.with_name(f"{path.stem}_naflex{path.suffix}")
+    if not naflex.is_file():
+        return None, None, 0
+    try:
+        session = ort.InferenceSession(str(naflex), opts, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types for unreadable models
+        raise ValueError(f"onnxruntime cannot load {naflex.name}: {' '.join(str(e).split())}") from e
+    meta = session.get_modelmeta().custom_metadata_map.get(NAFLEX_METADATA)
+    if meta is None:
+        raise ValueError(f"{naflex.name} has no {NAFLEX_METADATA} metadata (vit-export --naflex writes it)")
+    width = next(o.shape[-1] for o in session.get_outputs() if o.name == EMBEDDING)
+    return session, int(json.loads(meta)["max_patches"]), width if isinstance(width, int) else 0
