@@ -170,7 +170,8 @@ class VersionLoader:
         if off is None:
             gpu = GpuDecoder(info.preprocess, self.max_pixels, device, runner.limits.max_batch,
                              lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
-        decoder = VersionDecoder(info.preprocess, self.pool, self.store, self.max_pixels, gpu, off)
+        decoder = VersionDecoder(info.preprocess, self.pool, self.store, self.max_pixels, gpu, off,
+                                 info.patch_size)
         text, text_error = await self._text_tower(source, spec, info.device, thread)
         version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, decoder,
                                source.fingerprint, label_limits=self.label_limits, text=text, text_error=text_error,

@@ -33,7 +33,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from vit_serve.explain import explain_forward, grad_rollout
+from vit_serve.explain import explain_forward, explain_patches, grad_rollout
 from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.naflex import unpack
 from vit_serve.preprocess import PreprocessConfig
@@ -294,6 +294,15 @@ class TorchBackend(LocalBackend):
         with torch.inference_mode():
             logits, embedding = self.model.forward_patches(b.patches, b.spatial_shapes, b.mask)
         return self._out(logits), self._out(embedding)
+
+    def explain_patches(self, x: np.ndarray, rollout: RolloutSettings | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex rollout, each image alone at its own grid (`vit_serve.explain.explain_patches`)."""
+        r = rollout or self.info.resolve_rollout()
+        b = unpack(self._input(x))
+        with torch.inference_mode():
+            logits, maps = explain_patches(self.model, b.patches, b.spatial_shapes, r.head_fusion, r.discard_ratio)
+        return self._out(logits), self._out(maps)
 
     def staged(self, task: Task, x: np.ndarray) -> Staged | None:
         """classify / embed one step a stage (`Stages`: the stem, each block, the tail), eager or traced as the

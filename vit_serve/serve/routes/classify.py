@@ -12,7 +12,7 @@ from vit_serve.serve import answer_hooks, pipeline
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import GatewayDep, ModelChoiceDep
 from vit_serve.serve.errors import BadRequestError
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, MaxPatchesQuery
 from vit_serve.serve.schemas import ClassifyResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -75,12 +75,13 @@ async def classify(
     labels: Annotated[str | None, Query(description="comma-separated labels to classify the image among, zero-shot "
                                                     "(models served with a text tower, vit-export --text-tower)")
                       ] = None,
+    max_patches: MaxPatchesQuery = None,
 ) -> dict:
     """Classify one image (`DESCRIPTION`)."""
     if labels is not None and explain:
         raise BadRequestError("labels and explain=true do not go together: classify by labels, then explain the "
                               "image with GET /explain?id=")
-    ask = pipeline.Ask("classify", top_k_, labels, pipeline.Explain() if explain else None)
+    ask = pipeline.Ask("classify", top_k_, labels, pipeline.Explain() if explain else None, max_patches=max_patches)
     hooks = (answer_hooks.server_timing(response), answer_hooks.sampling(gateway, admission))
     done = await pipeline.answer(request, choice, scope, admission, ask, hooks)
     answer = {"id": done.image_id, "model": done.info.name, "version": done.version,
