@@ -1,7 +1,7 @@
 """Tiny RoPE models (timm 1.0.31's `Eva`: DINOv3, PE-Core, EVA-02, RoPE-ViT axial and mixed), built from the real
 library with random weights, and the same weights in our VisionTransformer (`vit_serve.checkpoints.timm_eva`,
 the import a user's `vit-serve convert` runs): the references of tests/export/test_rope_export.py and
-tests/serve/test_rope_gateway.py.
+tests/serve/test_rope_export_gateway.py.
 
 Each: `timm.create_model(name, pretrained=False, num_classes=10, depth=2, dynamic_img_size=True, **overrides)`
 (so that timm computes its own RoPE tables and resamples its own absolute embeddings at other sizes), every float

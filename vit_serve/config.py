@@ -357,6 +357,9 @@ _EVA_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
+_PE_LANG_DEPTH = {"large": 23, "gigantic": 47}
+
+
 def _eva_base(size: str, patch: int, img: int, **kw: Any) -> ViTConfig:
     d, depth, heads = _EVA_SIZES[size]
     ratio = kw.pop("mlp_ratio", 4.0)
@@ -398,8 +401,9 @@ def _pe(m: re.Match[str]) -> ViTConfig:
         kw.update(pool="gap", final_norm=False)
     if m["kind"] == "lang" or (m["kind"] == "spatial" and gig):
         kw["init_values"] = 0.1
-    base = _eva_base(size, patch, img, **kw)
-    return base.replace(depth={"lang": {"large": 23, "gigantic": 47}}.get(m["kind"], {}).get(size, base.depth))
+    if m["kind"] == "lang" and size in _PE_LANG_DEPTH:  # PE-lang keeps the blocks before the ones it was cut at
+        kw["depth"] = _PE_LANG_DEPTH[size]
+    return _eva_base(size, patch, img, **kw)
 
 
 def _eva(m: re.Match[str]) -> ViTConfig:

@@ -257,6 +257,27 @@ def explain_forward(model: VisionTransformer, x: torch.Tensor, head_fusion: str 
     return Explanation(logits, heat, attentions, merges)
 
 
+def explain_patches(model: VisionTransformer, patches: torch.Tensor, spatial_shapes: torch.Tensor,
+                    head_fusion: str = DEFAULT_HEAD_FUSION, discard_ratio: float = DEFAULT_DISCARD_RATIO
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaFlex inputs (`vit_serve.naflex.unpack`: patches [B, M, P * P * C], spatial_shapes [B, 2]) -> (logits [B, K],
+    maps [B, M]: each image's rollout over its own h x w grid, row-major in its first h * w entries, zeros after).
+
+    Each image alone: its real patches put back together as the [1, C, hP, wP] image they were cut from
+    (`naflex.image_to_patches` inverted) and explained by `explain_forward`. A NaFlex model's plain forward on that
+    image resamples its position grid as `forward_patches` does (resample_mode "naflex"), so this is the same
+    pass without padding: the map covers the real patches only, and no image's map depends on the others."""
+    p, c = model.cfg.patch_size, model.cfg.in_chans
+    logits, maps = [], patches.new_zeros(patches.shape[:2], dtype=torch.float32)
+    for i, (h, w) in enumerate(spatial_shapes.tolist()):
+        rows = patches[i, :h * w].reshape(h, w, p, p, c)
+        image = rows.permute(4, 0, 2, 1, 3).reshape(1, c, h * p, w * p)
+        e = explain_forward(model, image, head_fusion, discard_ratio)
+        logits.append(e.logits)
+        maps[i, :h * w] = e.heatmap.map.flatten().float()
+    return torch.cat(logits), maps
+
+
 def grad_rollout(model: torch.nn.Module, x: torch.Tensor, target: int | torch.Tensor | None = None) -> Heatmap:
     """Gradient-weighted rollout of `model` on images x [B, C, H, W] for class `target` (default: top-1).
 

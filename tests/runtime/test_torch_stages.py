@@ -121,3 +121,19 @@ def test_exports_run_whole(export_tiny, tmp_path):
     result, _ = export_tiny(tmp_path, 32, 3, LABELS, out=tmp_path / "exports")
     onnx = load(LoadSpec(str(result.onnx), device="cpu", threads=1))
     assert onnx.staged(CLASSIFY, _x(1, 0)[:, :, :32, :32]) is None  # the LocalBackend default: one call
+
+
+def test_rope_models_run_whole(tmp_path):
+    """A RoPE model's blocks need the rotary table of the input's patch grid: no stages, the whole forward."""
+    from vit_serve.config import RopeConfig, ViTConfig
+    from vit_serve.model import VisionTransformer
+
+    model = VisionTransformer(ViTConfig(img_size=RES, embed_dim=64, num_heads=4, depth=2, mlp_dim=128, num_classes=3,
+                                        pos_embed=False, rope=RopeConfig("dinov3", 100.0, rotate_half=True))).eval()
+    vit_serve.save(model, tmp_path / "rope.safetensors")
+    backend = load(LoadSpec(str(tmp_path / "rope.safetensors"), device="cpu", threads=1))
+    x = _x(2, seed=3)
+    assert backend.staged(CLASSIFY, x) is None
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    assert np.abs(backend.run(CLASSIFY, x)["logits"] - want).max() <= TOL

@@ -1,52 +1,140 @@
-"""A RoPE export through the gateway: a tiny DINOv3 (timm's `Eva`, random weights, tests/rope_models.py) exported
-once with `--res dynamic`, its contract set to 112 x 80 (the model was built at 64 x 64), served by the
-onnxruntime backend. POST /classify of a real photo gives the scores of timm's own model on the pixels
-`vit_serve.preprocess` makes of the upload (softmax of its logits) within 1e-4. The sidecar carries no RoPE
-settings: the graph computes its rotary tables from the input's shape, so the runtime needs none."""
+"""The gateway with the torch backend on the 2025-26 encoders: an open_clip PE-Core tower (RoPE, MAP pool; random
+weights, a one-layer text tower) converted with `--zero-shot` so that its text tower comes along, and a timm DINOv3
+(RoPE only, registers; its embedding is the [class] token) converted from the hub folder timm writes. ?labels=
+runs the text tower of NAME_text.onnx beside the checkpoint (`pe`: written by the call `vit-export --text-tower`
+makes, vit_export.text_tower), or, with none there, the one the checkpoint stores, with torch (`pe_stored`: the
+same file under another name). References:
+open_clip's `encode_image` and its zero-shot recipe (normalise, mean over the templates, renormalise,
+logit_scale.exp(), softmax), timm's `forward_features` class token after the final norm, on the pixels
+`vit_serve.preprocess` makes of each upload (the gateway decodes by the model's contract)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gateway_helpers import run, serving, settings_for
+from safetensors.torch import save_file
 
-from tests.rope_models import ours_rope, timm_rope
-from vit_serve.preprocess import PreprocessConfig, preprocess
+import vit_serve
+from vit_serve.checkpoints import convert
+from vit_serve.preprocess import preprocess
 
-pytest.importorskip("timm")
-pytest.importorskip("onnxscript")
+open_clip = pytest.importorskip("open_clip")
+timm = pytest.importorskip("timm")
+from tests.text import tiny_clip  # noqa: E402
 
-SIZE = (112, 80)  # 7 x 5 patches; the export is traced at 4 x 4
+PE = "PE-Core-T-16-384"
+DINOV3 = "vit_small_patch16_dinov3"
+LABELS = ["an astronaut", "a cup of coffee", "a tabby cat", "a lighthouse"]
+ASKED = ["a cat", "coffee", "a rocket"]  # ?labels=, not the baked head's
+TEMPLATES = ["a photo of {}.", "itap of {}."]
+TOL = 1e-4
 
 
-def test_classify_on_a_dynamic_dinov3_export_equals_timm(tmp_path, photos):
-    import vit_export
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """(folder with pe.safetensors and dinov3.safetensors, open_clip's PE-Core, timm's DINOv3)."""
+    from timm.models._hub import save_for_hf
+    from vit_export.text_tower import export_text_tower, load_text_bundle
 
-    ref = timm_rope("dinov3")
-    model = ours_rope("dinov3", ref)
-    model.labels = [f"label{i}" for i in range(model.cfg.num_classes)]
-    model.preprocess_cfg = PreprocessConfig(input_size=SIZE, crop_pct=1.0)
-    # The Python API's export of the model itself: traced at its own 64 x 64, the sidecar's contract 112 x 80 (a
-    # saved checkpoint's contract follows its resolution).
-    result = vit_export.export(model, vit_export.ExportOptions(out=tmp_path / "out", res="dynamic", name="dinov3"))
-    assert result.ok and tuple(model.cfg.img_size) == (64, 64)
+    folder = tmp_path_factory.mktemp("rope_gateway")
+    pe = tiny_clip.randomized(PE, seed=41, text_cfg={**open_clip.get_model_config(PE)["text_cfg"], "layers": 1})
+    save_file(tiny_clip.state_dict(pe), folder / "pe_open_clip.safetensors")
+    convert(folder / "pe_open_clip.safetensors", folder / "repo" / "pe.safetensors", arch=f"open_clip:{PE}",
+            zero_shot=LABELS, templates=TEMPLATES)
+    pe_ckpt = folder / "repo" / "pe.safetensors"
+    written = export_text_tower(load_text_bundle(pe_ckpt), pe_ckpt, folder / "repo", "pe", family="pe")
+    assert written.ok and written.record.templates == tuple(TEMPLATES)
+    (folder / "repo" / "pe_stored.safetensors").write_bytes(pe_ckpt.read_bytes())
+    dino = timm.create_model(DINOV3, pretrained=False, embed_dim=96, depth=2, img_size=64, num_classes=0,
+                             global_pool="token").eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in dino.state_dict().values():  # LayerScale 1e-5 and zero biases: nothing may stay trivial
+            if p.is_floating_point():
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    save_for_hf(dino, folder / "dino_hub", safe_serialization=True, model_args=dict(img_size=64, global_pool="token"))
+    convert(folder / "dino_hub", folder / "repo" / "dinov3.safetensors")
+    return folder / "repo", pe, dino
+
+
+@pytest.fixture(scope="module")
+def answers(repo, photos):
+    folder, _, _ = repo
 
     async def go():
-        async with serving(settings_for(result.onnx)) as (client, _):
-            answers = {name: await client.post("/classify?top_k=10", files={"file": (name, data)})
-                       for name, data in photos.items()}
-            return answers, await client.get("/v2/models/dinov3")
+        got = {}
+        async with serving(settings_for(folder, default_model="pe")) as (client, _):
+            for name, data in photos.items():
+                got[name] = {
+                    "pe_embed": await client.post("/embed?model=pe", files={"file": (name, data)}),
+                    "pe_head": await client.post("/classify?model=pe&top_k=4", files={"file": (name, data)}),
+                    "pe_labels": await client.post(f"/classify?model=pe&top_k=3&labels={','.join(ASKED)}",
+                                                   files={"file": (name, data)}),
+                    "dino_embed": await client.post("/embed?model=dinov3", files={"file": (name, data)}),
+                    "stored_labels": await client.post(f"/classify?model=pe_stored&top_k=3&labels={','.join(ASKED)}",
+                                                       files={"file": (name, data)}),
+                    "dino_labels": await client.post("/classify?model=dinov3&labels=a,b",
+                                                     files={"file": (name, data)}),
+                }
+        return got
 
-    answers, meta = run(go())
-    assert meta.status_code == 200, meta.text
-    for name, r in answers.items():
-        assert r.status_code == 200 and r.json()["resolution"] == list(SIZE), r.text
-        x = preprocess(photos[name], model.preprocess_cfg)[None]
-        assert tuple(x.shape[-2:]) == SIZE
+    return run(go())
+
+
+def _pixels(ckpt, data: bytes) -> torch.Tensor:
+    return preprocess(data, vit_serve.load(ckpt).preprocess_cfg)[None]
+
+
+@torch.no_grad()
+def _zero_shot(pe, x: torch.Tensor, labels: list[str]) -> np.ndarray:
+    """open_clip's recipe: softmax over logit_scale.exp() x cos(image, mean of normalised template embeddings)."""
+    tok = open_clip.get_tokenizer(PE)
+    weights = [F.normalize(F.normalize(pe.encode_text(tok([t.format(c) for t in TEMPLATES])), dim=-1).mean(0), dim=-1)
+               for c in labels]
+    logits = pe.logit_scale.exp() * F.normalize(pe.encode_image(x), dim=-1) @ torch.stack(weights).T
+    return logits.softmax(-1)[0].double().numpy()
+
+
+def _check_scores(r, want: np.ndarray, labels: list[str]) -> float:
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    assert [p["label"] for p in preds] == [labels[i] for i in np.argsort(-want, kind="stable")][: len(preds)]
+    return max(abs(p["score"] - want[labels.index(p["label"])]) for p in preds)
+
+
+def test_pe_core_embed_and_labels_equal_open_clip(repo, answers, photos):
+    folder, pe, _ = repo
+    for name, got in answers.items():
+        x = _pixels(folder / "pe.safetensors", photos[name])
         with torch.no_grad():
-            want = ref(x)[0].softmax(-1).numpy().astype(np.float64)
-        got = {p["index"]: p["score"] for p in r.json()["predictions"]}
-        err = max(abs(s - want[i]) for i, s in got.items())
-        print(f"dinov3 {SIZE[0]}x{SIZE[1]} {name}: |d score| {err:.1e} over {len(got)} classes")
-        assert len(got) == len(want) and err <= 1e-4
+            want = pe.encode_image(x)[0].double().numpy()
+        e = got["pe_embed"]
+        assert e.status_code == 200, e.text
+        emb = np.asarray(e.json()["embedding"])
+        emb_err = float(np.abs(emb - want).max())  # encode_image itself: projected, not normalised
+        head_err = _check_scores(got["pe_head"], _zero_shot(pe, x, LABELS), LABELS)
+        labels_err = _check_scores(got["pe_labels"], _zero_shot(pe, x, ASKED), ASKED)
+        stored_err = _check_scores(got["stored_labels"], _zero_shot(pe, x, ASKED), ASKED)
+        print(f"PE-Core {name}: |Δ embedding| {emb_err:.2e} (norm {np.linalg.norm(emb):.3f}), |Δ score| baked head "
+              f"{head_err:.2e}, ?labels= {labels_err:.2e} (ONNX text tower), {stored_err:.2e} (the checkpoint's)")
+        assert e.json()["dim"] == want.shape[0] and max(emb_err, head_err, labels_err, stored_err) <= TOL
+        no_text = got["dino_labels"]
+        assert no_text.status_code == 400 and "no text tower" in no_text.json()["detail"]
+
+
+def test_dinov3_embed_is_timms_class_token(repo, answers, photos):
+    folder, _, dino = repo
+    cfg = vit_serve.load(folder / "dinov3.safetensors").cfg
+    assert cfg.pos_embed is False and cfg.rope is not None and cfg.pool == "token"
+    for name, got in answers.items():
+        x = _pixels(folder / "dinov3.safetensors", photos[name])
+        with torch.no_grad():
+            want = dino.forward_features(x)[0, 0].double().numpy()  # the [class] token after the final norm
+        e = got["dino_embed"]
+        assert e.status_code == 200, e.text
+        err = float(np.abs(np.asarray(e.json()["embedding"]) - want).max())
+        print(f"DINOv3 {name}: |Δ embedding| {err:.2e} (max |e| {np.abs(want).max():.2f})")
+        assert err <= TOL and e.json()["dim"] == 96

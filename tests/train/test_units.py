@@ -38,6 +38,14 @@ def test_weight_decay_only_on_kernels_and_recipes():
         "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight", "head.weight"}
     pre = build_optimizer(model, TrainConfig())
     assert isinstance(pre, torch.optim.AdamW) and pre.param_groups[0]["weight_decay"] == 0.1
+    # RoPE-mixed's learned frequencies: no decay (timm's no_weight_decay), the head's layer (timm's group_matcher
+    # matches them to none)
+    from vit_serve.config import RopeConfig
+    from vit_serve.train.recipes import layer_id
+
+    mixed = vit_serve.create_model("Ti/16", depth=2, img_size=32, rope=RopeConfig("mixed", 10.0, grid_indexing="xy"))
+    _, no_decay = param_groups(mixed, 0.1)
+    assert any(p is mixed.rope.freqs for p in no_decay["params"]) and layer_id("rope.freqs", 2) == 3
     assert pre.defaults["betas"] == (0.9, 0.999)
     fine = build_optimizer(model, TrainConfig(mode="finetune", init="x.safetensors"))
     assert isinstance(fine, torch.optim.SGD) and fine.defaults["momentum"] == 0.9

@@ -123,13 +123,11 @@ def convert_timm(
 
     From the keys: [dist] token (`dist_token`, `head_dist`), registers (`reg_token` [1, R, D]), no_embed_class
     (`pos_embed` rows = N rather than prefix + N), LayerScale (`blocks.i.ls1.gamma`), norm_pre, patch bias,
-    MAP pooling (`attn_pool.latent`), mlp_dim (fc1). From the architecture name: heads, LayerNorm eps (1e-5
-    for timm's CLIP towers), the activation (QuickGELU for `*quickgelu*`; per SigLIP arch exact or tanh, as
-    timm builds them) and the family. Without a name the family comes from the keys, with timm's defaults:
-    norm_pre -> CLIP (eps 1e-5, exact GELU: OpenAI weights need the `_quickgelu_` name), attn_pool -> SigLIP
-    (exact GELU: SigLIP 2 shapes need their name), LayerScale / registers -> DINOv2, dist_token -> DeiT.
-    The architecture decides (`architecture_of`): refused in one line, naming what is missing, without a name
-    (a bare state dict), for a refused architecture (BEiT, RADIO, the 7B DINOv3, ...) and an unknown one.
+    MAP pooling (`attn_pool.latent`), mlp_dim (fc2's input). From the architecture name: heads, LayerNorm eps
+    (1e-5 for timm's CLIP towers), the activation (QuickGELU for `*quickgelu*`; per SigLIP arch exact or tanh,
+    as timm builds them), the MLP (SwiGLU for DINOv2 giant) and the family. The architecture decides
+    (`architecture_of`): refused in one line, naming what is missing, without a name (a bare state dict), for a
+    refused architecture (BEiT, RADIO, the 7B DINOv3, ...) and an unknown one.
 
     Args:
         weights: timm state dict (`patch_embed.proj.weight` [D, C, P, P], `pos_embed` [1, 1 + N, D], ...),

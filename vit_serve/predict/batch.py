@@ -35,12 +35,13 @@ class Item:
 
 
 def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
-    """The runtime's backend for `source`, on `opts.device`, decoding as `opts.decode` says (as the gateway)."""
+    """The runtime's backend for `source`, on `opts.device`, decoding as `opts.decode` says (as the gateway;
+    "contract": as the model's own preprocessing contract says, the runtime's None)."""
     from vit_serve.runtime import LoadSpec, load
     from vit_serve.runtime.backends.base import LocalBackend
 
     backend = load(LoadSpec(path=str(source.path), backend=source.backend, name=source.name, device=opts.device,
-                            threads=opts.threads, decode=opts.decode,
+                            threads=opts.threads, decode=None if opts.decode == "contract" else opts.decode,
                             tome=None if opts.tome is None else parse_tome(opts.tome), compile=opts.compile,
                             torchscript=opts.torchscript))
     if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only

@@ -63,9 +63,23 @@ def decode_naflex(data: bytes, cfg: PreprocessConfig, max_pixels: int, patch_siz
     """Encoded image -> NaFlex input [1, 1 + max_patches, P*P*3] (`vit_serve.naflex.pack`): the whole image (no
     crop), resized keeping its aspect ratio to at most `max_patches` patches, normalised with cfg's mean and std
     (`naflex.batch_images`, transformers' Siglip2ImageProcessor); the errors of `decode_crop`."""
+    rgb = _decoded(lambda: np.asarray(load_image(data, max_pixels=max_pixels)), max_pixels)
+    return _naflex_input(rgb, cfg, patch_size, max_patches)
+
+
+def decode_naflex_upload(data: bytes, cfg: PreprocessConfig, max_pixels: int, patch_size: int, max_patches: int,
+                         key: str = "") -> Decoded:
+    """`decode_naflex` for the gateway: a `Decoded` whose x is the NaFlex input and whose crop is the whole upload
+    as decoded (a NaFlex model sees all of it: nothing is cropped)."""
+    t0 = time.perf_counter()
+    image = _decoded(lambda: load_image(data, max_pixels=max_pixels), max_pixels)
+    x = _naflex_input(np.asarray(image), cfg, patch_size, max_patches)
+    return Decoded(key, image, x, (time.perf_counter() - t0) * 1e3)
+
+
+def _naflex_input(rgb: np.ndarray, cfg: PreprocessConfig, patch_size: int, max_patches: int) -> np.ndarray:
     from vit_serve import naflex  # torch: imported when a NaFlex model needs it
 
-    rgb = _decoded(lambda: np.asarray(load_image(data, max_pixels=max_pixels)), max_pixels)
     return naflex.pack(naflex.batch_images([rgb], patch_size, max_patches, cfg.mean, cfg.std)).numpy()
 
 

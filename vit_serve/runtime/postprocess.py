@@ -15,6 +15,7 @@ import numpy as np
 
 from vit_serve.embedding import l2_normalize
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
+from vit_serve.runtime.task import GRID
 
 if TYPE_CHECKING:
     from vit_serve.manifest import RolloutSettings
@@ -104,8 +105,11 @@ def answer(outputs: Outputs, info: ModelInfo, shape: Shape, ood: Ood | None = No
         found = predictions(outputs[LOGITS][0], shape.top_k, info)
     explanation = None
     if shape.explain is not None:
-        explanation = Explanation(shape.explain, shape.rollout, outputs[ROLLOUT][0], rollout_query(info.pool),
-                                  info.grid)
+        heat, grid = outputs[ROLLOUT][0], info.grid
+        if GRID in outputs:  # NaFlex: the image's own grid, its map flat in the first h * w entries
+            grid = tuple(int(v) for v in outputs[GRID][0])
+            heat = heat[:grid[0] * grid[1]].reshape(grid)
+        explanation = Explanation(shape.explain, shape.rollout, heat, rollout_query(info.pool), grid)
     embedding = normalize_embedding(outputs[EMBEDDING][0], shape.normalize) if shape.embedding else None
     return Answer(found or (), embedding, explanation, ood, {name: outputs[name] for name in shape.tensors})
 

@@ -29,8 +29,12 @@ class Task:
     rollout: RolloutSettings | None = None
     target: int | None = None
     # NaFlex (SigLIP 2): x is `vit_serve.naflex.pack`'s [B, 1 + max_patches, P*P*C], not [B, 3, H, W]; only
-    # requests of one budget share a batch (classify and embed).
+    # requests of one budget share a batch (classify, embed and explain: its "rollout" is then [B, max_patches],
+    # each image's map row-major over its own grid, which "grid" [B, 2] gives).
     max_patches: int | None = None
+
+
+GRID = "grid"  # NaFlex explain: each image's patch grid (h, w), beside its flat "rollout"
 
 
 CLASSIFY = Task()

@@ -1,5 +1,7 @@
 """A text tower served beside an image model: `NAME_text.onnx` (input_ids int64 [B, L] -> text_embeds [B, E]) with
-its manifest (`vit_serve.text.manifest.TextTowerManifest`) and tokenizer, run with onnxruntime.
+its manifest (`vit_serve.text.manifest.TextTowerManifest`) and tokenizer, run with onnxruntime; or, for a checkpoint
+the torch backend serves, the text tower stored in it (`vit-serve convert` of a CLIP / SigLIP checkpoint keeps it),
+run with torch (`TextTower.from_checkpoint`).
 
 A request's labels (`TextTower.check_labels` first, where the request is parsed) become class embeddings [n, E]
 (`vit_serve.zeroshot.class_embeddings` of their prompts) in two steps: `plan(scope, labels)` takes the labels the
@@ -38,6 +40,22 @@ def text_tower_of(model_path: str | Path) -> Path | None:
     """`dir/NAME_text.onnx` beside a model file `dir/NAME.*` (None when there is none)."""
     path = text_path_of(model_path)
     return path if path.is_file() else None
+
+
+def holds_text_tower(checkpoint: str | Path) -> bool:
+    """Whether a checkpoint file (safetensors) stores a text tower, read from its metadata alone."""
+    from safetensors import safe_open
+
+    from vit_serve.text.bundle import META_CONFIG
+
+    path = Path(checkpoint)
+    if path.suffix.lower() != ".safetensors" or not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            return META_CONFIG in (f.metadata() or {})
+    except Exception:  # not a safetensors file after all: the image model's loader says why
+        return False
 
 
 @dataclass
@@ -230,15 +248,51 @@ class TextTower:
 
         from vit_serve.runtime.backends.onnxruntime import session_options, session_providers
 
-        self.limits = limits or zero_shot.LabelLimits()
         self.path = Path(onnx_path)
-        self.manifest = TextTowerManifest.read(self.path)
-        self.tokenizer = _tokenizer(self.manifest, self.path)
+        manifest = TextTowerManifest.read(self.path)
         opts = session_options(threads)
         try:
             self.session = ort.InferenceSession(str(self.path), opts, providers=session_providers(device))
         except Exception as e:  # onnxruntime's own exception types
             raise ValueError(f"onnxruntime cannot load {self.path.name}: {' '.join(str(e).split())}") from e
+        self._setup(manifest, _tokenizer(manifest, self.path), cache_size, limits)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str | Path, cache_size: int | None = None, device: str = "cpu",
+                        limits: zero_shot.LabelLimits | None = None) -> TextTower:
+        """The text tower stored in a checkpoint, run with torch on `device`: the tokenizer, logit scale and bias
+        and templates it was converted with, as `vit-export --text-tower` would write them into the manifest."""
+        import torch
+
+        from vit_serve.checkpoints.io import read_weights
+        from vit_serve.text.bundle import bundle_from_checkpoint
+        from vit_serve.text.manifest import DEFAULT_TEMPLATES, TokenizerSpec
+
+        tower = cls.__new__(cls)
+        tower.path = Path(checkpoint)
+        bundle = bundle_from_checkpoint(*read_weights(tower.path), str(tower.path))
+        if bundle is None:
+            raise ValueError(f"{tower.path.name} holds no text tower")
+        net = bundle.tower.to(device).eval()
+        manifest = TextTowerManifest(
+            tokenizer=TokenizerSpec(bundle.tokenizer.kind, (tower.path.name,), bundle.config.context_length),
+            embedding_dim=bundle.config.embed_dim, logit_scale=bundle.logit_scale, logit_bias=bundle.logit_bias,
+            scores="sigmoid" if bundle.sigmoid else "softmax", templates=bundle.templates or DEFAULT_TEMPLATES,
+            source_checkpoint=str(tower.path))
+
+        @torch.inference_mode()
+        def encode(ids: np.ndarray) -> np.ndarray:
+            return net(torch.from_numpy(ids).to(device)).float().cpu().numpy()
+
+        tower._encode = encode  # type: ignore[method-assign]  # the torch tower instead of the graph
+        tower._setup(manifest, bundle.tokenizer, cache_size, limits)
+        return tower
+
+    def _setup(self, manifest: TextTowerManifest, tokenizer, cache_size: int | None,
+               limits: zero_shot.LabelLimits | None) -> None:
+        self.limits = limits or zero_shot.LabelLimits()
+        self.manifest = manifest
+        self.tokenizer = tokenizer
         self.cache = LabelCache(self.limits.cache_size if cache_size is None else cache_size)
         self.chunk_size = self.limits.chunk_size
         self.scheduler = TextScheduler(f"vit-serve-text-{self.path.stem}", self.limits.queue_size)
@@ -312,12 +366,15 @@ class TextTower:
                 self.cache.put(label, row, job.scope)
         return np.stack([found[label] for label in job.labels])
 
+    def _encode(self, ids: np.ndarray) -> np.ndarray:
+        """input_ids [n, L] -> text_embeds [n, E]: the ONNX graph (a checkpoint's tower replaces this)."""
+        return self.session.run([TEXT_EMBEDS], {INPUT_IDS: ids})[0]
+
     def embed_texts(self, texts: list[str], strict: bool = False) -> np.ndarray:
         """Texts -> text_embeds [n, E] float32 (not normalised), the graph run once (`strict`: TextTooLongError
         for a text that does not fit the context length, rather than truncating it)."""
         ids = np.asarray(self.tokenizer(texts, strict=strict), dtype=np.int64)
-        (out,) = self.session.run([TEXT_EMBEDS], {INPUT_IDS: ids})
-        return out.astype(np.float32, copy=False)
+        return self._encode(ids).astype(np.float32, copy=False)
 
     def classes(self, labels: list[str], scope: str = SHARED_SCOPE) -> np.ndarray:
         """Labels -> class embeddings [n, E] (normalised; each the mean of its prompts' normalised embeddings,

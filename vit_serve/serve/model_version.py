@@ -266,6 +266,24 @@ class ModelVersion:
         except ValueError as e:
             raise BadRequestError(str(e)) from None
 
+    def patch_budget(self, asked: int | None, what: str = "max_patches") -> int | None:
+        """A request's NaFlex patch budget (`what`: its name in the request): `asked` within the model's own, else
+        the model's own; None for a fixed-size model asked for none. 400 when a fixed-size model is asked for one,
+        422 out of bounds."""
+        info = self.info
+        limit = info.max_patches
+        if limit is None:
+            if asked is not None:
+                raise BadRequestError(f"{what}: {info.name} is not a NaFlex model here (it takes fixed-size "
+                                      f"{info.resolution[0]}x{info.resolution[1]} images on {info.backend or 'its'} "
+                                      f"backend; NaFlex is a SigLIP 2 NaFlex checkpoint on the torch backend); omit "
+                                      f"{what}")
+            return None
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit):
+            raise InvalidValueError(f"{what} must be an integer from 1 to {limit} (the model's patch budget), got "
+                                    f"{asked!r}")
+        return limit if asked is None else asked
+
     def classify_task(self) -> Task:
         """The Task of a /classify request: the embed task when the OOD score needs the embedding (`monitor`), so
         that one pass answers and scores it (and batches with /embed), else classify."""

@@ -36,7 +36,7 @@ from vit_serve.runtime.task import Task
 from vit_serve.serve import v2_model
 from vit_serve.serve.admission import Admission
 from vit_serve.serve.deps import ModelChoice
-from vit_serve.serve.errors import NotFoundError
+from vit_serve.serve.errors import BadRequestError, NotFoundError
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.slow_clients import body_clock
@@ -76,6 +76,7 @@ class Ask:
     explain: Explain | None = None
     normalize: bool = False
     overlay: Overlay | None = None
+    max_patches: int | None = None  # ?max_patches= (NaFlex models; None: the model's own budget)
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,18 @@ class Job:
 
 def resolve(ask: Ask, mv: ModelVersion) -> Job:
     """The job `ask` is for `mv`, or 400 / 422 saying why `mv` cannot do it."""
+    budget = mv.patch_budget(ask.max_patches)
     if ask.labels is not None:
         task = mv.zero_shot_task()
-        return Job(task, mv.parse_labels(ask.labels))
+        return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels))
     if ask.explain is not None:
         e = ask.explain
-        return Job(mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target))
-    return Job(mv.embed_task() if ask.kind == "embed" else mv.classify_task())
+        if budget is not None and e.method != "rollout":
+            raise BadRequestError(f"method={e.method}: {mv.name} is a NaFlex model, explained by method=rollout only")
+        task = mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target)
+        return Job(dataclasses.replace(task, max_patches=budget))
+    task = mv.embed_task() if ask.kind == "embed" else mv.classify_task()
+    return Job(dataclasses.replace(task, max_patches=budget))
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ async def answer(request: Request, choice: ModelChoice, scope: str, admission: A
     run = _keep_or_choose_again(arrived, job, choice, admission, job_of, t0)
     with run.mv.using(), run.arrival:
         admission.at("decode", run.mv)
-        decoded = await decode_kept(run.mv, arrived.body, scope)
+        decoded = await decode_kept(run.mv, arrived.body, scope, run.job.task.max_patches if run.job else None)
         t_decoded = time.perf_counter()
         done = await _infer_and_answer(request, scope, admission, ask, run, decoded)
     wait_ms = max(0.0, (t_decoded - t_read) * 1e3 - decoded.decode_ms)
@@ -233,6 +239,9 @@ async def answer_kept(mv: ModelVersion, scope: str, admission: Admission, ask: A
     `ask` asks; 404 when it is not kept (any more)."""
     t0 = time.perf_counter()
     job = resolve(ask, mv)
+    if job.task.max_patches is not None:
+        raise BadRequestError(f"{mv.name} is a NaFlex model: its images are not kept, so GET /explain?id= has none "
+                              f"to explain; POST /explain?max_patches= the image")
     slot = mv.decoder.secret.slot(scope, image_id)  # the caller's own: another key's id names another slot
     crop = await asyncio.get_running_loop().run_in_executor(mv.decoder.pool, mv.crop_of, slot)  # Redis: a round trip
     if crop is None:
@@ -304,13 +313,17 @@ def _finish(done: Answered, timings: Timings, hooks: Sequence[Hook]) -> Answered
     return done
 
 
-async def decode_kept(mv: ModelVersion, upload: Upload, scope: str) -> Decoded:
+async def decode_kept(mv: ModelVersion, upload: Upload, scope: str, max_patches: int | None = None) -> Decoded:
     """The upload decoded (none if the caller sent it before: its crop is in the store) and kept for GET
     /explain, with the caller's id for it (`stores.secret`): another caller's identical upload neither finds
-    this crop nor gets this id."""
+    this crop nor gets this id. `max_patches`: a NaFlex model's input of that budget instead, the whole image at
+    its own aspect ratio (not kept)."""
     secret = mv.decoder.secret
     image = secret.image_id(scope, upload.sha256)
-    decoded = await mv.decode(upload.data, secret.slot(scope, image))
+    if max_patches is not None:
+        decoded = await mv.decoder.decode_naflex(upload.data, max_patches, image)
+    else:
+        decoded = await mv.decode(upload.data, secret.slot(scope, image))
     return dataclasses.replace(decoded, id=image)
 
 
@@ -356,7 +369,7 @@ async def answer_tensors(choice: ModelChoice, admission: Admission, source: Tens
         admission.check(mv)
         caller = await source.caller()
         wanted = v2_model.resolve(mv, req)
-        x = await v2_model.pixels(mv, req.inputs, settings.decode_workers)
+        x = await v2_model.pixels(mv, req.inputs, settings.decode_workers, wanted.tasks[0].max_patches)
         answer = await _infer_tensors(mv, wanted, x, run.arrival, admission, caller)
     return TensorsAnswered(mv.name, str(mv.version), req, wanted, answer)
 

@@ -20,6 +20,7 @@ ones not started never are.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,16 +105,21 @@ def request_bounds(mv: ModelVersion, limits: RunnerLimits) -> RequestBounds:
     return RequestBounds(images, images * 3 * h * w)
 
 
-async def decode_images(mv: ModelVersion, items: list[bytes], window: int) -> np.ndarray:
-    """Encoded images -> x [n, 3, H, W] float32, at most `window` decoding at once; the first failure cancels
-    the rest (those waiting never start) and is raised."""
-    h, w = mv.info.resolution
-    x = np.empty((len(items), 3, h, w), np.float32)  # the request's whole decoded size, bounded by its count
+async def decode_images(mv: ModelVersion, items: list[bytes], window: int, max_patches: int | None = None
+                        ) -> np.ndarray:
+    """Encoded images -> x [n, 3, H, W] float32 (`max_patches`: NaFlex inputs [n, 1 + M, P*P*3]), at most
+    `window` decoding at once; the first failure cancels the rest (those waiting never start) and is raised."""
+    h, w, p = *mv.info.resolution, mv.info.patch_size
+    # the request's whole decoded size, bounded by its count
+    x = np.empty((len(items), 3, h, w) if max_patches is None else (len(items), 1 + max_patches, p * p * 3),
+                 np.float32)
     todo = iter(enumerate(items))
 
     async def worker() -> None:
         for i, data in todo:  # one shared iterator: each worker takes the next image when it is free
-            x[i] = (await mv.decode(bytes(data), keep=False)).x[0]
+            decoded = (mv.decode(bytes(data), keep=False) if max_patches is None else
+                       mv.decoder.decode_naflex(bytes(data), max_patches))
+            x[i] = (await decoded).x[0]
 
     workers = [asyncio.ensure_future(worker()) for _ in range(max(1, min(window, len(items))))]
     try:
@@ -126,13 +132,17 @@ async def decode_images(mv: ModelVersion, items: list[bytes], window: int) -> np
     return x
 
 
-async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int) -> np.ndarray:
-    """The request's one input -> x [B, 3, H, W] float32 (images decoded with the model's contract)."""
+async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int, max_patches: int | None = None
+                 ) -> np.ndarray:
+    """The request's one input -> x [B, 3, H, W] float32 (images decoded with the model's contract); with
+    `max_patches` (a NaFlex budget), encoded images only, each the NaFlex input of that budget [B, 1 + M, P*P*3]."""
     info = mv.info
     unknown = set(inputs) - set(INPUTS)
     if unknown or len(inputs) != 1:
         raise BadRequestError(f"send exactly one input, {PIXEL_VALUES} or {IMAGE} (got {sorted(inputs)})")
     h, w = info.resolution
+    if max_patches is not None and IMAGE not in inputs:
+        raise BadRequestError(f"parameters.max_patches takes encoded images ({IMAGE}, BYTES), not {PIXEL_VALUES}")
     if PIXEL_VALUES in inputs:
         t = inputs[PIXEL_VALUES]
         if t.datatype not in ("FP32", "FP16", "FP64"):
@@ -150,7 +160,7 @@ async def pixels(mv: ModelVersion, inputs: dict[str, Tensor], decode_window: int
         raise BadRequestError(f"{IMAGE} must be BYTES holding at least one encoded image")
     # On the GPU the decoder batches the crops waiting together: let a request's images wait together.
     window = decode_window if mv.decoder.gpu is None else max(decode_window, mv.runner.limits.max_batch)
-    return await decode_images(mv, list(t.data), window)
+    return await decode_images(mv, list(t.data), window, max_patches)
 
 
 def _tasks(mv: ModelVersion, wanted: list[dict[str, Any]], parameters: dict[str, Any], zero_shot: bool
@@ -212,6 +222,13 @@ def resolve(mv: ModelVersion, req: InferRequest) -> Wanted:
             raise BadRequestError(f"unknown output {out['name']!r}; this model has {available}")
     labels = request_labels(mv, req.parameters)
     tasks = _tasks(mv, wanted, req.parameters, labels is not None)
+    asked = req.parameters.get("max_patches")
+    budget = mv.patch_budget(asked, "parameters.max_patches") if asked is not None else None
+    if budget is not None:  # without it, a NaFlex model answers /v2 at its fixed size (pixel_values or images)
+        if any(t.kind == "explain" for t in tasks):
+            raise BadRequestError("parameters.max_patches: a NaFlex model's rollout (each image at its own grid) is "
+                                  "served by POST /explain?max_patches=, not as a /v2 output")
+        tasks = [dataclasses.replace(t, max_patches=budget) for t in tasks]
     return Wanted(wanted, tuple(tasks), labels, labels if labels is not None else mv.info.labels)
 
 

@@ -34,11 +34,13 @@ def contract_key(preprocess: PreprocessConfig) -> str:
 
 class VersionDecoder:
     """A version's decoding: `preprocess` (its contract), the gateway's `pool` and crop `store`, the pixel cap, and
-    its GPU decoder (`gpu`; None: the CPU path, `gpu_decode_off` saying why)."""
+    its GPU decoder (`gpu`; None: the CPU path, `gpu_decode_off` saying why); `patch_size`: its model's (NaFlex
+    inputs are cut into patches of it)."""
 
     def __init__(self, preprocess: PreprocessConfig, pool: ThreadPoolExecutor, store: CropStore, max_pixels: int,
-                 gpu: GpuDecoder | None = None, gpu_decode_off: str | None = None) -> None:
+                 gpu: GpuDecoder | None = None, gpu_decode_off: str | None = None, patch_size: int = 16) -> None:
         self.preprocess, self.pool, self.max_pixels = preprocess, pool, max_pixels
+        self.patch_size = patch_size
         self.gpu, self.gpu_decode_off = gpu, gpu_decode_off
         self.secret: StoreSecret = store.secret  # the caller's slot and id of an image
         self.contract = contract_key(preprocess)
@@ -80,6 +82,13 @@ class VersionDecoder:
         if keep and crop is None:
             self.crops.put(key, decoded.crop)
         return dataclasses.replace(decoded, decode_ms=(time.perf_counter() - t0) * 1e3)
+
+    async def decode_naflex(self, data: bytes, max_patches: int, key: str = "") -> Decoded:
+        """Upload bytes -> the NaFlex input of `max_patches` patches (`decode.decode_naflex_upload`), in the decode
+        pool; nothing is kept (the store's crops are the fixed-size contract's)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, decoding.decode_naflex_upload, data, self.preprocess, self.max_pixels, self.patch_size,
+            max_patches, key)
 
     async def tensor_of(self, crop: Image.Image) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self.pool, decoding.input_tensor, crop,

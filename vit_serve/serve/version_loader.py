@@ -26,7 +26,7 @@ from vit_serve.runtime.gpu_decode import GpuDecoder, choose_decoder
 from vit_serve.runtime.model_config import ModelConfig
 from vit_serve.runtime.scheduling import runner_for
 from vit_serve.runtime.spec import LoadSpec, resolve_backend
-from vit_serve.runtime.text_tower import TextTower, text_tower_of
+from vit_serve.runtime.text_tower import TextTower, holds_text_tower, text_tower_of
 from vit_serve.runtime.zero_shot import LabelLimits
 from vit_serve.serve.metrics import GatewayMetrics, RunnerEvents
 from vit_serve.serve.model_version import ModelVersion
@@ -170,7 +170,8 @@ class VersionLoader:
         if off is None:
             gpu = GpuDecoder(info.preprocess, self.max_pixels, device, runner.limits.max_batch,
                              lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
-        decoder = VersionDecoder(info.preprocess, self.pool, self.store, self.max_pixels, gpu, off)
+        decoder = VersionDecoder(info.preprocess, self.pool, self.store, self.max_pixels, gpu, off,
+                                 info.patch_size)
         text, text_error = await self._text_tower(source, spec, info.device, thread)
         version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, decoder,
                                source.fingerprint, label_limits=self.label_limits, text=text, text_error=text_error,
@@ -188,17 +189,26 @@ class VersionLoader:
 
     async def _text_tower(self, source: VersionSource, spec: LoadSpec, runs_on: str,
                           thread: ThreadPoolExecutor) -> tuple[TextTower | None, str | None]:
-        """(the text tower beside the version's file, `NAME_text.onnx`, loaded in the version's model thread, or
-        None; why it could not be loaded, or None). One that fails leaves the version serving images, its reason
-        kept (`text_error`, in the 400 answers to requests with labels)."""
+        """(the text tower beside the version's file, `NAME_text.onnx`, or else the one a checkpoint served with
+        torch stores, loaded in the version's model thread, or None; why it could not be loaded, or None). One that
+        fails leaves the version serving images, its reason kept (`text_error`, in the 400 answers to requests
+        with labels)."""
         path = text_tower_of(source.path) if source.backend != "triton" else None
+        stored = path is None and source.backend == "torch" and holds_text_tower(source.path)
+        if stored:
+            path = Path(source.path)
         if path is None:
             return None, None
         label = f"{source.name} version {source.version}"
         device = "cpu" if runs_on in ("cpu", "remote") else spec.device
+
+        def load() -> TextTower:
+            if stored:
+                return TextTower.from_checkpoint(path, None, device, self.label_limits)
+            return TextTower(path, None, device, spec.threads, self.label_limits)
+
         try:
-            text = await asyncio.get_running_loop().run_in_executor(
-                thread, lambda: TextTower(path, None, device, spec.threads, self.label_limits))
+            text = await asyncio.get_running_loop().run_in_executor(thread, load)
         except Exception as e:
             error = f"{path.name}: {' '.join(str(e).split()) or type(e).__name__}"
             log.warning("%s: its text tower is not served: %s", label, error)

@@ -97,9 +97,12 @@ def build_model(cfg: TrainConfig, classes: list[str]) -> VisionTransformer:
     new_head = cfg.new_head if cfg.new_head is not None else list(init.labels or []) != list(classes)
     if new_head:
         model.reset_head(num_classes)  # paper §3.2: drop the head (and pre-logits), zero-initialised D x K
-    if cfg.res:
-        model.set_resolution(*cfg.res)  # 2-D interpolation of the position embeddings, checkpoint's mode
+    if cfg.res:  # 2-D interpolation of the position embeddings, checkpoint's mode; RoPE tables follow the grid
+        model.set_resolution(*cfg.res)
     if cfg.reinit_pos_embed:  # the control of the resolution-transfer experiment
+        if model.pos_embed is None:
+            raise OptionError(f"--reinit-pos-embed: {cfg.init} has no absolute position embeddings to reinitialise "
+                              "(its positions are rotary: RoPE)")
         model.reset_pos_embed()
     return model
 

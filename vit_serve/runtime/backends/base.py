@@ -20,7 +20,7 @@ import numpy as np
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
-from vit_serve.runtime.task import Outputs, Task
+from vit_serve.runtime.task import GRID, Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
 
@@ -138,8 +138,12 @@ class LocalBackend(Backend):
     def run(self, task: Task, x: np.ndarray) -> Outputs:
         """`task` on x [B, 3, H, W] float32 (NaFlex tasks: `naflex.pack`'s [B, 1 + M, K]) -> its outputs."""
         if task.max_patches is not None:
+            if task.kind == "explain":
+                logits, rollout = self.explain_patches(x, task.rollout)
+                return {LOGITS: logits, ROLLOUT: rollout, GRID: x[:, 0, :2].round().astype(np.int64)}
             if task.kind not in ("classify", "embed"):
-                raise ValueError(f"{task.kind} is not available for NaFlex inputs (max_patches); classify or embed")
+                raise ValueError(f"{task.kind} is not available for NaFlex inputs (max_patches); classify, embed or "
+                                 f"explain with method=rollout")
             logits, embedding = self.embed_patches(x)
             return {LOGITS: logits} if task.kind == "classify" else {LOGITS: logits, EMBEDDING: embedding}
         if task.kind == "classify":
@@ -182,6 +186,13 @@ class LocalBackend(Backend):
         raise NotImplementedError(f"NaFlex inputs (max_patches) need a NaFlex checkpoint on torch or its export "
                                   f"with vit-export --naflex on onnxruntime; the model {self.info.name!r} on "
                                   f"{self.name} has no NaFlex graph")
+
+    def explain_patches(self, x: np.ndarray, rollout: RolloutSettings | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex: `vit_serve.naflex.pack`'s [B, 1 + M, K] -> (logits [B, K'], rollout [B, M]: each image's map over
+        its own grid, row-major, zeros past it; `vit_serve.explain.explain_patches`)."""
+        raise NotImplementedError(f"NaFlex inputs (max_patches) need the torch backend (a checkpoint); the model "
+                                  f"{self.info.name!r} runs on {self.name}")
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         """x [1, 3, H, W] -> gradient rollout map [gh, gw] (torch backend only)."""

@@ -81,9 +81,12 @@ class OnnxRuntimeBackend(LocalBackend):
         used = tuple(self.session.get_providers())
         has_embedding = any(o.name == EMBEDDING for o in self.session.get_outputs())
         self.naflex_session, max_patches = _naflex_twin(path, read_manifest(path).file_sha256, opts, providers)
+        naflex_dim = 0 if self.naflex_session is None else next(
+            (o.shape[-1] for o in self.naflex_session.get_outputs() if o.name == EMBEDDING), 0)
         self.info = dataclasses.replace(self.info, providers=used,
                                         device="cuda" if "CUDAExecutionProvider" in used else "cpu",
-                                        embedding_dim=self.info.embedding_dim if has_embedding else 0,
+                                        embedding_dim=self.info.embedding_dim if has_embedding else (
+                                            naflex_dim if isinstance(naflex_dim, int) else 0),
                                         max_patches=max_patches)
 
     def _feed(self, x: np.ndarray) -> dict[str, np.ndarray]:

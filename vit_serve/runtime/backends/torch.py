@@ -33,7 +33,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from vit_serve.explain import explain_forward, grad_rollout
+from vit_serve.explain import explain_forward, explain_patches, grad_rollout
 from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of
 from vit_serve.naflex import unpack
 from vit_serve.preprocess import PreprocessConfig
@@ -231,9 +231,10 @@ class TorchBackend(LocalBackend):
             self._forward = compile_forward(self.model, res, self.device, name)
         elif torchscript:
             self._forward = torchscript_forward(self.model, res, self.device, name)
-        # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging
+        # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging,
+        # nor with RoPE (a block alone cannot know the patch grid its rotary table comes from)
         self._stages: Stages | None = None
-        if not compile and self.model.token_merging is None:
+        if not compile and self.model.token_merging is None and getattr(self.model, "rope", None) is None:
             self._stages = (Stages.traced(self.model, res, self.device, name) if torchscript
                             else Stages.eager(self.model))
         self.probe: ProbeResult | None = None
@@ -294,9 +295,18 @@ class TorchBackend(LocalBackend):
             logits, embedding = self.model.forward_patches(b.patches, b.spatial_shapes, b.mask)
         return self._out(logits), self._out(embedding)
 
+    def explain_patches(self, x: np.ndarray, rollout: RolloutSettings | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """NaFlex rollout, each image alone at its own grid (`vit_serve.explain.explain_patches`)."""
+        r = rollout or self.info.resolve_rollout()
+        b = unpack(self._input(x))
+        with torch.inference_mode():
+            logits, maps = explain_patches(self.model, b.patches, b.spatial_shapes, r.head_fusion, r.discard_ratio)
+        return self._out(logits), self._out(maps)
+
     def staged(self, task: Task, x: np.ndarray) -> Staged | None:
         """classify / embed one step a stage (`Stages`: the stem, each block, the tail), eager or traced as the
-        whole forward is; None for explain and grad_rollout, with --compile or with token merging."""
+        whole forward is; None for explain and grad_rollout, with --compile, with token merging or RoPE."""
         if self._stages is None or task.kind not in ("classify", "embed") or task.max_patches is not None:
             return None
         return self._steps(self._stages, task, x)

@@ -12,7 +12,7 @@ from vit_serve.serve import answer_hooks, pipeline
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import GatewayDep, ModelChoiceDep
 from vit_serve.serve.errors import BadRequestError
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, MaxPatchesQuery
 from vit_serve.serve.schemas import ClassifyResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -36,9 +36,10 @@ DESCRIPTION = inspect.cleandoc("""Classify one image.
     graph, which gives the logits and the rollout together; other rollout settings: GET /explain?id=. A model
     without an explain graph answers 400.
 
-    `?labels=cat,dog,...` (a model served with its text tower, `NAME_text.onnx`): the classes are these labels,
-    zero-shot, as open_clip's recipe: the image embedding (normalised) . each label's text embedding (its prompts'
-    normalised embeddings averaged, normalised) x exp(logit_scale) (+ logit_bias); scores softmax over the labels
+    `?labels=cat,dog,...` (a model served with its text tower: `NAME_text.onnx` beside an export, or the tower a
+    converted checkpoint holds): the classes are these labels, zero-shot, as open_clip's recipe: the image
+    embedding (normalised) . each label's text embedding (its prompts' normalised embeddings averaged, normalised)
+    x exp(logit_scale) (+ logit_bias); scores softmax over the labels
     (CLIP) or each label's sigmoid (SigLIP); `index` is the label's position in `labels`. Label embeddings are
     cached per API key (VIT_SERVE_LABEL_CACHE_SIZE); labels within VIT_SERVE_MAX_LABELS, VIT_SERVE_MAX_LABEL_BYTES
     and the text tower's context length, labels x templates within VIT_SERVE_MAX_LABEL_PROMPTS (400 beyond; also
@@ -74,12 +75,13 @@ async def classify(
     labels: Annotated[str | None, Query(description="comma-separated labels to classify the image among, zero-shot "
                                                     "(models served with a text tower, vit-export --text-tower)")
                       ] = None,
+    max_patches: MaxPatchesQuery = None,
 ) -> dict:
     """Classify one image (`DESCRIPTION`)."""
     if labels is not None and explain:
         raise BadRequestError("labels and explain=true do not go together: classify by labels, then explain the "
                               "image with GET /explain?id=")
-    ask = pipeline.Ask("classify", top_k_, labels, pipeline.Explain() if explain else None)
+    ask = pipeline.Ask("classify", top_k_, labels, pipeline.Explain() if explain else None, max_patches=max_patches)
     hooks = (answer_hooks.server_timing(response), answer_hooks.sampling(gateway, admission))
     done = await pipeline.answer(request, choice, scope, admission, ask, hooks)
     answer = {"id": done.image_id, "model": done.info.name, "version": done.version,

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from vit_serve.serve import pipeline
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, MaxPatchesQuery
 from vit_serve.serve.schemas import EmbedResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -28,6 +28,7 @@ async def embed(
     admission: AdmissionDep,
     normalize: Annotated[bool, Query(description="L2-normalise the embedding (cosine similarity is then the "
                                                  "dot product)")] = False,
+    max_patches: MaxPatchesQuery = None,
 ) -> dict:
     """The embedding of one image: `forward_head(forward_features(x), pre_logits=True)` of the model, [D]
     floats, the representation the classifier head reads (retrieval, deduplication, clustering).
@@ -36,7 +37,8 @@ async def embed(
     have one; an ONNX export has one when exported with `vit-export --outputs logits,embedding` (other models
     answer 400). The image is kept like /classify's, so `GET /explain?id=` works on it too.
     """
-    done = await pipeline.answer(request, choice, scope, admission, pipeline.Ask("embed", normalize=normalize))
+    done = await pipeline.answer(request, choice, scope, admission, pipeline.Ask("embed", normalize=normalize,
+                                                                                  max_patches=max_patches))
     vector = done.answer.embedding
     assert vector is not None
     return {"id": done.image_id, "model": done.info.name, "version": done.version, "resolution": done.info.resolution,

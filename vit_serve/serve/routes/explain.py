@@ -18,7 +18,7 @@ from vit_serve.overlay import COLORMAPS
 from vit_serve.serve import pipeline
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import ModelChoiceDep, ModelDep
-from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep
+from vit_serve.serve.routes.image_request import BY_ID, ERRORS, AdmissionDep, MaxPatchesQuery
 from vit_serve.serve.schemas import ErrorBody, ExplainResponse
 from vit_serve.serve.uploads import IMAGE_REQUEST_BODY
 
@@ -46,6 +46,7 @@ class ExplainParams:
     alpha: float
     colormap: str
     size: int | None
+    max_patches: int | None = None
 
 
 async def explain_params(
@@ -66,8 +67,9 @@ async def explain_params(
         ge=MIN_SIZE, le=MAX_SIZE, examples=[256],
         description=f"png: the picture's longer side in pixels, {MIN_SIZE} to {MAX_SIZE}, scaled nearest-neighbour "
                     f"from the model-input crop (default: the crop's own size, e.g. 32 x 32)")] = None,
+    max_patches: MaxPatchesQuery = None,
 ) -> ExplainParams:
-    return ExplainParams(method, head_fusion, discard_ratio, format, target, alpha, colormap, size)
+    return ExplainParams(method, head_fusion, discard_ratio, format, target, alpha, colormap, size, max_patches)
 
 
 ParamsDep = Annotated[ExplainParams, Depends(explain_params)]
@@ -76,7 +78,7 @@ ParamsDep = Annotated[ExplainParams, Depends(explain_params)]
 def _ask(p: ExplainParams) -> pipeline.Ask:
     overlay = pipeline.Overlay(p.alpha, p.colormap, p.size) if p.format == "png" else None
     return pipeline.Ask("explain", explain=pipeline.Explain(p.method, p.head_fusion, p.discard_ratio, p.target),
-                        overlay=overlay)
+                        overlay=overlay, max_patches=p.max_patches)
 
 
 def _shaped(done: pipeline.Answered) -> Response | dict:

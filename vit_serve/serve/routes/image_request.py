@@ -48,3 +48,9 @@ async def get_admission(
 
 
 AdmissionDep = Annotated[Admission, Depends(get_admission)]
+
+# ?max_patches= of a NaFlex model (SigLIP 2): bounded by the model's own budget in `pipeline.patch_budget`, so that
+# the answer names the bound (422), and a fixed-size model says it is not one (400).
+MaxPatchesQuery = Annotated[int | None, Query(description=(
+    "NaFlex models (SigLIP 2) only: resize the whole image, keeping its aspect ratio, to at most this many "
+    "patches (from 1 to the model's budget, GET /models; default: the model's budget)"))]
