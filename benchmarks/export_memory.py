@@ -6,7 +6,7 @@
 Per model: timm's preset at `--res` (`vit_<size>_patch16_<res>`) with timm's own random init (pretrained=False,
 1000 classes), converted to a vit-serve checkpoint in a separate process; then `vit-export CKPT --res dynamic`
 in a fresh process (both ONNX graphs, each checked against PyTorch with onnxruntime). The export's peak RSS is
-its own `ru_maxrss` (read by the process itself as it exits) and, as a cross-check and a guard, the largest
+its own VmHWM (read by the process itself as it exits) and, as a cross-check and a guard, the largest
 VmRSS sampled from /proc every 50 ms; a watchdog kills the export above `--limit-gb` (the machine may be shared),
 and the row then says "killed". The progress lines the export prints split its run into phases: each phase's
 peak RSS says which step needs the memory (the export of a graph, its simplification, its parity check).
@@ -34,13 +34,17 @@ TARGETS_GB = {"B/16": 4.0, "L/16": 8.0}
 TIMM_SIZES = {"Ti": "tiny", "S": "small", "B": "base", "L": "large", "H": "huge"}
 SAMPLE_S = 0.05
 
-# The export process: the CLI, then its own peak RSS (ru_maxrss, KiB on Linux) as the last line on stderr.
+# The export process: the CLI, then its own peak RSS as the last line on stderr: VmHWM (KiB), the high-water mark
+# of the memory this process has mapped since its exec. Not ru_maxrss: Linux carries that over an exec from the
+# process that forked it, so an export started by a large process (a test worker of several GB) reported its
+# parent's size.
 _EXPORT = """
-import json, resource, sys
+import json, sys
 from vit_export.cli import main
 rc = main(sys.argv[1:])
 sys.stdout.flush()
-print(json.dumps({"ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss_kib": hwm}), file=sys.stderr)
 raise SystemExit(rc)
 """
 
@@ -66,7 +70,7 @@ class Phase:
 
 @dataclass
 class Measurement:
-    """One export process: exit code, wall seconds, peak RSS (its own ru_maxrss, and the largest sample), whether
+    """One export process: exit code, wall seconds, peak RSS (its own VmHWM, and the largest sample), whether
     the watchdog killed it, its phases and the tail of its output."""
 
     returncode: int
@@ -147,8 +151,8 @@ def measure_export(ckpt: Path, args: list[str], limit_bytes: int, timeout_s: flo
     seconds = time.perf_counter() - t0
     ru = 0
     for line in reversed(err_lines):
-        if line.startswith('{"ru_maxrss_kib"'):
-            ru = json.loads(line)["ru_maxrss_kib"] * 1024
+        if line.startswith('{"peak_rss_kib"'):
+            ru = json.loads(line)["peak_rss_kib"] * 1024
             break
     tail = "".join(out_lines[-5:] + err_lines[-15:])[-3000:]
     return Measurement(rc, seconds, max(ru, state["peak"]), state["peak"], bool(state["killed"]),

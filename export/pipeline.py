@@ -493,7 +493,7 @@ def _write_naflex(job: _Job, graph: WrittenGraph) -> WrittenNaFlex | None:
 
     from vit_serve.manifest import file_sha256
 
-    job.say(f"exporting the NaFlex graph (patch budget {job.model.cfg.extra['max_patches']}, opset "
+    job.say(f"exporting the NaFlex graph (patch budget {job.model.cfg.max_patches}, opset "
             f"{job.opts.opset}) ...")
     job.opts.out.mkdir(parents=True, exist_ok=True)
     sha = graph.record.file_sha256 if graph.record is not None else file_sha256(graph.path)

@@ -177,6 +177,12 @@ class ViTConfig:
         return 0 if self.no_embed_class else self.num_prefix_tokens
 
     @property
+    def max_patches(self) -> int | None:
+        """SigLIP 2 NaFlex's patch budget (the default and the bound of a request's; None: a fixed-size model)."""
+        n = self.extra.get("max_patches")
+        return None if n is None else int(n)
+
+    @property
     def embed_dim_out(self) -> int:
         """Width of the image embedding: the projection's, the pre-logits layer's, or the encoder's."""
         return self.proj_dim or self.representation_size or self.embed_dim
