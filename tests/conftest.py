@@ -258,3 +258,28 @@ def kserve_python() -> str:
         return sys.executable
     pytest.skip(f"KServe's SDK is not installed: set {KSERVE_ENV} to a python that has it (python3 -m venv V && "
                 f"V/bin/pip install kserve numpy pillow; .ci/run does this)")
+
+
+UPLOAD_CORPUS_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "upload_corpus.py"
+
+
+@pytest.fixture(scope="session")
+def upload_corpus(request, tmp_path_factory) -> Callable[..., dict[str, bytes]]:
+    """`build(names=...)` -> {name: bytes} of benchmarks/upload_corpus.py's realistic uploads (all by default). The
+    corpus is deterministic, so it is kept in pytest's cache under a key of Pillow's version and the builder's
+    source; with the cache plugin off (`-p no:cacheprovider`) it is built in this session's temp folder."""
+    import hashlib
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("upload_corpus", UPLOAD_CORPUS_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    key = hashlib.sha256(UPLOAD_CORPUS_SCRIPT.read_bytes() + Image.__version__.encode()).hexdigest()[:12]
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir(f"upload_corpus_{key}") if cache is not None else tmp_path_factory.mktemp("upload_corpus")
+
+    def build(names: tuple[str, ...] = mod.NAMES) -> dict[str, bytes]:
+        return {name: path.read_bytes() for name, path in mod.build(folder, names).items()}
+
+    return build

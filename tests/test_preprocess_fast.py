@@ -8,7 +8,6 @@ scikit-learn's real scans) on upscaled scans, and a random-weight ViT on the pho
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import io
 import warnings
@@ -47,12 +46,9 @@ def _corpus_module():
 
 
 @pytest.fixture(scope="module")
-def corpus(request) -> dict[str, bytes]:
-    """The corpus, cached by pytest under a key of Pillow's version and the builder's source (deterministic)."""
-    mod = _corpus_module()
-    key = hashlib.sha256(CORPUS_SCRIPT.read_bytes() + Image.__version__.encode()).hexdigest()[:12]
-    folder = request.config.cache.mkdir(f"upload_corpus_{key}")
-    return {name: path.read_bytes() for name, path in mod.build(folder).items()}
+def corpus(upload_corpus) -> dict[str, bytes]:
+    """The corpus (tests/conftest.py's upload_corpus)."""
+    return upload_corpus()
 
 
 def _timm(cfg: PreprocessConfig):

@@ -6,11 +6,8 @@ Without CUDA the gateway says why it decodes on the CPU, and the decoder's fallb
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import io
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +21,6 @@ from vit_serve.runtime.gpu_decode import GpuDecoder, decoder_line, orient, resiz
 pytest.importorskip("torchvision.io")
 pytest.importorskip("skimage.data")
 
-CORPUS_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "upload_corpus.py"
 JPEGS = ("phone_astronaut.jpg", "phone_mosaic_exif6.jpg", "uhd_coffee.jpg", "progressive_hopper.jpg",
          "thumbnail.jpg")
 # torchvision's decode_jpeg (libjpeg-turbo) + antialiased resize on the CPU against Pillow's exact path: measured
@@ -42,14 +38,9 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def corpus(request) -> dict[str, bytes]:
-    """The corpus's JPEGs, cached by pytest under a key of Pillow's version and the builder's source."""
-    spec = importlib.util.spec_from_file_location("upload_corpus", CORPUS_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    key = hashlib.sha256(CORPUS_SCRIPT.read_bytes() + Image.__version__.encode()).hexdigest()[:12]
-    folder = request.config.cache.mkdir(f"upload_corpus_{key}")
-    return {name: path.read_bytes() for name, path in mod.build(folder, JPEGS).items()}
+def corpus(upload_corpus) -> dict[str, bytes]:
+    """The corpus's JPEGs (tests/conftest.py's upload_corpus)."""
+    return upload_corpus(JPEGS)
 
 
 def _exact_crop(data: bytes, cfg: PreprocessConfig) -> np.ndarray:

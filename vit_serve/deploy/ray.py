@@ -449,14 +449,23 @@ def _why_not_started(e: Exception, name: str) -> str:
 # (a fresh worker process imports Ray Serve and uvicorn first). Read by the Serve controller, which inherits the
 # environment of the local cluster that `start_ray` starts; a cluster started elsewhere keeps its own setting.
 SERVE_ENV_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+RAY_START_TIMEOUT = "timed out during startup"  # ray._private.node's message when a local node is slow to start
 
 
 def start_ray(address: str | None = None, **init_options: Any) -> None:
-    """`ray.init(address, **init_options)` (no address: a local cluster), with SERVE_ENV_DEFAULTS for the
-    variables the environment does not set."""
+    """`ray.init(address, **init_options)` (no address: a local cluster, tried once more when Ray says its node
+    timed out during startup), with SERVE_ENV_DEFAULTS for the variables the environment does not set."""
     for key, value in SERVE_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    ray.init(address=address, **init_options)
+    try:
+        ray.init(address=address, **init_options)
+    except Exception as e:
+        # Ray gives a new local node a fixed 30 s to register with its GCS; on a loaded 2-core machine that can
+        # pass. One more try, after cleaning up the half-started node, is what a user would do by hand.
+        if address is not None or RAY_START_TIMEOUT not in str(e):
+            raise
+        ray.shutdown()
+        ray.init(address=address, **init_options)
 
 
 def run(settings: ServeSettings, address: str | None = None, blocking: bool = True, name: str = APP_NAME,
