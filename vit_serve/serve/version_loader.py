@@ -146,7 +146,9 @@ class VersionLoader:
         loop = asyncio.get_running_loop()
         limits = config.over(self.spec.limits)
         thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
-        spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
+        # --backend openvino serves the repository's ONNX exports too (the scan names onnxruntime for .onnx).
+        backend = "openvino" if self.spec.backend == "openvino" and source.backend == "onnxruntime" else source.backend
+        spec = self.spec.replace(path=str(source.path), backend=backend, name=source.name,
                                  threads=self._threads(models, limits.instances), limits=limits)
         if not self.one_model and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
             spec = spec.replace(tome=None, compile=False, torchscript=False)
