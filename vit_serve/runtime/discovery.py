@@ -28,6 +28,7 @@ version folder, two files claiming one name) is listed with the reason, and is n
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -287,6 +288,8 @@ def read_triton_config(path: Path) -> TritonConfig:
         db = config.dynamic_batching
         limits = ModelConfig(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
                              max_queue=db.default_queue_policy.max_queue_size or None, instances=instances)
+    if config.backend == "openvino":  # Triton's OpenVINO backend: the gateway runs the model on OpenVINO too
+        limits = dataclasses.replace(limits, runtime="openvino")
     meta = None
     if "vit_serve" in config.parameters:
         as_json: dict[str, Any] = {"parameters": {"vit_serve": {

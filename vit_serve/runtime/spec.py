@@ -42,6 +42,7 @@ class LoadSpec:
     TorchScript trace instead, which runs without Python's GIL (`runtime.backends.torch.torchscript_forward`;
     not both). spinning: onnxruntime's
     intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
+    runtime: what runs an ONNX export (onnxruntime or openvino; None: by the file, `resolve_backend`).
     OpenVINO (`runtime.backends.openvino.OpenVINOOptions`): precision ("auto": the plugin's native), performance
     hint, streams, cache_dir (its compiled-model cache; None: the default folder, "": none) and force_precision (serve
     a precision that missed its accuracy bounds).
@@ -61,6 +62,7 @@ class LoadSpec:
     compile: bool = False
     torchscript: bool = False
     spinning: bool = False
+    runtime: Literal["onnxruntime", "openvino"] | None = None
     precision: PrecisionChoice = "auto"
     performance_hint: Literal["latency", "throughput"] = "latency"
     streams: int | None = None
@@ -71,14 +73,15 @@ class LoadSpec:
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
         device, threads, decode, triton and limits groups, otel, engine, tome, compile, torchscript,
-        intra_op_spinning, precision, performance_hint, streams, openvino_cache_dir, force_precision), with
+        intra_op_spinning, runtime, precision, performance_hint, streams, openvino_cache_dir, force_precision), with
         `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
                    tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
                    torchscript=settings.torchscript, spinning=settings.intra_op_spinning,
-                   precision=settings.precision, performance_hint=settings.performance_hint,
+                   runtime=settings.runtime, precision=settings.precision,
+                   performance_hint=settings.performance_hint,
                    streams=settings.streams, cache_dir=settings.openvino_cache_dir,
                    force_precision=settings.force_precision)
         return dataclasses.replace(spec, **changes) if changes else spec
@@ -105,6 +108,7 @@ class SettingsLike(Protocol):
     tome: str | None
     compile: bool
     torchscript: bool
+    runtime: str | None
     precision: str
     performance_hint: str
     streams: int | None
@@ -120,10 +124,13 @@ BOTH_FORWARDS = "--compile and --torchscript both replace the eager forward: cho
 
 
 def resolve_backend(spec: LoadSpec) -> str:
-    """The backend `spec.backend` means for its path ("auto": by the suffix)."""
+    """The backend `spec.backend` means for its path ("auto": by the suffix); an ONNX export's is `spec.runtime`
+    when one is set."""
+    suffix = Path(spec.path).suffix.lower()
+    if spec.runtime is not None and spec.backend in ("auto", "onnxruntime", "openvino") and suffix == ".onnx":
+        return spec.runtime
     if spec.backend != "auto":
         return spec.backend
-    suffix = Path(spec.path).suffix.lower()
     if suffix == ".onnx":
         return "onnxruntime"
     if suffix == ".xml":

@@ -347,7 +347,7 @@ class ServeSettings(BaseSettings):
         "a checkpoint, NAME.onnx, a TensorRT engine, or a Triton model name")
     backend: Annotated[BackendName, Flag()] = Field(
         "auto", description="auto: from MODEL's suffix (.onnx onnxruntime, .xml openvino, .engine/.plan tensorrt, "
-        "else torch); openvino also serves NAME.onnx")
+        "else torch); openvino also serves the NAME.onnx exports")
     triton: TritonClientSettings = Field(default_factory=TritonClientSettings)
     model_name: Annotated[str | None, Flag()] = Field(
         None, description="name shown to clients (default: MODEL's file stem)")
@@ -421,6 +421,9 @@ class ServeSettings(BaseSettings):
         False, description="onnxruntime's session.intra_op.allow_spinning: on, the model runs 14-25% faster "
         "where uploads are cheap to decode (small photos); off (the default), its idle threads leave the cores "
         "to the decode threads, 15-25% faster with 12 MP uploads")
+    runtime: Annotated[Literal["onnxruntime", "openvino"] | None, Flag(section="model", none="file")] = Field(
+        None, description="what runs a model's ONNX exports: onnxruntime, openvino, or file (None here: by the "
+        "file, NAME.onnx onnxruntime and an OpenVINO IR NAME.xml openvino)")
     precision: Annotated[Literal["auto", "f32", "bf16", "f16", "int8"], Flag(section="model")] = Field(
         "auto", description="the OpenVINO backend's inference precision: auto (the CPU plugin's native: bf16 "
         "where the CPU has AVX512-BF16 or AMX, else f32), f32, bf16, f16, or int8 (a graph quantized by vit-export "
@@ -431,7 +434,7 @@ class ServeSettings(BaseSettings):
         "throughput (several streams, for instances > 1)")
     streams: Annotated[int | None, Flag(section="model")] = Field(
         None, ge=1, description="OpenVINO's NUM_STREAMS (default: the performance hint's)")
-    openvino_cache_dir: Annotated[str | None, Flag(section="model", metavar="DIR")] = Field(
+    openvino_cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
         None, description="where OpenVINO caches compiled models, so that a restart does not compile again "
         "(default: $XDG_CACHE_HOME/vit-serve/openvino; empty: no cache)")
     force_precision: Annotated[bool, Flag(section="model")] = Field(
