@@ -112,9 +112,11 @@ def _run(forward: Forward, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The lowest row cosine (1 where both rows are zero: the same answer)."""
     num = (a * b).sum(-1)
     den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    return float(np.min(num / np.maximum(den, 1e-30)))
+    cos = np.where(den > 0, num / np.maximum(den, 1e-300), np.where((a == b).all(-1), 1.0, 0.0))
+    return float(np.min(cos))
 
 
 def measure(precision: str, reference: Forward, candidate: Forward, x: np.ndarray) -> AccuracyCheck:

@@ -13,7 +13,7 @@ graph on real photos, refused with the numbers unless forced.
 Each model thread has its own infer request, so instances run at once (on streams of their own with the
 throughput hint). A compiled model runs whole: there are no staged runs to pause between (`staged` is None), so
 a batch once started runs to its end; deadlines and cancellation act on the requests still queued. NaFlex twin
-graphs are not run here (onnxruntime runs them).
+graphs are not run here (onnxruntime runs them); a text tower beside the model is (`GraphSession`, f32).
 """
 
 from __future__ import annotations
@@ -114,6 +114,30 @@ class _Compiled:
     def precision(self) -> str:
         """The INFERENCE_PRECISION_HINT it was compiled with ("f32", "bf16", "f16")."""
         return self.model.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+
+class GraphSession:
+    """Any ONNX graph compiled in f32 behind onnxruntime's `run(names, feed)` call: the text tower beside an image
+    model served on OpenVINO (`runtime.text_tower.TextTower`). f32: its class embeddings are cached and shared by
+    every request, and no accuracy gate measures a text graph."""
+
+    def __init__(self, path: Path, threads: int | None = None) -> None:
+        require_openvino()
+        import openvino as ov
+
+        try:
+            self.model = ov.Core().compile_model(str(path), DEVICE, OpenVINOOptions(
+                "f32", threads=threads, cache_dir="").config("f32"))
+        except Exception as e:  # OpenVINO's own exception types
+            raise ValueError(f"OpenVINO cannot compile {path.name}: {' '.join(str(e).split())}") from e
+        self._local = threading.local()
+
+    def run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.model.create_infer_request()
+        result = request.infer(feed)
+        return [np.asarray(result[self.model.output(n)]) for n in names]
 
 
 class OpenVINOBackend(LocalBackend):
