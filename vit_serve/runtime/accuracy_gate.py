@@ -1,11 +1,10 @@
 """The accuracy gate a reduced precision passes at load: top-1 agreement and cosine to fp32 on a fixed set of real
-images, against the precision's bounds (`BOUNDS`); a precision that misses them is refused with the numbers
-(`PrecisionRefusedError`) unless forced.
+images, judged against the precision's bounds (`vit_serve.accuracy_bounds`: the exporter's and the benchmarks'
+too); a precision that misses them is refused with the numbers (`PrecisionRefusedError`) unless forced.
 
 The images (`gate_images`) are scikit-image's sample photos and matplotlib's grace_hopper (whichever is
 installed), each in `VIEWS` crops, preprocessed with the model's own contract: real photos, the same every
-load. The cosine is the embedding's where the graph gives one (what a vector search compares), else the
-logits'.
+load. The cosine is of the logits and, where the graph gives one, of the embedding too (the smaller).
 """
 
 from __future__ import annotations
@@ -16,12 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vit_serve.accuracy_bounds import AccuracyCheck, judge
 from vit_serve.preprocess import PreprocessConfig
 
 log = logging.getLogger("vit_serve.runtime")
 
-# (top-1 agreement, cosine) a precision must reach against fp32 (issue 43).
-BOUNDS: dict[str, tuple[float, float]] = {"bf16": (0.995, 0.999), "fp16": (0.995, 0.999), "int8": (0.98, 0.99)}
 SKIMAGE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat", "immunohistochemistry")
 # Crops of each photo, (left, top, right, bottom) fractions: the whole, and four overlapping corners.
 VIEWS = ((0.0, 0.0, 1.0, 1.0), (0.0, 0.0, 0.7, 0.7), (0.3, 0.0, 1.0, 0.7), (0.0, 0.3, 0.7, 1.0),
@@ -37,30 +35,14 @@ class PrecisionRefusedError(ValueError):
 
 
 @dataclass(frozen=True)
-class AccuracyCheck:
-    """What the gate measured: `precision` against fp32 on `images` images: top-1 `agreement` (fraction),
-    minimum `cosine` (of `compared`: "embedding" or "logits"), the bounds, whether it `passed`, and whether it
-    was `forced` (served although it missed)."""
+class GateResult:
+    """The gate's `check` of a model's precision, and whether it was `forced` (served although it missed)."""
 
-    precision: str
-    images: int
-    agreement: float
-    cosine: float
-    compared: str
-    min_agreement: float
-    min_cosine: float
-    passed: bool
+    check: AccuracyCheck
     forced: bool = False
 
-    def describe(self) -> str:
-        """One line with the numbers and the bounds."""
-        return (f"{self.precision}: top-1 agreement with fp32 {self.agreement:.2%} (bound {self.min_agreement:.1%}), "
-                f"{self.compared} cosine {self.cosine:.5f} (bound {self.min_cosine}) on {self.images} real images")
-
     def to_dict(self) -> dict[str, object]:
-        return {"precision": self.precision, "images": self.images, "agreement": self.agreement,
-                "cosine": self.cosine, "compared": self.compared, "min_agreement": self.min_agreement,
-                "min_cosine": self.min_cosine, "passed": self.passed, "forced": self.forced}
+        return {**self.check.to_dict(), "forced": self.forced}
 
 
 def gate_photos() -> list[np.ndarray]:
@@ -111,35 +93,24 @@ def _run(forward: Forward, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None
     return logits, emb
 
 
-def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """The lowest row cosine (1 where both rows are zero: the same answer)."""
-    num = (a * b).sum(-1)
-    den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    cos = np.where(den > 0, num / np.maximum(den, 1e-300), np.where((a == b).all(-1), 1.0, 0.0))
-    return float(np.min(cos))
-
-
 def measure(precision: str, reference: Forward, candidate: Forward, x: np.ndarray) -> AccuracyCheck:
-    """`candidate` (in `precision`) against `reference` (fp32) on the images `x` -> the check against the
-    precision's bounds."""
-    min_agree, min_cos = BOUNDS[precision]
+    """`candidate` (in `precision`) against `reference` (fp32) on the images `x`, judged against the precision's
+    bounds (`accuracy_bounds.judge`)."""
     ref_logits, ref_emb = _run(reference, x)
     logits, emb = _run(candidate, x)
-    agreement = float((ref_logits.argmax(1) == logits.argmax(1)).mean())
-    compared = "embedding" if ref_emb is not None and emb is not None else "logits"
-    cosine = _min_cosine(ref_emb, emb) if compared == "embedding" else _min_cosine(ref_logits, logits)
-    return AccuracyCheck(precision, len(x), agreement, cosine, compared, min_agree, min_cos,
-                         agreement >= min_agree and cosine >= min_cos)
+    embedding = (ref_emb, emb) if ref_emb is not None and emb is not None else None
+    return judge(ref_logits, logits, precision, embedding)
 
 
-def enforce(check: AccuracyCheck, model: str, force: bool) -> AccuracyCheck:
+def enforce(check: AccuracyCheck, model: str, force: bool) -> GateResult:
     """`check` when it passed; PrecisionRefusedError with its numbers when it missed, unless `force` (then
-    logged as a warning and returned marked forced)."""
-    if check.passed:
+    logged as a warning and marked forced)."""
+    if check.ok:
         log.info("%s: accuracy gate passed, %s", model, check.describe())
-        return check
+        return GateResult(check)
     if not force:
-        raise PrecisionRefusedError(f"{model}: {check.describe()}: below the bounds, refused; serve it in f32 "
-                                    f"(precision f32), or force it (force_precision)")
+        raise PrecisionRefusedError(f"{model}: against fp32 on the real photos of the accuracy gate, "
+                                    f"{check.describe()}: refused; serve it in f32 (precision f32), or force it "
+                                    f"(force_precision)")
     log.warning("%s: accuracy gate missed, served as forced: %s", model, check.describe())
-    return AccuracyCheck(**{**check.to_dict(), "forced": True})  # type: ignore[arg-type]
+    return GateResult(check, forced=True)

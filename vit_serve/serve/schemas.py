@@ -170,16 +170,18 @@ class ExplainSupport(BaseModel):
 
 
 class AccuracyInfo(BaseModel):
-    """A reduced precision against fp32 on the accuracy gate's real photos (`vit_serve.runtime.accuracy_gate`)."""
+    """A reduced precision against fp32 on the accuracy gate's real photos at load
+    (`vit_serve.runtime.accuracy_gate`, judged by `vit_serve.accuracy_bounds`)."""
 
-    precision: str = Field(description="the precision measured (bf16, f16, int8)")
-    images: int = Field(description="the real photos (crops) it ran")
+    precision: str = Field(description="the precision measured (bf16, fp16, int8)")
+    n: int = Field(description="the real photos (crops) it ran")
     agreement: float = Field(description="top-1 agreement with fp32, a fraction")
-    cosine: float = Field(description="the lowest cosine to fp32 over the images")
-    compared: Literal["embedding", "logits"] = Field(description="what the cosine is of")
+    cosine: float = Field(description="the mean cosine to fp32 (of the logits, and of the embedding when the graph "
+                          "gives one: the smaller), judged")
+    worst_cosine: float = Field(description="the smallest single cosine, reported, not judged")
     min_agreement: float = Field(description="the precision's bound on agreement")
     min_cosine: float = Field(description="the precision's bound on cosine")
-    passed: bool = Field(description="whether both bounds were met")
+    ok: bool = Field(description="whether both bounds were met")
     forced: bool = Field(description="served although it missed (force_precision)")
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
-from vit_serve.runtime.accuracy_gate import AccuracyCheck
+from vit_serve.runtime.accuracy_gate import GateResult
 from vit_serve.runtime.task import GRID, Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
@@ -78,7 +78,7 @@ class ModelInfo:
     reference: Reference | None = None
     max_patches: int | None = None
     device_name: str = ""
-    accuracy: AccuracyCheck | None = None
+    accuracy: GateResult | None = None
 
     @property
     def grid(self) -> tuple[int, int]:

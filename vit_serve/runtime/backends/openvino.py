@@ -174,7 +174,7 @@ class OpenVINOBackend(LocalBackend):
             self.info, precision=precision, device="cpu", device_name=core.get_property(DEVICE, "FULL_DEVICE_NAME"),
             providers=(DEVICE,), embedding_dim=self.info.embedding_dim if has_embedding else 0, accuracy=check)
 
-    def _gate(self, core: Any, path: Path, precision: str) -> accuracy_gate.AccuracyCheck:
+    def _gate(self, core: Any, path: Path, precision: str) -> accuracy_gate.GateResult | None:
         """The accuracy gate of this compiled precision against the fp32 graph (itself in f32, or, for a quantized
         graph, the fp32 export it came from)."""
         reference_path = _fp32_reference(path) if precision == "int8" else path
@@ -184,14 +184,16 @@ class OpenVINOBackend(LocalBackend):
             if not self.options.force:
                 raise accuracy_gate.PrecisionRefusedError(why + "; refused unless forced (force_precision)")
             log.warning("%s; served as forced", why)
-            return accuracy_gate.AccuracyCheck(precision, 0, float("nan"), float("nan"), "logits",
-                                               *accuracy_gate.BOUNDS[precision], passed=False, forced=True)
+            return None
         reference = _Compiled(core, reference_path, dataclasses.replace(self.options, cache_dir="").config("f32"))
         x = accuracy_gate.gate_images(self.info.preprocess)
         names = (LOGITS, EMBEDDING) if EMBEDDING in self.session.outputs & reference.outputs else (LOGITS,)
 
         def forward(compiled: _Compiled) -> accuracy_gate.Forward:
-            return lambda b: (lambda r: (r[0], r[1] if len(r) > 1 else None))(compiled.run(b, names))
+            def run(b: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+                out = compiled.run(b, names)
+                return out[0], out[1] if len(out) > 1 else None
+            return run
 
         check = accuracy_gate.measure(precision, forward(reference), forward(self.session), x)
         return accuracy_gate.enforce(check, self.info.name, self.options.force)
