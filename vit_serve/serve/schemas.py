@@ -169,12 +169,29 @@ class ExplainSupport(BaseModel):
                                         "graph's, baked in); null: any in [0, 1)")
 
 
+class AccuracyInfo(BaseModel):
+    """A reduced precision against fp32 on the accuracy gate's real photos at load
+    (`vit_serve.runtime.accuracy_gate`, judged by `vit_serve.accuracy_bounds`)."""
+
+    precision: str = Field(description="the precision measured (bf16, fp16, int8)")
+    n: int = Field(description="the real photos (crops) it ran")
+    agreement: float = Field(description="top-1 agreement with fp32, a fraction")
+    cosine: float = Field(description="the mean cosine to fp32 (of the logits, and of the embedding when the graph "
+                          "gives one: the smaller), judged")
+    worst_cosine: float = Field(description="the smallest single cosine, reported, not judged")
+    min_agreement: float = Field(description="the precision's bound on agreement")
+    min_cosine: float = Field(description="the precision's bound on cosine")
+    ok: bool = Field(description="whether both bounds were met")
+    forced: bool = Field(description="served although it missed (force_precision)")
+
+
 class VersionInfo(BaseModel):
     version: int | None = Field(description="the version (null: a model of the repository never loaded)")
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
         description="Triton's states; null for a model never loaded")
     reason: str = Field("", description="why it is not READY (a load error, \"unloaded\", ...)")
-    backend: str | None = Field(None, description="torch, onnxruntime, tensorrt or triton (loaded versions)")
+    backend: str | None = Field(None, description="torch, onnxruntime, openvino, tensorrt or triton (loaded "
+                                "versions)")
     resolution: tuple[int, int] | None = Field(None, description="model input (H, W) (loaded versions)")
     num_classes: int | None = None
     explain: bool | None = Field(None, description="whether /explain can draw its attention rollout")
@@ -188,6 +205,11 @@ class VersionInfo(BaseModel):
     torchscript: bool | None = Field(None, description="whether the torch backend runs it as a TorchScript trace")
     monitoring: MonitoringInfo | str | None = Field(None, description="its reference (OOD scores, drift), or a line "
                                                     "saying why it has none (loaded versions)")
+    precision: str | None = Field(None, description="the precision it computes in (fp32, bf16, fp16, int8)")
+    device: str | None = Field(None, description="where it runs (cpu, cuda, remote), or the device as its runtime "
+                               "reports it (OpenVINO's CPU name)")
+    accuracy: AccuracyInfo | None = Field(None, description="the accuracy gate's measurement of its reduced "
+                                          "precision against fp32 at load (null: fp32, or not measured)")
 
 
 class ShadowSpec(BaseModel):

@@ -20,6 +20,7 @@ import numpy as np
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
+from vit_serve.runtime.accuracy_gate import GateResult
 from vit_serve.runtime.task import GRID, Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
@@ -45,6 +46,9 @@ class ModelInfo:
     (the torch backend's --compile); torchscript: they run a TorchScript trace (--torchscript). reference: the
     in-distribution sketch OOD scores and drift compare with (`vit_serve.monitor`; None: the model carries none).
     max_patches: a NaFlex model's patch budget, the default and the most a request may ask (None: not NaFlex).
+    device_name: the device as its runtime reports it (OpenVINO's FULL_DEVICE_NAME; "": not reported).
+    accuracy: the accuracy gate's measurement of a reduced precision against fp32 (`runtime.accuracy_gate`;
+    None: not measured, e.g. fp32).
     """
 
     name: str
@@ -73,6 +77,8 @@ class ModelInfo:
     torchscript: bool = False
     reference: Reference | None = None
     max_patches: int | None = None
+    device_name: str = ""
+    accuracy: GateResult | None = None
 
     @property
     def grid(self) -> tuple[int, int]:
