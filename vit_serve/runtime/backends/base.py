@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vit_serve.fingerprint import EmbeddingSpace
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
@@ -45,6 +46,9 @@ class ModelInfo:
     (the torch backend's --compile); torchscript: they run a TorchScript trace (--torchscript). reference: the
     in-distribution sketch OOD scores and drift compare with (`vit_serve.monitor`; None: the model carries none).
     max_patches: a NaFlex model's patch budget, the default and the most a request may ask (None: not NaFlex).
+    embedding_space: what decides its embedding vectors, as the model gives them (`vit_serve.fingerprint`; its
+    `fingerprint` is what every embedding answer carries: `embedding_fingerprint`); None: an export from before
+    manifests stated it.
     """
 
     name: str
@@ -73,6 +77,12 @@ class ModelInfo:
     torchscript: bool = False
     reference: Reference | None = None
     max_patches: int | None = None
+    embedding_space: EmbeddingSpace | None = None
+
+    def embedding_fingerprint(self, normalized: bool = False) -> str | None:
+        """The fingerprint of its embedding vectors, L2-normalised or as the model gives them (None: unknown)."""
+        space = self.embedding_space
+        return None if space is None else space.normalized_as(normalized).fingerprint
 
     @property
     def grid(self) -> tuple[int, int]:
