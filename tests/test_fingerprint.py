@@ -139,7 +139,8 @@ def exports(tmp_path_factory, export_tiny) -> tuple[Path, Path]:
     _, ckpt = export_tiny(folder, RES, 1, ["a", "b", "c"], name="a", formats=("onnx", "triton"),
                           repo=folder / "repo", **common)
     for name, extra in (("b", {"batch": 2}), ("half", {"precision": "fp16"}), ("tome", {"tome": 1})):
-        export_tiny(folder, RES, 1, ["a", "b", "c"], name=name, **common, **extra)
+        (folder / name).mkdir()  # the same weights (seed 1) saved again in a folder of its own
+        export_tiny(folder / name, RES, 1, ["a", "b", "c"], name=name, **common, **extra)
     return ckpt, folder
 
 
