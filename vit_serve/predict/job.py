@@ -227,7 +227,8 @@ def predict(opts: PredictOptions) -> PredictResult:
     if opts.task == "embed-text":
         from vit_serve.predict.texts import predict_texts
 
-        return predict_texts(source, opts)
+        rows, seconds = predict_texts(source, opts, model_digest(source))
+        return PredictResult(out, rows, rows, 0, [], seconds, rows)
     items = list_images(opts.src, opts.image_folder)
     key = manifest_key(source, model_digest(source), opts)
     check_manifest(out, key, opts.force)

@@ -23,7 +23,6 @@ from vit_serve.predict.options import PredictOptions
 from vit_serve.predict.writers import Row, check_manifest, json_line, output_format, write_manifest
 
 if TYPE_CHECKING:
-    from vit_serve.predict.job import PredictResult
     from vit_serve.runtime.discovery import VersionSource
     from vit_serve.runtime.text_tower import TextTower
 
@@ -89,15 +88,15 @@ def write_rows(out: Path, rows: list[Row]) -> None:
     out.write_text(text, encoding="utf-8")
 
 
-def predict_texts(source: VersionSource, opts: PredictOptions) -> PredictResult:
-    """Embed SRC's queries `opts.batch_size` at a time and write them to OUT (see the module docstring)."""
+def predict_texts(source: VersionSource, opts: PredictOptions, digest: str) -> tuple[int, float]:
+    """Embed SRC's queries `opts.batch_size` at a time and write them to OUT (see the module docstring); digest:
+    the model's (`job.model_digest`), what OUT's manifest keys on. Returns (rows written, seconds)."""
     from vit_serve.embedding import l2_normalize
-    from vit_serve.predict.job import PredictResult, model_digest
 
     out = Path(opts.out)
     queries = read_queries(opts.src)
-    key = {"task": opts.task, "model": source.name, "version": source.version,
-           "model_sha256": model_digest(source), "normalize": opts.normalize}
+    key = {"task": opts.task, "model": source.name, "version": source.version, "model_sha256": digest,
+           "normalize": opts.normalize}
     check_manifest(out, key, opts.force)
     backend = load_backend(source, opts)  # the image model: the space the queries are compared in
     fingerprint = backend.info.embedding_fingerprint(opts.normalize)
@@ -115,4 +114,4 @@ def predict_texts(source: VersionSource, opts: PredictOptions) -> PredictResult:
     write_rows(out, rows)
     write_manifest(out, key, {"model_path": str(source.path), "backend": backend.info.backend,
                               EMBEDDING_FINGERPRINT: fingerprint})
-    return PredictResult(out, len(queries), len(rows), 0, [], time.perf_counter() - t0, len(rows))
+    return len(rows), time.perf_counter() - t0
