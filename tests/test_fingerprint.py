@@ -86,6 +86,8 @@ CASES: list[tuple[str, Case, bool]] = [
     ("precision fp16", lambda m, f: (_space(m, precision="fp16"), None), True),
     ("ToMe r = 1", lambda m, f: (_space(m, tome=TokenMergingRecord((1, 1))), None), True),
     ("L2-normalised vectors", lambda m, f: (_space(m, normalized=True), None), True),
+    ("the first 64 dimensions (Matryoshka)", lambda m, f: (_space(m).truncated(64), None), True),
+    ("truncated to the whole width", lambda m, f: (_space(m).truncated(m.num_features), None), False),
     ("another preprocessing contract (ImageNet mean / std)",
      lambda m, f: (_space(m, pre=vit_serve.PreprocessConfig(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))),
                    None), True),

@@ -10,7 +10,8 @@ What goes in (`EmbeddingSpace`), each because changing it moves the vectors:
   export resamples or resizes them; the classifier head is left out (it reads the embedding, it does not make it,
   so a new head on the same backbone keeps the space);
 - `kind`, `pool`, `dim`: which embedding (`vit_serve.manifest.EMBEDDING_KINDS`: pre-logits, pooler output, the
-  projected `image_embeds`), from which pooling ("token", "gap", "map"), its width;
+  projected `image_embeds`), from which pooling ("token", "gap", "map"), its width (a Matryoshka model's vectors
+  cut to their first k dimensions are another space: `truncated`);
 - `normalized`: whether the vectors are L2-normalised as given;
 - `preprocess`: the preprocessing contract at the served resolution (its `input_size` is the resolution; mean, std,
   resize filter, crop, decode mode): the same photo becomes other pixels under another one;
@@ -108,6 +109,11 @@ class EmbeddingSpace:
     def normalized_as(self, normalized: bool) -> EmbeddingSpace:
         """The same model's space with its vectors L2-normalised (True) or as the model gives them (False)."""
         return self if normalized == self.normalized else dataclasses.replace(self, normalized=normalized)
+
+    def truncated(self, dim: int | None) -> EmbeddingSpace:
+        """The space of the vectors' first `dim` dimensions (a Matryoshka model's shorter vectors; None or the
+        whole width: this space)."""
+        return self if dim is None or dim == self.dim else dataclasses.replace(self, dim=dim)
 
     def with_precision(self, precision: str) -> EmbeddingSpace:
         """The space of the same model run at another precision (a TensorRT engine built from a graph)."""

@@ -79,10 +79,11 @@ class ModelInfo:
     max_patches: int | None = None
     embedding_space: EmbeddingSpace | None = None
 
-    def embedding_fingerprint(self, normalized: bool = False) -> str | None:
-        """The fingerprint of its embedding vectors, L2-normalised or as the model gives them (None: unknown)."""
+    def embedding_fingerprint(self, normalized: bool = False, dim: int | None = None) -> str | None:
+        """The fingerprint of its embedding vectors, L2-normalised or as the model gives them, cut to their first
+        `dim` dimensions (Matryoshka; None: whole) (None: unknown)."""
         space = self.embedding_space
-        return None if space is None else space.normalized_as(normalized).fingerprint
+        return None if space is None else space.normalized_as(normalized).truncated(dim).fingerprint
 
     @property
     def grid(self) -> tuple[int, int]:
