@@ -85,6 +85,9 @@ CASES: list[tuple[str, Case, bool]] = [
     ("resolution 64 instead of 32", lambda m, f: (_space(m, res=64), None), True),
     ("precision fp16", lambda m, f: (_space(m, precision="fp16"), None), True),
     ("ToMe r = 1", lambda m, f: (_space(m, tome=TokenMergingRecord((1, 1))), None), True),
+    ("the decode path (fast or exact: the gateway's setting)",
+     lambda m, f: (_space(m, pre=(m.preprocess_cfg or vit_serve.PreprocessConfig(input_size=(RES, RES))).with_decode(
+         "fast")), None), False),
     ("L2-normalised vectors", lambda m, f: (_space(m, normalized=True), None), True),
     ("the first 64 dimensions (Matryoshka)", lambda m, f: (_space(m).truncated(64), None), True),
     ("truncated to the whole width", lambda m, f: (_space(m).truncated(m.num_features), None), False),

@@ -14,7 +14,7 @@ What goes in (`EmbeddingSpace`), each because changing it moves the vectors:
   cut to their first k dimensions are another space: `truncated`);
 - `normalized`: whether the vectors are L2-normalised as given;
 - `preprocess`: the preprocessing contract at the served resolution (its `input_size` is the resolution; mean, std,
-  resize filter, crop, decode mode): the same photo becomes other pixels under another one;
+  resize filter, crop): the same photo becomes other pixels under another one;
 - `patch_size` (FlexiViT's resize at export), `resample` (the position embedding's resampling mode, only when the
   served resolution is not the trained one: at the trained resolution nothing is resampled), `max_patches` (a
   NaFlex model's patch budget);
@@ -23,7 +23,9 @@ What goes in (`EmbeddingSpace`), each because changing it moves the vectors:
 
 What does not, so that it keeps the fingerprint: the file's name or path, the batch size, a static graph or a
 dynamic one served at the same resolution, the opset, the exporter's and runtime's versions, the backend (torch,
-onnxruntime, Triton: the same arithmetic within their parity tolerance), the labels and the classifier head.
+onnxruntime, Triton: the same arithmetic within their parity tolerance), the labels and the classifier head, and
+the decode path ("fast" or "exact": the gateway's setting, two ways of making the same contract's pixels, left out
+of `preprocess` so that an export's manifest and the gateway serving it agree whichever the operator picks).
 
 A CLIP-family model's text vectors (its text tower, `vit_serve.runtime.text_tower`) are trained into its image
 space and carry the image space's fingerprint (normalised as given). Plain Python and hashlib: this module
@@ -42,6 +44,7 @@ from typing import Any
 VERSION = "vs1"  # the prefix; bumped if what goes in changes, so that old and new fingerprints never collide
 # The classifier's tensors: they turn the embedding into logits and leave the embedding itself as it is.
 HEAD_PREFIXES = ("head.", "head_dist.")
+NOT_IN_SPACE = ("decode",)  # the contract's keys that do not name other pixels (see the module docstring)
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], memoryview]:
@@ -93,7 +96,8 @@ class EmbeddingSpace:
     token_merging: tuple[tuple[int, ...], bool] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "preprocess", json.loads(json.dumps(dict(self.preprocess))))  # JSON types only
+        pre = {k: v for k, v in dict(self.preprocess).items() if k not in NOT_IN_SPACE}
+        object.__setattr__(self, "preprocess", json.loads(json.dumps(pre)))  # JSON types only
         if self.token_merging is not None:
             r, prop = self.token_merging
             merges = tuple(int(v) for v in r)
