@@ -22,6 +22,7 @@
 - `tome`: token merging (ToMe).
 - `tome_schedule`: how many tokens each layer merges (plain Python, no torch).
 - `embedding`, `zeroshot`: the image embedding; zero-shot heads from label text (CLIP, SigLIP).
+- `fingerprint`: the embedding space's identity (a hash of the weights and of all that moves the vectors).
 - `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
   record checkpoints and manifests carry.
 - `manifest`: the export manifest every reader reads.

@@ -101,6 +101,9 @@ class EmbedResponse(BaseModel):
     normalized: bool = Field(description="whether the embedding was L2-normalised (?normalize=true)")
     embedding: list[float | None] = Field(description="the pre-logits image representation, forward_head("
                                                       "pre_logits=True) (null where not finite)")
+    embedding_fingerprint: str | None = Field(
+        description="the embedding space's identity (vit_serve.fingerprint): vectors are comparable only with "
+                    "vectors of the same fingerprint (null: an export from before manifests stated it)")
     timing_ms: Timing
 
 

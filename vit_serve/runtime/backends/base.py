@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vit_serve.fingerprint import EmbeddingSpace
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
@@ -49,6 +50,9 @@ class ModelInfo:
     device_name: the device as its runtime reports it (OpenVINO's FULL_DEVICE_NAME; "": not reported).
     accuracy: the accuracy gate's measurement of a reduced precision against fp32 (`runtime.accuracy_gate`;
     None: not measured, e.g. fp32).
+    embedding_space: what decides its embedding vectors, as the model gives them (`vit_serve.fingerprint`; its
+    `fingerprint` is what every embedding answer carries: `embedding_fingerprint`); None: an export from before
+    manifests stated it.
     """
 
     name: str
@@ -79,6 +83,13 @@ class ModelInfo:
     max_patches: int | None = None
     device_name: str = ""
     accuracy: GateResult | None = None
+    embedding_space: EmbeddingSpace | None = None
+
+    def embedding_fingerprint(self, normalized: bool = False, dim: int | None = None) -> str | None:
+        """The fingerprint of its embedding vectors, L2-normalised or as the model gives them, cut to their first
+        `dim` dimensions (Matryoshka; None: whole) (None: unknown)."""
+        space = self.embedding_space
+        return None if space is None else space.normalized_as(normalized).truncated(dim).fingerprint
 
     @property
     def grid(self) -> tuple[int, int]:

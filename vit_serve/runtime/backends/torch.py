@@ -23,6 +23,7 @@ with it); explain and grad_rollout stay eager with --compile and --torchscript (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 
 from vit_serve.explain import explain_forward, explain_patches, grad_rollout
-from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of
+from vit_serve.fingerprint import weights_digest
+from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of, embedding_space_of
 from vit_serve.naflex import unpack
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo, Staged
@@ -213,7 +215,9 @@ class TorchBackend(LocalBackend):
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = _device(device)
-        self.model = load(checkpoint).eval().to(self.device)
+        model = load(checkpoint).eval()
+        weights = weights_digest(model.state_dict())  # once, on the CPU copy: the embedding space's weights
+        self.model = model.to(self.device)
         cfg = self.model.cfg
         if tome is not None:
             try:
@@ -244,7 +248,7 @@ class TorchBackend(LocalBackend):
             message = None if self.probe is None else advice(self.probe, name, str(checkpoint), tome)
             if message:
                 log.warning(message)
-        self.info = ModelInfo(
+        info = ModelInfo(
             name=name,
             resolution=res,
             patch_size=cfg.patch_size,
@@ -267,6 +271,8 @@ class TorchBackend(LocalBackend):
             reference=None if self.model.token_merging else self.model.reference,  # made without merging
             max_patches=cfg.extra.get("max_patches"),
         )
+        self.info = dataclasses.replace(info, embedding_space=embedding_space_of(
+            weights, cfg, info.preprocess, info.precision, info.token_merging))
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
         if not x.flags.writeable:  # e.g. a view of a request body; torch tensors must own writable memory

@@ -43,4 +43,4 @@ async def embed(
     assert vector is not None
     return {"id": done.image_id, "model": done.info.name, "version": done.version, "resolution": done.info.resolution,
             "dim": int(vector.shape[-1]), "normalized": normalize, "embedding": vector.tolist(),
-            "timing_ms": done.timings.timing_ms()}
+            "embedding_fingerprint": done.info.embedding_fingerprint(normalize), "timing_ms": done.timings.timing_ms()}
