@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from vit_serve.runtime.backends.base import ModelInfo
     from vit_serve.runtime.task import Outputs
 
-__all__ = ["Answer", "Explanation", "Ood", "Prediction", "Shape", "answer", "by_labels", "l2_normalize",
-           "normalize_embedding", "predictions", "rollout_payload", "rollout_query", "scores", "top_k"]
+__all__ = ["Abstention", "Answer", "Explanation", "Ood", "Prediction", "Shape", "abstain", "answer", "by_labels",
+           "l2_normalize", "normalize_embedding", "predictions", "rollout_payload", "rollout_query", "scores", "top_k"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,24 @@ class Ood:
     flag: bool
     method: str
     threshold: float
+
+
+@dataclass(frozen=True)
+class Abstention:
+    """Zero-shot abstention (?labels=&abstain=true): the best label's `score`, the `threshold` it was compared
+    with and where that came from ("request" or "reference"), and whether the answer is "none of these"."""
+
+    abstained: bool
+    score: float
+    threshold: float
+    source: str
+
+
+def abstain(answer: Answer, threshold: float, source: str) -> Answer:
+    """The answer with its abstention: "none of these" when its best label's score is below `threshold` (NaN
+    abstains)."""
+    best = answer.predictions[0].score if answer.predictions else float("nan")
+    return dataclasses.replace(answer, abstention=Abstention(not best >= threshold, best, threshold, source))
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,7 @@ class Answer:
     ood: Ood | None = None
     tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
     patch_tokens: np.ndarray | None = None  # [gh * gw, D]: /embed?tokens=patch
+    abstention: Abstention | None = None  # /classify?labels=&abstain=true
 
     def prediction_dicts(self) -> list[dict[str, Any]]:
         """The predictions as the answers' {"label", "index", "score"} objects."""

@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.monitor import abstain_threshold
 from vit_serve.runtime import batch_curve
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
@@ -265,6 +266,17 @@ class ModelVersion:
             return Task("explain", rollout=info.resolve_rollout(head_fusion, discard_ratio))
         except ValueError as e:
             raise BadRequestError(str(e)) from None
+
+    def abstain_threshold(self, asked: float | None) -> tuple[float, str]:
+        """Zero-shot abstention's threshold and its source: `asked` ("request"), else calibrated from the model's
+        reference ("reference", `monitor.abstain_threshold`); 400 when there is neither."""
+        if asked is not None:
+            return asked, "request"
+        ref = self.info.reference
+        if ref is None or len(ref.confidences) == 0:
+            raise BadRequestError(f"abstain=true: {self.name} has no reference to calibrate the threshold from "
+                                  f"(vit-export --reference-images DIR); give threshold=")
+        return abstain_threshold(ref), "reference"
 
     def needs_tokens(self, what: str) -> None:
         """400 naming `what` unless the version runs on the torch backend (or Ray's, running it), the one whose

@@ -83,6 +83,8 @@ class Ask:
     max_patches: int | None = None  # ?max_patches= (NaFlex models; None: the model's own budget)
     layer: int | None = None  # /embed?tokens=patch: the block whose patch tokens (None: no tokens asked)
     max_floats: int = 0  # ... within this many floats (the gateway's max_patch_token_floats)
+    abstain: bool = False  # ?labels=&abstain=true: "none of these" below `threshold` (None: the reference's)
+    threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Job:
 
     task: Task
     labels: list[str] | None = None
+    abstain: tuple[float, str] | None = None  # the abstention's threshold and where it came from
 
 
 def resolve(ask: Ask, mv: ModelVersion) -> Job:
@@ -99,7 +102,10 @@ def resolve(ask: Ask, mv: ModelVersion) -> Job:
     budget = mv.patch_budget(ask.max_patches)
     if ask.labels is not None:
         task = mv.zero_shot_task()
-        return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels))
+        abstain = mv.abstain_threshold(ask.threshold) if ask.abstain else None
+        return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels), abstain)
+    if ask.abstain:
+        raise BadRequestError("abstain=true needs labels= (zero-shot classes to abstain among)")
     if ask.explain is not None:
         e = ask.explain
         if budget is not None and e.method != "rollout":
@@ -283,6 +289,8 @@ async def _infer_and_answer(request: Request | None, scope: str, admission: Admi
         who = LabelCaller.of(request.app, scope)  # its label cache and rate
         logits, text_ms = await mv.label_logits(job.labels, result.outputs[EMBEDDING], admission, who)
         made = postprocess.by_labels(logits[0], job.labels, ask.top_k, mv.text.scores)
+        if job.abstain is not None:
+            made = postprocess.abstain(made, *job.abstain)
     else:
         made = postprocess.answer(result.outputs, mv.info, _shape(ask, job), _ood(mv, ask, result))
     overlay = None

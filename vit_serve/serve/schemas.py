@@ -80,6 +80,14 @@ class OodScore(BaseModel):
     threshold: float = Field(description="the reference's calibration quantile of the score")
 
 
+class Abstention(BaseModel):
+    abstained: bool = Field(description="true: none of these labels (the best label's score is below the threshold)")
+    score: float | None = Field(description="the best label's score, the one compared (null where not finite)")
+    threshold: float = Field(description="the threshold it was compared with")
+    source: Literal["request", "reference"] = Field(description="where the threshold came from: the request's "
+                                                    "threshold=, or calibrated from the model's reference")
+
+
 class ClassifyResponse(BaseModel):
     id: str = Field(description="the image's id for this API key (not its sha256); pass it to GET /explain")
     model: str
@@ -91,6 +99,7 @@ class ClassifyResponse(BaseModel):
                                             "same forward pass (absent otherwise)")
     ood: OodScore | None = Field(None, description="models with a reference only (absent otherwise, and with labels): "
                                  "the image's OOD score from the same pass")
+    abstention: Abstention | None = Field(None, description="?labels=&abstain=true only (absent otherwise)")
 
 
 class EmbedResponse(BaseModel):
