@@ -18,6 +18,7 @@
 - `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
 - `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
   options, the heat-map overlay drawn on the model-input crop.
+- `similarity`: why an image matched a query (its cosine split over the patches), and any block's patch tokens.
 - `inspect`: `vit-serve inspect`, the paper's Figure 6 / 7 pictures.
 - `tome`: token merging (ToMe).
 - `tome_schedule`: how many tokens each layer merges (plain Python, no torch).
