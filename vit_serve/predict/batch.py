@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vit_serve.manifest import EMBEDDING_FINGERPRINT
 from vit_serve.predict.options import PredictOptions
 from vit_serve.predict.writers import ErrorLog, RolloutFile, Row, printable
 from vit_serve.tome_schedule import parse_tome
@@ -117,12 +118,15 @@ def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: Pred
               emb: np.ndarray | None = None, rollout_index: list[int] | None = None,
               ood: np.ndarray | None = None) -> list[Row]:
     """The rows of a batch (logits [B, K], emb [B, D], ood [B]): path, [target, target_index], labels, indices,
-    scores (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`), rollout_index, ood_score and
-    ood_flag (above the reference's threshold, as `/classify`'s "ood")]."""
+    scores (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`) and embedding_fingerprint (its
+    space's, `vit_serve.fingerprint`), rollout_index, ood_score and ood_flag (above the reference's threshold, as
+    `/classify`'s "ood")]."""
     from vit_serve.runtime.postprocess import normalize_embedding, top_k
 
+    fingerprint = None
     if emb is not None:
         emb = normalize_embedding(emb, opts.normalize)  # as POST /embed?normalize=true
+        fingerprint = info.embedding_fingerprint(opts.normalize)
     rows = []
     for i, item in enumerate(items):
         best = top_k(logits[i], opts.top_k, info)
@@ -132,7 +136,7 @@ def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: Pred
         row |= {"labels": [b["label"] for b in best], "indices": [b["index"] for b in best],
                 "scores": [b["score"] for b in best]}
         if emb is not None:
-            row["embedding"] = emb[i].tolist()
+            row |= {"embedding": emb[i].tolist(), EMBEDDING_FINGERPRINT: fingerprint}
         if rollout_index is not None:
             row["rollout_index"] = rollout_index[i]
         if ood is not None and info.reference is not None:

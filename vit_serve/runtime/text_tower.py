@@ -372,6 +372,30 @@ class TextTower:
                 self.cache.put(label, row, job.scope)
         return np.stack([found[label] for label in job.labels])
 
+    def submit_texts(self, texts: list[str], priority: int = 1, deadline: float | None = None
+                     ) -> concurrent.futures.Future:
+        """Encode `texts` themselves (no templates, not cached: POST /v1/embeddings) in the tower's thread, a
+        chunk at a time as a request's labels: a future of text_embeds [n, E] float32 (not normalised; TextTooLongError
+        for a text over the context length); QueueFullError when the queue is full."""
+        return self.scheduler.submit(self._text_steps(list(texts)), priority, deadline)
+
+    def _text_steps(self, texts: list[str]) -> Iterator[None]:
+        embeds: np.ndarray | None = None
+        for start in range(0, len(texts), self.chunk_size):
+            chunk = self.embed_texts(texts[start:start + self.chunk_size], strict=True)
+            if embeds is None:
+                embeds = np.empty((len(texts), chunk.shape[1]), np.float32)
+            embeds[start:start + len(chunk)] = chunk
+            if start + self.chunk_size < len(texts):
+                yield
+        assert embeds is not None
+        return embeds
+
+    def count_tokens(self, text: str) -> int:
+        """The tokens `text` is (its start and end tokens included); TextTooLongError beyond the context length or
+        for a word too long for the BPE."""
+        return self.tokenizer.check(text)
+
     def _encode(self, ids: np.ndarray) -> np.ndarray:
         """input_ids [n, L] -> text_embeds [n, E]: the ONNX graph (a checkpoint's tower replaces this)."""
         return self.session.run([TEXT_EMBEDS], {INPUT_IDS: ids})[0]

@@ -393,6 +393,9 @@ class ServeSettings(BaseSettings):
                                  "request beyond it is answered 503 + Retry-After. Each may hold up to "
                                  "max_body_bytes while its body is read; keep it under the open-files limit")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+    max_patch_token_floats: int = Field(262_144, ge=1, description="most floats one /embed?tokens=patch answer "
+                                        "holds (patches x width; 400 beyond): a B/16 at 224 px is 196 x 768 = "
+                                        "150,528")
     priority_levels: int = Field(10, ge=1, le=2**31 - 1, description="the priority levels a /v2 or gRPC request "
                                  "may ask for with parameters.priority (1 the most urgent .. this; 0: its key's "
                                  "level), as Triton's dynamic_batching priority_levels; a level beyond is 422 / "
