@@ -63,6 +63,7 @@ def test_models_shows_precision_device_and_accuracy(served):
         assert acc["ok"] and not acc["forced"] and acc["precision"] == precision and acc["n"] >= 30
         assert acc["agreement"] >= acc["min_agreement"] == BOUNDS[precision][0]
         assert acc["cosine"] >= acc["min_cosine"] == BOUNDS[precision][1]
+        assert isinstance(acc["rollout_max_abs"], float)  # the explain graph's maps against f32's, reported
 
 
 def test_v2_and_grpc_equal_onnxruntime(served, backend, pixels):
