@@ -224,3 +224,14 @@ def test_the_suffix_and_the_runtime_setting_pick_openvino(exported, tmp_path):
     (folder / "ir.onnx").write_bytes(exported.read_bytes())
     entries = scan(folder)
     assert list(entries) == ["ir"] and entries["ir"].versions[1].backend == "onnxruntime"
+
+
+def test_a_triton_config_of_the_openvino_backend_means_openvino(tmp_path):
+    pytest.importorskip("tritonclient.grpc")
+    from vit_serve.runtime.discovery import read_triton_config
+
+    config = tmp_path / "config.pbtxt"
+    config.write_text('name: "m"\nbackend: "openvino"\nmax_batch_size: 8\n')
+    assert read_triton_config(config).config.runtime == "openvino"
+    config.write_text('name: "m"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    assert read_triton_config(config).config.runtime is None

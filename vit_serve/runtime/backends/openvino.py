@@ -73,7 +73,11 @@ class OpenVINOOptions:
             config["INFERENCE_NUM_THREADS"] = self.threads
         cache = default_cache_dir() if self.cache_dir is None else self.cache_dir
         if cache:
-            config["CACHE_DIR"] = cache
+            try:
+                os.makedirs(cache, exist_ok=True)
+                config["CACHE_DIR"] = cache
+            except OSError as e:  # a read-only home: compile every time rather than refuse the model
+                log.warning("OpenVINO's model cache %s cannot be made (%s): compiling without it", cache, e)
         return config
 
 
