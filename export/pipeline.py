@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from vit_export.text_tower import WrittenTextTower
     from vit_export.triton_repo import WrittenModel
 
-FORMATS = ("onnx", "tensorrt", "triton")
+FORMATS = ("onnx", "openvino", "tensorrt", "triton")
 PRECISIONS = ("fp32", "fp16", "int8")
 SCHEMES = ("dynamic", "static")  # = vit_export.quantize.SCHEMES (not imported: it loads onnxruntime)
 MAX_CALIBRATION = 256  # = vit_export.quantize.MAX_CALIBRATION
@@ -273,6 +273,15 @@ class ExportOptions:
             raise OptionError("reference_images", "<reference_images> needs the embedding output, which TensorRT "
                                                   "engines do not have: export it for onnx (and triton) without "
                                                   "tensorrt")
+        if "openvino" in self.formats and self.precision == "fp16":
+            raise OptionError("precision", "<formats> openvino writes f32 weights (OpenVINO picks the inference "
+                                           "precision: bf16 where the CPU has it) or int8 (<precision> int8, NNCF): "
+                                           "drop <precision> fp16")
+        if "openvino" in self.formats and self.precision == "int8" and not (
+                self.calibration_images or self.check_images):
+            raise OptionError("calibration_images", "<formats> openvino with <precision> int8 quantizes with NNCF, "
+                                                    "which calibrates on images: pass <calibration_images> DIR (or "
+                                                    "<check_images> DIR)")
         if self.calibration_images is not None and self.precision != "int8":
             raise OptionError("calibration_images", "<calibration_images> calibrates static int8: it needs "
                                                     "<precision> int8")
@@ -311,6 +320,25 @@ class WrittenEngine:
 
 
 @dataclass(frozen=True)
+class WrittenIR:
+    """The OpenVINO IR of both graphs (`vit_export.openvino_ir`): the logits graph's .xml (f32, or int8 by NNCF) and
+    manifest, its parity (f32: the IR in OpenVINO against PyTorch; int8: the fp32 ONNX graph's), NNCF's int8
+    measurement against fp32 (`IRReport.to_dict`, None for f32), and the explain graph's (always f32)."""
+
+    path: Path
+    manifest: Path
+    parity: ParityReport
+    explain: Path
+    explain_manifest: Path
+    explain_parity: ParityReport
+    int8: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.parity.ok and self.explain_parity.ok
+
+
+@dataclass(frozen=True)
 class ExportResult:
     """What `export` wrote and what its checks found.
 
@@ -330,6 +358,7 @@ class ExportResult:
     source_checkpoint: Path | None = None
     text: WrittenTextTower | None = None  # `text_tower`: NAME_text.onnx and its manifest
     naflex: WrittenNaFlex | None = None  # `naflex`: NAME_naflex.onnx and its parity
+    openvino: WrittenIR | None = None  # `formats` openvino: NAME_openvino/NAME.xml, NAME_explain.xml
 
     @property
     def onnx(self) -> Path:
@@ -342,12 +371,13 @@ class ExportResult:
     @property
     def manifests(self) -> tuple[Path, ...]:
         engine = () if self.engine is None else (self.engine.manifest,)
-        return (self.graph.manifest, self.explain.manifest, *engine)
+        ir = () if self.openvino is None else (self.openvino.manifest, self.openvino.explain_manifest)
+        return (self.graph.manifest, self.explain.manifest, *ir, *engine)
 
     @property
     def graphs_ok(self) -> bool:
         return (self.graph.parity.ok and self.explain.parity.ok and (self.text is None or self.text.ok)
-                and (self.naflex is None or self.naflex.ok))
+                and (self.naflex is None or self.naflex.ok) and (self.openvino is None or self.openvino.ok))
 
     @property
     def engine_ok(self) -> bool | None:
@@ -412,10 +442,10 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     ValueError (a repository that refuses the model). Failed parity checks are in the result, not raised.
     """
     job = _job(model, options or ExportOptions(), progress or log.info)
-    graph, explain = _write_graphs(job)
+    graph, explain, ir = _write_graphs(job)
     result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint,
-                          text=_write_text_tower(job), naflex=_write_naflex(job, graph))
-    later = tuple(f for f in job.opts.formats if f != "onnx")
+                          text=_write_text_tower(job), naflex=_write_naflex(job, graph), openvino=ir)
+    later = tuple(f for f in job.opts.formats if f not in ("onnx", "openvino"))
     if not result.graphs_ok:
         return dataclasses.replace(result, skipped=later)
     if "tensorrt" in job.opts.formats:
@@ -427,7 +457,7 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
             result = dataclasses.replace(result, skipped=("triton",))
         return result
     if "triton" in job.opts.formats:
-        result = dataclasses.replace(result, triton=_triton(job, result.engine))
+        result = dataclasses.replace(result, triton=_triton(job, result.engine, result.openvino))
     return result
 
 
@@ -474,6 +504,10 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
             raise OptionError("naflex", "<naflex> needs a NaFlex model (SigLIP 2 NaFlex, e.g. a transformers siglip2 "
                                         "folder); this one takes fixed-size images")
         existing += [p for p in (naflex_target(opts.out, name),) if p.exists()]
+    if "openvino" in opts.formats:
+        from vit_export.openvino_ir import bin_path, ir_targets
+
+        existing += [p for x in ir_targets(opts.out, name) for p in (x, bin_path(x), manifest_path(x)) if p.exists()]
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
     return job
@@ -605,12 +639,19 @@ def _write_text_tower(job: _Job) -> WrittenTextTower | None:
     return written
 
 
-def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph]:
-    """Both ONNX graphs, each exported, checked, (int8: quantized) and described by its manifest."""
+def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph, WrittenIR | None]:
+    """Both ONNX graphs, each exported, checked, (int8: quantized) and described by its manifest; then, with
+    `formats` openvino and both checks passed, their IR (from the fp32 graphs, which int8 keeps in `tmp`)."""
     with tempfile.TemporaryDirectory(prefix="vit-export-") as tmp:
         graph, explain = (_write_graph(job, target, kind == "explain", Path(tmp))
                           for kind, target in zip(("graph", "explain"), job.targets, strict=True))
-        return graph, explain
+        ir = None
+        if "openvino" in job.opts.formats and graph.parity.ok and explain.parity.ok:
+            from vit_export.openvino_ir import write_ir
+
+            fp32 = [Path(tmp) / t.name if job.opts.precision == "int8" else t for t in job.targets]
+            ir = write_ir(job, graph, explain, fp32[0], fp32[1])
+        return graph, explain, ir
 
 
 def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGraph:
@@ -715,7 +756,7 @@ def report_engine_parity(parity: Parity | dict, engine: str, progress: Progress 
     return report.ok
 
 
-def _triton(job: _Job, engine: WrittenEngine | None) -> tuple[WrittenModel, ...]:
+def _triton(job: _Job, engine: WrittenEngine | None, ir: WrittenIR | None = None) -> tuple[WrittenModel, ...]:
     from vit_export.triton_repo import write_repository
 
     opts, say = job.opts, job.say
@@ -734,6 +775,7 @@ def _triton(job: _Job, engine: WrittenEngine | None) -> tuple[WrittenModel, ...]
         onnx_device=opts.triton_device,
         queue_delay_us=opts.queue_delay_us,
         max_queue=opts.max_queue,
+        openvino=None if ir is None else ir.path,
     )
     say(f"Triton model repository {opts.repo}:")
     for w in written:
@@ -804,4 +846,4 @@ def _spread(items: list[Path], n: int) -> list[Path]:
 
 
 __all__ = ["ExportOptions", "ExportResult", "OptionError", "OutputExistsError", "WrittenEngine", "WrittenGraph",
-           "export", "report_engine_parity"]
+           "WrittenIR", "export", "report_engine_parity"]

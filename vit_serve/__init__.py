@@ -25,6 +25,7 @@
 - `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
   record checkpoints and manifests carry.
 - `manifest`: the export manifest every reader reads.
+- `accuracy_bounds`: how close bf16, fp16 and int8 must stay to fp32 (top-1 agreement, cosine), measured.
 - `tensorrt_engine`: a serialized TensorRT engine run on torch CUDA buffers.
 - `data`: data sets (the embedded digits, image folders, CIFAR) and their loaders.
 - `quickstart`: `vit-serve quickstart`, train -> fine-tune at 2x -> export -> serve.

@@ -45,7 +45,7 @@ SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 VERSION_KEY = "manifest_version"
 V1_VERSION_KEY = "sidecar_version"
-FORMATS = ("onnx", "tensorrt")
+FORMATS = ("onnx", "tensorrt", "openvino")
 TRITON_KINDS = ("logits", "explain", "preprocess", "ensemble")
 SCORES = ("softmax", "sigmoid")  # = vit_serve.config.SCORES
 # Which image embedding a model gives: timm's pre-logits (the 2020 ViT, DeiT), Hugging Face's pooler_output
@@ -497,7 +497,7 @@ class ExportManifest:
 
     file: str
     file_sha256: str
-    format: Literal["onnx", "tensorrt"]
+    format: Literal["onnx", "tensorrt", "openvino"]
     source_checkpoint: SourceCheckpoint | None
     architecture: Architecture
     resolution: Resolution
