@@ -98,7 +98,7 @@ def test_export_int8_ir_with_manifest_and_triton_model(digits, tmp_path, capsys)
     ckpt = tmp_path / "digits.safetensors"
     vit_serve.save(digits["model"], ckpt)
     calib = _image_folder(tmp_path / "calib", "train", CALIBRATION)
-    check = _image_folder(tmp_path / "check", "test", 60)
+    check = _image_folder(tmp_path / "check", "test", 200)
     out, repo = tmp_path / "out", tmp_path / "repo"
     options = vit_export.ExportOptions(formats="openvino,triton", precision="int8", out=out, repo=repo,
                                        calibration_images=calib, check_images=check, max_batch=8)
@@ -112,7 +112,7 @@ def test_export_int8_ir_with_manifest_and_triton_model(digits, tmp_path, capsys)
         assert manifest.format == "openvino" and manifest.precision == precision and xml.with_suffix(".bin").is_file()
         check_file_sha256(xml, manifest)
     side = json.loads(ir.manifest.read_text())
-    assert side["int8_scheme"] == "nncf" and side["int8"]["n"] == 60 and side["int8"]["check"]["ok"]
+    assert side["int8_scheme"] == "nncf" and side["int8"]["n"] == 200 and side["int8"]["check"]["ok"], side["int8"]
     assert read_manifest(ir.explain).parity.ok and read_manifest(ir.explain).parity.runtime == "openvino"
     assert "OpenVINO int8 (NNCF, transformer preset" in text
     cfg = parse((repo / f"digits_{RES}_int8_openvino" / "config.pbtxt").read_text())
