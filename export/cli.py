@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "tensorrt adds <out>/<name>_tensorrt/model_sm<XY>.plan (and a timing cache per GPU architecture and "
         "TensorRT version in --out); triton writes the models <name>_onnx, "
         "<name>_explain_onnx, <name>_trt (with an engine), <name>_py, <name>_explain_py, <name>_preprocess and "
-        "<name>_ensemble (and <name>_openvino with openvino) into --repo, adding a version when a model exists. Exit codes: 0 done, 1 error or "
+        "<name>_ensemble (and <name>_openvino with openvino) into --repo, adding a version when a model exists. "
+        "Exit codes: 0 done, 1 error or "
         "failed parity (of the ONNX graphs or the engine), 2 bad usage (or --tome with RoPE), 3 tensorrt "
         "requested but unavailable here (everything else written).",
     )
