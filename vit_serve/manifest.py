@@ -1,6 +1,7 @@
 """The export manifest: what `vit-export` writes beside every graph and engine, and what every reader reads.
 
     <name>.onnx -> <name>.json    <name>_explain.onnx -> <name>_explain.json    model_smXY.plan -> model_smXY.json
+    <name>_openvino/<name>.xml -> <name>_openvino/<name>.json   (format "openvino": the OpenVINO IR, + .bin)
 
 each an `ExportManifest` as JSON; every model config of a Triton repository written by `vit-export` carries a
 `TritonMeta` as its "vit_serve" parameter (so that a gateway needs nothing but `get_model_config`). The exporter

@@ -38,7 +38,8 @@ class LoadSpec:
     checkpoint's classify / embed forward through `torch.compile` (inductor; the torch backend only), compiled
     and checked against eager at load (`runtime.backends.torch.compile_forward`); torchscript: through a
     TorchScript trace instead, which runs without Python's GIL (`runtime.backends.torch.torchscript_forward`;
-    not both). spinning: onnxruntime's
+    not both). compile_precision: "fp32", "bf16" (CPU autocast, refused below the bf16 accuracy bounds) or
+    "auto" (bf16 where the CPU has it and it passes; `compile_forward`). spinning: onnxruntime's
     intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
     """
 
@@ -56,6 +57,7 @@ class LoadSpec:
     compile: bool = False
     torchscript: bool = False
     spinning: bool = False
+    compile_precision: str = "fp32"
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
