@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +38,9 @@ from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES
 
 if TYPE_CHECKING:
     from vit_export.parity import ParityReport
-    from vit_export.pipeline import WrittenGraph, WrittenIR, _Job
+
+    from vit_serve.manifest import ExportManifest
+    from vit_serve.model import VisionTransformer
 
 IR_SUFFIX = "_openvino"
 IR_PRECISIONS = ("fp32", "int8")
@@ -182,17 +184,64 @@ def compare_ir(fp32_path: str | os.PathLike, int8_xml: str | os.PathLike, inputs
     return IRReport(len(x), threads, rows, check, calibration)
 
 
+@dataclass(frozen=True)
+class IRJob:
+    """What `write_ir` needs of an export: the model, where and under which name, the precision, the parity
+    bound, the check images (and their labels), the calibration images (at most `MAX_CALIBRATION`, with what
+    they are, for the report) and the progress callback."""
+
+    model: VisionTransformer
+    out: Path
+    name: str
+    res: tuple[int, int] | str
+    precision: str
+    force: bool
+    tol: float
+    images: list[Path] | None
+    labels: list[int] | None
+    calibration: list[Path] | None
+    calibration_note: str | None
+    say: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class GraphWritten:
+    """An ONNX graph as `write_ir` reads it: its file, its manifest as written, its parity check."""
+
+    path: Path
+    record: ExportManifest
+    parity: ParityReport
+
+
+@dataclass(frozen=True)
+class WrittenIR:
+    """The OpenVINO IR of both graphs: the logits graph's .xml (f32, or int8 by NNCF) and manifest, its parity
+    (f32: the IR in OpenVINO against PyTorch; int8: the fp32 ONNX graph's), NNCF's int8 measurement against fp32
+    (`IRReport.to_dict`, None for f32), and the explain graph's (always f32)."""
+
+    path: Path
+    manifest: Path
+    parity: ParityReport
+    explain: Path
+    explain_manifest: Path
+    explain_parity: ParityReport
+    int8: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.parity.ok and self.explain_parity.ok
+
+
 def ir_targets(out: str | os.PathLike, name: str) -> tuple[Path, Path]:
     """The logits graph's and the explain graph's .xml that `vit-export --format openvino` writes."""
     folder = ir_folder(out, name)
     return folder / f"{name}.xml", folder / f"{name}_explain.xml"
 
 
-def _manifest(written: WrittenGraph, xml: Path, parity: ParityReport, int8: dict | None, force: bool) -> Path:
+def _manifest(written: GraphWritten, xml: Path, parity: ParityReport, int8: dict | None, force: bool) -> Path:
     """The IR's manifest: the ONNX graph's, for the .xml (format openvino, its sha256, its precision, its check)."""
     from vit_serve.manifest import Int8Quantization, Parity, file_sha256, write_manifest
 
-    assert written.record is not None  # `_write_graph` keeps the manifest it wrote
     quant = None if int8 is None else Int8Quantization(
         "nncf", int8, "parity of the fp32 graph (onnxruntime) before NNCF int8 quantization")
     record = dataclasses.replace(
@@ -202,55 +251,52 @@ def _manifest(written: WrittenGraph, xml: Path, parity: ParityReport, int8: dict
     return write_manifest(xml, record, overwrite=force)
 
 
-def _int8(job: _Job, fp32_graph: Path, xml: Path) -> dict:
+def _int8(job: IRJob, fp32_graph: Path, xml: Path) -> dict:
     """NNCF int8 of `fp32_graph` into `xml`, calibrated on the job's images, measured against fp32."""
     import torch
-    from vit_export.pipeline import MAX_CALIBRATION, _labels_of, _spread
 
     from vit_serve.preprocess import PreprocessConfig, preprocess_batch
 
-    model, opts, say = job.model, job.opts, job.say
+    model, say = job.model, job.say
     h, w = model.cfg.img_size if job.res == "dynamic" else job.res
     pre = (model.preprocess_cfg or PreprocessConfig(input_size=model.cfg.img_size)).with_size(h, w)
     assert job.calibration  # ExportOptions refuses openvino int8 without images
-    picked = _spread(job.calibration, MAX_CALIBRATION)
-    note = f"{len(picked)} images of {opts.calibration_images or opts.check_images}"
+    note = job.calibration_note
     say(f"  quantizing the IR to int8 with NNCF (transformer preset, calibrated on {note}) ...")
-    quantize_ir(fp32_graph, xml, preprocess_batch(picked, pre).numpy(), overwrite=opts.force)
-    x, labels = torch.randn(16, 3, h, w, generator=torch.Generator().manual_seed(0)), None
+    quantize_ir(fp32_graph, xml, preprocess_batch(job.calibration, pre).numpy(), overwrite=job.force)
+    x = torch.randn(16, 3, h, w, generator=torch.Generator().manual_seed(0))
     if job.images:
-        x, labels = preprocess_batch(job.images, pre), _labels_of(job.images, model.labels)
-    report = compare_ir(fp32_graph, xml, x.numpy(), labels, calibration=note)
+        x = preprocess_batch(job.images, pre)
+    report = compare_ir(fp32_graph, xml, x.numpy(), job.labels if job.images else None, calibration=note)
     say(report.table())
     if not report.check.ok:
         say("  (the int8 IR is below the int8 bounds: a gateway refuses it at load unless forced)")
     return report.to_dict()
 
 
-def write_ir(job: _Job, graph: WrittenGraph, explain: WrittenGraph, fp32_graph: Path, fp32_explain: Path
+def write_ir(job: IRJob, graph: GraphWritten, explain: GraphWritten, fp32_graph: Path, fp32_explain: Path
              ) -> WrittenIR:
     """`vit-export --format openvino`: both graphs' IR and manifests in `ir_folder`; the logits graph int8 (NNCF)
     with `precision` int8, else f32 and checked against PyTorch in OpenVINO, as the explain graph always is."""
     from vit_export.graph_info import GraphInfo
     from vit_export.parity import check_parity
-    from vit_export.pipeline import WrittenIR
 
-    opts, say = job.opts, job.say
-    xml, explain_xml = ir_targets(opts.out, job.name)
+    say = job.say
+    xml, explain_xml = ir_targets(job.out, job.name)
     int8 = None
-    if opts.precision == "int8":
+    if job.precision == "int8":
         int8 = _int8(job, fp32_graph, xml)
         parity = graph.parity
     else:
-        convert_ir(fp32_graph, xml, overwrite=opts.force)
-        parity = check_parity(job.model, xml, job.images, tol=opts.tol, runtime="openvino",
+        convert_ir(fp32_graph, xml, overwrite=job.force)
+        parity = check_parity(job.model, xml, job.images, tol=job.tol, runtime="openvino",
                               info=GraphInfo.read(fp32_graph))
         say(parity.table())
-    convert_ir(fp32_explain, explain_xml, overwrite=opts.force)
-    explain_parity = check_parity(job.model, explain_xml, job.images, tol=opts.tol, runtime="openvino",
+    convert_ir(fp32_explain, explain_xml, overwrite=job.force)
+    explain_parity = check_parity(job.model, explain_xml, job.images, tol=job.tol, runtime="openvino",
                                   info=GraphInfo.read(fp32_explain))
     say(explain_parity.table())
-    manifest = _manifest(graph, xml, parity, int8, opts.force)
-    explain_manifest = _manifest(explain, explain_xml, explain_parity, None, opts.force)
+    manifest = _manifest(graph, xml, parity, int8, job.force)
+    explain_manifest = _manifest(explain, explain_xml, explain_parity, None, job.force)
     say(f"wrote {xml.parent}/: {xml.name}, {explain_xml.name} (+ .bin, .json)")
     return WrittenIR(xml, manifest, parity, explain_xml, explain_manifest, explain_parity, int8)

@@ -38,6 +38,7 @@ from vit_serve.tome import TomeR, parse_tome
 if TYPE_CHECKING:
     from vit_export.naflex_graph import WrittenNaFlex
     from vit_export.onnx_export import ExportedGraph
+    from vit_export.openvino_ir import WrittenIR
     from vit_export.parity import ParityReport
     from vit_export.text_tower import WrittenTextTower
     from vit_export.triton_repo import WrittenModel
@@ -317,25 +318,6 @@ class WrittenEngine:
     parity: Parity
     typed_graph: Path | None
     build: TensorRTBuild
-
-
-@dataclass(frozen=True)
-class WrittenIR:
-    """The OpenVINO IR of both graphs (`vit_export.openvino_ir`): the logits graph's .xml (f32, or int8 by NNCF) and
-    manifest, its parity (f32: the IR in OpenVINO against PyTorch; int8: the fp32 ONNX graph's), NNCF's int8
-    measurement against fp32 (`IRReport.to_dict`, None for f32), and the explain graph's (always f32)."""
-
-    path: Path
-    manifest: Path
-    parity: ParityReport
-    explain: Path
-    explain_manifest: Path
-    explain_parity: ParityReport
-    int8: dict[str, Any] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.parity.ok and self.explain_parity.ok
 
 
 @dataclass(frozen=True)
@@ -647,11 +629,24 @@ def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph, WrittenIR | No
                           for kind, target in zip(("graph", "explain"), job.targets, strict=True))
         ir = None
         if "openvino" in job.opts.formats and graph.parity.ok and explain.parity.ok:
-            from vit_export.openvino_ir import write_ir
-
-            fp32 = [Path(tmp) / t.name if job.opts.precision == "int8" else t for t in job.targets]
-            ir = write_ir(job, graph, explain, fp32[0], fp32[1])
+            ir = _write_ir(job, graph, explain, Path(tmp))
         return graph, explain, ir
+
+
+def _write_ir(job: _Job, graph: WrittenGraph, explain: WrittenGraph, tmp: Path) -> WrittenIR:
+    """`formats` openvino: both graphs' IR (`vit_export.openvino_ir.write_ir`) from the fp32 graphs (int8 keeps
+    them in `tmp`), calibrated (int8) on at most MAX_CALIBRATION of the calibration images."""
+    from vit_export.openvino_ir import GraphWritten, IRJob, write_ir
+
+    opts = job.opts
+    picked = None if job.calibration is None else _spread(job.calibration, MAX_CALIBRATION)
+    note = None if picked is None else f"{len(picked)} images of {opts.calibration_images or opts.check_images}"
+    labels = None if job.images is None else _labels_of(job.images, job.model.labels)
+    ir_job = IRJob(job.model, opts.out, job.name, job.res, opts.precision, opts.force, opts.tol, job.images, labels,
+                   picked, note, job.say)
+    fp32 = [tmp / t.name if opts.precision == "int8" else t for t in job.targets]
+    written = [GraphWritten(g.path, g.record, g.parity) for g in (graph, explain)]  # type: ignore[arg-type]
+    return write_ir(ir_job, written[0], written[1], fp32[0], fp32[1])
 
 
 def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGraph:
@@ -846,4 +841,4 @@ def _spread(items: list[Path], n: int) -> list[Path]:
 
 
 __all__ = ["ExportOptions", "ExportResult", "OptionError", "OutputExistsError", "WrittenEngine", "WrittenGraph",
-           "WrittenIR", "export", "report_engine_parity"]
+           "export", "report_engine_parity"]
