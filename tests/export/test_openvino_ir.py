@@ -144,3 +144,42 @@ def test_int8_ir_needs_images():
         vit_export.ExportOptions(formats="openvino", precision="int8")
     with pytest.raises(vit_export.OptionError, match="fp16"):
         vit_export.ExportOptions(formats="openvino", precision="fp16")
+
+
+def _photo_crops(size: int) -> torch.Tensor:
+    """Real photos (scikit-image's), each cut into a 3 x 3 grid of overlapping squares, preprocessed at `size`."""
+    data = pytest.importorskip("skimage.data")
+    from PIL import Image
+
+    crops = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field"):
+        a = getattr(data, name)()
+        side = min(a.shape[:2]) // 2
+        for i in range(3):
+            for j in range(3):
+                y, x = i * (a.shape[0] - side) // 2, j * (a.shape[1] - side) // 2
+                crops.append(Image.fromarray(a[y : y + side, x : x + side]))
+    return preprocess_batch(crops, PreprocessConfig(input_size=(size, size)))
+
+
+def test_int8_ir_embedding_cosine_on_real_photos(tmp_path):
+    """A ViT-S/16-shaped encoder (4 blocks, PyTorch's init) at 224 with its embedding output: NNCF int8 calibrated
+    on 24 photo crops, judged on the other 30 against the fp32 graph: the embedding's mean cosine >= 0.99 (the
+    int8 bound)."""
+    from vit_serve.accuracy_bounds import cosines
+
+    torch.manual_seed(0)
+    model = vit_serve.create_model("S/16", num_classes=10, depth=4, img_size=224).eval()
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.02)
+    fp32 = export_onnx(model, tmp_path / "s16.onnx", embedding=True)
+    x = _photo_crops(224).numpy()
+    calib, held = x[:24], x[24:]
+    xml = quantize_ir(fp32, tmp_path / "s16_int8.xml", calib)
+    want, got = IRRunner(fp32).run(held), IRRunner(xml).run(held)
+    cos = cosines(want["embedding"], got["embedding"])
+    print(f"int8 IR embedding cosine on {len(held)} photo crops: mean {cos.mean():.5f}, smallest {cos.min():.5f}")
+    assert cos.mean() >= BOUNDS["int8"][1]
+    rep = compare_ir(fp32, xml, held, threads=1)
+    assert rep.check.cosine == pytest.approx(min(float(cos.mean()), float(cosines(want["logits"],
+                                                                                  got["logits"]).mean())), abs=1e-6)
