@@ -46,7 +46,7 @@ def _load_backend(spec: LoadSpec) -> Backend:
         from vit_serve.runtime.backends.torch import TorchBackend
 
         return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile,
-                            torchscript=spec.torchscript)
+                            torchscript=spec.torchscript, compile_precision=spec.compile_precision)
     if backend == "onnxruntime":
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
