@@ -7,7 +7,8 @@ on the torch backend (the text tower the checkpoint stores) and its export with 
 of each photo (the gateway decodes by the model's contract) and `encode_text` of open_clip's tokenizer, both
 L2-normalised. Also: a mixed request's vectors equal each item's alone, OpenAI's error classes and shape for bad
 input, a model without a text tower, `dimensions` on a model that declares Matryoshka training and one that does
-not, keys (401), a key's rate charged per item (429), a deadline (504), and the body limit before routing (413)."""
+not, keys (401), a key's rate charged per item (429), a deadline (504), and the body limit before routing (413);
+and the text embeddings of /v2 and gRPC (a `text` BYTES input, through tritonclient)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def repo(tmp_path_factory, randomize):
 
 @pytest.fixture(scope="module")
 def served(repo):
-    """(base URL, the app) of a gateway over REPO without keys."""
-    with live_app(settings_for(repo[0], default_model="clip")) as (url, app):
+    """(base URL, the app) of a gateway over REPO without keys, with gRPC."""
+    with live_app(settings_for(repo[0], default_model="clip", grpc_port=0)) as (url, app):
         yield url, app
 
 
@@ -132,6 +133,26 @@ def test_langchain_embeds_texts(served, reference):
     _, texts = reference
     assert float(np.abs(docs - texts[[0, 1, 3]]).max()) <= TOL
     assert float(np.abs(query - texts[1]).max()) <= TOL
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_v2_and_grpc_embed_texts(served, reference, transport):
+    """The Open Inference Protocol's `text` BYTES input (tritonclient, binary BYTES): the `embedding` output of each
+    text, the tower's own (not normalised), open_clip's encode_text once normalised."""
+    lib = pytest.importorskip(f"tritonclient.{transport}")
+    url, app = served
+    client = lib.InferenceServerClient(url.removeprefix("http://") if transport == "http" else app.state.grpc.address)
+    assert {"name": "text", "datatype": "BYTES", "shape": [-1]} in [
+        {**t, "shape": [int(d) for d in t["shape"]]} for t in
+        (client.get_model_metadata("clip", as_json=True) if transport == "grpc" else
+         client.get_model_metadata("clip"))["inputs"]]
+    inp = lib.InferInput("text", [len(TEXTS)], "BYTES")
+    inp.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=np.object_))
+    got = client.infer("clip", [inp], outputs=[lib.InferRequestedOutput("embedding")]).as_numpy("embedding")
+    assert got.shape == (len(TEXTS), 32)
+    assert float(np.abs(got / np.linalg.norm(got, axis=1, keepdims=True) - reference[1]).max()) <= TOL
+    with pytest.raises(Exception, match="answers the embedding output alone"):
+        client.infer("clip", [inp], outputs=[lib.InferRequestedOutput("logits")])
 
 
 def test_models_list(client):

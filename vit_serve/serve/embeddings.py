@@ -148,7 +148,7 @@ async def embed_items(choice: ModelChoice, admission: Admission, items: list[Ite
                                              for i in images]
         texts = [i for i, it in enumerate(items) if it.text is not None]
         if texts:
-            jobs.append(_texts(mv, [items[i].text for i in texts], admission))  # type: ignore[misc]
+            jobs.append(encode_texts(mv, [items[i].text for i in texts], admission))  # type: ignore[misc]
         done = await _all(jobs)
         rows: list[np.ndarray | None] = [None] * len(items)
         for i, vector in zip(images, done, strict=False):
@@ -204,8 +204,9 @@ async def _image(mv: ModelVersion, task: Task, data: bytes, admission: Admission
     return result.outputs[EMBEDDING][0]
 
 
-async def _texts(mv: ModelVersion, texts: list[str], admission: Admission) -> np.ndarray:
-    """The texts through the text tower's thread under the request's level and deadline; [n, E]."""
+async def encode_texts(mv: ModelVersion, texts: list[str], admission: Admission) -> np.ndarray:
+    """The texts (checked by `check_items`) through the text tower's thread under the request's level and deadline;
+    [n, E], not normalised."""
     text = mv.text
     assert text is not None  # `check_items` checked it
     try:
