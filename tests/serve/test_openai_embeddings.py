@@ -169,6 +169,7 @@ def test_bad_input_is_the_sdks_bad_request_error(client, photos):
         ({"model": "clip", "input": " ".join(["word"] * 100)}, "over the text tower's context length of 77"),
         ({"model": "clip", "input": [{"image": "https://example.com/cat.jpg"}]}, "image URLs are not enabled"),
         ({"model": "clip", "input": []}, "input is empty"),
+        ({"model": "clip", "input": ["a"] * 17}, "17 items in one request, over the limit of 16"),  # max_batch
     ]
     for kwargs, message in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -179,6 +180,23 @@ def test_bad_input_is_the_sdks_bad_request_error(client, photos):
         client.embeddings.create(model="nope", input="a cat")
     with pytest.raises(openai.UnprocessableEntityError):  # a corrupt image is 422, as on /embed
         client.embeddings.create(model="clip", input=_uri(photos["coffee.jpg"][:300]))
+
+
+def test_classify_by_labels_on_the_torch_checkpoint_is_the_same_space(client, served, photos):
+    """?labels= on the converted checkpoint served with torch (its stored text tower, no NAME_text.onnx) answers,
+    and its scores are the softmax of exp(logit_scale) x the cosines of /v1's image and prompt vectors."""
+    import httpx
+
+    labels = ["cat", "teapot", "lighthouse"]
+    r = httpx.post(f"{served[0]}/classify", params={"model": "clip", "labels": ",".join(labels), "top_k": 3},
+                   files={"file": ("chelsea.jpg", photos["chelsea.jpg"])}, timeout=60)
+    assert r.status_code == 200, r.text
+    vectors = [d.embedding for d in client.embeddings.create(
+        model="clip", input=[_uri(photos["chelsea.jpg"]), *(f"a photo of a {c}." for c in labels)]).data]
+    logits = (1 / 0.07) * np.array(vectors[1:]) @ np.array(vectors[0])  # the fixture's logit scale
+    want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    got = {p["label"]: p["score"] for p in r.json()["predictions"]}
+    assert max(abs(got[c] - want[i]) for i, c in enumerate(labels)) <= TOL
 
 
 def test_dimensions_on_a_matryoshka_model(client, photos):
