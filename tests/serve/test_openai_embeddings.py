@@ -7,8 +7,9 @@ on the torch backend (the text tower the checkpoint stores) and its export with 
 of each photo (the gateway decodes by the model's contract) and `encode_text` of open_clip's tokenizer, both
 L2-normalised. Also: a mixed request's vectors equal each item's alone, OpenAI's error classes and shape for bad
 input, a model without a text tower, `dimensions` on a model that declares Matryoshka training and one that does
-not, keys (401), a key's rate charged per item (429), a deadline (504), and the body limit before routing (413);
-and the text embeddings of /v2 and gRPC (a `text` BYTES input, through tritonclient)."""
+not, the embedding-space fingerprint (/embed?normalize=true's; another for a truncation), keys (401), a key's rate
+charged per item (429), a deadline (504), and the body limit before routing (413); and the text embeddings of /v2
+and gRPC (a `text` BYTES input, through tritonclient)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,12 @@ def test_jina_items_and_the_raw_json(served, reference, photos):
     assert body["object"] == "list" and body["model_version"] == "1"
     got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in body["data"]])
     assert float(np.abs(got - np.stack([images[1], texts[1], images[1]])).max()) <= TOL
+    # the space: /embed?normalize=true's, the export's the same (same weights, contract and precision)
+    unit = httpx.post(f"{served[0]}/embed", params={"model": "clip", "normalize": "true"},
+                      files={"file": ("coffee.jpg", photos["coffee.jpg"])}, timeout=60).json()
+    other = httpx.post(f"{served[0]}/v1/embeddings", json={"model": "clipx", "input": "a cat"}, timeout=60).json()
+    assert body["embedding_fingerprint"] == unit["embedding_fingerprint"] == other["embedding_fingerprint"]
+    assert body["embedding_fingerprint"].startswith("vs1-")
 
 
 def test_langchain_embeds_texts(served, reference):
@@ -205,6 +212,9 @@ def test_dimensions_on_a_matryoshka_model(client, photos):
     short = np.array(client.embeddings.create(model="mat", input=uri, encoding_format="float",
                                               dimensions=48).data[0].embedding)
     assert full.shape == (192,) and short.shape == (48,)
+    spaces = [client.embeddings.create(model="mat", input=uri, **kw).embedding_fingerprint
+              for kw in ({}, {"dimensions": 48}, {"dimensions": 96})]
+    assert len(set(spaces)) == 3 and None not in spaces  # a truncated vector is another space
     assert float(np.abs(short - full[:48] / np.linalg.norm(full[:48])).max()) <= 1e-6
     with pytest.raises(openai.BadRequestError, match="dimensions must be from 48 to 192"):
         client.embeddings.create(model="mat", input=uri, dimensions=8)
