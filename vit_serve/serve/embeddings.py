@@ -47,13 +47,15 @@ class InputRefusedError(BadRequestError):
 
 @dataclass(frozen=True)
 class Embedded:
-    """A request answered: by which version, its vectors [n, D] (normalised; D: `dimensions` when asked), and
-    the tokens it counts (text tokens + image patches)."""
+    """A request answered: by which version, its vectors [n, D] (normalised; D: `dimensions` when asked), the
+    tokens it counts (text tokens + image patches) and the fingerprint of the space its vectors are in (texts and
+    images alike: `vit_serve.fingerprint`; None: unknown)."""
 
     model: str
     version: str
     vectors: np.ndarray
     prompt_tokens: int
+    fingerprint: str | None = None
 
 
 def _param(items: list[Item], i: int) -> str:
@@ -148,7 +150,7 @@ async def embed_items(choice: ModelChoice, admission: Admission, items: list[Ite
                                              for i in images]
         texts = [i for i, it in enumerate(items) if it.text is not None]
         if texts:
-            jobs.append(_texts(mv, [items[i].text for i in texts], admission))  # type: ignore[misc]
+            jobs.append(encode_texts(mv, [items[i].text for i in texts], admission))  # type: ignore[misc]
         done = await _all(jobs)
         rows: list[np.ndarray | None] = [None] * len(items)
         for i, vector in zip(images, done, strict=False):
@@ -157,7 +159,8 @@ async def embed_items(choice: ModelChoice, admission: Admission, items: list[Ite
             for i, vector in zip(texts, done[-1], strict=True):
                 rows[i] = vector
         patches = _patches(mv, task) * len(images)
-        return Embedded(mv.name, str(mv.version), _normalised(np.stack(rows), dimensions), sum(tokens) + patches)
+        return Embedded(mv.name, str(mv.version), _normalised(np.stack(rows), dimensions), sum(tokens) + patches,
+                        mv.info.embedding_fingerprint(True, dimensions))
 
 
 def _patches(mv: ModelVersion, task: Task | None) -> int:
@@ -204,8 +207,9 @@ async def _image(mv: ModelVersion, task: Task, data: bytes, admission: Admission
     return result.outputs[EMBEDDING][0]
 
 
-async def _texts(mv: ModelVersion, texts: list[str], admission: Admission) -> np.ndarray:
-    """The texts through the text tower's thread under the request's level and deadline; [n, E]."""
+async def encode_texts(mv: ModelVersion, texts: list[str], admission: Admission) -> np.ndarray:
+    """The texts (checked by `check_items`) through the text tower's thread under the request's level and deadline;
+    [n, E], not normalised."""
     text = mv.text
     assert text is not None  # `check_items` checked it
     try:

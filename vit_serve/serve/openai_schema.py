@@ -71,6 +71,10 @@ class EmbeddingsResponse(BaseModel):
     model: str
     usage: Usage
     model_version: str = Field(description="the version of the model that answered (not OpenAI's)")
+    embedding_fingerprint: str | None = Field(None, description=(
+        "the embedding space's fingerprint (not OpenAI's; vit_serve.fingerprint): the vectors, texts and images "
+        "alike, compare only with vectors of the same fingerprint (POST /embed?normalize=true's, predict's files); "
+        "null: unknown"))
 
 
 class ModelCard(BaseModel):

@@ -45,9 +45,10 @@ DESCRIPTION = inspect.cleandoc("""OpenAI's embeddings: `{"input": ..., "model": 
     one space, L2-normalised: an image's is POST /embed's embedding normalised (open_clip's `encode_image`), a
     text's the tower's (`encode_text`). One request mixes both; each vector is what the item alone would get.
     `dimensions` truncates and renormalises, for models whose manifest declares Matryoshka training only.
-    `usage.prompt_tokens` counts text tokens and image patches. At most the model's images per request
-    (VIT_SERVE_MAX_IMAGES_PER_REQUEST, by default its max_batch) items; each item beyond the first counts in
-    the key's rate. Errors: OpenAI's `{"error": {"message", "type", "param", "code"}}`.""")
+    `usage.prompt_tokens` counts text tokens and image patches. `embedding_fingerprint` (not OpenAI's) names the
+    space the vectors are in, texts and images alike: vectors of different fingerprints must not be mixed. At most
+    the model's images per request (VIT_SERVE_MAX_IMAGES_PER_REQUEST, by default its max_batch) items; each item
+    beyond the first counts in the key's rate. Errors: OpenAI's `{"error": {"message", "type", "param", "code"}}`.""")
 
 
 @router.post("/embeddings", response_model=EmbeddingsResponse, description=DESCRIPTION, responses=ERRORS)
@@ -65,6 +66,7 @@ async def create_embeddings(body: EmbeddingsRequest, request: Request, gateway: 
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, body.encoding_format)}
             for i, v in enumerate(done.vectors)]
     return {"object": "list", "data": data, "model": done.model, "model_version": done.version,
+            "embedding_fingerprint": done.fingerprint,
             "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}}
 
 
