@@ -32,6 +32,9 @@ Requests:
   image routes, tensors from /v2 and gRPC through the same steps).
 - `answer_hooks`: what runs after an answer (Server-Timing, the payload sampler).
 - `uploads`: the image out of a request.
+- `embeddings`: retrieval embeddings of a request's texts and images, normalised, from one version (Weaviate's
+  /vectorize and /v1/embeddings share it).
+- `image_urls`: image URLs fetched under the operator's allow-list, size cap and timeout (the SSRF guard).
 - `deps`: the app's gateway, the version a request goes to.
 - `hangup`: a client that left cancels its work.
 - `middleware`: request ids, metrics, the 500 boundary, the body limit.

@@ -10,4 +10,5 @@
 - `page`: GET /, the web page.
 - `v2`: the Open Inference Protocol under /v2.
 - `repository`: its model repository extension.
+- `weaviate`: Weaviate's multi2vec inference contract under /weaviate/ (/vectorize, /meta, /.well-known/ready|live).
 """

@@ -1,0 +1,106 @@
+"""Weaviate's multi2vec inference contract, so that a Weaviate `multi2vec-clip` module can use a served model as
+its inference container: at `/weaviate/` for the default model and `/weaviate/{model}/` for each model (the
+module's inference URL is then `http://HOST:PORT/weaviate/NAME`).
+
+The contract, as Weaviate's own module and container have it (weaviate/weaviate modules/multi2vec-clip/clients:
+vectorizer.go, meta.go, startup.go; weaviate/multi2vec-clip-inference app.py, clip.py):
+
+- `POST /vectorize` `{"texts": [...], "images": [base64...]}` -> `{"textVectors": [[...]], "imageVectors": [[...]]}`,
+  the vectors L2-normalised, in the request's order; the Go client marshals an empty list as `null`, taken as none.
+  An error answers its status (> 399) with `{"error": message}`, the field the module reads.
+- `GET /meta`: a JSON object describing the model (the module stores it as the module's meta).
+- `GET /.well-known/ready` and `/.well-known/live`: 204 (the module waits for ready at startup: status <= 299).
+
+The vectors are `embeddings.embed`'s, the one code path of /v1/embeddings too. Keys apply as on the rest of the
+API (the probes are open as /readyz is); `open_weaviate` opens /weaviate/ alone without a key
+(`vit_serve.serve.security`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from vit_serve import __version__
+from vit_serve.serve import embeddings
+from vit_serve.serve.caller import ScopeDep
+from vit_serve.serve.deps import GatewayDep, ModelChoice, SessionHeader
+from vit_serve.serve.routes.image_request import AdmissionDep
+from vit_serve.serve.schemas import ErrorBody, StrictJSONResponse
+
+router = APIRouter(tags=["weaviate"])
+PREFIXES = ("/weaviate", "/weaviate/{model}")  # the default model's, each model's
+
+
+class VectorizeRequest(BaseModel):
+    """What Weaviate's module sends: texts and base64 images (either may be null or absent)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    texts: list[str] | None = Field(None, description="texts, each through the model's text tower")
+    images: list[str] | None = Field(None, description="images, each base64 (a data:image/...;base64, URI too)")
+
+
+class VectorizeResponse(BaseModel):
+    textVectors: list[list[float]] = Field(description="one vector per text, L2-normalised")  # noqa: N815
+    imageVectors: list[list[float]] = Field(description="one vector per image, L2-normalised")  # noqa: N815
+
+
+async def weaviate_choice(gateway: GatewayDep, request: Request, session: SessionHeader = None) -> ModelChoice:
+    """The model the path names (`/weaviate/{model}/`), else the default model."""
+    return ModelChoice(gateway, request.path_params.get("model"), None, session or None)
+
+
+ChoiceDep = Annotated[ModelChoice, Depends(weaviate_choice)]
+ERRORS = {code: {"model": ErrorBody, "description": what} for code, what in (
+    (400, "bad base64, a text over the context length, a model without a text tower, too many items"),
+    (401, "an API key is needed (unless open_weaviate)"), (404, "unknown model"),
+    (503, "queue full, or the model is loading"), (504, "the request's deadline passed"))}
+
+
+def _each(method: str, path: str, **kw):
+    """Register a handler at `path` under both prefixes."""
+    def register(fn):
+        for prefix in PREFIXES:
+            getattr(router, method)(prefix + path, **kw)(fn)
+        return fn
+    return register
+
+
+@_each("get", "/.well-known/live", status_code=204, response_class=Response)
+async def live() -> Response:
+    """204 while the server answers (Weaviate's liveness probe)."""
+    return Response(status_code=204)
+
+
+@_each("get", "/.well-known/ready", status_code=204, response_class=Response, responses={503: {"model": ErrorBody}})
+async def ready(choice: ChoiceDep) -> Response:
+    """204 once the model is loaded and warmed up and its backend answers, else 503 (Weaviate's module waits for
+    this at startup); 404 for an unknown model."""
+    with choice.use() as mv:
+        ok, _ = await mv.readiness()
+    if ok:
+        return Response(status_code=204)
+    return StrictJSONResponse({"error": "not ready: GET /readyz and /models say why"}, status_code=503)
+
+
+@_each("get", "/meta", responses=ERRORS)
+async def meta(choice: ChoiceDep) -> dict:
+    """The model: its name, version, backend, input resolution, embedding and text tower, as a JSON object."""
+    with choice.use() as mv:
+        info = mv.info
+        return {"model": mv.name, "version": str(mv.version), "backend": mv.backend.name,
+                "resolution": list(info.resolution), "embedding_dim": info.embedding_dim,
+                "text_tower": mv.text_info(), "normalized": True, "server": f"vit-serve {__version__}"}
+
+
+@_each("post", "/vectorize", response_model=VectorizeResponse, responses=ERRORS)
+async def vectorize(request: Request, body: VectorizeRequest, choice: ChoiceDep, scope: ScopeDep,
+                    admission: AdmissionDep) -> dict:
+    """The vectors of the texts (the text tower) and the images (as POST /embed?normalize=true), L2-normalised,
+    from one version of the model; the same vectors as POST /v1/embeddings answers for the same inputs."""
+    images = [embeddings.image_bytes(b, f"images[{i}]") for i, b in enumerate(body.images or [])]
+    done = await embeddings.embed(request, choice, scope, admission, body.texts or [], images)
+    return {"textVectors": done.texts.tolist(), "imageVectors": done.images.tolist()}
