@@ -112,9 +112,10 @@ class SecuritySettings(BaseSettings):
         True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
         "one on the main port: scrapers use metrics_port, or send a key)")
     open_weaviate: Annotated[bool, Flag()] = Field(
-        False, description="let Weaviate's multi2vec module call /weaviate/ (its /vectorize and /meta) without an API "
-        "key, for a module that cannot send one (the rest of the API keeps its keys; a warning is logged at "
-        "startup): allow only Weaviate's pods to reach the port, as the docs' NetworkPolicy does")
+        False, description="let requests to /weaviate/ (Weaviate's multi2vec contract: /vectorize, /meta) through "
+        "without an API key, for Weaviate's module, which sends none (a key that is sent is still checked; the rest "
+        "of the API keeps its keys; a warning is logged at startup): give Weaviate a gateway of its own that only "
+        "Weaviate's pods reach, as the serving guide's NetworkPolicy does")
     image_url_hosts: Annotated[list[str], NoDecode, Flag(name="--image-url-host", metavar="HOST")] = Field(
         default_factory=list, description="hosts whose http(s):// image URLs a request may name (POST "
         "/v1/embeddings), fetched by the gateway; *.example.com allows its subdomains. None: image URLs are "

@@ -28,7 +28,7 @@ from vit_serve.serve import embeddings
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import GatewayDep, ModelChoice, SessionHeader
 from vit_serve.serve.routes.image_request import AdmissionDep
-from vit_serve.serve.schemas import ErrorBody, StrictJSONResponse
+from vit_serve.serve.schemas import StrictJSONResponse
 
 router = APIRouter(tags=["weaviate"])
 PREFIXES = ("/weaviate", "/weaviate/{model}")  # the default model's, each model's
@@ -48,16 +48,31 @@ class VectorizeResponse(BaseModel):
     imageVectors: list[list[float]] = Field(description="one vector per image, L2-normalised")  # noqa: N815
 
 
-async def weaviate_choice(gateway: GatewayDep, request: Request, session: SessionHeader = None) -> ModelChoice:
-    """The model the path names (`/weaviate/{model}/`), else the default model."""
-    return ModelChoice(gateway, request.path_params.get("model"), None, session or None)
+ModelParam = Annotated[str | None, Field(description="the model (GET /models lists them; default: the gateway's "
+                                                   "default model)")]
+
+
+async def weaviate_choice(gateway: GatewayDep, model: ModelParam = None, session: SessionHeader = None
+                          ) -> ModelChoice:
+    """The model the path names (`/weaviate/{model}/`; `?model=` under `/weaviate/`), else the default model."""
+    return ModelChoice(gateway, model, None, session or None)
+
+
+class WeaviateError(BaseModel):
+    """An error answer, as Weaviate's module reads it (`vecResponse.Error`)."""
+
+    error: str
 
 
 ChoiceDep = Annotated[ModelChoice, Depends(weaviate_choice)]
-ERRORS = {code: {"model": ErrorBody, "description": what} for code, what in (
+ERRORS = {code: {"model": WeaviateError, "description": what} for code, what in (
     (400, "bad base64, a text over the context length, a model without a text tower, too many items"),
     (401, "an API key is needed (unless open_weaviate)"), (404, "unknown model"),
-    (503, "queue full, or the model is loading"), (504, "the request's deadline passed"))}
+    (413, "body or image over the size limit"), (415, "not an image"),
+    (422, "a body that is not the contract's, a corrupt image or a bad timeout"),
+    (429, "the API key is over its rate"), (503, "queue full, or the model is loading or not ready"),
+    (504, "the request's deadline passed"))}
+PROBE_ERRORS = {k: ERRORS[k] for k in (401, 404, 422, 503)}
 
 
 def _each(method: str, path: str, **kw):
@@ -69,13 +84,13 @@ def _each(method: str, path: str, **kw):
     return register
 
 
-@_each("get", "/.well-known/live", status_code=204, response_class=Response)
-async def live() -> Response:
-    """204 while the server answers (Weaviate's liveness probe)."""
+@_each("get", "/.well-known/live", status_code=204, response_class=Response, responses={422: ERRORS[422]})
+async def live(model: ModelParam = None) -> Response:
+    """204 while the server answers, whatever the model (Weaviate's liveness probe)."""
     return Response(status_code=204)
 
 
-@_each("get", "/.well-known/ready", status_code=204, response_class=Response, responses={503: {"model": ErrorBody}})
+@_each("get", "/.well-known/ready", status_code=204, response_class=Response, responses=PROBE_ERRORS)
 async def ready(choice: ChoiceDep) -> Response:
     """204 once the model is loaded and warmed up and its backend answers, else 503 (Weaviate's module waits for
     this at startup); 404 for an unknown model."""
@@ -86,7 +101,7 @@ async def ready(choice: ChoiceDep) -> Response:
     return StrictJSONResponse({"error": "not ready: GET /readyz and /models say why"}, status_code=503)
 
 
-@_each("get", "/meta", responses=ERRORS)
+@_each("get", "/meta", responses=PROBE_ERRORS)
 async def meta(choice: ChoiceDep) -> dict:
     """The model: its name, version, backend, input resolution, embedding and text tower, as a JSON object."""
     with choice.use() as mv:
