@@ -7,6 +7,7 @@ network named by the operator the same server is fetched, within the size cap an
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.server
 import threading
 import time
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from gateway_helpers import serving, settings_for
 
 from vit_serve.serve.errors import TooLargeError
 from vit_serve.serve.image_urls import UrlPolicy, UrlRefusedError, fetch
@@ -25,9 +27,9 @@ LOOPBACK = ("127.0.0.0/8",)
 
 class Server:
     """A real HTTP server on `host` (a thread): /img.png, /slow (answers after 2 s), /big (no Content-Length),
-    /missing (404), /to?url=U (302 to U); `hits` counts the requests that reached it."""
+    /missing (404), /to?url=U (302 to U), `body` at any other path; `hits` counts the requests that reached it."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", body: bytes = BODY) -> None:
         self.hits: list[str] = []
         owner = self
 
@@ -49,9 +51,9 @@ class Server:
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
                 if self.path != "/big":
-                    self.send_header("Content-Length", str(len(BODY)))
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(BODY)
+                self.wfile.write(body)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -154,3 +156,35 @@ def test_every_redirect_is_checked_as_the_first_url():
         with pytest.raises(UrlRefusedError, match="more than 5 redirects"):
             _fetch(hop * 6 + f"http://localhost:{first.port}/img.png", policy)
         assert _fetch(hop * 5 + f"http://localhost:{first.port}/img.png", policy) == BODY
+
+
+def test_v1_embeddings_fetches_an_allowed_url_and_refuses_loopback_by_name(tiny_ckpt, photos):
+    """POST /v1/embeddings with a Jina-style {"image": URL}: off by default; allowed by name but resolving to
+    loopback, refused in OpenAI's error shape before any connection; with the loopback network opened by the
+    operator, fetched, and its vector that of the same image sent as a data URI."""
+    png = photos["astronaut.png"]
+    data_uri = "data:image/png;base64," + base64.b64encode(png).decode()
+
+    async def ask(client, item) -> tuple[int, dict]:
+        r = await client.post("/v1/embeddings", json={"model": "tiny", "input": [item], "encoding_format": "float"})
+        return r.status_code, r.json()
+
+    async def go(photo: Server) -> None:
+        url = {"image": f"http://localhost:{photo.port}/astronaut.png"}
+        for kw, status, words in (({}, 400, "image_url_hosts"),
+                                  ({"image_url_hosts": ["localhost"]}, 400, "loopback")):
+            async with serving(settings_for(tiny_ckpt, **kw)) as (client, _):
+                code, body = await ask(client, url)
+                assert code == status and words in body["error"]["message"], body
+                assert body["error"]["param"] == "input"  # one item: OpenAI names it input
+        assert photo.hits == []
+        opened = settings_for(tiny_ckpt, image_url_hosts=["localhost"], image_url_networks=["127.0.0.0/8"])
+        async with serving(opened) as (client, _):
+            code, fetched = await ask(client, url)
+            assert code == 200, fetched
+            _, sent = await ask(client, data_uri)
+        assert photo.hits == ["/astronaut.png"]
+        assert fetched["data"][0]["embedding"] == sent["data"][0]["embedding"]
+
+    with Server(body=png) as photo:
+        asyncio.run(go(photo))

@@ -3,7 +3,8 @@ module does (weaviate/weaviate modules/multi2vec-clip/clients: POST /vectorize w
 list marshalled as null, `{"textVectors", "imageVectors"}` back, `{"error"}` on a status > 399; GET /meta a JSON
 object; GET /.well-known/ready <= 299 at startup), on a tiny open_clip CLIP with random weights converted with
 `vit-serve convert` and exported with `vit-export --text-tower`: the texts' vectors equal open_clip's
-`encode_text` normalised, the images' equal POST /embed?normalize=true; keys apply unless `open_weaviate` opens
+`encode_text` normalised, the images' equal POST /embed?normalize=true and both equal POST /v1/embeddings' for the
+same inputs (one code path); keys apply unless `open_weaviate` opens
 /weaviate/ alone, with a warning logged."""
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ def test_probes_meta_and_vectorize_as_weaviates_module_calls_them(repo, photos):
                         want = by_embed["chelsea.jpg" if sent is jpeg else "astronaut.png"]
                         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
                         assert np.linalg.norm(got) == pytest.approx(1.0, abs=1e-5)
+            # the vectors of POST /v1/embeddings for the same inputs (one code path), in one request
+            mixed = {"texts": TEXTS, "images": [_b64(png), _b64(jpeg)]}
+            weaviate = (await client.post("/weaviate/vectorize", json=mixed)).json()
+            inputs = [*TEXTS, f"data:image/png;base64,{_b64(png)}", f"data:image/jpeg;base64,{_b64(jpeg)}"]
+            v1 = await client.post("/v1/embeddings", json={"model": "clip", "input": inputs,
+                                                            "encoding_format": "float"})
+            assert v1.status_code == 200, v1.text
+            openai = np.asarray([d["embedding"] for d in v1.json()["data"]])
+            np.testing.assert_array_equal(np.asarray(weaviate["textVectors"] + weaviate["imageVectors"]), openai)
             empty = await client.post("/weaviate/vectorize", json={})
             assert empty.status_code == 200 and empty.json() == {"textVectors": [], "imageVectors": []}
 
@@ -125,12 +135,12 @@ def test_refusals_answer_the_error_field_weaviate_reads(repo, photos):
     folder, _ = repo
 
     async def go() -> None:
-        async with serving(settings_for(folder, default_model="clip", max_embedding_inputs=4)) as (client, _):
+        async with serving(settings_for(folder, default_model="clip", max_images_per_request=4)) as (client, _):
             cases = [
                 ("/weaviate/vectorize", {"images": ["not base64!"]}, 400, "images[0] is not base64"),
                 ("/weaviate/vectorize", {"texts": [" ".join(["word"] * 90)]}, 400, "context length"),
                 ("/weaviate/vectorize", {"texts": TEXTS, "images": [_b64(photos["coffee.jpg"])] * 2}, 400,
-                 "max_embedding_inputs"),
+                 "over the limit of 4"),
                 ("/weaviate/plain/vectorize", {"texts": ["a cat"]}, 400, "has no text tower"),
                 ("/weaviate/vectorize", {"images": [_b64(b"not an image at all")]}, 415, ""),
                 ("/weaviate/nosuch/vectorize", {"texts": ["a cat"]}, 404, "nosuch"),

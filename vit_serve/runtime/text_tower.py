@@ -11,8 +11,7 @@ rate); `submit(job, ...)` hands the job to the tower's own thread (`TextSchedule
 `chunk_size` at a time (peak memory is that of one chunk, whatever labels x templates is), the most urgent job's
 chunk first and jobs of one level in turn, at most `queue_size` jobs held (`QueueFullError` beyond); before each
 chunk a job whose future was cancelled (its client hung up) is dropped and one past its deadline fails
-(`ModelTimeoutError`). A request's own texts (retrieval embeddings: `submit_texts`) go through the same thread and
-queue, uncached. No web framework here.
+(`ModelTimeoutError`). No web framework here.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from pathlib import Path
 import numpy as np
 
 from vit_serve import zeroshot
-from vit_serve.embedding import l2_normalize
 from vit_serve.runtime import zero_shot
 from vit_serve.runtime.errors import ModelTimeoutError, QueueFullError
 from vit_serve.text.manifest import INPUT_IDS, TEXT_EMBEDS, TextTowerManifest, text_path_of
@@ -370,22 +368,27 @@ class TextTower:
 
     def submit_texts(self, texts: list[str], priority: int = 1, deadline: float | None = None
                      ) -> concurrent.futures.Future:
-        """Encode a request's texts in the tower's thread, `chunk_size` at a time under the same scheduling as
-        labels: a future of their embeddings [n, E] float32, L2-normalised (TextTooLongError for a text that
-        does not fit; QueueFullError when the queue is full). Nothing is cached: texts are not labels."""
-        return self.scheduler.submit(self._text_steps(texts), priority, deadline)
+        """Encode `texts` themselves (no templates, not cached: POST /v1/embeddings) in the tower's thread, a
+        chunk at a time as a request's labels: a future of text_embeds [n, E] float32 (not normalised; TextTooLongError
+        for a text over the context length); QueueFullError when the queue is full."""
+        return self.scheduler.submit(self._text_steps(list(texts)), priority, deadline)
 
     def _text_steps(self, texts: list[str]) -> Iterator[None]:
-        out: np.ndarray | None = None
+        embeds: np.ndarray | None = None
         for start in range(0, len(texts), self.chunk_size):
             chunk = self.embed_texts(texts[start:start + self.chunk_size], strict=True)
-            if out is None:
-                out = np.empty((len(texts), chunk.shape[1]), np.float32)
-            out[start:start + len(chunk)] = chunk
+            if embeds is None:
+                embeds = np.empty((len(texts), chunk.shape[1]), np.float32)
+            embeds[start:start + len(chunk)] = chunk
             if start + self.chunk_size < len(texts):
                 yield
-        assert out is not None
-        return l2_normalize(out)
+        assert embeds is not None
+        return embeds
+
+    def count_tokens(self, text: str) -> int:
+        """The tokens `text` is (its start and end tokens included); TextTooLongError beyond the context length or
+        for a word too long for the BPE."""
+        return self.tokenizer.check(text)
 
     def _encode(self, ids: np.ndarray) -> np.ndarray:
         """input_ids [n, L] -> text_embeds [n, E]: the ONNX graph (a checkpoint's tower replaces this)."""

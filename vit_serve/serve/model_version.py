@@ -56,6 +56,7 @@ class ModelVersion:
         self.decoder = decoder  # its uploads: the decode pool or the GPU, its contract's crops
         self.fingerprint = fingerprint  # of the files it was loaded from (discovery.fingerprint)
         self.memory_bytes: int | None = None  # RSS it took to load and warm up
+        self.loaded_at = time.time()  # Unix seconds (GET /v1/models' `created`)
         self.status = VersionStatus(self.label)  # its phase: changed only by warm_up, warm_up_soon and close
         self.text = text  # its text tower (NAME_text.onnx beside it): POST /classify?labels=
         self.text_error = text_error  # why the text tower beside it could not be loaded

@@ -24,9 +24,9 @@ step reads: the explain scope, the label cache, the rate bucket, the payload sam
 `Admission`. A presented `sha256:HEX` is never a key (`keys.presented_hash`). A key with a rate (`rate_limit`)
 is refused 429 with `Retry-After` once its bucket is empty, and its answers carry the IETF draft's `RateLimit-*`
 headers; a key with `max_concurrent_per_key` requests in flight is refused 429 too (`in_flight`). Only the
-requests that run the model count (`rated`: /classify, /embed, /explain, /v2 and /weaviate/'s vectorize, not the
-probes or the page),
-in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and caps are per replica.
+requests that run the model count (`rated`: /classify, /embed, /explain, /v1/embeddings, /v2 and /weaviate/'s
+vectorize, not the probes or the page), in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and
+caps are per replica.
 
 The key files are read again on SIGHUP and when they change (`KeyRing.refresh`), so that a key is revoked
 without a restart; a file that cannot be read keeps the keys read before.
@@ -81,7 +81,8 @@ PROBE_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 ADMIN_PATH = re.compile(r"^/v2/repository/models/[^/]+/(load|unload|traffic)$")
 GRPC_ADMIN_METHODS = ("RepositoryModelLoad", "RepositoryModelUnload")
 GRPC_PROBE_METHODS = ("ServerLive", "ServerReady", "ModelReady")
-RATED_PATHS = ("/classify", "/embed", "/explain")  # with all of /v2 but its health probes: what rates count
+# with all of /v2 but its health probes: what rates count
+RATED_PATHS = ("/classify", "/embed", "/explain", "/v1/embeddings")
 WEAVIATE = "/weaviate/"  # Weaviate's multi2vec contract (routes.weaviate): its default model's and each model's
 WEAVIATE_PROBE = re.compile(r"^/weaviate/(?:[^/]+/)?\.well-known/(?:ready|live)$")
 WEAVIATE_RATED = re.compile(r"^/weaviate/(?:[^/]+/)?vectorize$")
@@ -429,7 +430,7 @@ class ApiKeys:
 
 async def _answer(scope: Scope, send: Send, status: int, message: str, headers: list[tuple[str, str]]) -> None:
     """An error answer in the envelope of `scope`'s path, with `headers`."""
-    body = json_bytes(envelope(scope).body(message))
+    body = json_bytes(envelope(scope).body(message, status))
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers)]})

@@ -444,9 +444,6 @@ class ServeSettings(BaseSettings):
     text_queue_size: int = Field(DEFAULT_LABELS.queue_size, ge=1, description="requests with labels each text "
                                  "tower holds, waiting or being encoded (503 + Retry-After beyond)")
 
-    max_embedding_inputs: int = Field(64, ge=1, description="most texts and images one embedding request holds "
-                                      "(POST /v1/embeddings' input, /weaviate/vectorize's texts and images): 400 "
-                                      "beyond")
     threads: Annotated[int | None, Flag(section="model")] = Field(
         None, ge=1, description="intra-op threads of the model runtime (default: its own)")
     intra_op_spinning: Annotated[bool, Flag(section="model")] = Field(

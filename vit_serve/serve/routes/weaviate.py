@@ -11,13 +11,16 @@ vectorizer.go, meta.go, startup.go; weaviate/multi2vec-clip-inference app.py, cl
 - `GET /meta`: a JSON object describing the model (the module stores it as the module's meta).
 - `GET /.well-known/ready` and `/.well-known/live`: 204 (the module waits for ready at startup: status <= 299).
 
-The vectors are `embeddings.embed`'s, the one code path of /v1/embeddings too. Keys apply as on the rest of the
-API (the probes are open as /readyz is); `open_weaviate` opens /weaviate/ alone without a key
-(`vit_serve.serve.security`).
+The vectors are `embeddings.embed_items`', the code path of POST /v1/embeddings, so that both answer the same
+vectors for the same inputs (the items are the texts, then the images: an error naming `input[i]` counts them so).
+Keys apply as on the rest of the API (the probes are open as /readyz is); `open_weaviate` lets requests to
+/weaviate/ without a key through (`vit_serve.serve.security`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -27,6 +30,9 @@ from vit_serve import __version__
 from vit_serve.serve import embeddings
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import GatewayDep, ModelChoice, SessionHeader
+from vit_serve.serve.errors import BadRequestError
+from vit_serve.serve.labels import LabelCaller
+from vit_serve.serve.openai_schema import DATA_URI, Item
 from vit_serve.serve.routes.image_request import AdmissionDep
 from vit_serve.serve.schemas import StrictJSONResponse
 
@@ -115,7 +121,22 @@ async def meta(choice: ChoiceDep) -> dict:
 async def vectorize(request: Request, body: VectorizeRequest, choice: ChoiceDep, scope: ScopeDep,
                     admission: AdmissionDep) -> dict:
     """The vectors of the texts (the text tower) and the images (as POST /embed?normalize=true), L2-normalised,
-    from one version of the model; the same vectors as POST /v1/embeddings answers for the same inputs."""
-    images = [embeddings.image_bytes(b, f"images[{i}]") for i, b in enumerate(body.images or [])]
-    done = await embeddings.embed(request, choice, scope, admission, body.texts or [], images)
-    return {"textVectors": done.texts.tolist(), "imageVectors": done.images.tolist()}
+    from one version of the model: POST /v1/embeddings' code path (`embeddings.embed_items`), so its vectors."""
+    texts, images = body.texts or [], body.images or []
+    if not texts and not images:
+        return {"textVectors": [], "imageVectors": []}
+    items = [Item(text=t) for t in texts] + [Item(image=_image(b, i)) for i, b in enumerate(images)]
+    who = LabelCaller.of(request.app, scope)
+    done = await embeddings.embed_items(choice, admission, items, None, who.limits, who.scope)
+    vectors = done.vectors.tolist()
+    return {"textVectors": vectors[:len(texts)], "imageVectors": vectors[len(texts):]}
+
+
+def _image(value: str, i: int) -> bytes:
+    """images[i]'s bytes: base64 (what Weaviate sends), or a data:image/...;base64, URI; 400 otherwise."""
+    found = DATA_URI.match(value)
+    try:
+        return base64.b64decode(value[found.end():] if found else value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError(f"images[{i}] is not base64 (an image's bytes in base64, as Weaviate sends them, or "
+                              f"a data:image/...;base64, URI)") from None
