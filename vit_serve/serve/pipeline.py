@@ -164,14 +164,14 @@ class _Run:
 
 
 async def answer(request: Request, choice: ModelChoice, scope: str, admission: Admission, ask: Ask,
-                 hooks: Sequence[Hook] = (), read: Callable[[], Awaitable[Upload]] | None = None) -> Answered:
+                 hooks: Sequence[Hook] = ()) -> Answered:
     """The request's image through the version `choice` names, as `ask` asks (the module's order), then `hooks`.
     `admission` follows it through (its stage, for a client that hangs up; its deadline and level, for the
-    queue). `read`: the image some other way than as the body (one of a JSON body's images)."""
+    queue)."""
     t0 = time.perf_counter()
     job_of = functools.partial(resolve, ask)
     clock = body_clock(request.scope)
-    arrived, job = await _announce_and_read(choice, job_of, clock, admission, read or (lambda: read_image(request)))
+    arrived, job = await _announce_and_read(choice, job_of, clock, admission, lambda: read_image(request))
     t_read = time.perf_counter()
     run = _keep_or_choose_again(arrived, job, choice, admission, job_of, t0)
     with run.mv.using(), run.arrival:
