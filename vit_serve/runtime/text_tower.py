@@ -243,18 +243,24 @@ class TextTower:
     chunk size and queue size)."""
 
     def __init__(self, onnx_path: str | Path, cache_size: int | None = None, device: str = "cpu",
-                 threads: int | None = None, limits: zero_shot.LabelLimits | None = None) -> None:
-        import onnxruntime as ort
-
-        from vit_serve.runtime.backends.onnxruntime import session_options, session_providers
-
+                 threads: int | None = None, limits: zero_shot.LabelLimits | None = None,
+                 runtime: str = "onnxruntime") -> None:
         self.path = Path(onnx_path)
         manifest = TextTowerManifest.read(self.path)
-        opts = session_options(threads)
-        try:
-            self.session = ort.InferenceSession(str(self.path), opts, providers=session_providers(device))
-        except Exception as e:  # onnxruntime's own exception types
-            raise ValueError(f"onnxruntime cannot load {self.path.name}: {' '.join(str(e).split())}") from e
+        if runtime == "openvino":  # beside an image model on OpenVINO (`runtime.backends.openvino.GraphSession`)
+            from vit_serve.runtime.backends.openvino import GraphSession
+
+            self.session = GraphSession(self.path, threads)
+        else:
+            import onnxruntime as ort
+
+            from vit_serve.runtime.backends.onnxruntime import session_options, session_providers
+
+            try:
+                self.session = ort.InferenceSession(str(self.path), session_options(threads),
+                                                    providers=session_providers(device))
+            except Exception as e:  # onnxruntime's own exception types
+                raise ValueError(f"onnxruntime cannot load {self.path.name}: {' '.join(str(e).split())}") from e
         self._setup(manifest, _tokenizer(manifest, self.path), cache_size, limits)
 
     @classmethod
