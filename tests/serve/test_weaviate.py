@@ -95,6 +95,9 @@ def test_probes_meta_and_vectorize_as_weaviates_module_calls_them(repo, photos):
 
             meta = await client.get("/weaviate/meta")
             assert meta.status_code == 200 and isinstance(meta.json(), dict)
+            space = meta.json()["embedding_fingerprint"]
+            assert space and space == (await client.post("/embed?normalize=true", content=png, headers={
+                "Content-Type": "image/png"})).json()["embedding_fingerprint"]
             assert meta.json()["model"] == "clip" and meta.json()["text_tower"]["embedding_dim"] == 32
             assert (await client.get("/weaviate/plain/meta")).json()["model"] == "plain"
 
@@ -108,6 +111,7 @@ def test_probes_meta_and_vectorize_as_weaviates_module_calls_them(repo, photos):
                     out = r.json()
                     tv, iv = np.asarray(out["textVectors"]), np.asarray(out["imageVectors"])
                     assert len(tv) == len(texts) and len(iv) == len(images)
+                    assert out["embedding_fingerprint"] == space
                     if texts:
                         ref = _encode_text(model, texts)
                         print(f"{len(texts)} texts vs open_clip's encode_text: {np.abs(tv - ref).max():.2e}")
@@ -126,7 +130,8 @@ def test_probes_meta_and_vectorize_as_weaviates_module_calls_them(repo, photos):
             openai = np.asarray([d["embedding"] for d in v1.json()["data"]])
             np.testing.assert_array_equal(np.asarray(weaviate["textVectors"] + weaviate["imageVectors"]), openai)
             empty = await client.post("/weaviate/vectorize", json={})
-            assert empty.status_code == 200 and empty.json() == {"textVectors": [], "imageVectors": []}
+            assert empty.status_code == 200
+            assert empty.json() == {"textVectors": [], "imageVectors": [], "embedding_fingerprint": None}
 
     run(go())
 

@@ -8,7 +8,8 @@ vectorizer.go, meta.go, startup.go; weaviate/multi2vec-clip-inference app.py, cl
 - `POST /vectorize` `{"texts": [...], "images": [base64...]}` -> `{"textVectors": [[...]], "imageVectors": [[...]]}`,
   the vectors L2-normalised, in the request's order; the Go client marshals an empty list as `null`, taken as none.
   An error answers its status (> 399) with `{"error": message}`, the field the module reads.
-- `GET /meta`: a JSON object describing the model (the module stores it as the module's meta).
+- `GET /meta`: a JSON object describing the model (the module stores it as the module's meta); here with the
+  fingerprint of its embedding space, also on each /vectorize answer (a field the module ignores).
 - `GET /.well-known/ready` and `/.well-known/live`: 204 (the module waits for ready at startup: status <= 299).
 
 The vectors are `embeddings.embed_items`', the code path of POST /v1/embeddings, so that both answer the same
@@ -52,6 +53,9 @@ class VectorizeRequest(BaseModel):
 class VectorizeResponse(BaseModel):
     textVectors: list[list[float]] = Field(description="one vector per text, L2-normalised")  # noqa: N815
     imageVectors: list[list[float]] = Field(description="one vector per image, L2-normalised")  # noqa: N815
+    embedding_fingerprint: str | None = Field(None, description=(
+        "the identity of the vectors' space (as POST /embed's): refuse to mix vectors whose fingerprints differ; "
+        "Weaviate's module ignores it"))
 
 
 ModelParam = Annotated[str | None, Field(description="the model (GET /models lists them; default: the gateway's "
@@ -114,7 +118,8 @@ async def meta(choice: ChoiceDep) -> dict:
         info = mv.info
         return {"model": mv.name, "version": str(mv.version), "backend": mv.backend.name,
                 "resolution": list(info.resolution), "embedding_dim": info.embedding_dim,
-                "text_tower": mv.text_info(), "normalized": True, "server": f"vit-serve {__version__}"}
+                "text_tower": mv.text_info(), "normalized": True,
+                "embedding_fingerprint": info.embedding_fingerprint(True), "server": f"vit-serve {__version__}"}
 
 
 @_each("post", "/vectorize", response_model=VectorizeResponse, responses=ERRORS)
@@ -124,12 +129,13 @@ async def vectorize(request: Request, body: VectorizeRequest, choice: ChoiceDep,
     from one version of the model: POST /v1/embeddings' code path (`embeddings.embed_items`), so its vectors."""
     texts, images = body.texts or [], body.images or []
     if not texts and not images:
-        return {"textVectors": [], "imageVectors": []}
+        return {"textVectors": [], "imageVectors": [], "embedding_fingerprint": None}
     items = [Item(text=t) for t in texts] + [Item(image=_image(b, i)) for i, b in enumerate(images)]
     who = LabelCaller.of(request.app, scope)
     done = await embeddings.embed_items(choice, admission, items, None, who.limits, who.scope)
     vectors = done.vectors.tolist()
-    return {"textVectors": vectors[:len(texts)], "imageVectors": vectors[len(texts):]}
+    return {"textVectors": vectors[:len(texts)], "imageVectors": vectors[len(texts):],
+            "embedding_fingerprint": done.fingerprint}
 
 
 def _image(value: str, i: int) -> bytes:
