@@ -169,6 +169,8 @@ def test_keys_apply_unless_open_weaviate_opens_these_routes_alone(repo, photos, 
         async with serving(settings) as (client, _):
             for probe in ("/weaviate/.well-known/ready", "/weaviate/clip/.well-known/live"):
                 assert (await client.get(probe)).status_code == 204  # open, as /readyz
+            unknown = await client.get("/weaviate/nosuch/.well-known/ready")  # open: no model list to anyone
+            assert unknown.status_code == 503 and "clip" not in unknown.text and "plain" not in unknown.text
             refused = (await client.post("/weaviate/vectorize", json=body),
                        await client.get("/weaviate/clip/meta"))
             with_key = await client.post("/weaviate/clip/vectorize", json=body, headers={"X-API-Key": KEY})

@@ -29,9 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vit_serve import __version__
 from vit_serve.serve import embeddings
-from vit_serve.serve.caller import ScopeDep
+from vit_serve.serve.caller import ScopeDep, keys_required
 from vit_serve.serve.deps import GatewayDep, ModelChoice, SessionHeader
-from vit_serve.serve.errors import BadRequestError
+from vit_serve.serve.errors import BadRequestError, NotFoundError, NotReadyError
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.openai_schema import DATA_URI, Item
 from vit_serve.serve.routes.image_request import AdmissionDep
@@ -101,11 +101,17 @@ async def live(model: ModelParam = None) -> Response:
 
 
 @_each("get", "/.well-known/ready", status_code=204, response_class=Response, responses=PROBE_ERRORS)
-async def ready(choice: ChoiceDep) -> Response:
+async def ready(request: Request, choice: ChoiceDep) -> Response:
     """204 once the model is loaded and warmed up and its backend answers, else 503 (Weaviate's module waits for
-    this at startup); 404 for an unknown model."""
-    with choice.use() as mv:
-        ok, _ = await mv.readiness()
+    this at startup); 404 for an unknown model, except where keys are on: this probe is open to anyone, so an
+    unknown model is then answered as one not ready (the models' names are the keys' holders' to know)."""
+    try:
+        with choice.use() as mv:
+            ok, _ = await mv.readiness()
+    except (NotFoundError, NotReadyError):
+        if not keys_required(choice.gateway.settings.security):
+            raise
+        ok = False
     if ok:
         return Response(status_code=204)
     return StrictJSONResponse({"error": "not ready: GET /readyz and /models say why"}, status_code=503)
