@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.server
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -188,3 +191,25 @@ def test_v1_embeddings_fetches_an_allowed_url_and_refuses_loopback_by_name(tiny_
 
     with Server(body=png) as photo:
         asyncio.run(go(photo))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no `openssl` on PATH to make a certificate")
+def test_https_goes_to_the_checked_address_with_the_hosts_name_and_verifies_its_certificate(tmp_path):
+    """https://localhost:PORT: the connection goes to the address checked (127.0.0.1), the TLS name sent is the
+    URL's host (SNI "localhost"), and the certificate is verified (a self-signed one is refused, never read)."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    names: list[str | None] = []
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda sock, name, ctx: names.append(name)
+    with server() as s:
+        s.httpd.socket = context.wrap_socket(s.httpd.socket, server_side=True, do_handshake_on_connect=False)
+        with pytest.raises(UrlRefusedError, match="the fetch failed"):
+            _fetch(f"https://localhost:{s.port}/img.png", _policy(networks=("127.0.0.1/32",)))
+        deadline = time.monotonic() + 5
+        while not names and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert names == ["localhost"] and s.hits == []
