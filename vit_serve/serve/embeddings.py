@@ -23,9 +23,11 @@ import numpy as np
 from vit_serve.manifest import EMBEDDING
 from vit_serve.runtime.errors import ModelTimeoutError, QueueFullError
 from vit_serve.runtime.task import Task
+from vit_serve.serve import image_urls
 from vit_serve.serve.admission import Admission, deadline_exceeded
 from vit_serve.serve.deps import ModelChoice
-from vit_serve.serve.errors import BadRequestError, RateLimitedError
+from vit_serve.serve.errors import BadRequestError, RateLimitedError, TooLargeError
+from vit_serve.serve.image_urls import UrlPolicy
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.openai_schema import InputError, Item
 from vit_serve.serve.rate_limit import RateLimits
@@ -34,7 +36,9 @@ from vit_serve.serve.v2_protocol import IMAGES_SETTING
 # A text item's UTF-8 bytes per token of the tower's context length, at most: beyond, it cannot fit (and is not
 # tokenized on the event loop to find out).
 BYTES_PER_TOKEN = 64
-URLS_OFF = "image URLs are not enabled on this server: send the image as a data:image/...;base64, URI"
+URLS_OFF = ("image URLs are not enabled on this server (image_url_hosts): send the image as a data:image/...;base64, "
+            "URI")
+FETCHES_AT_ONCE = 4  # image URLs of one request fetched at a time
 
 
 class InputRefusedError(BadRequestError):
@@ -118,6 +122,34 @@ def _check_dimensions(mv: ModelVersion, dimensions: int | None) -> None:
     if not min(trained) <= dimensions <= dim:
         raise InputRefusedError(f"dimensions must be from {min(trained)} to {dim} ({mv.name}'s Matryoshka training: "
                            f"{', '.join(map(str, trained))}), got {dimensions}", "dimensions")
+
+
+async def fetched(items: list[Item], policy: UrlPolicy, max_bytes: int) -> list[Item]:
+    """The items, each image URL replaced by the image it names, fetched under `policy` (`image_urls`: the hosts,
+    the SSRF guard, the size cap, the timeout), `FETCHES_AT_ONCE` at a time and at most `max_bytes` in all (413
+    beyond: as if they had been sent in the body); unchanged when the policy fetches nothing (`check_items` then
+    refuses them)."""
+    urls = [i for i, it in enumerate(items) if it.url is not None]
+    if not urls or not policy.on:
+        return items
+    gate, total = asyncio.Semaphore(FETCHES_AT_ONCE), 0
+
+    async def one(i: int) -> bytes:
+        nonlocal total
+        param = _param(items, i)
+        async with gate:
+            try:
+                data = await image_urls.fetch(items[i].url or "", policy, param)
+            except image_urls.UrlRefusedError as e:
+                raise InputRefusedError(str(e), param) from None
+        total += len(data)
+        if total > max_bytes:
+            raise TooLargeError(f"{param}: the images fetched for this request are over {max_bytes} bytes in all "
+                                f"(max_body_bytes)")
+        return data
+
+    found = dict(zip(urls, await _all([one(i) for i in urls]), strict=True))
+    return [Item(image=found[i]) if i in found else it for i, it in enumerate(items)]
 
 
 def charge(limits: RateLimits | None, scope: str, items: int) -> None:

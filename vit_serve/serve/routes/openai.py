@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from vit_serve.serve import embeddings
 from vit_serve.serve.caller import ScopeDep
 from vit_serve.serve.deps import GatewayDep, ModelChoice, SessionHeader, VersionQuery
+from vit_serve.serve.image_urls import UrlPolicy
 from vit_serve.serve.labels import LabelCaller
 from vit_serve.serve.openai_schema import (
     EmbeddingsRequest,
@@ -41,9 +42,11 @@ DESCRIPTION = inspect.cleandoc("""OpenAI's embeddings: `{"input": ..., "model": 
 
     `input` is a string or a list. A `data:image/...;base64,` string is an image; any other string is text, for the
     model's text tower (`NAME_text.onnx` beside an export, or the tower a converted CLIP / SigLIP checkpoint holds);
-    Jina-style items `{"text": ...}` and `{"image": base64 or data URI}` say which. Image and text vectors are in
-    one space, L2-normalised: an image's is POST /embed's embedding normalised (open_clip's `encode_image`), a
-    text's the tower's (`encode_text`). One request mixes both; each vector is what the item alone would get.
+    Jina-style items `{"text": ...}` and `{"image": base64, data URI or http(s) URL}` say which (a URL is fetched
+    only from the hosts the operator allows, image_url_hosts, and never from a non-public address). Image and text
+    vectors are in one space, L2-normalised: an image's is POST /embed's embedding normalised (open_clip's
+    `encode_image`), a text's the tower's (`encode_text`). One request mixes both; each vector is what the item
+    alone would get.
     `dimensions` truncates and renormalises, for models whose manifest declares Matryoshka training only.
     `usage.prompt_tokens` counts text tokens and image patches. `embedding_fingerprint` (not OpenAI's) names the
     space the vectors are in, texts and images alike: vectors of different fingerprints must not be mixed. At most
@@ -60,6 +63,8 @@ async def create_embeddings(body: EmbeddingsRequest, request: Request, gateway: 
         items = items_of(body.input)
     except InputError as e:
         raise embeddings.refuse(e) from None
+    s = gateway.settings
+    items = await embeddings.fetched(items, UrlPolicy.of(s.security), s.max_body_bytes)  # image URLs, if allowed
     choice = ModelChoice(gateway, body.model, version, session or None)
     who = LabelCaller.of(request.app, scope)
     done = await embeddings.embed_items(choice, admission, items, body.dimensions, who.limits, who.scope)
