@@ -241,23 +241,44 @@ class RolloutSettings:
 @dataclass(frozen=True)
 class Embedding:
     """The image embedding a model gives (its "embedding" output, POST /embed): `kind` (EMBEDDING_KINDS), its
-    dimension E, and whether it is meant to be compared L2-normalised (CLIP, SigLIP: cosine similarity)."""
+    dimension E, and whether it is meant to be compared L2-normalised (CLIP, SigLIP: cosine similarity).
+    `matryoshka_dims`: the nested sizes the model was trained to be truncated to (Matryoshka representation
+    learning: the leading d dimensions, renormalised, are an embedding themselves), ascending, each at most E;
+    None: not trained so (POST /v1/embeddings refuses `dimensions` then)."""
 
     kind: str
     dim: int
     normalized: bool = False
+    matryoshka_dims: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EMBEDDING_KINDS:
             raise ValueError(f"unknown embedding kind {self.kind!r}; expected one of {', '.join(EMBEDDING_KINDS)}")
+        dims = self.matryoshka_dims
+        if dims is not None:
+            dims = tuple(dims)
+            if (not dims or any(not _is_int(d) or not 1 <= d <= self.dim for d in dims)
+                    or list(dims) != sorted(set(dims))):
+                raise ValueError(f"matryoshka_dims must be ascending whole numbers from 1 to the embedding's "
+                                 f"{self.dim}, got {list(dims)}")
+            object.__setattr__(self, "matryoshka_dims", dims)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dim": self.dim, "normalized": self.normalized}
+        d: dict[str, Any] = {"kind": self.kind, "dim": self.dim, "normalized": self.normalized}
+        if self.matryoshka_dims is not None:  # absent otherwise: manifests written before it read the same
+            d["matryoshka_dims"] = list(self.matryoshka_dims)
+        return d
 
     @classmethod
     def _read(cls, o: _Obj) -> Embedding:
-        o.unknown({"kind", "dim", "normalized"})
-        return cls(o.choice("kind", EMBEDDING_KINDS), o.int("dim"), o.bool("normalized"))
+        o.unknown({"kind", "dim", "normalized", "matryoshka_dims"})
+        dims = o.get("matryoshka_dims", lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+                     "a list of whole numbers", None, null=True)
+        try:
+            return cls(o.choice("kind", EMBEDDING_KINDS), o.int("dim"), o.bool("normalized"),
+                       None if dims is None else tuple(int(x) for x in dims))
+        except ValueError as e:
+            raise ValueError(f"{o.source}: field {o.path!r}: {e}") from None
 
 
 def embedding_of(cfg: Any) -> Embedding:
@@ -265,7 +286,8 @@ def embedding_of(cfg: Any) -> Embedding:
     `cfg.extra["embedding_kind"]` when it set one (open_clip: "encode_image"), else by family: CLIP with a
     projection "image_embeds", DINOv2 / DINOv3 / SigLIP / CLIP without one "pooler_output" (DINOv3's: the class
     token, as upstream and HF's `pooler_output`), the 2020 ViT, DeiT and the other Eva families
-    "pre_logits". Normalised: CLIP and SigLIP (their embeddings are compared by cosine)."""
+    "pre_logits". Normalised: CLIP and SigLIP (their embeddings are compared by cosine). Matryoshka sizes: a
+    converter's or trainer's `cfg.extra["matryoshka_dims"]`."""
     family = getattr(cfg, "family", "vit")
     kind = (getattr(cfg, "extra", None) or {}).get("embedding_kind")
     if kind is None:
@@ -275,7 +297,9 @@ def embedding_of(cfg: Any) -> Embedding:
             kind = "pooler_output"
         else:
             kind = "pre_logits"
-    return Embedding(kind, int(cfg.embed_dim_out), family in ("clip", "siglip"))
+    dims = (getattr(cfg, "extra", None) or {}).get("matryoshka_dims")
+    return Embedding(kind, int(cfg.embed_dim_out), family in ("clip", "siglip"),
+                     None if dims is None else tuple(int(d) for d in dims))
 
 
 def embedding_space_of(weights: str, cfg: Any, preprocess: PreprocessConfig, precision: str,

@@ -41,12 +41,17 @@ def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
     from vit_serve.runtime import LoadSpec, load
     from vit_serve.runtime.backends.base import LocalBackend
 
-    backend = load(LoadSpec(path=str(source.path), backend=source.backend, name=source.name, device=opts.device,
+    runtime = source.backend
+    if opts.backend != "auto":
+        if source.backend not in ("onnxruntime", "openvino"):
+            raise ValueError(f"--backend {opts.backend} runs exports (NAME.onnx, NAME.xml), not {source.path.name}")
+        runtime = opts.backend  # an export runs on either
+    backend = load(LoadSpec(path=str(source.path), backend=runtime, name=source.name, device=opts.device,
                             threads=opts.threads, decode=None if opts.decode == "contract" else opts.decode,
                             tome=None if opts.tome is None else parse_tome(opts.tome), compile=opts.compile,
-                            torchscript=opts.torchscript))
+                            torchscript=opts.torchscript, precision=opts.precision))
     if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
-        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
+        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, openvino, tensorrt)")
     return backend
 
 

@@ -42,6 +42,11 @@ class PredictOptions:
         "decode workers (default: as the gateway, max(2, min(4, cores - model threads)))"))
     processes: bool = field(default=False, metadata=_flag("decode in worker processes instead of threads"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_flag("default {default}"))
+    backend: Literal["auto", "onnxruntime", "openvino"] = field(default="auto", metadata=_flag(
+        "the runtime of an export: auto (as discovered: NAME.onnx onnxruntime, an IR NAME.xml openvino), "
+        "onnxruntime or openvino (default {default})"))
+    precision: Literal["auto", "f32", "bf16", "f16", "int8"] = field(default="auto", metadata=_flag(
+        "OpenVINO's inference precision, behind the accuracy gate (as serve --precision; default {default})"))
     threads: int | None = field(default=None, metadata=_flag(
         "intra-op threads of the model runtime (default: its own)"))
     tome: str | None = field(default=None, metadata=_flag(

@@ -99,7 +99,8 @@ def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain", "explain_support",
-    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring", "precision",
+    "device", "accuracy"}]}]}`. States
     are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
     version and state null. `explain_support`: the /explain methods and rollout settings it answers.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
@@ -121,7 +122,9 @@ async def models(gateway: GatewayDep) -> dict:
                            token_merging=None if info.token_merging is None else {
                                "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
                            batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,
-                           monitoring=_monitoring(gateway, mv))
+                           monitoring=_monitoring(gateway, mv), precision=info.precision,
+                           device=info.device_name or info.device,
+                           accuracy=None if info.accuracy is None else info.accuracy.to_dict())
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
             "models": list(out.values())}
