@@ -48,12 +48,14 @@ class InputRefusedError(BadRequestError):
 @dataclass(frozen=True)
 class Embedded:
     """A request answered: by which version, its vectors [n, D] (normalised; D: `dimensions` when asked), and
-    the tokens it counts (text tokens + image patches)."""
+    the tokens it counts (text tokens + image patches), and the fingerprint of the vectors' space
+    (`vit_serve.fingerprint`: normalised, at their D; None: a model from before manifests stated it)."""
 
     model: str
     version: str
     vectors: np.ndarray
     prompt_tokens: int
+    fingerprint: str | None = None
 
 
 def _param(items: list[Item], i: int) -> str:
@@ -157,7 +159,8 @@ async def embed_items(choice: ModelChoice, admission: Admission, items: list[Ite
             for i, vector in zip(texts, done[-1], strict=True):
                 rows[i] = vector
         patches = _patches(mv, task) * len(images)
-        return Embedded(mv.name, str(mv.version), _normalised(np.stack(rows), dimensions), sum(tokens) + patches)
+        return Embedded(mv.name, str(mv.version), _normalised(np.stack(rows), dimensions), sum(tokens) + patches,
+                        mv.info.embedding_fingerprint(normalized=True, dim=dimensions))
 
 
 def _patches(mv: ModelVersion, task: Task | None) -> int:

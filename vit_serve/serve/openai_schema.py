@@ -71,6 +71,9 @@ class EmbeddingsResponse(BaseModel):
     model: str
     usage: Usage
     model_version: str = Field(description="the version of the model that answered (not OpenAI's)")
+    embedding_fingerprint: str | None = Field(None, description=(
+        "the vectors' space (vit_serve.fingerprint; not OpenAI's): vectors are comparable only with vectors of the "
+        "same fingerprint (null: an export from before manifests stated it)"))
 
 
 class ModelCard(BaseModel):

@@ -65,7 +65,8 @@ async def create_embeddings(body: EmbeddingsRequest, request: Request, gateway: 
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, body.encoding_format)}
             for i, v in enumerate(done.vectors)]
     return {"object": "list", "data": data, "model": done.model, "model_version": done.version,
-            "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}}
+            "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
+            "embedding_fingerprint": done.fingerprint}
 
 
 @router.get("/models", response_model=ModelList, responses={k: ERRORS[k] for k in (401, 503)})
