@@ -28,8 +28,9 @@ the decode path ("fast" or "exact": the gateway's setting, two ways of making th
 of `preprocess` so that an export's manifest and the gateway serving it agree whichever the operator picks).
 
 A CLIP-family model's text vectors (its text tower, `vit_serve.runtime.text_tower`) are trained into its image
-space and carry the image space's fingerprint (normalised as given). Plain Python and hashlib: this module
-imports nothing of vit-serve, so every layer (manifest, backends, gateway, predict) may use it.
+space and carry the image space's fingerprint (normalised as given); their tower's own weights are not hashed (it
+comes with the checkpoint the image tower comes from). Plain Python and hashlib (numpy or torch only to read the
+tensors handed to `weights_digest`): this module imports nothing of vit-serve, so every layer may use it.
 """
 
 from __future__ import annotations
