@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 from fastapi import APIRouter, Request
 
 from vit_serve.serve import embeddings
@@ -51,10 +52,16 @@ DESCRIPTION = inspect.cleandoc("""OpenAI's embeddings: `{"input": ..., "model": 
     `usage.prompt_tokens` counts text tokens and image patches. `embedding_fingerprint` (not OpenAI's) names the
     space the vectors are in, texts and images alike: vectors of different fingerprints must not be mixed. At most
     the model's images per request (VIT_SERVE_MAX_IMAGES_PER_REQUEST, by default its max_batch) items; each item
-    beyond the first counts in the key's rate. Errors: OpenAI's `{"error": {"message", "type", "param", "code"}}`.""")
+    beyond the first counts in the key's rate. Errors: OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+
+    Not OpenAI's (the SDK's `extra_body`): `"tokens": "patch", "layer": k` adds to each image item `"layer",
+    "grid": [gh, gw], "patch_tokens"`, block k's patch tokens as POST /embed?tokens=patch gives them (floats, or
+    one base64 string of them all with encoding_format=base64), at most VIT_SERVE_MAX_PATCH_TOKEN_FLOATS floats
+    over the request's images; the torch backend only.""")
 
 
-@router.post("/embeddings", response_model=EmbeddingsResponse, description=DESCRIPTION, responses=ERRORS)
+@router.post("/embeddings", response_model=EmbeddingsResponse, response_model_exclude_unset=True,
+             description=DESCRIPTION, responses=ERRORS)
 async def create_embeddings(body: EmbeddingsRequest, request: Request, gateway: GatewayDep, scope: ScopeDep,
                             admission: AdmissionDep, version: VersionQuery = None,
                             session: SessionHeader = None) -> dict:
@@ -67,12 +74,23 @@ async def create_embeddings(body: EmbeddingsRequest, request: Request, gateway: 
     items = await embeddings.fetched(items, UrlPolicy.of(s.security), s.max_body_bytes)  # image URLs, if allowed
     choice = ModelChoice(gateway, body.model, version, session or None)
     who = LabelCaller.of(request.app, scope)
-    done = await embeddings.embed_items(choice, admission, items, body.dimensions, who.limits, who.scope)
-    data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, body.encoding_format)}
-            for i, v in enumerate(done.vectors)]
+    layer = body.layer if body.tokens == "patch" else None
+    done = await embeddings.embed_items(choice, admission, items, body.dimensions, who.limits, who.scope, layer,
+                                        gateway.settings.max_patch_token_floats)
+    data = [_item(done, i, v, body.encoding_format) for i, v in enumerate(done.vectors)]
     return {"object": "list", "data": data, "model": done.model, "model_version": done.version,
             "embedding_fingerprint": done.fingerprint,
             "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}}
+
+
+def _item(done: embeddings.Embedded, i: int, vector: np.ndarray, encoding: str) -> dict:
+    """One item's entry of `data` (an image's patch tokens with tokens=patch)."""
+    out = {"object": "embedding", "index": i, "embedding": encode_vector(vector, encoding)}
+    tokens = done.patch_tokens.get(i)
+    if tokens is not None:
+        out.update(layer=done.layer, grid=done.grid, patch_tokens=encode_vector(tokens.reshape(-1), encoding)
+                   if encoding == "base64" else tokens.astype(np.float32).tolist())
+    return out
 
 
 @router.get("/models", response_model=ModelList, responses={k: ERRORS[k] for k in (401, 503)})
