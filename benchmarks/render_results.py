@@ -64,6 +64,8 @@ BENCHMARKS = (
               "A repository of three models routed by `?model=` against a single-model gateway."),
     Benchmark("serve_security", "serve_load.py", "python benchmarks/serve_load.py --mode security",
               "API keys and request ids on against off: throughput and server CPU per image."),
+    Benchmark("serve_backends", "serve_backends.py", "python benchmarks/serve_load.py --mode backends"),
+    Benchmark("serve_embeddings", "serve_embeddings.py", "python benchmarks/serve_embeddings.py"),
     Benchmark("serve_abuse", "serve_abuse.py", "python benchmarks/serve_load.py --mode abuse",
               "Normal traffic alone and beside abusive requests: throughput kept, memory under the settings' "
               "ceiling, every abusive request refused with a 4xx."),

@@ -42,6 +42,9 @@ the last round, labels x templates, random-unicode labels, duplicate key headers
 one gateway with its default bounds and keys on. Checks: normal images/s beside the abuse >= 0.8x alone; peak
 RSS within the settings' ceiling; no 5xx; every abusive request answered as its kind expects.
 
+`--mode backends` (benchmarks/serve_backends.py): the same export served by onnxruntime fp32 and by OpenVINO at
+its automatic precision, side by side at c=16. Check: OpenVINO >= 1.6x on a CPU with bf16, >= 0.97x without.
+
 `--mode faults` (benchmarks/serve_faults.py, its own flags): normal traffic at c=16 while redis-server and
 tritonserver are killed and restarted, the sample folder's disk fills and SIGTERM comes during a hot reload; per
 fault 2xx, expected 503s, other 5xx (0), lost requests (0), recovery time and RSS.
@@ -95,6 +98,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the clients, siblings of this script
@@ -232,11 +236,12 @@ SECURITY_OVERHEAD = 0.02
 
 
 def compare(args: argparse.Namespace, targets: dict[str, tuple[Path, str, dict[str, str]]], levels: list[int],
-            headers: dict[str, str] | None = None, cpu: dict[tuple[str, int], list[float]] | None = None
-            ) -> dict[tuple[str, int], list[float]]:
+            headers: dict[str, str] | None = None, cpu: dict[tuple[str, int], list[float]] | None = None,
+            shown: dict[str, dict] | None = None) -> dict[tuple[str, int], list[float]]:
     """Images/s of each target gateway {name: (MODEL or REPO, request path, VIT_SERVE_* env)}, all up at once,
     taking turns for `--rounds` rounds of unique small photos at each concurrency (the order flips every round,
-    so that neither always goes first). `cpu`, when given, collects each round's server CPU ms per image."""
+    so that neither always goes first). `cpu`, when given, collects each round's server CPU ms per image; `shown`
+    each gateway's GET /models once it is up."""
     threads = args.threads or max(1, (os.cpu_count() or 2) - (os.cpu_count() or 2) // 2)
     bases = [photo_jpeg()]
     tp: dict[tuple[str, int], list[float]] = {(t, c): [] for t in targets for c in levels}
@@ -244,6 +249,8 @@ def compare(args: argparse.Namespace, targets: dict[str, tuple[Path, str, dict[s
         servers = {t: stack.enter_context(Server(path, threads, args.device, args.max_batch, args.max_delay_ms,
                                                  {"VIT_SERVE_DECODE": "fast", **env}))
                    for t, (path, _, env) in targets.items()}
+        if shown is not None:
+            shown.update({t: httpx.get(f"{server.url}/models", timeout=30).json() for t, server in servers.items()})
         k = 0
         for r in range(args.rounds):
             for c in levels:
@@ -386,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_faults.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security", "abuse", "lifecycle",
-                                       "faults"),
+    ap.add_argument("--mode", choices=("uploads", "batching", "routing", "security", "abuse", "backends",
+                                       "lifecycle", "faults"),
                     default="uploads",
                     help="uploads: the decode paths on 12 MP and small photos (default); batching: on vs off; "
                          "routing: a three-model repository against the single-model gateway; security: API "
@@ -434,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         default_levels = {"uploads": "1,16,64", "batching": "1,4,16,64", "routing": "16", "security": "16",
-                          "abuse": "16"}[args.mode]
+                          "abuse": "16", "backends": "16"}[args.mode]
         levels = [int(c) for c in (args.concurrency or default_levels).split(",")]
     except ValueError:
         ap.error(f"--concurrency {args.concurrency!r}: expected a comma list of integers")
@@ -457,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         rows, checks, results = run_routing(args, onnx, out, levels)
     elif args.mode == "security":
         rows, checks, results = run_security(args, onnx, out, levels)
+    elif args.mode == "backends":
+        import serve_backends
+
+        rows, checks, results = serve_backends.run_backends(args, onnx, levels)
     elif args.mode == "abuse":
         import serve_abuse
 
