@@ -62,14 +62,15 @@ class LoadSpec:
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
-        device, threads, decode, triton and limits groups, otel, engine, tome, compile, torchscript,
+        device, threads, decode, triton and limits groups, otel, engine, tome, compile, compile_precision, torchscript,
         intra_op_spinning), with
         `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
                    tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
-                   torchscript=settings.torchscript, spinning=settings.intra_op_spinning)
+                   compile_precision=settings.compile_precision, torchscript=settings.torchscript,
+                   spinning=settings.intra_op_spinning)
         return dataclasses.replace(spec, **changes) if changes else spec
 
     def replace(self, **changes: object) -> LoadSpec:
@@ -93,6 +94,7 @@ class SettingsLike(Protocol):
     intra_op_spinning: bool
     tome: str | None
     compile: bool
+    compile_precision: str
     torchscript: bool
 
 
