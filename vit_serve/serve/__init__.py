@@ -36,7 +36,7 @@ Requests:
 - `hangup`: a client that left cancels its work.
 - `middleware`: request ids, metrics, the 500 boundary, the body limit.
 - `schemas`: response bodies, the strict JSON encoder.
-- `errors`: runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 envelope.
+- `errors`: runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 and /v1 envelopes.
 - `tracing`, `metrics`: OpenTelemetry; Prometheus.
 
 Callers:
@@ -52,6 +52,13 @@ The Open Inference Protocol:
 - `v2_model`: what HTTP /v2 and gRPC share: a model's metadata, what a request asks of a version, its outputs
   shaped from the answer.
 - `grpc`: the gRPC service.
+
+Embeddings for retrieval (OpenAI's embeddings API, Weaviate's multi2vec contract):
+
+- `openai_schema`: its request, response and error bodies; a request's items (texts, data-URI images, URLs).
+- `embeddings`: one embedding request (/v1/embeddings, Weaviate's /vectorize): texts through the text tower, images
+  through the batcher, image URLs fetched where allowed.
+- `image_urls`: image URLs fetched under the operator's allow-list, size cap and timeout (the SSRF guard).
 
 Folders:
 

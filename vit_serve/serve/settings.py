@@ -28,6 +28,7 @@ flat names. Precedence: keywords (flags) > VIT_SERVE_* > the file > the defaults
 
 from __future__ import annotations
 
+import ipaddress
 import warnings
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -66,7 +67,7 @@ from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
 from vit_serve.tome_schedule import parse_tome
 
-BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
+BackendName = Literal["auto", "torch", "onnxruntime", "openvino", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
 __all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "ENV_RENAMED", "BackendName",
@@ -110,6 +111,24 @@ class SecuritySettings(BaseSettings):
     open_probes: Annotated[bool, Flag(hidden=True)] = Field(
         True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
         "one on the main port: scrapers use metrics_port, or send a key)")
+    open_weaviate: Annotated[bool, Flag()] = Field(
+        False, description="let requests to /weaviate/ (Weaviate's multi2vec contract: /vectorize, /meta) through "
+        "without an API key, for Weaviate's module, which sends none (a key that is sent is still checked; the rest "
+        "of the API keeps its keys; a warning is logged at startup): give Weaviate a gateway of its own that only "
+        "Weaviate's pods reach, as the serving guide's NetworkPolicy does")
+    image_url_hosts: Annotated[list[str], NoDecode, Flag(name="--image-url-host", metavar="HOST")] = Field(
+        default_factory=list, description="hosts whose http(s):// image URLs a request may name (POST "
+        "/v1/embeddings), fetched by the gateway; *.example.com allows its subdomains. None: image URLs are "
+        "refused. Loopback, link-local, private and unspecified addresses are refused after DNS resolution and at "
+        "every redirect, even for a host named here, unless image_url_networks names them")
+    image_url_networks: Annotated[list[str], NoDecode, Flag(name="--image-url-network", metavar="CIDR",
+                                                             hidden=True)] = Field(
+        default_factory=list, description="networks (CIDR) an allowed host may resolve to although they are not "
+        "public (an image store on the cluster's own network, e.g. 10.0.12.0/24); none: public addresses only")
+    image_url_max_bytes: int = Field(
+        8 * 2**20, ge=1, description="largest image fetched from a URL, in bytes (the answer is refused beyond)")
+    image_url_timeout_s: float = Field(
+        5.0, gt=0, description="seconds a URL's image may take to fetch, its DNS lookups and redirects included")
     cors_origins: Annotated[list[str], NoDecode, Flag(name="--cors-origin",
         metavar="ORIGIN")] = Field(
         default_factory=list, description="origins browsers may call from (Starlette's CORSMiddleware; * for "
@@ -119,7 +138,8 @@ class SecuritySettings(BaseSettings):
     ssl_keyfile: Annotated[str | None, Flag()] = Field(
         None, description="TLS private key (PEM) for HTTPS and gRPC")
 
-    @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "admin_api_keys", "cors_origins", "image_url_hosts", "image_url_networks",
+                     mode="before")
     @classmethod
     def _comma_list(cls, v: object) -> object:
         return env_list(v)  # VIT_SERVE_API_KEYS=a,b as well as a JSON list
@@ -128,6 +148,16 @@ class SecuritySettings(BaseSettings):
     @classmethod
     def _hash_keys(cls, v: list[str]) -> list[str]:
         return [key_hash(k) for k in v]  # the keys themselves are never kept (nor shown by model_dump)
+
+    @field_validator("image_url_hosts")
+    @classmethod
+    def _lower_hosts(cls, v: list[str]) -> list[str]:
+        return [h.strip().lower().rstrip(".") for h in v if h.strip()]
+
+    @field_validator("image_url_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(n.strip(), strict=False)) for n in v if n.strip()]  # ValueError: not a CIDR
 
     @model_validator(mode="after")
     def _tls_pair(self) -> SecuritySettings:
@@ -346,7 +376,8 @@ class ServeSettings(BaseSettings):
         "", description="REPO: a folder of models (exports, checkpoints, or NAME/VERSION/ folders), or one model: "
         "a checkpoint, NAME.onnx, a TensorRT engine, or a Triton model name")
     backend: Annotated[BackendName, Flag()] = Field(
-        "auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
+        "auto", description="auto: from MODEL's suffix (.onnx onnxruntime, .xml openvino, .engine/.plan tensorrt, "
+        "else torch); openvino also serves the NAME.onnx exports")
     triton: TritonClientSettings = Field(default_factory=TritonClientSettings)
     model_name: Annotated[str | None, Flag()] = Field(
         None, description="name shown to clients (default: MODEL's file stem)")
@@ -392,6 +423,9 @@ class ServeSettings(BaseSettings):
                                  "request beyond it is answered 503 + Retry-After. Each may hold up to "
                                  "max_body_bytes while its body is read; keep it under the open-files limit")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+    max_patch_token_floats: int = Field(262_144, ge=1, description="most floats one /embed?tokens=patch answer "
+                                        "holds (patches x width; 400 beyond): a B/16 at 224 px is 196 x 768 = "
+                                        "150,528")
     priority_levels: int = Field(10, ge=1, le=2**31 - 1, description="the priority levels a /v2 or gRPC request "
                                  "may ask for with parameters.priority (1 the most urgent .. this; 0: its key's "
                                  "level), as Triton's dynamic_batching priority_levels; a level beyond is 422 / "
@@ -420,6 +454,25 @@ class ServeSettings(BaseSettings):
         False, description="onnxruntime's session.intra_op.allow_spinning: on, the model runs 14-25% faster "
         "where uploads are cheap to decode (small photos); off (the default), its idle threads leave the cores "
         "to the decode threads, 15-25% faster with 12 MP uploads")
+    runtime: Annotated[Literal["onnxruntime", "openvino"] | None, Flag(section="model", none="file")] = Field(
+        None, description="what runs a model's ONNX exports: onnxruntime, openvino, or file (None here: by the "
+        "file, NAME.onnx onnxruntime and an OpenVINO IR NAME.xml openvino)")
+    precision: Annotated[Literal["auto", "f32", "bf16", "f16", "int8"], Flag(section="model")] = Field(
+        "auto", description="the OpenVINO backend's inference precision: auto (the CPU plugin's native: bf16 "
+        "where the CPU has AVX512-BF16 or AMX, else f32), f32, bf16, f16, or int8 (a graph quantized by vit-export "
+        "--format openvino --precision int8); any but f32 must pass the accuracy gate at load (top-1 agreement "
+        "and cosine to fp32 on real photos) or is refused")
+    performance_hint: Annotated[Literal["latency", "throughput"], Flag(section="model")] = Field(
+        "latency", description="OpenVINO's PERFORMANCE_HINT: latency (one stream: each batch on every thread) or "
+        "throughput (several streams, for instances > 1)")
+    streams: Annotated[int | None, Flag(section="model")] = Field(
+        None, ge=1, description="OpenVINO's NUM_STREAMS (default: the performance hint's)")
+    openvino_cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None, description="where OpenVINO caches compiled models, so that a restart does not compile again "
+        "(default: $XDG_CACHE_HOME/vit-serve/openvino; empty: no cache)")
+    force_precision: Annotated[bool, Flag(section="model")] = Field(
+        False, description="serve an OpenVINO precision that missed its accuracy bounds at load (logged with the "
+        "numbers) instead of refusing the model")
     device: Annotated[Literal["auto", "cpu", "cuda"], Flag(section="model")] = (
         Field("auto", description="torch / onnxruntime device"))
     tome: Annotated[str | None, Flag(section="model", metavar="R")] = Field(
