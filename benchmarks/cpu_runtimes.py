@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads {args.threads}; fp32 peak {peak:.0f} GFLOP/s ({args.threads} x {host.ghz:.2f} GHz x "
           f"{per_cycle} FLOP/cycle{'' if args.flops_per_cycle else ', estimated from the ISA'}); "
           f"{args.crops} photo crops; medians of {args.rounds} interleaved rounds x {args.iters} calls")
-    print("| model | batch | runtime | precision | img/s | img/s/core | vs ort fp32 | top-1 agr. | cosine | bounds | "
-          "GFLOP/s | of peak |")
+    print("| model | batch | runtime | precision | img/s | img/s/core | vs ort fp32 (or eager) | top-1 agr. | cosine | "
+          "bounds | GFLOP/s | of peak |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         for row in bench_model(name.strip(), args, host, peak or 1.0):

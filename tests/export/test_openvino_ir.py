@@ -137,6 +137,14 @@ def test_f32_ir_export_checks_both_graphs_against_pytorch(digits, tmp_path):
         parity = read_manifest(xml).parity
         assert parity.ok and parity.runtime == "openvino" and parity.precision == "fp32"
     assert result.openvino.manifest in result.manifests
+    # the gateway's OpenVINO backend serves the IR folder as written: its manifest, its explain twin beside it
+    from vit_serve.runtime import LoadSpec, load
+
+    backend = load(LoadSpec(str(result.openvino.path), device="cpu", threads=1, precision="f32"))
+    x = digits["test"][0][:4]
+    with torch.no_grad():
+        want = digits["model"](x).numpy()
+    assert backend.info.backend == "openvino" and np.abs(backend.classify(x.numpy()) - want).max() <= 1e-4
 
 
 def test_int8_ir_needs_images():

@@ -12,15 +12,18 @@ import torch
 import vit_serve
 from vit_serve.runtime import LoadSpec, load
 from vit_serve.runtime.backends.torch import compile_forward, cpu_has_bf16, gate_inputs
+from vit_serve.runtime.model_config import ModelConfig
+from vit_serve.serve.settings import ServeSettings
 
-pytest.importorskip("sklearn")
-pytestmark = pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 (AVX512_BF16 or AMX)")
+needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 (AVX512_BF16 or AMX)")
 
 LABELS = [f"label_{i}" for i in range(10)]
 RES = (32, 32)
 
 
+@needs_bf16
 def test_bf16_compile_passes_its_gate_and_answers_like_eager(tmp_path, save_tiny):
+    pytest.importorskip("sklearn")  # the gate's held-out scans
     ckpt = save_tiny(tmp_path / "tiny.safetensors", RES, 7, LABELS)
     backend = load(LoadSpec(str(ckpt), device="cpu", threads=1, compile=True, compile_precision="bf16"))
     model = vit_serve.load(ckpt).eval()
@@ -32,6 +35,18 @@ def test_bf16_compile_passes_its_gate_and_answers_like_eager(tmp_path, save_tiny
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert (got.argmax(1) == want.argmax(1)).mean() >= 0.995 and cos.mean() >= 0.999
     assert np.abs(got - want).max() > 0  # bf16 ran: not eager fp32's own numbers
+
+
+def test_the_setting_reaches_the_spec_and_a_model_config_overrides_it(tmp_path):
+    """--compile-precision (VIT_SERVE_COMPILE_PRECISION) -> LoadSpec.compile_precision; a model's config.toml
+    compile_precision wins over the server's; fp32 by default."""
+    spec = LoadSpec.of(ServeSettings.of({"model": str(tmp_path / "m.safetensors"), "compile": True,
+                                         "compile_precision": "bf16"}))
+    assert spec.compile and spec.compile_precision == "bf16"
+    assert LoadSpec.of(ServeSettings(model=str(tmp_path / "m.safetensors"))).compile_precision == "fp32"
+    assert ModelConfig(compile_precision="auto").spec(spec).compile_precision == "auto"
+    with pytest.raises(ValueError, match="compile precision 'fp16'"):
+        compile_forward(torch.nn.Linear(1, 1), RES, torch.device("cpu"), "x", "fp16")
 
 
 @pytest.fixture
@@ -47,7 +62,9 @@ def tied_model():
     return model
 
 
+@needs_bf16
 def test_bf16_below_its_bounds_is_refused_with_the_numbers_and_auto_falls_back(tied_model):
+    pytest.importorskip("sklearn")  # the gate's held-out scans
     torch.set_num_threads(1)
     with pytest.raises(ValueError, match=r"in bf16 is refused: bf16: top-1 agreement .*% \(>= 99\.5%\)"):
         compile_forward(tied_model, RES, torch.device("cpu"), "tied", "bf16")

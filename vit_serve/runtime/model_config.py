@@ -55,11 +55,12 @@ _ZERO_IS_NONE = ("max_batch", "max_queue", "instances")
 class ModelConfig:
     """A model's own settings (None: the server's). Limits and batching: max_batch, max_delay_ms, max_queue,
     request_timeout_s, retry_after_s, max_images_per_request, batch_curve, batch_curve_budget_s; instances;
-    compute: threads, intra_op_spinning, device, compile, torchscript, tome; the runtime of its exports
-    (onnxruntime or openvino) and OpenVINO's precision, performance_hint, streams and force_precision; decode
-    ("fast", "exact" or "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy
-    (which versions are served); on Ray Serve, its deployment's replicas, max_replicas (autoscaling),
-    replica_cpus and replica_gpus (`deployment`). Each means what the server setting of the same name means."""
+    compute: threads, intra_op_spinning, device, compile, compile_precision, torchscript, tome; the runtime of
+    its exports (onnxruntime or openvino) and OpenVINO's precision, performance_hint, streams and force_precision
+    (also --compile's bf16); decode ("fast", "exact" or "contract"); monitoring (OOD scores and drift on or off)
+    and drift_window; version_policy (which versions are served); on Ray Serve, its deployment's replicas,
+    max_replicas (autoscaling), replica_cpus and replica_gpus (`deployment`). Each means what the server setting
+    of the same name means."""
 
     max_batch: Annotated[int, Field(ge=0)] | None = None
     max_delay_ms: Annotated[float, Field(ge=0)] | None = None
@@ -74,6 +75,7 @@ class ModelConfig:
     intra_op_spinning: bool | None = None
     device: Literal["auto", "cpu", "cuda"] | None = None
     compile: bool | None = None
+    compile_precision: Literal["fp32", "bf16", "auto"] | None = None
     torchscript: bool | None = None
     tome: str | None = None
     runtime: Literal["onnxruntime", "openvino"] | None = None
@@ -112,10 +114,9 @@ class ModelConfig:
 
     def spec(self, spec: S) -> S:
         """`spec` (the server's, for this model) with this model's compute and decoding in their place."""
-        changes: dict[str, Any] = {k: getattr(self, k) for k in ("threads", "compile", "torchscript", "device",
-                                                                 "runtime", "precision", "performance_hint",
-                                                                 "streams", "force_precision")
-                                   if getattr(self, k) is not None}
+        compute = ("threads", "compile", "compile_precision", "torchscript", "device", "runtime", "precision",
+                   "performance_hint", "streams", "force_precision")
+        changes: dict[str, Any] = {k: getattr(self, k) for k in compute if getattr(self, k) is not None}
         if self.intra_op_spinning is not None:
             changes["spinning"] = self.intra_op_spinning
         if self.tome is not None:

@@ -74,13 +74,15 @@ class LoadSpec:
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
-        device, threads, decode, triton and limits groups, otel, engine, tome, compile, torchscript,
-        intra_op_spinning, runtime, precision, performance_hint, streams, openvino_cache_dir, force_precision), with
+        device, threads, decode, triton and limits groups, otel, engine, tome, compile, compile_precision,
+        torchscript, intra_op_spinning, runtime, precision, performance_hint, streams, openvino_cache_dir,
+        force_precision), with
         `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
                    tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
+                   compile_precision=settings.compile_precision,
                    torchscript=settings.torchscript, spinning=settings.intra_op_spinning,
                    runtime=settings.runtime, precision=settings.precision,
                    performance_hint=settings.performance_hint,
@@ -109,6 +111,7 @@ class SettingsLike(Protocol):
     intra_op_spinning: bool
     tome: str | None
     compile: bool
+    compile_precision: str
     torchscript: bool
     runtime: str | None
     precision: str

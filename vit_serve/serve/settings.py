@@ -481,6 +481,10 @@ class ServeSettings(BaseSettings):
     compile: Annotated[bool, Flag(section="model")] = Field(
         False, description="torch.compile (inductor) the checkpoints the torch backend loads: compiled and "
         "warmed up at load, its logits checked against eager's; exports are unaffected")
+    compile_precision: Annotated[Literal["fp32", "bf16", "auto"], Flag(section="model")] = Field(
+        "fp32", description="with compile: fp32, bf16 (CPU autocast, on a CPU with AVX512_BF16 or AMX; refused at "
+        "load below 99.5% top-1 agreement or cosine 0.999 against eager fp32 on held-out digits scans) or auto "
+        "(bf16 where the CPU has it and it passes, else fp32)")
     torchscript: Annotated[bool, Flag(section="model")] = Field(
         False, description="trace the checkpoints the torch backend loads with torch.jit (classify / embed; "
         "explain stays eager), checked against eager at load: the model threads then run without Python's GIL; "

@@ -46,7 +46,8 @@ def _load_backend(spec: LoadSpec) -> Backend:
         from vit_serve.runtime.backends.torch import TorchBackend
 
         return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile,
-                            torchscript=spec.torchscript, compile_precision=spec.compile_precision)
+                            torchscript=spec.torchscript, compile_precision=spec.compile_precision,
+                            force_precision=spec.force_precision)
     if backend == "onnxruntime":
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 

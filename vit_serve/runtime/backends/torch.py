@@ -304,7 +304,8 @@ class TorchBackend(LocalBackend):
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
                  threads: int | None = None, tome: TomeR | None = None, compile: bool = False,
-                 torchscript: bool = False, compile_precision: str = "fp32") -> None:
+                 torchscript: bool = False, compile_precision: str = "fp32", force_precision: bool = False
+                 ) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -327,7 +328,7 @@ class TorchBackend(LocalBackend):
         if compile and torchscript:
             raise ValueError(BOTH_FORWARDS)
         if compile:
-            self._forward = compile_forward(self.model, res, self.device, name, compile_precision)
+            self._forward = compile_forward(self.model, res, self.device, name, compile_precision, force_precision)
         elif torchscript:
             self._forward = torchscript_forward(self.model, res, self.device, name)
         # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging,
