@@ -53,7 +53,8 @@ _ZERO_IS_NONE = ("max_batch", "max_queue", "instances")
 class ModelConfig:
     """A model's own settings (None: the server's). Limits and batching: max_batch, max_delay_ms, max_queue,
     request_timeout_s, retry_after_s, max_images_per_request, batch_curve, batch_curve_budget_s; instances;
-    compute: threads, intra_op_spinning, device, compile, torchscript, tome; decode ("fast", "exact" or
+    compute: threads, intra_op_spinning, device, compile, torchscript, tome, choose_runtime,
+    choose_runtime_budget_s, pin_runtime; decode ("fast", "exact" or
     "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy (which versions are
     served); on Ray Serve, its deployment's replicas, max_replicas (autoscaling), replica_cpus and replica_gpus
     (`deployment`). Each means what the server setting of the same name means."""
@@ -72,6 +73,9 @@ class ModelConfig:
     device: Literal["auto", "cpu", "cuda"] | None = None
     compile: bool | None = None
     torchscript: bool | None = None
+    choose_runtime: bool | None = None
+    choose_runtime_budget_s: Annotated[float, Field(gt=0)] | None = None
+    pin_runtime: str | None = None
     tome: str | None = None
     decode: Literal["fast", "exact", "contract"] | None = None
     monitoring: bool | None = None
@@ -104,8 +108,11 @@ class ModelConfig:
 
     def spec(self, spec: S) -> S:
         """`spec` (the server's, for this model) with this model's compute and decoding in their place."""
-        changes: dict[str, Any] = {k: getattr(self, k) for k in ("threads", "compile", "torchscript", "device")
+        changes: dict[str, Any] = {k: getattr(self, k) for k in ("threads", "compile", "torchscript", "device",
+                                                                 "choose_runtime", "pin_runtime")
                                    if getattr(self, k) is not None}
+        if self.choose_runtime_budget_s is not None:
+            changes["choice_budget_s"] = self.choose_runtime_budget_s
         if self.intra_op_spinning is not None:
             changes["spinning"] = self.intra_op_spinning
         if self.tome is not None:

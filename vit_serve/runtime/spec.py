@@ -40,6 +40,10 @@ class LoadSpec:
     TorchScript trace instead, which runs without Python's GIL (`runtime.backends.torch.torchscript_forward`;
     not both). spinning: onnxruntime's
     intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
+    choose_runtime: time the runtimes installed for this model at load (within
+    `choice_budget_s`, at batch 1 and `limits.max_batch`) and serve the fastest that meets its accuracy bounds
+    (`runtime.runtime_choice`); pin_runtime ("runtime" or "runtime:precision", e.g. "onnxruntime", "eager"):
+    serve that one, unmeasured.
     """
 
     path: str
@@ -56,18 +60,22 @@ class LoadSpec:
     compile: bool = False
     torchscript: bool = False
     spinning: bool = False
+    choose_runtime: bool = False
+    choice_budget_s: float = 10.0
+    pin_runtime: str | None = None
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
         device, threads, decode, triton and limits groups, otel, engine, tome, compile, torchscript,
-        intra_op_spinning), with
-        `changes`."""
+        intra_op_spinning, choose_runtime, choose_runtime_budget_s, pin_runtime), with `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
                    tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
-                   torchscript=settings.torchscript, spinning=settings.intra_op_spinning)
+                   torchscript=settings.torchscript, spinning=settings.intra_op_spinning,
+                   choose_runtime=settings.choose_runtime, choice_budget_s=settings.choose_runtime_budget_s,
+                   pin_runtime=settings.pin_runtime)
         return dataclasses.replace(spec, **changes) if changes else spec
 
     def replace(self, **changes: object) -> LoadSpec:
@@ -92,6 +100,9 @@ class SettingsLike(Protocol):
     tome: str | None
     compile: bool
     torchscript: bool
+    choose_runtime: bool
+    choose_runtime_budget_s: float
+    pin_runtime: str | None
 
 
 _COMPILE_REFUSAL = ("--compile runs checkpoints through torch.compile (the torch backend), not {what} ({backend}): "

@@ -20,6 +20,7 @@ import numpy as np
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
+from vit_serve.runtime.runtime_choice import RuntimeChoice
 from vit_serve.runtime.task import GRID, Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
@@ -45,6 +46,8 @@ class ModelInfo:
     (the torch backend's --compile); torchscript: they run a TorchScript trace (--torchscript). reference: the
     in-distribution sketch OOD scores and drift compare with (`vit_serve.monitor`; None: the model carries none).
     max_patches: a NaFlex model's patch budget, the default and the most a request may ask (None: not NaFlex).
+    runtime_choice: the table of the runtimes timed at load and the one chosen (`runtime.runtime_choice`; None: no
+    choice was made).
     """
 
     name: str
@@ -73,6 +76,7 @@ class ModelInfo:
     torchscript: bool = False
     reference: Reference | None = None
     max_patches: int | None = None
+    runtime_choice: RuntimeChoice | None = None
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -95,15 +95,30 @@ def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
     return mv.monitor.describe() if mv.monitor is not None else _unmonitored(gateway, mv)
 
 
+def _loaded(gateway: Gateway, mv: ModelVersion) -> dict:
+    """What /models shows of a loaded version besides its number, state and reason."""
+    info = mv.info
+    return dict(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
+                explain=info.explain, explain_support=explain_support(mv), memory_bytes=mv.memory_bytes,
+                in_flight=mv.in_flight,
+                token_merging=None if info.token_merging is None else {
+                    "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
+                batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,
+                runtime_choice=None if info.runtime_choice is None else asdict(info.runtime_choice),
+                monitoring=_monitoring(gateway, mv))
+
+
 @router.get("/models", response_model=ModelsResponse)
 async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain", "explain_support",
-    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring"}]}]}`. States
+    "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "runtime_choice",
+    "monitoring"}]}]}`. States
     are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
     version and state null. `explain_support`: the /explain methods and rollout settings it answers.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
-    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `monitoring`: the reference
+    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `runtime_choice`: the
+    runtimes timed at load and the one that serves (`schemas.RuntimeChoiceInfo`). `monitoring`: the reference
     its OOD scores and drift compare with (`schemas.MonitoringInfo`), or a line saying why there is none."""
     repo = _repository(gateway)
     default = repo.default_name
@@ -114,14 +129,7 @@ async def models(gateway: GatewayDep) -> dict:
         version = {"version": row.version, "state": row.state, "reason": row.reason}
         mv = repo.served.get(row.name, {}).get(row.version) if row.version is not None else None
         if mv is not None:
-            info = mv.info
-            version.update(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
-                           explain=info.explain, explain_support=explain_support(mv), memory_bytes=mv.memory_bytes,
-                           in_flight=mv.in_flight,
-                           token_merging=None if info.token_merging is None else {
-                               "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
-                           batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,
-                           monitoring=_monitoring(gateway, mv))
+            version.update(_loaded(gateway, mv))
         entry["versions"].append(version)
     return {"default_model": default, "model_control": gateway.settings.repository.model_control,
             "models": list(out.values())}
