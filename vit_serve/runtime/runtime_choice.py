@@ -85,14 +85,15 @@ def parse_pin(pin: str) -> tuple[str, str | None]:
 
 
 def accuracy(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
-    """(top-1 agreement, mean cosine of the rows) of `logits` [N, K] with `reference` [N, K]; NaN counts as
-    disagreement (cosine 0)."""
+    """(top-1 agreement, mean cosine of the rows) of `logits` [N, K] with `reference` [N, K]; a row with a NaN or
+    an infinity disagrees (cosine 0)."""
     ref, got = reference.astype(np.float64), logits.astype(np.float64)
-    agree = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    finite = np.isfinite(got).all(-1)
+    got = np.where(finite[:, None], got, 0.0)
+    agree = float(np.mean(finite & (ref.argmax(-1) == got.argmax(-1))))
     norms = np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1)
-    cos = np.where(norms > 0, (ref * got).sum(-1) / np.where(norms > 0, norms, 1), 1.0)
-    cos = np.nan_to_num(cos, nan=0.0)
-    return agree, float(cos.mean())
+    cos = np.where(norms > 0, (ref * got).sum(-1) / np.where(norms > 0, norms, 1), 0.0)
+    return agree, float(np.where(finite, cos, 0.0).mean())
 
 
 def refusal(precision: str, agreement: float, cosine: float) -> str | None:
