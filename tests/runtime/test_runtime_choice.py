@@ -72,7 +72,7 @@ def test_the_chooser_serves_the_fastest_row_that_meets_its_bounds():
     assert chosen.key == "onnxruntime:fp32"
     assert chosen.score == pytest.approx((1000 / 14 * 8000 / 42) ** 0.5)
     assert rows[2].score > chosen.score and rows[2].refused  # the fastest, refused for its accuracy
-    assert choose(rows[:2] + [Row("openvino", "int8", rates["openvino"], 0.99, 0.995)]).runtime == "openvino"
+    assert choose([*rows[:2], Row("openvino", "int8", rates["openvino"], 0.99, 0.995)]).runtime == "openvino"
 
 
 def test_a_pin_serves_its_row_and_names_the_others_when_it_matches_none():
@@ -81,7 +81,7 @@ def test_a_pin_serves_its_row_and_names_the_others_when_it_matches_none():
     assert choose(rows, "eager").key == "eager:fp32"
     assert choose(rows, "openvino:bf16").key == "openvino:bf16"  # forced: a pin serves even a refused row
     assert choose(rows, "openvino").key == "openvino:bf16"
-    with pytest.raises(ValueError, match="'openvino:int8' names none.*eager:fp32, onnxruntime:fp32, openvino:bf16"):
+    with pytest.raises(ValueError, match=r"'openvino:int8' names none.*eager:fp32, onnxruntime:fp32, openvino:bf16"):
         choose(rows, "openvino:int8")
 
 
