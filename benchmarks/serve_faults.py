@@ -14,8 +14,10 @@ SIGTERM handling, its logging) while one fault at a time is injected:
   serving goes on (every answer 200).
 * `sigterm`: the gateway follows a repository (`--model-control poll`); a version 2 is copied in (a hot reload)
   and SIGTERM is sent while it loads. Each request on a new connection, so that one the server never accepted is
-  a refused connection, not a lost request. Expected: every accepted request answered (200, or the shutdown's
-  503 with Retry-After), exit status 0.
+  a refused connection, not a lost request; a connection opened after the signal and reset unanswered is counted
+  apart ("reset in the accept queue": Linux resets what waits in a listening socket's queue when it closes, so
+  the application never saw it). Expected: every accepted request answered (200, or the shutdown's 503 with
+  Retry-After), exit status 0.
 
 Per fault: requests answered 2xx, the expected 503s (all with Retry-After where the fault promises one), 5xx
 other than those and requests lost (accepted, no answer) - both must be 0 -, the time to recover, and the
@@ -152,6 +154,11 @@ class Seen:
     no_retry_after: int = 0
     lost: int = 0
     refused: int = 0  # connections the server did not accept (it had closed its listener)
+    # Connections opened after SIGTERM and reset with no answer: Linux resets the connections still in a listening
+    # socket's accept queue when it closes, so a request the application never accepted can fail this way; TCP
+    # gives the server no way to answer those. A request sent before the signal that fails is lost.
+    reset_at_close: int = 0
+    term_at: float | None = None  # when SIGTERM was sent (monotonic)
     ok_times: dict[str, list[float]] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
 
@@ -175,13 +182,17 @@ async def traffic(url: str, concurrency: int, stop: asyncio.Event, seen: Seen, e
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60.0) as client:
 
         async def send(path: str, **kw: Any) -> httpx.Response | None:
+            sent = time.monotonic()
             try:
                 return await client.request("POST" if path == "/classify" else "GET", path, **kw)
             except httpx.ConnectError:
                 seen.refused += 1
                 closed.set()
             except httpx.TransportError:
-                seen.lost += 1
+                if seen.term_at is not None and sent >= seen.term_at and not keepalive:
+                    seen.reset_at_close += 1
+                else:
+                    seen.lost += 1
             return None
 
         async def classifier() -> None:
@@ -206,10 +217,12 @@ async def traffic(url: str, concurrency: int, stop: asyncio.Event, seen: Seen, e
 
 
 def run_fault(server: GatewayProcess, concurrency: int, inject: Any, restore: Any, pre_s: float, down_s: float,
-              post_s: float, explainers: int = 0, keepalive: bool = True) -> tuple[Seen, float | None, float]:
+              post_s: float, explainers: int = 0, keepalive: bool = True,
+              seen: Seen | None = None) -> tuple[Seen, float | None, float]:
     """Traffic for `pre_s`, `inject()`, `down_s`, `restore()`, `post_s` more (the blocking calls in threads);
-    returns what was seen, the monotonic time `restore` returned (None: no restore) and the peak RSS seen."""
-    seen = Seen()
+    returns what was seen (into `seen` when given), the monotonic time `restore` returned (None: no restore) and
+    the peak RSS seen."""
+    seen = Seen() if seen is None else seen
     peak = [server.memory_mb()[1]]
     restored: list[float] = []
 
@@ -290,7 +303,8 @@ def row(fault: str, seen: Seen, expected_503: set[str], since: float | None, pat
     two = sum(n for counts in seen.statuses.values() for s, n in counts.items() if 200 <= s < 300)
     rss = server.memory_mb()[0] if server.proc.poll() is None else float("nan")
     return {"fault": fault, "answered_2xx": two, "expected_503": expected, "unexpected_5xx": unexpected,
-            "lost": seen.lost, "refused_connections": seen.refused, "503_without_retry_after": seen.no_retry_after,
+            "lost": seen.lost, "refused_connections": seen.refused, "reset_at_close": seen.reset_at_close,
+            "503_without_retry_after": seen.no_retry_after,
             "recovery_s": recovery(seen, path, since), "rss_mb": rss, "peak_rss_mb": peak,
             "statuses": {p: dict(c) for p, c in seen.statuses.items()}, **extra}
 
@@ -363,6 +377,7 @@ def fault_sigterm(args: argparse.Namespace, onnx: Path, work: Path) -> dict[str,
                                         "VIT_SERVE_DEFAULT_MODEL": "a", "VIT_SERVE_SHUTDOWN_DRAIN_S": "0.5",
                                         "VIT_SERVE_SHUTDOWN_GRACE_S": "10"},
                             work / "gateway-sigterm.log", args.threads)
+    seen = Seen()
     with server:
         def reload_then_term() -> None:
             shutil.copytree(repo / "a" / "1", repo / "a" / ".2-incoming")
@@ -371,10 +386,11 @@ def fault_sigterm(args: argparse.Namespace, onnx: Path, work: Path) -> dict[str,
             while "version 2" not in server.log.read_text() and "/2" not in server.log.read_text() \
                     and time.monotonic() < deadline:
                 time.sleep(0.02)
+            seen.term_at = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
 
         seen, _, peak = run_fault(server, args.concurrency, reload_then_term, None, args.pre_s, 0.0,
-                                  args.post_s + 12, keepalive=False)
+                                  args.post_s + 12, keepalive=False, seen=seen)
         try:
             code = server.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -408,15 +424,15 @@ def checks_of(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, bool]]:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| fault | 2xx | expected 503 | other 5xx | lost | recovery (s) | RSS now / peak (MB) |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| fault | 2xx | expected 503 | other 5xx | lost | reset in the accept queue | recovery (s) | "
+           "RSS now / peak (MB) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['fault']} | skipped: {r['skipped']} ||||||")
+            out.append(f"| {r['fault']} | skipped: {r['skipped']} |||||||")
             continue
         rec = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
         out.append(f"| {r['fault']} | {r['answered_2xx']} | {r['expected_503']} | {r['unexpected_5xx']} | "
-                   f"{r['lost']} | {rec} | {r['rss_mb']:.0f} / {r['peak_rss_mb']:.0f} |")
+                   f"{r['lost']} | {r['reset_at_close']} | {rec} | {r['rss_mb']:.0f} / {r['peak_rss_mb']:.0f} |")
     return out
 
 

@@ -47,3 +47,21 @@ def ours_rope(key: str, ref: torch.nn.Module) -> VisionTransformer:
     name, overrides = ROPE_FAMILIES[key]
     hub = {"architecture": name, "model_args": {k: v for k, v in overrides.items() if k in _HUB_ARGS}}
     return build_model(convert_timm(ref.state_dict(), name, hub_config=hub)).eval()
+
+
+def dinov3_hub(folder, seed: int, **overrides) -> torch.nn.Module:
+    """timm's `vit_small_patch16_dinov3` as an embedder (2 blocks, width 96, 64 px, no head, its [class] token
+    pooled; `overrides` to create_model on top), every float tensor plus 0.2 N(0, 1), saved with timm's own
+    `save_for_hf` into `folder` (the hub folder `vit-serve convert` reads); returns the timm model in eval mode."""
+    import timm
+    from timm.models._hub import save_for_hf
+
+    ref = timm.create_model("vit_small_patch16_dinov3", pretrained=False, embed_dim=96, depth=2, img_size=64,
+                            num_classes=0, global_pool="token", **overrides).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.state_dict().values():  # LayerScale 1e-5 and zero biases: nothing may stay trivial
+            if p.is_floating_point():
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    save_for_hf(ref, folder, safe_serialization=True, model_args=dict(img_size=64, global_pool="token"))
+    return ref

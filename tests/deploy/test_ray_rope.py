@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from rope_models import dinov3_hub
 
 import vit_serve
 from vit_serve.checkpoints import convert
@@ -26,19 +27,10 @@ skimage_data = pytest.importorskip("skimage.data")
 
 
 def test_ray_serves_a_dinov3_embedding(tmp_path):
-    from timm.models._hub import save_for_hf
-
     from vit_serve.deploy.ray import run, start_ray
     from vit_serve.serve.settings import ServeSettings
 
-    ref = timm.create_model("vit_small_patch16_dinov3", pretrained=False, embed_dim=96, depth=2, img_size=64,
-                            num_classes=0, global_pool="token").eval()
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in ref.state_dict().values():  # LayerScale 1e-5 and zero biases: nothing may stay trivial
-            if p.is_floating_point():
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-    save_for_hf(ref, tmp_path / "hub", safe_serialization=True, model_args=dict(img_size=64, global_pool="token"))
+    ref = dinov3_hub(tmp_path / "hub", seed=11)
     ckpt = tmp_path / "repo" / "dinov3.safetensors"
     convert(tmp_path / "hub", ckpt)
     buf = io.BytesIO()

@@ -14,6 +14,7 @@ ort = pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
 skimage_data = pytest.importorskip("skimage.data")
 
+from naflex_models import siglip2_tower  # noqa: E402
 from vit_export.naflex_graph import NAFLEX_INPUTS, export_naflex, naflex_info  # noqa: E402
 from vit_export.parity import runtime_session  # noqa: E402
 
@@ -25,15 +26,8 @@ TOL = 1e-4  # measured: <= 2.1e-6 (onnxruntime) at every budget below
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    cfg = transformers.Siglip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_patches=64, patch_size=16)
-    ref = transformers.Siglip2VisionModel(cfg).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (1.0 if "position_embedding" in name else 0.05))
     folder = tmp_path_factory.mktemp("siglip2")
-    ref.save_pretrained(folder)
+    ref = siglip2_tower(folder, seed=3)
     path = folder / "naflex.onnx"
     graph = export_naflex(load(folder), path)
     return ref, path, graph

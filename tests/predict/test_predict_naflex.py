@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from naflex_models import aspect_photos, siglip2_tower
 from PIL import Image
 
 from vit_serve.checkpoints import convert
@@ -24,17 +25,9 @@ skimage_data = pytest.importorskip("skimage.data")
 def setup(tmp_path_factory):
     """(HF model, our converted checkpoint, folder of photos, {name: pixels})."""
     root = tmp_path_factory.mktemp("naflex_predict")
-    cfg = transformers.Siglip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_patches=64, patch_size=16)
-    ref = transformers.Siglip2VisionModel(cfg).eval()
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (1.0 if "position_embedding" in name else 0.05))
-    ref.save_pretrained(root / "hf")
+    ref = siglip2_tower(root / "hf", seed=5)
     convert(root / "hf", root / "ours.safetensors")
-    images = {"portrait": skimage_data.astronaut()[:, 100:400], "wide": skimage_data.coffee(),
-              "square": skimage_data.chelsea()[:, 75:375]}
+    images = aspect_photos()
     (root / "photos").mkdir()
     for name, pixels in images.items():
         Image.fromarray(pixels).save(root / "photos" / f"{name}.png")

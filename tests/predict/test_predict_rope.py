@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from rope_models import dinov3_hub
 
 import vit_serve
 from vit_serve.checkpoints import convert
@@ -20,23 +21,12 @@ from vit_serve.preprocess import preprocess
 timm = pytest.importorskip("timm")
 skimage_data = pytest.importorskip("skimage.data")
 
-NAME = "vit_small_patch16_dinov3"
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(timm's DINOv3, our checkpoint, the photo folder)."""
-    from timm.models._hub import save_for_hf
-
     root = tmp_path_factory.mktemp("rope_predict")
-    ref = timm.create_model(NAME, pretrained=False, embed_dim=96, depth=2, img_size=64, num_classes=0,
-                            global_pool="token", dynamic_img_size=True).eval()
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in ref.state_dict().values():  # LayerScale 1e-5 and zero biases: nothing may stay trivial
-            if p.is_floating_point():
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-    save_for_hf(ref, root / "hub", safe_serialization=True, model_args=dict(img_size=64, global_pool="token"))
+    ref = dinov3_hub(root / "hub", seed=7, dynamic_img_size=True)
     convert(root / "hub", root / "dinov3.safetensors")
     (root / "photos").mkdir()
     for name in ("astronaut", "coffee", "chelsea"):  # PNG: lossless, both sides read the same pixels

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from naflex_models import aspect_photos, siglip2_tower
 from PIL import Image
 
 from vit_serve.checkpoints import convert
@@ -30,14 +31,7 @@ BUDGETS = (256, 64, 100)
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
     root = tmp_path_factory.mktemp("naflex_runtime")
-    cfg = transformers.Siglip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_patches=64, patch_size=16)
-    ref = transformers.Siglip2VisionModel(cfg).eval()
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (1.0 if "position_embedding" in name else 0.05))
-    ref.save_pretrained(root / "hf")
+    ref = siglip2_tower(root / "hf", seed=7)
     convert(root / "hf", root / "s2.safetensors")
     return ref, TorchBackend(root / "s2.safetensors")
 
@@ -50,8 +44,7 @@ def _png(pixels: np.ndarray) -> bytes:
 
 def test_a_burst_of_shapes_and_budgets_answers_each_as_alone(backend):
     ref, be = backend
-    photos = {"portrait": skimage_data.astronaut()[:, 100:400], "wide": skimage_data.coffee(),
-              "square": skimage_data.chelsea()[:, 75:375]}
+    photos = aspect_photos()
     pre = be.info.preprocess
     inputs = {(name, n): decode_naflex(_png(px), pre, 10**8, be.info.patch_size, n)
               for name, px in photos.items() for n in BUDGETS}

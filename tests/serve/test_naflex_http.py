@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gateway_helpers import live_app, settings_for
+from naflex_models import aspect_photos, siglip2_tower
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")
@@ -38,23 +39,15 @@ def _encode(pixels: np.ndarray, fmt: str) -> bytes:
 @pytest.fixture(scope="module")
 def photos() -> dict[str, np.ndarray]:
     """uint8 RGB [H, W, 3]: portrait 512x300, wide 400x600, square 300x300."""
-    return {"portrait": skimage_data.astronaut()[:, 100:400], "wide": skimage_data.coffee(),
-            "square": skimage_data.chelsea()[:, 75:375]}
+    return aspect_photos()
 
 
 @pytest.fixture(scope="module")
 def siglip2(tmp_path_factory):
     """(the HF model, its saved folder): a 2-layer SigLIP 2 tower, width 64, a 16 x 16 stored position grid, every
     weight perturbed (nothing trivially zero)."""
-    cfg = transformers.Siglip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_patches=256, patch_size=16)
-    ref = transformers.Siglip2VisionModel(cfg).eval()
-    g = torch.Generator().manual_seed(41)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (1.0 if "position_embedding" in name else 0.05))
     folder = tmp_path_factory.mktemp("siglip2_http")
-    ref.save_pretrained(folder)
+    ref = siglip2_tower(folder, seed=41, num_patches=256)
     return ref, folder
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gateway_helpers import run, serving, settings_for
+from rope_models import dinov3_hub
 from safetensors.torch import save_file
 
 import vit_serve
@@ -26,7 +27,7 @@ timm = pytest.importorskip("timm")
 from tests.text import tiny_clip  # noqa: E402
 
 PE = "PE-Core-T-16-384"
-DINOV3 = "vit_small_patch16_dinov3"
+
 LABELS = ["an astronaut", "a cup of coffee", "a tabby cat", "a lighthouse"]
 ASKED = ["a cat", "coffee", "a rocket"]  # ?labels=, not the baked head's
 TEMPLATES = ["a photo of {}.", "itap of {}."]
@@ -36,7 +37,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """(folder with pe.safetensors and dinov3.safetensors, open_clip's PE-Core, timm's DINOv3)."""
-    from timm.models._hub import save_for_hf
     from vit_export.text_tower import export_text_tower, load_text_bundle
 
     folder = tmp_path_factory.mktemp("rope_gateway")
@@ -48,14 +48,7 @@ def repo(tmp_path_factory):
     written = export_text_tower(load_text_bundle(pe_ckpt), pe_ckpt, folder / "repo", "pe", family="pe")
     assert written.ok and written.record.templates == tuple(TEMPLATES)
     (folder / "repo" / "pe_stored.safetensors").write_bytes(pe_ckpt.read_bytes())
-    dino = timm.create_model(DINOV3, pretrained=False, embed_dim=96, depth=2, img_size=64, num_classes=0,
-                             global_pool="token").eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in dino.state_dict().values():  # LayerScale 1e-5 and zero biases: nothing may stay trivial
-            if p.is_floating_point():
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-    save_for_hf(dino, folder / "dino_hub", safe_serialization=True, model_args=dict(img_size=64, global_pool="token"))
+    dino = dinov3_hub(folder / "dino_hub", seed=3)
     convert(folder / "dino_hub", folder / "repo" / "dinov3.safetensors")
     return folder / "repo", pe, dino
 
