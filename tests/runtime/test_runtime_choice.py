@@ -104,6 +104,9 @@ def test_accuracy_is_top1_agreement_and_mean_cosine():
     agree, cos = accuracy(ref, got)
     assert agree == pytest.approx(0.5)
     assert cos == pytest.approx((1 + 0.8 + 1 + 0) / 4)
+    zero = np.zeros((2, 3))  # an untrained head: equal zeros agree, a zero row against another does not
+    assert accuracy(zero, zero) == (1.0, 1.0)
+    assert accuracy(zero, np.array([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))[1] == 0.5
 
 
 @pytest.mark.parametrize(("precision", "agree", "cos", "ok"), [

@@ -86,13 +86,14 @@ def parse_pin(pin: str) -> tuple[str, str | None]:
 
 def accuracy(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
     """(top-1 agreement, mean cosine of the rows) of `logits` [N, K] with `reference` [N, K]; a row with a NaN or
-    an infinity disagrees (cosine 0)."""
+    an infinity disagrees (cosine 0), a zero row has cosine 1 with an equal one, else 0."""
     ref, got = reference.astype(np.float64), logits.astype(np.float64)
     finite = np.isfinite(got).all(-1)
     got = np.where(finite[:, None], got, 0.0)
     agree = float(np.mean(finite & (ref.argmax(-1) == got.argmax(-1))))
     norms = np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1)
-    cos = np.where(norms > 0, (ref * got).sum(-1) / np.where(norms > 0, norms, 1), 0.0)
+    same = (ref == got).all(-1)  # e.g. both zero (an untrained head): equal, whatever the cosine cannot say
+    cos = np.where(norms > 0, (ref * got).sum(-1) / np.where(norms > 0, norms, 1), same.astype(np.float64))
     return agree, float(np.where(finite, cos, 0.0).mean())
 
 
