@@ -54,6 +54,7 @@ BENCHMARKS = (
     Benchmark("embed_dinov2", "embed_dinov2.py", "python benchmarks/embed_dinov2.py"),
     Benchmark("monitoring", "monitoring.py", "python benchmarks/monitoring.py"),
     Benchmark("text_labels", "text_labels.py", "python benchmarks/text_labels.py"),
+    Benchmark("zero_shot_abstention", "zero_shot_abstention.py", "python benchmarks/zero_shot_abstention.py"),
     Benchmark("serve_uploads", "serve_load.py", "python benchmarks/serve_load.py --mode uploads",
               "Serving real uploads: the fast and exact decode paths side by side, 12 MP phone JPEGs and small "
               "photos, at concurrency 1, 16 and 64, with the server's memory peak against its settings' ceiling."),

@@ -153,6 +153,13 @@ def run_batching(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
         # shared machine's speed drifts by more than the margins checked, so the ratio compares like with like.
         offline: dict[int, list[float]] = {b: [] for b in sorted({1, int(shown["max_batch"])})}
         k = 0
+        # A discarded round on each server before the first level: the first requests of a fresh process (page
+        # faults, allocator growth, the pool's threads spinning up) fell on the first level measured, c=1 "on",
+        # which ran 0.92x "off" in its first round and 1.09x in its last in one run.
+        for mode in modes:
+            bodies = payloads(bases, k, 2 * level_sizes(args.requests, 4)[0])
+            k += len(bodies)
+            asyncio.run(load(servers[mode].url, "/classify", bodies, 4, len(bodies) // 2))
         for c in levels:
             warmup, n = level_sizes(args.requests, c)
             per_round = max(n // rounds, 2 * c)

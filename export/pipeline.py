@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from vit_serve.config import ViTConfig
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
+from vit_serve.fingerprint import weights_digest
 from vit_serve.manifest import EMBEDDING, LOGITS, ExportManifest, Parity, TensorRTBuild
 from vit_serve.model import VisionTransformer
 from vit_serve.reference_sketch import Reference
@@ -393,6 +394,7 @@ class _Job:
     text: Any = None  # the checkpoint's `vit_serve.text.bundle.TextBundle` (`text_tower`)
     reference: Reference | None = None  # what the logits graph's manifest carries (`_reference`)
     source: ViTConfig | None = None  # the model's config before the export resized it (`patch_size`)
+    weights: str | None = None  # `vit_serve.fingerprint.weights_digest` of the model as loaded, before resizing
 
     @property
     def targets(self) -> tuple[Path, Path]:
@@ -445,6 +447,7 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
         model = load(checkpoint)
     assert isinstance(model, VisionTransformer)
     source = model.cfg
+    weights = weights_digest(model.state_dict())  # before --patch-size resizes them: the fingerprint's weights
     if checkpoint is None and (opts.patch_size is not None or opts.tome is not None):
         import copy
 
@@ -463,7 +466,7 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
     reference = _reference(model, opts, res, say)
     if reference is not None and reference.needs_embedding and EMBEDDING not in opts.outputs:
         opts = dataclasses.replace(opts, outputs=(*opts.outputs, EMBEDDING))
-    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text, reference, source)
+    job = _Job(model, checkpoint, opts, res, name, images, calibration, say, text, reference, source, weights)
     existing = [p for t in job.targets for p in (t, manifest_path(t)) if p.exists()]
     if text is not None:
         from vit_export.text_tower import text_targets
@@ -643,7 +646,8 @@ def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGr
         int8 = Int8Quantization(opts.int8_scheme, int8_report,
                                 f"parity of the fp32 graph before {opts.int8_scheme} int8 quantization")
     record = build_sidecar(job.model, target, job.checkpoint, report.to_dict(), int8, info=exported.info,
-                           io=exported.io, reference=None if explain else job.reference, trained=job.source)
+                           io=exported.io, reference=None if explain else job.reference, trained=job.source,
+                           weights=job.weights)
     manifest = write_manifest(target, record, overwrite=opts.force)
     say(f"wrote {target} and {manifest.name}")
     return WrittenGraph(target, manifest, report, int8_report, record)

@@ -27,6 +27,7 @@ from vit_serve.manifest import (
     SourceCheckpoint,
     TensorRTBuild,
     embedding_of,
+    embedding_space_of,
     file_sha256,
 )
 from vit_serve.model import VisionTransformer
@@ -62,6 +63,7 @@ def build_sidecar(
     io: IOSpec | None = None,
     reference: Reference | None = None,
     trained: ViTConfig | None = None,
+    weights: str | None = None,
 ) -> ExportManifest:
     """The manifest of an ONNX file exported from `model` (the source model, before resampling).
 
@@ -69,7 +71,9 @@ def build_sidecar(
     info, io: the graph's `GraphInfo` and inputs/outputs when the caller has them (`export_graph`'s), else read
     from the file. reference: what OOD scores and drift compare with (the logits graph's, `vit_export.pipeline`).
     trained: the checkpoint's config when the export resized the model (`--patch-size`): its resolution and patch
-    size are the manifest's trained ones.
+    size are the manifest's trained ones. weights: `vit_serve.fingerprint.weights_digest` of the source model's
+    tensors as loaded (before the export resized them): given, a logits graph's manifest states its embedding space
+    (`embedding_space`, the fingerprint its vectors carry).
     """
     path = Path(export_path)
     source = f"{path.name} (exported graph)"
@@ -85,6 +89,9 @@ def build_sidecar(
         pre = pre.with_size(*res)
     cfg = model.cfg
     trained = trained or cfg
+    precision = f"int8-{int8.scheme}" if int8 is not None else info.precision
+    space = None if weights is None or info.explain else embedding_space_of(
+        weights, cfg, pre, precision, info.token_merging, trained, info.resample_mode)
     return ExportManifest(
         file=path.name,
         file_sha256=file_sha256(path),
@@ -112,6 +119,7 @@ def build_sidecar(
         scores=cfg.scores,
         token_merging=info.token_merging,
         reference=reference,
+        embedding_space=space,
     )
 
 
@@ -125,8 +133,10 @@ def engine_sidecar(onnx_manifest: ExportManifest, engine: TensorRTBuild | Mappin
         build = engine if built_from is None else dataclasses.replace(engine, built_from=built_from)
     else:
         build = dataclasses.replace(_build_of(engine), built_from=built_from)
+    space = onnx_manifest.embedding_space
     return dataclasses.replace(onnx_manifest, format="tensorrt", file=build.file, file_sha256=file_sha256(build.path),
-                               precision=build.precision, source_onnx=onnx_manifest.file, tensorrt=build)
+                               precision=build.precision, source_onnx=onnx_manifest.file, tensorrt=build,
+                               embedding_space=None if space is None else space.with_precision(build.precision))
 
 
 def _build_of(engine: Mapping[str, Any]) -> TensorRTBuild:

@@ -51,6 +51,7 @@ from vit_export.triton_models import template_text
 from vit_serve.checkpoints.io import atomic_write
 from vit_serve.manifest import (
     EMBEDDING,
+    EMBEDDING_FINGERPRINT,
     LOGITS,
     PIXEL_VALUES,
     ROLLOUT,
@@ -192,14 +193,17 @@ class _Contract:
     base: TritonMeta
 
     def meta(self, **fields: Any) -> dict[str, str]:
-        """The "vit_serve" config parameter of one model. The reference (OOD scores and drift) rides on the models
-        that give the logits graph's outputs (the onnxruntime and Python classifiers, the ensemble over one),
-        never on an explain, preprocess or TensorRT model, which lack the embedding it scores."""
+        """The "vit_serve" config parameter of one model (and "embedding_fingerprint"). The reference (OOD scores
+        and drift) and the embedding space ride on the models that give the logits graph's outputs (the onnxruntime
+        and Python classifiers, the ensemble over one), never on an explain, preprocess or TensorRT model, which
+        lack the embedding output."""
         meta = dataclasses.replace(self.base, **fields)
-        if meta.reference is not None and (meta.kind in ("explain", "preprocess") or meta.runtime == "tensorrt" or
-                                           meta.classifier == self.names.get("trt")):
-            meta = dataclasses.replace(meta, reference=None)
-        return {"vit_serve": meta.to_json()}
+        if meta.kind in ("explain", "preprocess") or meta.runtime == "tensorrt" or \
+                meta.classifier == self.names.get("trt"):
+            meta = dataclasses.replace(meta, reference=None, embedding_space=None)
+        space = meta.embedding_space
+        # the fingerprint also as a parameter of its own, for a client that reads the config without our schema
+        return {"vit_serve": meta.to_json(), **({EMBEDDING_FINGERPRINT: space.fingerprint} if space else {})}
 
 
 def _contract(name: str, onnx_path: Path, explain_path: Path, batching: Batching) -> _Contract:
@@ -230,7 +234,7 @@ def _contract(name: str, onnx_path: Path, explain_path: Path, batching: Batching
         sidecar_sha256=side_sha, explain_sidecar_sha256=ex_sha, onnx_sha256=side.file_sha256,
         source_checkpoint_sha256=None if side.source_checkpoint is None else side.source_checkpoint.sha256,
         preprocess_model=names["preprocess"], embedding=side.embedding, scores=side.scores,
-        token_merging=side.token_merging, reference=side.reference,
+        token_merging=side.token_merging, reference=side.reference, embedding_space=side.embedding_space,
     )
     return _Contract(
         names, Tensor(PIXEL_VALUES, "TYPE_FP32", pixel_dims), logits,

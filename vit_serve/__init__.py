@@ -18,13 +18,16 @@
 - `preprocess`: image -> tensor and the preprocessing contract stored with the weights.
 - `explain`, `rollout_options`, `overlay`: attention rollout and the other inspections' math, the rollout's
   options, the heat-map overlay drawn on the model-input crop.
+- `similarity`: why an image matched a query (its cosine split over the patches), and any block's patch tokens.
 - `inspect`: `vit-serve inspect`, the paper's Figure 6 / 7 pictures.
 - `tome`: token merging (ToMe).
 - `tome_schedule`: how many tokens each layer merges (plain Python, no torch).
 - `embedding`, `zeroshot`: the image embedding; zero-shot heads from label text (CLIP, SigLIP).
+- `fingerprint`: the embedding space's identity (a hash of the weights and of all that moves the vectors).
 - `monitor`, `reference`, `reference_sketch`: OOD scores and drift; a model's reference built from images; the
   record checkpoints and manifests carry.
 - `manifest`: the export manifest every reader reads.
+- `accuracy_bounds`: how close bf16, fp16 and int8 must stay to fp32 (top-1 agreement, cosine), measured.
 - `tensorrt_engine`: a serialized TensorRT engine run on torch CUDA buffers.
 - `data`: data sets (the embedded digits, image folders, CIFAR) and their loaders.
 - `quickstart`: `vit-serve quickstart`, train -> fine-tune at 2x -> export -> serve.

@@ -20,8 +20,9 @@ L2-normalised) and "scores" ("softmax" | "sigmoid": how the head's logits become
 "token_merging" (`TokenMergingRecord`: the r merged in each layer and proportional attention, for a graph exported
 with `vit-export --tome`, whose merging runs in the graph). Issue 24 added a fourth, "reference"
 (`vit_serve.reference_sketch.Reference.to_dict`: the training data's sketch that OOD scores and drift compare with; in a
-Triton repository, on the logits model's metadata only). A reader older than them refuses such a file naming
-the key ("written by a newer vit-export?").
+Triton repository, on the logits model's metadata only). Issue 42 added a fifth, "embedding_space"
+(`vit_serve.fingerprint.EmbeddingSpace.to_dict`: what decides the vectors, and their fingerprint). A reader older
+than them refuses such a file naming the key ("written by a newer vit-export?").
 
 The rollout defaults are `vit_serve.rollout_options.DEFAULT_HEAD_FUSION` / `DEFAULT_DISCARD_RATIO`, defined once
 there. This module needs none of the math (neither `explain` nor `monitor`): only the options and types it records.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vit_serve.fingerprint import EmbeddingSpace, resample_of
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
 from vit_serve.rollout_options import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS, check_rollout_options
@@ -67,6 +69,9 @@ OUTPUT_NAMES = (LOGITS, EMBEDDING, ROLLOUT)
 # Not a graph's output: the gateway's /v2 output (and predict's column) of the OOD score it computes from the
 # logits graph's outputs for a model with a reference (`vit_serve.monitor`).
 OOD_SCORE = "ood_score"
+# The embedding space's fingerprint (`vit_serve.fingerprint`) wherever vectors are given: /embed's field, predict's
+# column, a Triton model config's parameter.
+EMBEDDING_FINGERPRINT = "embedding_fingerprint"
 
 
 # A Triton model's version folder written by `vit-export --format triton` holds the graph as Triton names it,
@@ -236,23 +241,44 @@ class RolloutSettings:
 @dataclass(frozen=True)
 class Embedding:
     """The image embedding a model gives (its "embedding" output, POST /embed): `kind` (EMBEDDING_KINDS), its
-    dimension E, and whether it is meant to be compared L2-normalised (CLIP, SigLIP: cosine similarity)."""
+    dimension E, and whether it is meant to be compared L2-normalised (CLIP, SigLIP: cosine similarity).
+    `matryoshka_dims`: the nested sizes the model was trained to be truncated to (Matryoshka representation
+    learning: the leading d dimensions, renormalised, are an embedding themselves), ascending, each at most E;
+    None: not trained so (POST /v1/embeddings refuses `dimensions` then)."""
 
     kind: str
     dim: int
     normalized: bool = False
+    matryoshka_dims: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EMBEDDING_KINDS:
             raise ValueError(f"unknown embedding kind {self.kind!r}; expected one of {', '.join(EMBEDDING_KINDS)}")
+        dims = self.matryoshka_dims
+        if dims is not None:
+            dims = tuple(dims)
+            if (not dims or any(not _is_int(d) or not 1 <= d <= self.dim for d in dims)
+                    or list(dims) != sorted(set(dims))):
+                raise ValueError(f"matryoshka_dims must be ascending whole numbers from 1 to the embedding's "
+                                 f"{self.dim}, got {list(dims)}")
+            object.__setattr__(self, "matryoshka_dims", dims)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dim": self.dim, "normalized": self.normalized}
+        d: dict[str, Any] = {"kind": self.kind, "dim": self.dim, "normalized": self.normalized}
+        if self.matryoshka_dims is not None:  # absent otherwise: manifests written before it read the same
+            d["matryoshka_dims"] = list(self.matryoshka_dims)
+        return d
 
     @classmethod
     def _read(cls, o: _Obj) -> Embedding:
-        o.unknown({"kind", "dim", "normalized"})
-        return cls(o.choice("kind", EMBEDDING_KINDS), o.int("dim"), o.bool("normalized"))
+        o.unknown({"kind", "dim", "normalized", "matryoshka_dims"})
+        dims = o.get("matryoshka_dims", lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+                     "a list of whole numbers", None, null=True)
+        try:
+            return cls(o.choice("kind", EMBEDDING_KINDS), o.int("dim"), o.bool("normalized"),
+                       None if dims is None else tuple(int(x) for x in dims))
+        except ValueError as e:
+            raise ValueError(f"{o.source}: field {o.path!r}: {e}") from None
 
 
 def embedding_of(cfg: Any) -> Embedding:
@@ -260,7 +286,8 @@ def embedding_of(cfg: Any) -> Embedding:
     `cfg.extra["embedding_kind"]` when it set one (open_clip: "encode_image"), else by family: CLIP with a
     projection "image_embeds", DINOv2 / DINOv3 / SigLIP / CLIP without one "pooler_output" (DINOv3's: the class
     token, as upstream and HF's `pooler_output`), the 2020 ViT, DeiT and the other Eva families
-    "pre_logits". Normalised: CLIP and SigLIP (their embeddings are compared by cosine)."""
+    "pre_logits". Normalised: CLIP and SigLIP (their embeddings are compared by cosine). Matryoshka sizes: a
+    converter's or trainer's `cfg.extra["matryoshka_dims"]`."""
     family = getattr(cfg, "family", "vit")
     kind = (getattr(cfg, "extra", None) or {}).get("embedding_kind")
     if kind is None:
@@ -270,7 +297,28 @@ def embedding_of(cfg: Any) -> Embedding:
             kind = "pooler_output"
         else:
             kind = "pre_logits"
-    return Embedding(kind, int(cfg.embed_dim_out), family in ("clip", "siglip"))
+    dims = (getattr(cfg, "extra", None) or {}).get("matryoshka_dims")
+    return Embedding(kind, int(cfg.embed_dim_out), family in ("clip", "siglip"),
+                     None if dims is None else tuple(int(d) for d in dims))
+
+
+def embedding_space_of(weights: str, cfg: Any, preprocess: PreprocessConfig, precision: str,
+                       token_merging: TokenMergingRecord | None = None, trained: Any = None,
+                       resample_mode: str | None = None) -> EmbeddingSpace:
+    """The `EmbeddingSpace` of a model (its config `cfg`, read by its fields, and `weights_digest` of its tensors as
+    loaded) served with `preprocess` (at its input_size), `precision` and `token_merging`. trained: the config
+    before an export resized it (`--patch-size`; default `cfg`); resample_mode: the position embedding's (default
+    the config's). The one constructor the exporter and the backends share, so that the same model at the same
+    settings gets the same fingerprint whichever of them runs it."""
+    trained = trained or cfg
+    emb = embedding_of(cfg)
+    served = preprocess.input_size
+    resample = resample_of(served, (int(trained.img_size[0]), int(trained.img_size[1])), int(cfg.patch_size),
+                           int(trained.patch_size), resample_mode or cfg.resample_mode)
+    extra = getattr(cfg, "extra", None) or {}
+    return EmbeddingSpace(weights, emb.kind, str(cfg.pool), emb.dim, preprocess.to_dict(), int(cfg.patch_size),
+                          precision, False, resample, extra.get("max_patches"),
+                          None if token_merging is None else (token_merging.r, token_merging.prop_attn))
 
 
 @dataclass(frozen=True)
@@ -521,6 +569,7 @@ class ExportManifest:
     scores: str | None = None
     token_merging: TokenMergingRecord | None = None
     reference: Reference | None = None
+    embedding_space: EmbeddingSpace | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -591,7 +640,7 @@ class ExportManifest:
             out["source_onnx"] = self.source_onnx
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt.to_dict()
-        _write_optional(out, self.embedding, self.scores, self.token_merging, self.reference)
+        _write_optional(out, self.embedding, self.scores, self.token_merging, self.reference, self.embedding_space)
         return out
 
     @classmethod
@@ -604,7 +653,7 @@ class ExportManifest:
                        "resolution", "resample_mode", "batch", "opset", "precision", "explain", "exporter",
                        "onnx_checker", "preprocess", "labels", "io", "parity", "versions", "rollout", "int8_scheme",
                        "int8", "parity_note", "source_onnx", "tensorrt", "embedding", "scores",
-                       "token_merging", "reference"})
+                       "token_merging", "reference", "embedding_space"})
         ckpt = o.obj("source_checkpoint", null=True)
         explain = o.bool("explain")
         rollout = o.obj("rollout", None, null=True)
@@ -647,8 +696,9 @@ class ExportManifest:
 
 
 def _write_optional(out: dict[str, Any], embedding: Embedding | None, scores: str | None,
-                    token_merging: TokenMergingRecord | None, reference: Reference | None = None) -> None:
-    """The optional keys issues 21, 23 and 24 added, written only when stated (older files read back as they
+                    token_merging: TokenMergingRecord | None, reference: Reference | None = None,
+                    space: EmbeddingSpace | None = None) -> None:
+    """The optional keys issues 21, 23, 24 and 42 added, written only when stated (older files read back as they
     were)."""
     if embedding is not None:
         out["embedding"] = embedding.to_dict()
@@ -658,6 +708,8 @@ def _write_optional(out: dict[str, Any], embedding: Embedding | None, scores: st
         out["token_merging"] = token_merging.to_dict()
     if reference is not None:
         out["reference"] = reference.to_dict()
+    if space is not None:
+        out["embedding_space"] = space.to_dict()
 
 
 def _read_optional(o: _Obj) -> dict[str, Any]:
@@ -668,7 +720,13 @@ def _read_optional(o: _Obj) -> dict[str, Any]:
         reference = None if ref is None else Reference.from_dict(ref.data)
     except ValueError as e:
         raise ValueError(f"{o.source}: field {o.name('reference')!r}: {e}") from e
-    return {"embedding": None if emb is None else Embedding._read(emb),
+    space = o.obj("embedding_space", None, null=True)
+    try:
+        embedding_space = None if space is None else EmbeddingSpace.from_dict(space.data)
+    except ValueError as e:
+        raise ValueError(f"{o.source}: field {o.name('embedding_space')!r}: {e}") from e
+    return {"embedding_space": embedding_space,
+            "embedding": None if emb is None else Embedding._read(emb),
             "scores": o.choice("scores", SCORES, None),
             "token_merging": None if tome is None else TokenMergingRecord._read(tome),
             "reference": reference}
@@ -761,6 +819,7 @@ class TritonMeta:
     scores: str | None = None
     token_merging: TokenMergingRecord | None = None
     reference: Reference | None = None
+    embedding_space: EmbeddingSpace | None = None
     schema_version: int = SCHEMA_VERSION
 
     _LINKS = ("explain_model", "logits_model", "classifier")
@@ -783,7 +842,7 @@ class TritonMeta:
         out.update({k: getattr(self, k) for k in self._LINKS if getattr(self, k) is not None})
         if self.tensorrt is not None:
             out["tensorrt"] = self.tensorrt
-        _write_optional(out, self.embedding, self.scores, self.token_merging, self.reference)
+        _write_optional(out, self.embedding, self.scores, self.token_merging, self.reference, self.embedding_space)
         return out
 
     def to_json(self) -> str:
@@ -799,7 +858,8 @@ class TritonMeta:
             o.unknown({VERSION_KEY, "name", "kind", "runtime", "resolution", "patch_size", "grid", "num_classes",
                        "labels", "preprocess", "rollout", "pool", "precision", "sidecar_sha256",
                        "explain_sidecar_sha256", "onnx_sha256", "source_checkpoint_sha256", "preprocess_model",
-                       *cls._LINKS, "tensorrt", "embedding", "scores", "token_merging", "reference"})
+                       *cls._LINKS, "tensorrt", "embedding", "scores", "token_merging", "reference",
+                       "embedding_space"})
         rollout = RolloutSettings._read(o.obj("rollout"))
         pool = o.str("pool")
         if rollout.pool is None:  # schema 1 kept it beside the rollout settings

@@ -11,6 +11,8 @@ Pure numpy. The pieces:
   models that give an embedding, "energy" (Liu et al., NeurIPS 2020: -logsumexp of the logits) otherwise. Chosen
   by measurement (benchmarks/monitoring.py): on the quickstart's digits model, AUROC held-out digits vs photo
   crops 0.99 for Mahalanobis against 0.96 for kNN (Sun et al. 2022), 0.91 for energy, 0.90 for max-softmax.
+- `abstain_threshold`: the zero-shot abstention's threshold on the best label's score, from the calibration
+  confidences.
 - `drift`: the window against the reference's calibration sample, one two-sample Kolmogorov-Smirnov test per
   feature (the first `PROJECTIONS` principal projections of the embedding, the confidence, the OOD score),
   Bonferroni-corrected: the "univariate KS on a low-dimensional representation" that Rabanser et al. (NeurIPS
@@ -41,6 +43,15 @@ def softmax_confidence(logits: np.ndarray, scores: str = "softmax") -> np.ndarra
         return (1.0 / (1.0 + np.exp(-z.max(-1)))).astype(np.float32)
     z = z - z.max(-1, keepdims=True)
     return (1.0 / np.exp(z).sum(-1)).astype(np.float32)
+
+
+def abstain_threshold(ref: Reference) -> float:
+    """The top-1 score below which zero-shot abstention answers "none of these": the (1 - `ref.quantile`)
+    quantile of the reference's calibration confidences (the top-1 score of each held-out in-distribution image),
+    so that the share of in-distribution images that abstain is the share the OOD flag flags (5% at 0.95)."""
+    if len(ref.confidences) == 0:
+        raise ValueError("the reference holds no calibration confidences")
+    return float(np.quantile(np.asarray(ref.confidences, np.float64), 1.0 - ref.quantile))
 
 
 def energy(logits: np.ndarray) -> np.ndarray:

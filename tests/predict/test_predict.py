@@ -22,6 +22,8 @@ from PIL import Image
 
 import vit_serve
 from vit_serve.cli import main
+from vit_serve.fingerprint import weights_digest
+from vit_serve.manifest import embedding_space_of
 from vit_serve.predict import PredictOptions, list_images, predict
 from vit_serve.predict.writers import sidecar
 from vit_serve.preprocess import PreprocessConfig, preprocess
@@ -225,9 +227,13 @@ def test_embeddings_and_rollout_maps_equal_the_librarys(ckpt, photos, tmp_path):
         _, attentions = model(x, return_attention=True)
         heat = rollout(attentions, (RES[0] // 16, RES[1] // 16), model.num_prefix_tokens, model.cfg.pool,
                        DEFAULT_HEAD_FUSION, DEFAULT_DISCARD_RATIO).map
+    # the space of these vectors, from the library's model: its weights, config and contract at fp32, not normalised
+    space = embedding_space_of(weights_digest(model.state_dict()), model.cfg, model.preprocess_cfg.with_size(*RES),
+                               "fp32")
     for i, r in enumerate(rows):
         np.testing.assert_allclose(r["embedding"], emb[i].numpy(), atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(maps[r["rollout_index"]], heat[i].numpy(), atol=1e-6)
+        assert r["embedding_fingerprint"] == space.fingerprint
 
 
 def test_normalized_embeddings_equal_timms(photos, tmp_path, randomize):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from gateway_helpers import LABELS, run, serving, settings_for
 
 import vit_serve
+from vit_serve.manifest import read_manifest
 from vit_serve.preprocess import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PreprocessConfig, preprocess
 
 timm = pytest.importorskip("timm")
@@ -124,6 +125,10 @@ def test_post_embed_equals_timm(served, ckpt, export, timm_model, photos):
         want_unit = F.normalize(torch.from_numpy(want), dim=-1).numpy()
         assert np.abs(np.array(unit.json()["embedding"]) - want_unit).max() <= TOL
         assert unit.json()["id"] == body["id"]
+        # the checkpoint served directly and its export at the same settings: one space; normalised: another
+        space = read_manifest(export.onnx).embedding_space
+        assert body["embedding_fingerprint"] == space.fingerprint
+        assert unit.json()["embedding_fingerprint"] == space.normalized_as(True).fingerprint != space.fingerprint
 
 
 def test_a_model_without_the_embedding_output_answers_400(tiny_onnx, photos):
@@ -151,6 +156,7 @@ def test_v2_embedding_output_with_tritonclient_http_and_grpc(export, timm_model,
     with live_app(settings_for(export.onnx, grpc_port=0)) as (url, app):
         meta = httpclient.InferenceServerClient(url[len("http://"):]).get_model_metadata("emb")
         assert {"name": "embedding", "datatype": "FP32", "shape": [-1, 192]} in meta["outputs"]
+        assert meta["parameters"]["embedding_fingerprint"] == read_manifest(export.onnx).embedding_space.fingerprint
         inp = httpclient.InferInput("image", [len(images)], "BYTES")
         inp.set_data_from_numpy(images, binary_data=True)
         got = httpclient.InferenceServerClient(url[len("http://"):]).infer(

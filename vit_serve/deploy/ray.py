@@ -9,9 +9,9 @@
   an `autoscaling_config`, and `ray_actor_options` (e.g. `{"num_gpus": 1}`): settings.ray's (replicas,
   max_replicas, replica_cpus, replica_gpus; VIT_SERVE_REPLICAS, --replicas, ...), or build_app's arguments, for the
   models without their own; a model's REPO/NAME/config.toml may set its own, as Ray Serve keeps them per deployment
-  (`Deployment`). Each replica loads the model with
-  `vit_serve.runtime.load` of its `LoadSpec` (torch, onnxruntime, tensorrt: MODEL's files, the discovery's choice)
-  and warms it up. The versions deployed are those the gateway's repository would serve (`select_versions`).
+  (`Deployment`). Each replica loads the model with `vit_serve.runtime.load` of its `LoadSpec` (torch,
+  onnxruntime, openvino, tensorrt: MODEL's files, the discovery's choice, a model's own runtime) and warms it
+  up. The versions deployed are those the gateway's repository would serve (`select_versions`).
 * Dynamic batching in the replica with the gateway's scheduler (`vit_serve.runtime.scheduling.runner_for`, a
   `BatchingRunner` in one model thread), up to `max_batch` images or `max_delay_ms` from the first, the model's own
   config.pbtxt limits first, as the gateway's; each request keeps its priority level and the seconds left to its
@@ -416,7 +416,11 @@ def _build(settings: ServeSettings, num_replicas: int | None = None, autoscaling
             "max_ongoing_requests": max_ongoing_requests or 2 * max_batch,
             **size.options(autoscaling_config or {}, ray_actor_options or {}),
         }
-        spec = LoadSpec.of(settings, path=str(source.path), backend=source.backend, name=entry.name, engine="local")
+        # --backend openvino runs the ONNX exports too, and a model's own runtime and precision hold, as locally.
+        backend = "openvino" if settings.backend == "openvino" and source.backend == "onnxruntime" else source.backend
+        own = {k: v for k, v in entry.config.given().items()
+               if k in ("runtime", "precision", "performance_hint", "streams", "force_precision")}
+        spec = LoadSpec.of(settings, path=str(source.path), backend=backend, name=entry.name, engine="local", **own)
         if Path(settings.model).is_dir() and resolve_backend(spec) != "torch":  # as the local repository does:
             spec = spec.replace(tome=None, compile=False, torchscript=False)  # for its checkpoints only
         models.append(MODEL_DEPLOYMENT.options(**options).bind(spec, source.version, max_batch, delay_ms))

@@ -9,6 +9,7 @@ The modules, each standing on the ones after it:
 - `ray`: the same job on Ray Data (`--engine ray`); imported only when that engine runs.
 - `batch`: one batch, whichever engine runs it: `Item`, `load_backend`, `decode_file`, `batch_tasks`,
   `split_outputs`, `compute`, `make_rows`, `Sink`.
+- `texts`: `--task embed-text`: a text file of queries through the model's text tower.
 - `options`: `PredictOptions`, one field per flag of `vit-serve predict`.
 - `writers`: JSON Lines / CSV / Parquet rows, resume, the manifest, the errors file, the rollout maps.
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vit_serve.manifest import EMBEDDING_FINGERPRINT
 from vit_serve.predict.options import PredictOptions
 from vit_serve.predict.writers import ErrorLog, RolloutFile, Row, printable
 from vit_serve.tome_schedule import parse_tome
@@ -40,12 +41,17 @@ def load_backend(source: VersionSource, opts: PredictOptions) -> LocalBackend:
     from vit_serve.runtime import LoadSpec, load
     from vit_serve.runtime.backends.base import LocalBackend
 
-    backend = load(LoadSpec(path=str(source.path), backend=source.backend, name=source.name, device=opts.device,
+    runtime = source.backend
+    if opts.backend != "auto":
+        if source.backend not in ("onnxruntime", "openvino"):
+            raise ValueError(f"--backend {opts.backend} runs exports (NAME.onnx, NAME.xml), not {source.path.name}")
+        runtime = opts.backend  # an export runs on either
+    backend = load(LoadSpec(path=str(source.path), backend=runtime, name=source.name, device=opts.device,
                             threads=opts.threads, decode=None if opts.decode == "contract" else opts.decode,
                             tome=None if opts.tome is None else parse_tome(opts.tome), compile=opts.compile,
-                            torchscript=opts.torchscript))
+                            torchscript=opts.torchscript, precision=opts.precision))
     if not isinstance(backend, LocalBackend):  # pragma: no cover - discovery yields local backends only
-        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, tensorrt)")
+        raise ValueError(f"{source.path}: predict runs local backends (torch, onnxruntime, openvino, tensorrt)")
     return backend
 
 
@@ -112,12 +118,15 @@ def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: Pred
               emb: np.ndarray | None = None, rollout_index: list[int] | None = None,
               ood: np.ndarray | None = None) -> list[Row]:
     """The rows of a batch (logits [B, K], emb [B, D], ood [B]): path, [target, target_index], labels, indices,
-    scores (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`), rollout_index, ood_score and
-    ood_flag (above the reference's threshold, as `/classify`'s "ood")]."""
+    scores (`/classify`'s top_k), and [embedding (L2-normalised with `normalize`) and embedding_fingerprint (its
+    space's, `vit_serve.fingerprint`), rollout_index, ood_score and ood_flag (above the reference's threshold, as
+    `/classify`'s "ood")]."""
     from vit_serve.runtime.postprocess import normalize_embedding, top_k
 
+    fingerprint = None
     if emb is not None:
         emb = normalize_embedding(emb, opts.normalize)  # as POST /embed?normalize=true
+        fingerprint = info.embedding_fingerprint(opts.normalize)
     rows = []
     for i, item in enumerate(items):
         best = top_k(logits[i], opts.top_k, info)
@@ -127,7 +136,7 @@ def make_rows(items: list[Item], logits: np.ndarray, info: ModelInfo, opts: Pred
         row |= {"labels": [b["label"] for b in best], "indices": [b["index"] for b in best],
                 "scores": [b["score"] for b in best]}
         if emb is not None:
-            row["embedding"] = emb[i].tolist()
+            row |= {"embedding": emb[i].tolist(), EMBEDDING_FINGERPRINT: fingerprint}
         if rollout_index is not None:
             row["rollout_index"] = rollout_index[i]
         if ood is not None and info.reference is not None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vit_serve.data import IMAGE_EXTENSIONS
+from vit_serve.manifest import EMBEDDING_FINGERPRINT
 from vit_serve.predict.batch import Item, Sink, load_backend
 from vit_serve.predict.local import run_local
 from vit_serve.predict.options import PredictOptions
@@ -198,7 +199,8 @@ def columns_of(opts: PredictOptions, ood: bool = False) -> tuple[str, ...]:
     """The optional columns of a run's rows (`ood`: the model carries a reference; "ood" stands for ood_score and
     ood_flag)."""
     return tuple(c for c, on in (("target", opts.image_folder), ("embedding", opts.embeddings),
-                                 ("rollout_index", opts.explain), ("ood", ood)) if on)
+                                 (EMBEDDING_FINGERPRINT, opts.embeddings), ("rollout_index", opts.explain),
+                                 ("ood", ood)) if on)
 
 
 def manifest_key(source: VersionSource, digest: str, opts: PredictOptions) -> dict[str, Any]:
@@ -222,6 +224,11 @@ def predict(opts: PredictOptions) -> PredictResult:
     """Run the job: list SRC, check OUT (resume or refuse), load the model, predict what is not yet written."""
     out = Path(opts.out)
     source = resolve_model(opts.model, opts.model_name)
+    if opts.task == "embed-text":
+        from vit_serve.predict.texts import predict_texts
+
+        rows, seconds = predict_texts(source, opts, model_digest(source))
+        return PredictResult(out, rows, rows, 0, [], seconds, rows)
     items = list_images(opts.src, opts.image_folder)
     key = manifest_key(source, model_digest(source), opts)
     check_manifest(out, key, opts.force)
@@ -236,7 +243,8 @@ def predict(opts: PredictOptions) -> PredictResult:
     about = {"model_path": str(source.path), "backend": info.backend, "resolution": list(info.resolution),
              "preprocess": asdict(info.preprocess), "engine": opts.engine,
              "rollout": asdict(info.resolve_rollout()) if opts.explain else None,
-             "labels": [info.label(i) for i in range(info.num_classes)]}
+             "labels": [info.label(i) for i in range(info.num_classes)],
+             **({EMBEDDING_FINGERPRINT: info.embedding_fingerprint(opts.normalize)} if opts.embeddings else {})}
     write_manifest(out, key, about)
     rollout = RolloutFile(sidecar(out, "rollout.npy"), info.grid) if opts.explain else None
     errors = ErrorLog(sidecar(out, "errors.jsonl"))

@@ -29,6 +29,10 @@ class PredictOptions:
         "a folder (recursive), a glob ('photos/**/*.jpg'), a text file of paths (one a line), one image, or with "
         "--image-folder an ImageFolder root", metavar="SRC", positional=True))
     out: str = field(metadata=_flag("preds.jsonl, preds.csv or preds.parquet (a folder of parts)"))
+    task: Literal["classify", "embed", "embed-text"] = field(default="classify", metadata=_flag(
+        "classify (default: the top-k), embed (also each image's embedding and the embedding space's "
+        "fingerprint, as --embeddings) or embed-text (SRC is a text file of queries, one a line: each embedded "
+        "by the model's text tower, with the fingerprint of the image embeddings it is compared with)"))
     model_name: str | None = field(default=None, metadata=_flag(
         "the model of a repository folder (its newest version)", name="--model", metavar="NAME"))
     top_k: int = field(default=5, metadata=_flag("classes per row (default {default})"))
@@ -38,6 +42,11 @@ class PredictOptions:
         "decode workers (default: as the gateway, max(2, min(4, cores - model threads)))"))
     processes: bool = field(default=False, metadata=_flag("decode in worker processes instead of threads"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_flag("default {default}"))
+    backend: Literal["auto", "onnxruntime", "openvino"] = field(default="auto", metadata=_flag(
+        "the runtime of an export: auto (as discovered: NAME.onnx onnxruntime, an IR NAME.xml openvino), "
+        "onnxruntime or openvino (default {default})"))
+    precision: Literal["auto", "f32", "bf16", "f16", "int8"] = field(default="auto", metadata=_flag(
+        "OpenVINO's inference precision, behind the accuracy gate (as serve --precision; default {default})"))
     threads: int | None = field(default=None, metadata=_flag(
         "intra-op threads of the model runtime (default: its own)"))
     tome: str | None = field(default=None, metadata=_flag(
@@ -90,8 +99,13 @@ class PredictOptions:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.tome is not None:
             parse_tome(self.tome)  # ValueError with the accepted forms
-        if self.normalize and not self.embeddings:
+        if self.task == "embed":
+            object.__setattr__(self, "embeddings", True)  # the task is the embedding column (and its fingerprint)
+        if self.normalize and not self.embeddings and self.task != "embed-text":
             raise ValueError("--normalize applies to --embeddings; add --embeddings")
+        if self.task == "embed-text" and (self.explain or self.image_folder or self.engine != "local"):
+            raise ValueError("--task embed-text embeds a text file's lines: not with --explain, --image-folder or "
+                             "--engine ray")
         for name, hint in typing.get_type_hints(PredictOptions).items():
             allowed = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
             if allowed is not None and getattr(self, name) not in allowed:

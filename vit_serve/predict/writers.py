@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from vit_serve.manifest import OOD_SCORE
+from vit_serve.manifest import EMBEDDING_FINGERPRINT, OOD_SCORE
 
 FORMATS = {".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 MANIFEST_VERSION = 1
@@ -199,7 +199,7 @@ class CsvWriter(_LineWriter):
     def header(self) -> list[str]:
         ranks = [f"{c}_{i}" for i in range(1, self.top_k + 1) for c in ("label", "index", "score")]
         head = [c for c in ("target", "target_index") if c in self.columns]
-        tail = [c for c in ("embedding", "rollout_index") if c in self.columns] + (
+        tail = [c for c in ("embedding", EMBEDDING_FINGERPRINT, "rollout_index") if c in self.columns] + (
             list(OOD_COLUMNS) if "ood" in self.columns else [])
         return ["path", *head, *ranks, *tail]
 
@@ -229,7 +229,7 @@ class CsvWriter(_LineWriter):
                      for v in (lab, i, "" if _finite(s) is None else repr(s))]
             head = [r[c] for c in ("target", "target_index") if c in self.columns]
             tail = [json.dumps(r["embedding"]) if c == "embedding" else r[c]
-                    for c in ("embedding", "rollout_index") if c in self.columns] + (
+                    for c in ("embedding", EMBEDDING_FINGERPRINT, "rollout_index") if c in self.columns] + (
                 [r[c] for c in OOD_COLUMNS] if "ood" in self.columns else [])
             records.append([r["path"], *head, *ranks, *tail])
         return self._csv(records)
@@ -246,6 +246,8 @@ def parquet_schema(columns: tuple[str, ...]):
                pa.field("scores", pa.list_(pa.float64()))]
     if "embedding" in columns:
         fields.append(pa.field("embedding", pa.list_(pa.float32())))
+    if EMBEDDING_FINGERPRINT in columns:
+        fields.append(pa.field(EMBEDDING_FINGERPRINT, pa.string()))
     if "rollout_index" in columns:
         fields.append(pa.field("rollout_index", pa.int64()))
     if "ood" in columns:

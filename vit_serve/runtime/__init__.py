@@ -5,8 +5,8 @@ gRPC), `vit_serve.predict` and `vit_serve.deploy` build on it; it imports none o
 Modules:
 
 * `spec`: `LoadSpec` (one model to load), which backend it means and the checks made before loading.
-* `backends/`: `load`, and one module per backend (torch, onnxruntime, tensorrt, triton, ray; each imported only
-  when it is loaded) behind `backends.base` (`Backend`, `LocalBackend`, `RemoteBackend`, `ModelInfo`);
+* `backends/`: `load`, and one module per backend (torch, onnxruntime, openvino, tensorrt, triton, ray; each
+  imported only when it is loaded) behind `backends.base` (`Backend`, `LocalBackend`, `RemoteBackend`, `ModelInfo`);
   `backends.sidecar` reads an export's manifest.
 * `task`: `Task` (classify, explain, embed, grad_rollout) and `Outputs`.
 * `discovery`: what a repository holds (`scan`), the version policy (`VersionPolicy`, `select_versions`).
@@ -27,6 +27,8 @@ Modules:
 * `batch_curve`: what batching buys a backend (time per image at each batch size, measured at warm-up).
 * `runtime_choice`: which runtime serves a model, chosen by measurement at load (the table, the chooser).
 * `torch_forwards`: what a checkpoint's classify / embed can run on besides eager, and the choice among them.
+* `accuracy_gate`: a reduced precision against fp32 on real photos at load (top-1 agreement, cosine), refused
+  with the numbers when it misses its bounds unless forced.
 * `payload_sampler`: an opt-in sample of what is served (Parquet parts or a Redis stream).
 * `password_file`: a password read from a mounted file.
 * `metrics`: the labels and buckets every model metric shares.

@@ -28,6 +28,7 @@ version folder, two files claiming one name) is listed with the reason, and is n
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -173,7 +174,7 @@ class VersionSource:
     name: str
     version: int
     path: Path
-    backend: Literal["torch", "onnxruntime", "tensorrt", "triton"]
+    backend: Literal["torch", "onnxruntime", "openvino", "tensorrt", "triton"]
     fingerprint: str = ""
 
 
@@ -219,11 +220,18 @@ class TritonConfig:
     shadow: tuple[int, float] | None = None  # the "shadow" parameter: (version, share in percent)
 
 
-def backend_for(path: Path) -> Literal["torch", "onnxruntime", "tensorrt"] | None:
-    """Which backend serves this file (None: not a model file)."""
+def backend_for(path: Path) -> Literal["torch", "onnxruntime", "openvino", "tensorrt"] | None:
+    """Which backend serves this file (None: not a model file). An OpenVINO IR `NAME.xml` is a model of its own
+    (openvino) unless `NAME.onnx` is beside it, whose companion it is (`--backend openvino` serves it then); its
+    weights `NAME.bin` are no checkpoint."""
     suffix = path.suffix.lower()
     if suffix == ".onnx":  # the explain graph and the text tower are companions of NAME.onnx, not models
         return None if path.stem.endswith((EXPLAIN_SUFFIX, TEXT_SUFFIX)) else "onnxruntime"
+    if suffix == ".xml":
+        companion = path.stem.endswith((EXPLAIN_SUFFIX, TEXT_SUFFIX)) or path.with_suffix(".onnx").is_file()
+        return None if companion or not find_manifest(path).is_file() else "openvino"
+    if suffix == ".bin" and path.with_suffix(".xml").is_file():
+        return None
     if suffix in ENGINE_SUFFIXES:
         return "tensorrt"
     if suffix in CHECKPOINT_SUFFIXES:
@@ -280,6 +288,8 @@ def read_triton_config(path: Path) -> TritonConfig:
         db = config.dynamic_batching
         limits = ModelConfig(max_batch=limits.max_batch, max_delay_ms=db.max_queue_delay_microseconds / 1e3,
                              max_queue=db.default_queue_policy.max_queue_size or None, instances=instances)
+    if config.backend == "openvino":  # Triton's OpenVINO backend: the gateway runs the model on OpenVINO too
+        limits = dataclasses.replace(limits, runtime="openvino")
     meta = None
     if "vit_serve" in config.parameters:
         as_json: dict[str, Any] = {"parameters": {"vit_serve": {
@@ -412,11 +422,12 @@ def _write_skip_reasons(entries: dict[str, ModelEntry]) -> None:
             e.error = _skip_reason(e.skipped, e.meta, onnx.get(e.meta.name) if e.meta else None)
 
 
-def _one_file(name: str, path: Path, backend: Literal["torch", "onnxruntime", "tensorrt"]) -> ModelEntry:
+def _one_file(name: str, path: Path, backend: Literal["torch", "onnxruntime", "openvino", "tensorrt"]
+              ) -> ModelEntry:
     """Model `name`, version 1: the file, fingerprinted with its manifest, explain twin and text tower."""
     text = text_path_of(path)
     companions = [path, path.with_suffix(".json"), path.with_name(f"{path.stem}{EXPLAIN_SUFFIX}.onnx"), text,
-                  text_manifest_path(text)]
+                  text_manifest_path(text), path.with_suffix(".xml"), path.with_suffix(".bin")]
     return ModelEntry(name, {1: VersionSource(name, 1, path, backend, fingerprint(companions))})
 
 

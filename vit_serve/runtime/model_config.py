@@ -9,6 +9,8 @@ config.toml wins. A config.toml holds these field names at its top level, e.g.
     max_delay_ms = 2.0
     instances = 2
     threads = 1
+    runtime = "openvino"  # what runs its ONNX exports: onnxruntime (NAME.onnx's default) or openvino
+    precision = "auto"    # openvino: auto, f32, bf16, f16, int8 (behind the accuracy gate)
     decode = "exact"
     monitoring = false
     replicas = 2          # on Ray Serve (--engine ray): this model's deployment
@@ -54,10 +56,11 @@ class ModelConfig:
     """A model's own settings (None: the server's). Limits and batching: max_batch, max_delay_ms, max_queue,
     request_timeout_s, retry_after_s, max_images_per_request, batch_curve, batch_curve_budget_s; instances;
     compute: threads, intra_op_spinning, device, compile, torchscript, tome, choose_runtime,
-    choose_runtime_budget_s, pin_runtime; decode ("fast", "exact" or
-    "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy (which versions are
-    served); on Ray Serve, its deployment's replicas, max_replicas (autoscaling), replica_cpus and replica_gpus
-    (`deployment`). Each means what the server setting of the same name means."""
+    choose_runtime_budget_s, pin_runtime; the runtime of its exports
+    (onnxruntime or openvino) and OpenVINO's precision, performance_hint, streams and force_precision; decode
+    ("fast", "exact" or "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy
+    (which versions are served); on Ray Serve, its deployment's replicas, max_replicas (autoscaling),
+    replica_cpus and replica_gpus (`deployment`). Each means what the server setting of the same name means."""
 
     max_batch: Annotated[int, Field(ge=0)] | None = None
     max_delay_ms: Annotated[float, Field(ge=0)] | None = None
@@ -77,6 +80,11 @@ class ModelConfig:
     choose_runtime_budget_s: Annotated[float, Field(gt=0)] | None = None
     pin_runtime: str | None = None
     tome: str | None = None
+    runtime: Literal["onnxruntime", "openvino"] | None = None
+    precision: Literal["auto", "f32", "bf16", "f16", "int8"] | None = None
+    performance_hint: Literal["latency", "throughput"] | None = None
+    streams: Annotated[int, Field(ge=1)] | None = None
+    force_precision: bool | None = None
     decode: Literal["fast", "exact", "contract"] | None = None
     monitoring: bool | None = None
     drift_window: Annotated[int, Field(ge=1)] | None = None
@@ -109,6 +117,8 @@ class ModelConfig:
     def spec(self, spec: S) -> S:
         """`spec` (the server's, for this model) with this model's compute and decoding in their place."""
         changes: dict[str, Any] = {k: getattr(self, k) for k in ("threads", "compile", "torchscript", "device",
+                                                                 "runtime", "precision", "performance_hint",
+                                                                 "streams", "force_precision",
                                                                  "choose_runtime", "pin_runtime")
                                    if getattr(self, k) is not None}
         if self.choose_runtime_budget_s is not None:

@@ -15,15 +15,15 @@ import numpy as np
 
 from vit_serve.embedding import l2_normalize
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT
-from vit_serve.runtime.task import GRID
+from vit_serve.runtime.task import COSINE, GRID, PATCH_TOKENS, REST
 
 if TYPE_CHECKING:
     from vit_serve.manifest import RolloutSettings
     from vit_serve.runtime.backends.base import ModelInfo
     from vit_serve.runtime.task import Outputs
 
-__all__ = ["Answer", "Explanation", "Ood", "Prediction", "Shape", "answer", "by_labels", "l2_normalize",
-           "normalize_embedding", "predictions", "rollout_payload", "rollout_query", "scores", "top_k"]
+__all__ = ["Abstention", "Answer", "Explanation", "Ood", "Prediction", "Shape", "abstain", "answer", "by_labels",
+           "l2_normalize", "normalize_embedding", "predictions", "rollout_payload", "rollout_query", "scores", "top_k"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,24 @@ class Ood:
 
 
 @dataclass(frozen=True)
+class Abstention:
+    """Zero-shot abstention (?labels=&abstain=true): the best label's `score`, the `threshold` it was compared
+    with and where that came from ("request" or "reference"), and whether the answer is "none of these"."""
+
+    abstained: bool
+    score: float
+    threshold: float
+    source: str
+
+
+def abstain(answer: Answer, threshold: float, source: str) -> Answer:
+    """The answer with its abstention: "none of these" when its best label's score is below `threshold` (NaN
+    abstains)."""
+    best = answer.predictions[0].score if answer.predictions else float("nan")
+    return dataclasses.replace(answer, abstention=Abstention(not best >= threshold, best, threshold, source))
+
+
+@dataclass(frozen=True)
 class Explanation:
     """An attention map [gh, gw] and how it was made (`rollout_payload` writes it as the answers do)."""
 
@@ -56,13 +74,20 @@ class Explanation:
     heat: np.ndarray
     query: str
     grid: Any
+    # a similarity map's cosine and the part of it no patch holds (method "similarity"; None otherwise)
+    cosine: float | None = None
+    rest: float | None = None
 
     def payload(self) -> dict[str, Any]:
-        """{"method", "head_fusion", "discard_ratio", "query", "grid", "map"}, as GET /explain?format=json."""
+        """{"method", "head_fusion", "discard_ratio", "query", "grid", "map"} (and "cosine", "rest" for a
+        similarity map), as GET /explain?format=json."""
         r = self.rollout
-        return {"method": self.method, "head_fusion": r.head_fusion if r is not None else None,
-                "discard_ratio": r.discard_ratio if r is not None else None, "query": self.query,
-                "grid": self.grid, "map": self.heat.tolist()}
+        out = {"method": self.method, "head_fusion": r.head_fusion if r is not None else None,
+               "discard_ratio": r.discard_ratio if r is not None else None, "query": self.query,
+               "grid": self.grid, "map": self.heat.tolist()}
+        if self.cosine is not None:
+            out.update(cosine=self.cosine, rest=self.rest)
+        return out
 
 
 @dataclass(frozen=True)
@@ -76,6 +101,8 @@ class Answer:
     explanation: Explanation | None = None
     ood: Ood | None = None
     tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+    patch_tokens: np.ndarray | None = None  # [gh * gw, D]: /embed?tokens=patch
+    abstention: Abstention | None = None  # /classify?labels=&abstain=true
 
     def prediction_dicts(self) -> list[dict[str, Any]]:
         """The predictions as the answers' {"label", "index", "score"} objects."""
@@ -95,6 +122,7 @@ class Shape:
     embedding: bool = False
     normalize: bool = False
     tensors: tuple[str, ...] = ()
+    patch_tokens: bool = False
 
 
 def answer(outputs: Outputs, info: ModelInfo, shape: Shape, ood: Ood | None = None) -> Answer:
@@ -110,8 +138,13 @@ def answer(outputs: Outputs, info: ModelInfo, shape: Shape, ood: Ood | None = No
             grid = tuple(int(v) for v in outputs[GRID][0])
             heat = heat[:grid[0] * grid[1]].reshape(grid)
         explanation = Explanation(shape.explain, shape.rollout, heat, rollout_query(info.pool), grid)
+        if COSINE in outputs:
+            explanation = dataclasses.replace(explanation, cosine=float(outputs[COSINE][0]),
+                                              rest=float(outputs[REST][0]))
     embedding = normalize_embedding(outputs[EMBEDDING][0], shape.normalize) if shape.embedding else None
-    return Answer(found or (), embedding, explanation, ood, {name: outputs[name] for name in shape.tensors})
+    tokens = outputs[PATCH_TOKENS][0] if shape.patch_tokens else None
+    return Answer(found or (), embedding, explanation, ood, {name: outputs[name] for name in shape.tensors},
+                  tokens)
 
 
 def by_labels(logits: np.ndarray, labels: list[str], k: int, kind: str) -> Answer:

@@ -1,10 +1,11 @@
 """What loading one model needs (`LoadSpec`), and which backend a spec means (`resolve_backend`, `check`).
 
 `vit_serve.runtime.load(spec)` (`runtime.backends.load`) builds the backend. `--backend auto` means, for a path:
-`.onnx` -> onnxruntime, `.engine` / `.plan` / `.trt` -> tensorrt, anything else -> torch (a checkpoint file,
-folder or hub id). A model on a Triton server needs backend "triton" (the path is then its name there, "" for
-all of them). With engine "ray" the backend is a handle on the Ray Serve deployment that loads the model with
-the backend above (`vit_serve.deploy.ray`).
+`.onnx` -> onnxruntime, `.xml` (an OpenVINO IR) -> openvino, `.engine` / `.plan` / `.trt` -> tensorrt, anything
+else -> torch (a checkpoint file, folder or hub id); `--backend openvino` also serves NAME.onnx. A model on a
+Triton server needs backend "triton" (the path is then its name there, "" for all of them). With engine "ray" the
+backend is a handle on the Ray Serve deployment that loads the model with the backend above
+(`vit_serve.deploy.ray`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from vit_serve.runtime.discovery import CHECKPOINT_SUFFIXES, ENGINE_SUFFIXES
 from vit_serve.runtime.settings import RunnerLimits, TritonClientSettings
 from vit_serve.tome_schedule import TomeR, parse_tome
 
-BackendChoice = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
+BackendChoice = Literal["auto", "torch", "onnxruntime", "openvino", "tensorrt", "triton"]
+PrecisionChoice = Literal["auto", "f32", "bf16", "f16", "int8"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class LoadSpec:
     TorchScript trace instead, which runs without Python's GIL (`runtime.backends.torch.torchscript_forward`;
     not both). spinning: onnxruntime's
     intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
+    runtime: what runs an ONNX export (onnxruntime or openvino; None: by the file, `resolve_backend`).
+    OpenVINO (`runtime.backends.openvino.OpenVINOOptions`): precision ("auto": the plugin's native), performance
+    hint, streams, cache_dir (its compiled-model cache; None: the default folder, "": none) and force_precision (serve
+    a precision that missed its accuracy bounds).
     choose_runtime: time the runtimes installed for this model at load (within
     `choice_budget_s`, at batch 1 and `limits.max_batch`) and serve the fastest that meets its accuracy bounds
     (`runtime.runtime_choice`); pin_runtime ("runtime" or "runtime:precision", e.g. "onnxruntime", "eager"):
@@ -60,6 +66,12 @@ class LoadSpec:
     compile: bool = False
     torchscript: bool = False
     spinning: bool = False
+    runtime: Literal["onnxruntime", "openvino"] | None = None
+    precision: PrecisionChoice = "auto"
+    performance_hint: Literal["latency", "throughput"] = "latency"
+    streams: int | None = None
+    cache_dir: str | None = None
+    force_precision: bool = False
     choose_runtime: bool = False
     choice_budget_s: float = 10.0
     pin_runtime: str | None = None
@@ -68,12 +80,17 @@ class LoadSpec:
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
         device, threads, decode, triton and limits groups, otel, engine, tome, compile, torchscript,
-        intra_op_spinning, choose_runtime, choose_runtime_budget_s, pin_runtime), with `changes`."""
+        intra_op_spinning, runtime, precision, performance_hint, streams, openvino_cache_dir, force_precision,
+        choose_runtime, choose_runtime_budget_s, pin_runtime), with `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
                    tome=None if settings.tome is None else parse_tome(settings.tome), compile=settings.compile,
                    torchscript=settings.torchscript, spinning=settings.intra_op_spinning,
+                   runtime=settings.runtime, precision=settings.precision,
+                   performance_hint=settings.performance_hint,
+                   streams=settings.streams, cache_dir=settings.openvino_cache_dir,
+                   force_precision=settings.force_precision,
                    choose_runtime=settings.choose_runtime, choice_budget_s=settings.choose_runtime_budget_s,
                    pin_runtime=settings.pin_runtime)
         return dataclasses.replace(spec, **changes) if changes else spec
@@ -100,6 +117,12 @@ class SettingsLike(Protocol):
     tome: str | None
     compile: bool
     torchscript: bool
+    runtime: str | None
+    precision: str
+    performance_hint: str
+    streams: int | None
+    openvino_cache_dir: str | None
+    force_precision: bool
     choose_runtime: bool
     choose_runtime_budget_s: float
     pin_runtime: str | None
@@ -113,12 +136,17 @@ BOTH_FORWARDS = "--compile and --torchscript both replace the eager forward: cho
 
 
 def resolve_backend(spec: LoadSpec) -> str:
-    """The backend `spec.backend` means for its path ("auto": by the suffix)."""
+    """The backend `spec.backend` means for its path ("auto": by the suffix); an ONNX export's is `spec.runtime`
+    when one is set."""
+    suffix = Path(spec.path).suffix.lower()
+    if spec.runtime is not None and spec.backend in ("auto", "onnxruntime", "openvino") and suffix == ".onnx":
+        return spec.runtime
     if spec.backend != "auto":
         return spec.backend
-    suffix = Path(spec.path).suffix.lower()
     if suffix == ".onnx":
         return "onnxruntime"
+    if suffix == ".xml":
+        return "openvino"
     if suffix in ENGINE_SUFFIXES:
         return "tensorrt"
     return "torch"
@@ -139,7 +167,7 @@ def check(spec: LoadSpec) -> str:
                          "VIT_SERVE_MODEL")
     backend = resolve_backend(spec)
     path = Path(spec.path)
-    is_file = backend in ("onnxruntime", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES
+    is_file = backend in ("onnxruntime", "openvino", "tensorrt") or path.suffix.lower() in CHECKPOINT_SUFFIXES
     if backend != "triton" and not path.exists():
         from vit_serve.checkpoints.hub import missing_path, parse_hub_id  # lazy: the checkpoint readers are heavy
 
@@ -151,7 +179,7 @@ def check(spec: LoadSpec) -> str:
         what = path.name or "a Triton model"
         raise ValueError(f"--tome sets token merging on checkpoints (the torch backend); {what} runs the merging "
                          "it was exported with: export it with vit-export --tome R")
-    not_checkpoint = backend != "torch" or path.suffix.lower() in (".onnx", *ENGINE_SUFFIXES)
+    not_checkpoint = backend != "torch" or path.suffix.lower() in (".onnx", ".xml", *ENGINE_SUFFIXES)
     if spec.compile and not_checkpoint:
         raise ValueError(_COMPILE_REFUSAL.format(what=path.name, backend=backend))
     if spec.torchscript and not_checkpoint:
@@ -160,6 +188,13 @@ def check(spec: LoadSpec) -> str:
         raise ValueError(BOTH_FORWARDS)
     if backend == "onnxruntime" and path.suffix.lower() != ".onnx":
         raise ValueError(f"--backend onnxruntime serves an exported NAME.onnx (with NAME.json), not {path.name}")
+    if backend == "openvino":
+        if path.suffix.lower() not in (".onnx", ".xml"):
+            raise ValueError(f"--backend openvino serves an exported NAME.onnx or an OpenVINO IR NAME.xml (with "
+                             f"NAME.json), not {path.name}")
+        from vit_serve.runtime.backends.openvino import require_openvino
+
+        require_openvino()
     if backend == "tensorrt":
         from vit_serve.runtime.backends.tensorrt import require_tensorrt
 

@@ -16,14 +16,17 @@ import numpy as np
 from vit_serve.manifest import RolloutSettings
 
 Outputs = dict[str, np.ndarray]
-TaskKind = Literal["classify", "explain", "embed", "grad_rollout"]
+TaskKind = Literal["classify", "explain", "embed", "grad_rollout", "similarity", "patch_tokens"]
 
 
 @dataclass(frozen=True)
 class Task:
     """classify: logits; explain: logits + attention rollout with `rollout`; embed: logits + embedding (not
     normalised); grad_rollout: gradient-weighted rollout of class `target` (None: each image's top-1; the torch
-    backend only)."""
+    backend only); similarity: the map of each image's cosine with `query` (or with the zero-shot head's row
+    `target`) over its patches, times the rollout with `rollout` set ("rollout" [B, gh, gw], "cosine" [B], "rest"
+    [B]; `vit_serve.similarity`, the torch backend only); patch_tokens: block `layer`'s patch tokens [B, gh * gw,
+    D] ("patch_tokens", beside logits and embedding; the torch backend only)."""
 
     kind: TaskKind = "classify"
     rollout: RolloutSettings | None = None
@@ -32,9 +35,13 @@ class Task:
     # requests of one budget share a batch (classify, embed and explain: its "rollout" is then [B, max_patches],
     # each image's map row-major over its own grid, which "grid" [B, 2] gives).
     max_patches: int | None = None
+    query: tuple[float, ...] | None = None
+    layer: int | None = None
 
 
 GRID = "grid"  # NaFlex explain: each image's patch grid (h, w), beside its flat "rollout"
+COSINE, REST = "cosine", "rest"  # similarity: the image's cosine with the query, and the part no patch holds
+PATCH_TOKENS = "patch_tokens"
 
 
 CLASSIFY = Task()

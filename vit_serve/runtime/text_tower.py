@@ -243,18 +243,24 @@ class TextTower:
     chunk size and queue size)."""
 
     def __init__(self, onnx_path: str | Path, cache_size: int | None = None, device: str = "cpu",
-                 threads: int | None = None, limits: zero_shot.LabelLimits | None = None) -> None:
-        import onnxruntime as ort
-
-        from vit_serve.runtime.backends.onnxruntime import session_options, session_providers
-
+                 threads: int | None = None, limits: zero_shot.LabelLimits | None = None,
+                 runtime: str = "onnxruntime") -> None:
         self.path = Path(onnx_path)
         manifest = TextTowerManifest.read(self.path)
-        opts = session_options(threads)
-        try:
-            self.session = ort.InferenceSession(str(self.path), opts, providers=session_providers(device))
-        except Exception as e:  # onnxruntime's own exception types
-            raise ValueError(f"onnxruntime cannot load {self.path.name}: {' '.join(str(e).split())}") from e
+        if runtime == "openvino":  # beside an image model on OpenVINO (`runtime.backends.openvino.GraphSession`)
+            from vit_serve.runtime.backends.openvino import GraphSession
+
+            self.session = GraphSession(self.path, threads)
+        else:
+            import onnxruntime as ort
+
+            from vit_serve.runtime.backends.onnxruntime import session_options, session_providers
+
+            try:
+                self.session = ort.InferenceSession(str(self.path), session_options(threads),
+                                                    providers=session_providers(device))
+            except Exception as e:  # onnxruntime's own exception types
+                raise ValueError(f"onnxruntime cannot load {self.path.name}: {' '.join(str(e).split())}") from e
         self._setup(manifest, _tokenizer(manifest, self.path), cache_size, limits)
 
     @classmethod
@@ -365,6 +371,30 @@ class TextTower:
                 found[label] = row
                 self.cache.put(label, row, job.scope)
         return np.stack([found[label] for label in job.labels])
+
+    def submit_texts(self, texts: list[str], priority: int = 1, deadline: float | None = None
+                     ) -> concurrent.futures.Future:
+        """Encode `texts` themselves (no templates, not cached: POST /v1/embeddings) in the tower's thread, a
+        chunk at a time as a request's labels: a future of text_embeds [n, E] float32 (not normalised; TextTooLongError
+        for a text over the context length); QueueFullError when the queue is full."""
+        return self.scheduler.submit(self._text_steps(list(texts)), priority, deadline)
+
+    def _text_steps(self, texts: list[str]) -> Iterator[None]:
+        embeds: np.ndarray | None = None
+        for start in range(0, len(texts), self.chunk_size):
+            chunk = self.embed_texts(texts[start:start + self.chunk_size], strict=True)
+            if embeds is None:
+                embeds = np.empty((len(texts), chunk.shape[1]), np.float32)
+            embeds[start:start + len(chunk)] = chunk
+            if start + self.chunk_size < len(texts):
+                yield
+        assert embeds is not None
+        return embeds
+
+    def count_tokens(self, text: str) -> int:
+        """The tokens `text` is (its start and end tokens included); TextTooLongError beyond the context length or
+        for a word too long for the BPE."""
+        return self.tokenizer.check(text)
 
     def _encode(self, ids: np.ndarray) -> np.ndarray:
         """input_ids [n, L] -> text_embeds [n, E]: the ONNX graph (a checkpoint's tower replaces this)."""

@@ -36,7 +36,7 @@ Requests:
 - `hangup`: a client that left cancels its work.
 - `middleware`: request ids, metrics, the 500 boundary, the body limit.
 - `schemas`: response bodies, the strict JSON encoder.
-- `errors`: runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 envelope.
+- `errors`: runtime errors -> HTTP statuses and gRPC codes, in one table; the /v2 and /v1 envelopes.
 - `tracing`, `metrics`: OpenTelemetry; Prometheus.
 
 Callers:
@@ -52,6 +52,11 @@ The Open Inference Protocol:
 - `v2_model`: what HTTP /v2 and gRPC share: a model's metadata, what a request asks of a version, its outputs
   shaped from the answer.
 - `grpc`: the gRPC service.
+
+OpenAI's embeddings API:
+
+- `openai_schema`: its request, response and error bodies; a request's items (texts, data-URI images).
+- `embeddings`: one /v1/embeddings request: texts through the text tower, images through the batcher.
 
 Folders:
 

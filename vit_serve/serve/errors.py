@@ -4,7 +4,8 @@
 The runtime raises its own errors (`vit_serve.runtime.errors`, which know no protocol); the gateway raises the
 classes below, one per answer, each a runtime error as well (a `GatewayError` takes `headers` as it always did).
 Under /v2 (`V2`: the Open Inference Protocol's router group, routes.v2) errors answer `{"error": message}`, the
-protocol's error body; elsewhere FastAPI's `{"detail": message}`: `envelope(scope)` chooses, for the exception
+protocol's error body; under /v1 (OpenAI's embeddings API, routes.openai) OpenAI's `{"error": {"message", "type",
+"param", "code"}}`; elsewhere FastAPI's `{"detail": message}`: `envelope(scope)` chooses, for the exception
 handlers here and for the middleware that answers before routing (the key check, the body limit). Anything
 unexpected is logged and answered 500 by `ErrorBoundary` (middleware).
 """
@@ -24,6 +25,7 @@ from starlette.types import Scope
 
 from vit_serve.runtime import errors as runtime
 from vit_serve.runtime.errors import BackendUnavailableError, ServingError
+from vit_serve.serve.openai_schema import V1, error_body
 from vit_serve.serve.schemas import StrictJSONResponse
 
 if TYPE_CHECKING:
@@ -183,15 +185,17 @@ V2 = "/v2"  # the Open Inference Protocol's sub-tree (routes.v2's router prefix)
 @dataclass(frozen=True)
 class Envelope:
     """How an error answer's JSON body carries its message: under `key` ("detail": FastAPI's, "error": the Open
-    Inference Protocol's); `flat`: always one line of text (an HTTPException's detail, validation errors)."""
+    Inference Protocol's); `flat`: always one line of text (an HTTPException's detail, validation errors);
+    `invalid_status`: the status of a body that fails validation."""
 
     key: str
     flat: bool
+    invalid_status: int = 422
 
-    def body(self, message: str) -> dict[str, str]:
+    def body(self, message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
         return {self.key: message}
 
-    def http(self, detail: Any) -> dict[str, Any]:
+    def http(self, detail: Any, status: int = 400) -> dict[str, Any]:
         """An HTTPException's detail (any JSON value FastAPI allows; its text when flat)."""
         return {self.key: str(detail) if self.flat else detail}
 
@@ -199,18 +203,43 @@ class Envelope:
         """Validation errors: "loc: msg; ..." when flat, else FastAPI's list minus the echoed input (it may be a
         large or binary body)."""
         if self.flat:
-            return {self.key: "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)}
+            return {self.key: _flat(errors)}
         return {self.key: [{k: v for k, v in e.items() if k not in ("input", "ctx", "url")} for e in errors]}
+
+
+def _flat(errors: Sequence[dict[str, Any]]) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
+
+
+@dataclass(frozen=True)
+class OpenAIEnvelope(Envelope):
+    """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}` (`openai_schema.error_body`); a body
+    that fails validation is a 400, as OpenAI answers it."""
+
+    def body(self, message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+        return error_body(message, status, param)
+
+    def http(self, detail: Any, status: int = 400) -> dict[str, Any]:
+        return error_body(str(detail), status)
+
+    def invalid(self, errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        loc = [str(p) for p in errors[0]["loc"] if p != "body"] if errors else []
+        return error_body(_flat(errors), 400, ".".join(loc) or None)
 
 
 DETAIL = Envelope("detail", flat=False)
 OPEN_INFERENCE = Envelope("error", flat=True)
+OPENAI = OpenAIEnvelope("error", flat=True, invalid_status=400)
 
 
 def envelope(scope: Scope) -> Envelope:
     """The envelope of an error answer to `scope`, by its routed path (--root-path and mounts left out): /v2's
-    for anything under /v2, routed or not (an unknown path there, a 413 before routing), FastAPI's elsewhere."""
-    return OPEN_INFERENCE if get_route_path(scope).startswith(V2) else DETAIL
+    for anything under /v2, routed or not (an unknown path there, a 413 before routing), OpenAI's under /v1,
+    FastAPI's elsewhere."""
+    path = get_route_path(scope)
+    if path.startswith(V2):
+        return OPEN_INFERENCE
+    return OPENAI if path == V1 or path.startswith(V1 + "/") else DETAIL
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -218,13 +247,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServingError)
     async def _serving(request: Request, exc: ServingError) -> StrictJSONResponse:
-        body = envelope(request.scope).body(client_message(exc))
-        return StrictJSONResponse(body, http_status(exc), headers=error_headers(exc))
+        status = http_status(exc)
+        body = envelope(request.scope).body(client_message(exc), status, getattr(exc, "param", None))
+        return StrictJSONResponse(body, status, headers=error_headers(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> StrictJSONResponse:
-        return StrictJSONResponse(envelope(request.scope).http(exc.detail), exc.status_code, headers=exc.headers)
+        body = envelope(request.scope).http(exc.detail, exc.status_code)
+        return StrictJSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
-        return StrictJSONResponse(envelope(request.scope).invalid(exc.errors()), 422)
+        chosen = envelope(request.scope)
+        return StrictJSONResponse(chosen.invalid(exc.errors()), chosen.invalid_status)

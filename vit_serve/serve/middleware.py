@@ -159,7 +159,7 @@ class ErrorBoundary:
             log.exception("unhandled error in %s %s", loggable(scope["method"]), loggable(scope["path"]))
             if started:
                 raise
-            body = envelope(scope).body("internal server error; the gateway logged it")
+            body = envelope(scope).body("internal server error; the gateway logged it", 500)
             await JSONResponse(body, 500)(scope, receive, send)
 
 
@@ -178,7 +178,7 @@ class BodyLimit:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.limit:
-                    body = envelope(scope).body(body_limit_message(self.limit))
+                    body = envelope(scope).body(body_limit_message(self.limit), 413)
                     await JSONResponse(body, 413, headers={"Connection": "close"})(scope, receive, send)
                     return
                 break

@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from vit_serve.explain import HEAD_FUSIONS
+from vit_serve.monitor import abstain_threshold
 from vit_serve.runtime import batch_curve
 from vit_serve.runtime.backends.base import Backend, ModelInfo, RemoteBackend
 from vit_serve.runtime.decode import Decoded
@@ -56,6 +57,7 @@ class ModelVersion:
         self.decoder = decoder  # its uploads: the decode pool or the GPU, its contract's crops
         self.fingerprint = fingerprint  # of the files it was loaded from (discovery.fingerprint)
         self.memory_bytes: int | None = None  # RSS it took to load and warm up
+        self.loaded_at = time.time()  # Unix seconds (GET /v1/models' `created`)
         self.status = VersionStatus(self.label)  # its phase: changed only by warm_up, warm_up_soon and close
         self.text = text  # its text tower (NAME_text.onnx beside it): POST /classify?labels=
         self.text_error = text_error  # why the text tower beside it could not be loaded
@@ -265,6 +267,59 @@ class ModelVersion:
             return Task("explain", rollout=info.resolve_rollout(head_fusion, discard_ratio))
         except ValueError as e:
             raise BadRequestError(str(e)) from None
+
+    def abstain_threshold(self, asked: float | None) -> tuple[float, str]:
+        """Zero-shot abstention's threshold and its source: `asked` ("request"), else calibrated from the model's
+        reference ("reference", `monitor.abstain_threshold`); 400 when there is neither."""
+        if asked is not None:
+            return asked, "request"
+        ref = self.info.reference
+        if ref is None or len(ref.confidences) == 0:
+            raise BadRequestError(f"abstain=true: {self.name} has no reference to calibrate the threshold from "
+                                  f"(vit-export --reference-images DIR); give threshold=")
+        return abstain_threshold(ref), "reference"
+
+    def needs_tokens(self, what: str) -> None:
+        """400 naming `what` unless the version runs on the torch backend (or Ray's, running it), the one whose
+        model gives its patch tokens (the exported graphs give none)."""
+        if not self.backend.supports_grad_rollout:
+            raise BadRequestError(f"{what} needs the torch backend (serve the checkpoint): the {self.backend.name} "
+                                  f"backend's graphs give no patch tokens; {self.name} runs on it")
+
+    def similarity_task(self, query: tuple[float, ...] | None, label: int | None,
+                        rollout: tuple[str | None, float | None] | None) -> Task:
+        """The Task of a similarity map (GET /explain?method=similarity) for `query` (a vector of the embedding's
+        width) or the zero-shot head's class `label`, times the rollout with `rollout` (head fusion, discard
+        ratio; None: not), or 400 / 422 saying why this model cannot give it."""
+        info = self.info
+        self.needs_tokens("method=similarity")
+        if query is not None and len(query) != info.embedding_dim:
+            raise BadRequestError(f"the query has {len(query)} dimensions, {self.name}'s embedding "
+                                  f"{info.embedding_dim}: a query from another embedding space")
+        settings = None
+        if rollout is not None:
+            try:
+                settings = info.resolve_rollout(*rollout)
+            except ValueError as e:
+                raise BadRequestError(str(e)) from None
+        return Task("similarity", rollout=settings, target=label, query=query)
+
+    def patch_tokens_task(self, layer: int, max_floats: int) -> Task:
+        """The Task of /embed?tokens=patch (block `layer`'s patch tokens), or 400 saying why this model cannot
+        (another backend, a layer it does not have, more than `max_floats` floats)."""
+        self.needs_tokens("tokens=patch")
+        model = getattr(self.backend, "model", None)  # the torch backend's (Ray's runs elsewhere: checked there)
+        if model is not None:
+            depth, (gh, gw) = len(model.blocks), self.info.grid
+            if not -depth <= layer < depth:
+                raise BadRequestError(f"layer must be from {-depth} to {depth - 1} ({self.name} has {depth} "
+                                      f"blocks), got {layer}")
+            if gh * gw * model.cfg.embed_dim > max_floats:
+                raise BadRequestError(f"tokens=patch: {gh} x {gw} patches x {model.cfg.embed_dim} floats = "
+                                      f"{gh * gw * model.cfg.embed_dim:,} is more than this gateway answers "
+                                      f"(VIT_SERVE_MAX_PATCH_TOKEN_FLOATS = {max_floats:,})")
+            layer %= depth  # the answer names the block by its index
+        return Task("patch_tokens", layer=layer)
 
     def patch_budget(self, asked: int | None, what: str = "max_patches") -> int | None:
         """A request's NaFlex patch budget (`what`: its name in the request): `asked` within the model's own, else

@@ -46,12 +46,16 @@ from vit_serve.serve.v2_protocol import InferRequest, RequestBounds
 
 @dataclass(frozen=True)
 class Explain:
-    """An attention map asked for: the method and its settings (None: the model's or the exported graph's)."""
+    """A map asked for: the method and its settings (None: the model's or the exported graph's). similarity: the
+    image's cosine with `query` (or the zero-shot head's class `target`) over its patches, times the rollout when
+    `times_rollout`."""
 
-    method: Literal["rollout", "grad_rollout"] = "rollout"
+    method: Literal["rollout", "grad_rollout", "similarity"] = "rollout"
     head_fusion: str | None = None
     discard_ratio: float | None = None
     target: int | None = None
+    query: tuple[float, ...] | None = None
+    times_rollout: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class Ask:
     normalize: bool = False
     overlay: Overlay | None = None
     max_patches: int | None = None  # ?max_patches= (NaFlex models; None: the model's own budget)
+    layer: int | None = None  # /embed?tokens=patch: the block whose patch tokens (None: no tokens asked)
+    max_floats: int = 0  # ... within this many floats (the gateway's max_patch_token_floats)
+    abstain: bool = False  # ?labels=&abstain=true: "none of these" below `threshold` (None: the reference's)
+    threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ class Job:
 
     task: Task
     labels: list[str] | None = None
+    abstain: tuple[float, str] | None = None  # the abstention's threshold and where it came from
 
 
 def resolve(ask: Ask, mv: ModelVersion) -> Job:
@@ -93,13 +102,23 @@ def resolve(ask: Ask, mv: ModelVersion) -> Job:
     budget = mv.patch_budget(ask.max_patches)
     if ask.labels is not None:
         task = mv.zero_shot_task()
-        return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels))
+        abstain = mv.abstain_threshold(ask.threshold) if ask.abstain else None
+        return Job(dataclasses.replace(task, max_patches=budget), mv.parse_labels(ask.labels), abstain)
+    if ask.abstain:
+        raise BadRequestError("abstain=true needs labels= (zero-shot classes to abstain among)")
     if ask.explain is not None:
         e = ask.explain
         if budget is not None and e.method != "rollout":
             raise BadRequestError(f"method={e.method}: {mv.name} is a NaFlex model, explained by method=rollout only")
+        if e.method == "similarity":
+            return Job(mv.similarity_task(e.query, e.target, (e.head_fusion, e.discard_ratio) if e.times_rollout
+                                          else None))
         task = mv.explain_task(e.method, e.head_fusion, e.discard_ratio, e.target)
         return Job(dataclasses.replace(task, max_patches=budget))
+    if ask.layer is not None:
+        if budget is not None:
+            raise BadRequestError(f"tokens=patch: {mv.name} is a NaFlex model, whose patch tokens are not served")
+        return Job(mv.patch_tokens_task(ask.layer, ask.max_floats))
     task = mv.embed_task() if ask.kind == "embed" else mv.classify_task()
     return Job(dataclasses.replace(task, max_patches=budget))
 
@@ -270,6 +289,8 @@ async def _infer_and_answer(request: Request | None, scope: str, admission: Admi
         who = LabelCaller.of(request.app, scope)  # its label cache and rate
         logits, text_ms = await mv.label_logits(job.labels, result.outputs[EMBEDDING], admission, who)
         made = postprocess.by_labels(logits[0], job.labels, ask.top_k, mv.text.scores)
+        if job.abstain is not None:
+            made = postprocess.abstain(made, *job.abstain)
     else:
         made = postprocess.answer(result.outputs, mv.info, _shape(ask, job), _ood(mv, ask, result))
     overlay = None
@@ -287,7 +308,7 @@ def _shape(ask: Ask, job: Job) -> Shape:
     map and the 5 best classes when the pass gave logits, /embed the embedding."""
     method = ask.explain.method if ask.explain is not None else None
     if ask.kind == "embed":
-        return Shape(embedding=True, normalize=ask.normalize)
+        return Shape(embedding=True, normalize=ask.normalize, patch_tokens=ask.layer is not None)
     if ask.kind == "explain":
         return Shape(top_k=5, logits_optional=True, explain=method, rollout=job.task.rollout)
     return Shape(top_k=ask.top_k, explain=method, rollout=job.task.rollout)

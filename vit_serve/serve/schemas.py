@@ -52,9 +52,10 @@ class Timing(BaseModel):
 
 
 # The map's fields, shared by the rollout in a classify answer and GET /explain's answer.
-MapQuery = Annotated[Literal["cls", "patch-mean", "map-probe"], Field(
+MapQuery = Annotated[Literal["cls", "patch-mean", "map-probe", "text", "image", "label"], Field(
     description="rows of the rollout the map comes from: the [class] token's, or the mean of the patch rows for "
-                "GAP models")]  # and "map-probe": the attention-pool probe's row, for MAP models (SigLIP)
+                "GAP models; method=similarity: what the image was compared with (text=, query_id=, label=)")]
+# and "map-probe": the attention-pool probe's row, for MAP models (SigLIP)
 MapGrid = Annotated[tuple[int, int], Field(description="(gh, gw) = (H / P, W / P)")]
 RelevanceMap = Annotated[list[list[float | None]], Field(
     description="gh rows of gw relevances over the patch grid of the model-input crop (null where not finite)")]
@@ -79,6 +80,14 @@ class OodScore(BaseModel):
     threshold: float = Field(description="the reference's calibration quantile of the score")
 
 
+class Abstention(BaseModel):
+    abstained: bool = Field(description="true: none of these labels (the best label's score is below the threshold)")
+    score: float | None = Field(description="the best label's score, the one compared (null where not finite)")
+    threshold: float = Field(description="the threshold it was compared with")
+    source: Literal["request", "reference"] = Field(description="where the threshold came from: the request's "
+                                                    "threshold=, or calibrated from the model's reference")
+
+
 class ClassifyResponse(BaseModel):
     id: str = Field(description="the image's id for this API key (not its sha256); pass it to GET /explain")
     model: str
@@ -90,6 +99,7 @@ class ClassifyResponse(BaseModel):
                                             "same forward pass (absent otherwise)")
     ood: OodScore | None = Field(None, description="models with a reference only (absent otherwise, and with labels): "
                                  "the image's OOD score from the same pass")
+    abstention: Abstention | None = Field(None, description="?labels=&abstain=true only (absent otherwise)")
 
 
 class EmbedResponse(BaseModel):
@@ -101,21 +111,35 @@ class EmbedResponse(BaseModel):
     normalized: bool = Field(description="whether the embedding was L2-normalised (?normalize=true)")
     embedding: list[float | None] = Field(description="the pre-logits image representation, forward_head("
                                                       "pre_logits=True) (null where not finite)")
+    embedding_fingerprint: str | None = Field(
+        description="the embedding space's identity (vit_serve.fingerprint): vectors are comparable only with "
+                    "vectors of the same fingerprint (null: an export from before manifests stated it)")
     timing_ms: Timing
+    layer: int | None = Field(None, description="tokens=patch: the block whose output the tokens are (0-based)")
+    grid: tuple[int, int] | None = Field(None, description="tokens=patch: the patch grid (gh, gw)")
+    patch_tokens: list[list[float | None]] | None = Field(
+        None, description="tokens=patch: gh * gw rows (row-major over the grid) of the block's D floats, before the "
+                          "final norm (timm's forward_intermediates(norm=False)); absent otherwise")
 
 
 class ExplainResponse(BaseModel):
     id: str = Field(description="the image's id for this API key (not its sha256)")
     model: str
     version: str = Field(description="the model version that answered")
-    method: Literal["rollout", "grad_rollout"]
+    method: Literal["rollout", "grad_rollout", "similarity"]
     head_fusion: str | None = Field(description="rollout head fusion (None for grad_rollout)")
     discard_ratio: float | None = Field(description="rollout discard ratio (None for grad_rollout)")
     query: MapQuery
     grid: MapGrid
     map: RelevanceMap
-    predictions: list[Prediction] = Field(description="top classes of the same forward pass (empty for grad_rollout)")
+    predictions: list[Prediction] = Field(description="top classes of the same forward pass (empty for grad_rollout "
+                                                      "and similarity)")
     timing_ms: Timing
+    cosine: float | None = Field(None, description="method=similarity: the cosine of the image's embedding and the "
+                                 "query; the map's sum plus `rest` (absent otherwise)")
+    rest: float | None = Field(None, description="method=similarity: the part of the cosine no patch holds (the "
+                               "residual stream, the biases, the prefix tokens; 0 up to the biases for mean-pooled "
+                               "models)")
 
 
 class Health(BaseModel):
@@ -192,12 +216,29 @@ class ExplainSupport(BaseModel):
                                         "graph's, baked in); null: any in [0, 1)")
 
 
+class AccuracyInfo(BaseModel):
+    """A reduced precision against fp32 on the accuracy gate's real photos at load
+    (`vit_serve.runtime.accuracy_gate`, judged by `vit_serve.accuracy_bounds`)."""
+
+    precision: str = Field(description="the precision measured (bf16, fp16, int8)")
+    n: int = Field(description="the real photos (crops) it ran")
+    agreement: float = Field(description="top-1 agreement with fp32, a fraction")
+    cosine: float = Field(description="the mean cosine to fp32 (of the logits, and of the embedding when the graph "
+                          "gives one: the smaller), judged")
+    worst_cosine: float = Field(description="the smallest single cosine, reported, not judged")
+    min_agreement: float = Field(description="the precision's bound on agreement")
+    min_cosine: float = Field(description="the precision's bound on cosine")
+    ok: bool = Field(description="whether both bounds were met")
+    forced: bool = Field(description="served although it missed (force_precision)")
+
+
 class VersionInfo(BaseModel):
     version: int | None = Field(description="the version (null: a model of the repository never loaded)")
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"] | None = Field(
         description="Triton's states; null for a model never loaded")
     reason: str = Field("", description="why it is not READY (a load error, \"unloaded\", ...)")
-    backend: str | None = Field(None, description="torch, onnxruntime, tensorrt or triton (loaded versions)")
+    backend: str | None = Field(None, description="torch, onnxruntime, openvino, tensorrt or triton (loaded "
+                                "versions)")
     resolution: tuple[int, int] | None = Field(None, description="model input (H, W) (loaded versions)")
     num_classes: int | None = None
     explain: bool | None = Field(None, description="whether /explain can draw its attention rollout")
@@ -213,6 +254,11 @@ class VersionInfo(BaseModel):
                                                      "chosen (null: no choice made, e.g. --no-choose-runtime)")
     monitoring: MonitoringInfo | str | None = Field(None, description="its reference (OOD scores, drift), or a line "
                                                     "saying why it has none (loaded versions)")
+    precision: str | None = Field(None, description="the precision it computes in (fp32, bf16, fp16, int8)")
+    device: str | None = Field(None, description="where it runs (cpu, cuda, remote), or the device as its runtime "
+                               "reports it (OpenVINO's CPU name)")
+    accuracy: AccuracyInfo | None = Field(None, description="the accuracy gate's measurement of its reduced "
+                                          "precision against fp32 at load (null: fp32, or not measured)")
 
 
 class ShadowSpec(BaseModel):

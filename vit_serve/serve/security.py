@@ -22,8 +22,8 @@ step reads: the explain scope, the label cache, the rate bucket, the payload sam
 `Admission`. A presented `sha256:HEX` is never a key (`keys.presented_hash`). A key with a rate (`rate_limit`)
 is refused 429 with `Retry-After` once its bucket is empty, and its answers carry the IETF draft's `RateLimit-*`
 headers; a key with `max_concurrent_per_key` requests in flight is refused 429 too (`in_flight`). Only the
-requests that run the model count (`rated`: /classify, /embed, /explain and /v2, not the probes or the page),
-in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and caps are per replica.
+requests that run the model count (`rated`: /classify, /embed, /explain, /v1/embeddings and /v2, not the probes or
+the page), in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and caps are per replica.
 
 The key files are read again on SIGHUP and when they change (`KeyRing.refresh`), so that a key is revoked
 without a restart; a file that cannot be read keeps the keys read before.
@@ -78,7 +78,8 @@ PROBE_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 ADMIN_PATH = re.compile(r"^/v2/repository/models/[^/]+/(load|unload|traffic)$")
 GRPC_ADMIN_METHODS = ("RepositoryModelLoad", "RepositoryModelUnload")
 GRPC_PROBE_METHODS = ("ServerLive", "ServerReady", "ModelReady")
-RATED_PATHS = ("/classify", "/embed", "/explain")  # with all of /v2 but its health probes: what rates count
+# with all of /v2 but its health probes: what rates count
+RATED_PATHS = ("/classify", "/embed", "/explain", "/v1/embeddings")
 KEY_HEADERS = ("authorization", "x-api-key")  # HTTP header names, and gRPC metadata keys
 CHECK_EVERY_S = 1.0  # how often, at most, the key files are looked at for a change
 
@@ -413,7 +414,7 @@ class ApiKeys:
 
 async def _answer(scope: Scope, send: Send, status: int, message: str, headers: list[tuple[str, str]]) -> None:
     """An error answer in the envelope of `scope`'s path, with `headers`."""
-    body = json_bytes(envelope(scope).body(message))
+    body = json_bytes(envelope(scope).body(message, status))
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers)]})

@@ -66,7 +66,7 @@ from vit_serve.serve.stores.redaction import redacted
 from vit_serve.serve.stores.secret import process_secret
 from vit_serve.tome_schedule import parse_tome
 
-BackendName = Literal["auto", "torch", "onnxruntime", "tensorrt", "triton"]
+BackendName = Literal["auto", "torch", "onnxruntime", "openvino", "tensorrt", "triton"]
 DEFAULT_LABELS = LabelLimits()
 
 __all__ = ["DECODE_WORKERS_CAP", "DECODE_WORKERS_MIN", "DEFAULT_LABELS", "ENV_RENAMED", "BackendName",
@@ -346,7 +346,8 @@ class ServeSettings(BaseSettings):
         "", description="REPO: a folder of models (exports, checkpoints, or NAME/VERSION/ folders), or one model: "
         "a checkpoint, NAME.onnx, a TensorRT engine, or a Triton model name")
     backend: Annotated[BackendName, Flag()] = Field(
-        "auto", description="auto: from MODEL's suffix (.onnx, .engine/.plan, else torch)")
+        "auto", description="auto: from MODEL's suffix (.onnx onnxruntime, .xml openvino, .engine/.plan tensorrt, "
+        "else torch); openvino also serves the NAME.onnx exports")
     triton: TritonClientSettings = Field(default_factory=TritonClientSettings)
     model_name: Annotated[str | None, Flag()] = Field(
         None, description="name shown to clients (default: MODEL's file stem)")
@@ -392,6 +393,9 @@ class ServeSettings(BaseSettings):
                                  "request beyond it is answered 503 + Retry-After. Each may hold up to "
                                  "max_body_bytes while its body is read; keep it under the open-files limit")
     max_pixels: int = Field(50_000_000, ge=1, description="largest decoded image, width x height (413 beyond)")
+    max_patch_token_floats: int = Field(262_144, ge=1, description="most floats one /embed?tokens=patch answer "
+                                        "holds (patches x width; 400 beyond): a B/16 at 224 px is 196 x 768 = "
+                                        "150,528")
     priority_levels: int = Field(10, ge=1, le=2**31 - 1, description="the priority levels a /v2 or gRPC request "
                                  "may ask for with parameters.priority (1 the most urgent .. this; 0: its key's "
                                  "level), as Triton's dynamic_batching priority_levels; a level beyond is 422 / "
@@ -420,6 +424,25 @@ class ServeSettings(BaseSettings):
         False, description="onnxruntime's session.intra_op.allow_spinning: on, the model runs 14-25% faster "
         "where uploads are cheap to decode (small photos); off (the default), its idle threads leave the cores "
         "to the decode threads, 15-25% faster with 12 MP uploads")
+    runtime: Annotated[Literal["onnxruntime", "openvino"] | None, Flag(section="model", none="file")] = Field(
+        None, description="what runs a model's ONNX exports: onnxruntime, openvino, or file (None here: by the "
+        "file, NAME.onnx onnxruntime and an OpenVINO IR NAME.xml openvino)")
+    precision: Annotated[Literal["auto", "f32", "bf16", "f16", "int8"], Flag(section="model")] = Field(
+        "auto", description="the OpenVINO backend's inference precision: auto (the CPU plugin's native: bf16 "
+        "where the CPU has AVX512-BF16 or AMX, else f32), f32, bf16, f16, or int8 (a graph quantized by vit-export "
+        "--format openvino --precision int8); any but f32 must pass the accuracy gate at load (top-1 agreement "
+        "and cosine to fp32 on real photos) or is refused")
+    performance_hint: Annotated[Literal["latency", "throughput"], Flag(section="model")] = Field(
+        "latency", description="OpenVINO's PERFORMANCE_HINT: latency (one stream: each batch on every thread) or "
+        "throughput (several streams, for instances > 1)")
+    streams: Annotated[int | None, Flag(section="model")] = Field(
+        None, ge=1, description="OpenVINO's NUM_STREAMS (default: the performance hint's)")
+    openvino_cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None, description="where OpenVINO caches compiled models, so that a restart does not compile again "
+        "(default: $XDG_CACHE_HOME/vit-serve/openvino; empty: no cache)")
+    force_precision: Annotated[bool, Flag(section="model")] = Field(
+        False, description="serve an OpenVINO precision that missed its accuracy bounds at load (logged with the "
+        "numbers) instead of refusing the model")
     device: Annotated[Literal["auto", "cpu", "cuda"], Flag(section="model")] = (
         Field("auto", description="torch / onnxruntime device"))
     tome: Annotated[str | None, Flag(section="model", metavar="R")] = Field(

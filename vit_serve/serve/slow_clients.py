@@ -102,7 +102,7 @@ class BodyDeadline:
 async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
     """The answer of a request over the connection cap (in place of the app, as uvicorn's own)."""
     message = "the server has too many connections open (VIT_SERVE_MAX_CONNECTIONS); retry later"
-    body = envelope(scope).body(message) if scope.get("type") == "http" else {"detail": message}
+    body = envelope(scope).body(message, 503) if scope.get("type") == "http" else {"detail": message}
     await StrictJSONResponse(body, 503, headers={"Retry-After": str(BUSY_RETRY_AFTER_S), "Connection": "close"})(
         scope, receive, send)
 

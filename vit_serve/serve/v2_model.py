@@ -78,7 +78,8 @@ def output_specs(info: ModelInfo, ood: bool = False) -> list[dict[str, Any]]:
 
 
 def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
-    """The model's metadata document (`parameters`: the preprocessing contract and the labels)."""
+    """The model's metadata document (`parameters`: the preprocessing contract, the labels, the text tower and
+    the embedding output's fingerprint)."""
     info = mv.info
     h, w = info.resolution
     outputs = output_specs(info, mv.monitor is not None)
@@ -91,7 +92,9 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
         "outputs": outputs,
         "parameters": {"input": f"send {PIXEL_VALUES} or {IMAGE}, not both",
                        "preprocess": info.preprocess.to_dict(), "labels": info.labels,
-                       "text_tower": mv.text_info()},
+                       "text_tower": mv.text_info(),
+                       # the space of the embedding output's vectors (`vit_serve.fingerprint`)
+                       "embedding_fingerprint": info.embedding_fingerprint() if info.embedding_dim else None},
     }
 
 

@@ -146,7 +146,9 @@ class VersionLoader:
         loop = asyncio.get_running_loop()
         limits = config.over(self.spec.limits)
         thread = ThreadPoolExecutor(limits.instances, thread_name_prefix=f"vit-serve-model-{source.name}")
-        spec = self.spec.replace(path=str(source.path), backend=source.backend, name=source.name,
+        # --backend openvino serves the repository's ONNX exports too (the scan names onnxruntime for .onnx).
+        backend = "openvino" if self.spec.backend == "openvino" and source.backend == "onnxruntime" else source.backend
+        spec = self.spec.replace(path=str(source.path), backend=backend, name=source.name,
                                  threads=self._threads(models, limits.instances), limits=limits)
         if not self.one_model and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
             spec = spec.replace(tome=None, compile=False, torchscript=False)
@@ -172,7 +174,7 @@ class VersionLoader:
                              lambda reason: self.metrics.gpu_decode_fallbacks.labels(reason).inc())
         decoder = VersionDecoder(info.preprocess, self.pool, self.store, self.max_pixels, gpu, off,
                                  info.patch_size)
-        text, text_error = await self._text_tower(source, spec, info.device, thread)
+        text, text_error = await self._text_tower(source, spec, info.device, thread, backend.name)
         version = ModelVersion(source.name, source.version, backend, runner, thread, metrics, decoder,
                                source.fingerprint, label_limits=self.label_limits, text=text, text_error=text_error,
                                monitor=VersionMonitor.of(info, self._monitoring_of(config), metrics))
@@ -187,8 +189,8 @@ class VersionLoader:
         log.info("%s in service after %.2f s", version.label, time.perf_counter() - t0)
         return version
 
-    async def _text_tower(self, source: VersionSource, spec: LoadSpec, runs_on: str,
-                          thread: ThreadPoolExecutor) -> tuple[TextTower | None, str | None]:
+    async def _text_tower(self, source: VersionSource, spec: LoadSpec, runs_on: str, thread: ThreadPoolExecutor,
+                          runtime: str = "onnxruntime") -> tuple[TextTower | None, str | None]:
         """(the text tower beside the version's file, `NAME_text.onnx`, or else the one a checkpoint served with
         torch stores, loaded in the version's model thread, or None; why it could not be loaded, or None). One that
         fails leaves the version serving images, its reason kept (`text_error`, in the 400 answers to requests
@@ -205,7 +207,8 @@ class VersionLoader:
         def load() -> TextTower:
             if stored:
                 return TextTower.from_checkpoint(path, None, device, self.label_limits)
-            return TextTower(path, None, device, spec.threads, self.label_limits)
+            return TextTower(path, None, device, spec.threads, self.label_limits,
+                             runtime="openvino" if runtime == "openvino" else "onnxruntime")
 
         try:
             text = await asyncio.get_running_loop().run_in_executor(thread, load)

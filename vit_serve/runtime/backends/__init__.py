@@ -7,6 +7,8 @@ path means, and the checks made before loading). Each backend's module is import
 - `torch`: a checkpoint in PyTorch (eager, `torch.compile` or a TorchScript trace); the only one with gradient
   rollout.
 - `onnxruntime`: an ONNX export and its explain graph.
+- `openvino`: an ONNX export or an OpenVINO IR on OpenVINO's CPU plugin (bf16 where the CPU has it, int8 graphs),
+  behind the accuracy gate (`runtime.accuracy_gate`).
 - `tensorrt`: a serialized TensorRT engine.
 - `triton`: a model on a Triton Inference Server (tritonclient, asyncio).
 - `ray`: a model version in its own Ray Serve deployment.
@@ -61,6 +63,12 @@ def _load_backend(spec: LoadSpec) -> Backend:
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
         return OnnxRuntimeBackend(spec.path, spec.name, spec.device, spec.threads, spec.spinning)
+    if backend == "openvino":
+        from vit_serve.runtime.backends.openvino import OpenVINOBackend, OpenVINOOptions
+
+        options = OpenVINOOptions(spec.precision, spec.performance_hint, spec.streams, spec.threads, spec.cache_dir,
+                                  spec.force_precision)
+        return OpenVINOBackend(spec.path, spec.name, options)
     if backend == "tensorrt":
         from vit_serve.runtime.backends.tensorrt import TensorRTBackend
 

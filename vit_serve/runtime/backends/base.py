@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vit_serve.fingerprint import EmbeddingSpace
 from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSettings, TokenMergingRecord
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
+from vit_serve.runtime.accuracy_gate import GateResult
 from vit_serve.runtime.runtime_choice import RuntimeChoice
-from vit_serve.runtime.task import GRID, Outputs, Task
+from vit_serve.runtime.task import COSINE, GRID, PATCH_TOKENS, REST, Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
 
@@ -46,6 +48,12 @@ class ModelInfo:
     (the torch backend's --compile); torchscript: they run a TorchScript trace (--torchscript). reference: the
     in-distribution sketch OOD scores and drift compare with (`vit_serve.monitor`; None: the model carries none).
     max_patches: a NaFlex model's patch budget, the default and the most a request may ask (None: not NaFlex).
+    device_name: the device as its runtime reports it (OpenVINO's FULL_DEVICE_NAME; "": not reported).
+    accuracy: the accuracy gate's measurement of a reduced precision against fp32 (`runtime.accuracy_gate`;
+    None: not measured, e.g. fp32).
+    embedding_space: what decides its embedding vectors, as the model gives them (`vit_serve.fingerprint`; its
+    `fingerprint` is what every embedding answer carries: `embedding_fingerprint`); None: an export from before
+    manifests stated it.
     runtime_choice: the table of the runtimes timed at load and the one chosen (`runtime.runtime_choice`; None: no
     choice was made).
     """
@@ -76,7 +84,16 @@ class ModelInfo:
     torchscript: bool = False
     reference: Reference | None = None
     max_patches: int | None = None
+    device_name: str = ""
+    accuracy: GateResult | None = None
+    embedding_space: EmbeddingSpace | None = None
     runtime_choice: RuntimeChoice | None = None
+
+    def embedding_fingerprint(self, normalized: bool = False, dim: int | None = None) -> str | None:
+        """The fingerprint of its embedding vectors, L2-normalised or as the model gives them, cut to their first
+        `dim` dimensions (Matryoshka; None: whole) (None: unknown)."""
+        space = self.embedding_space
+        return None if space is None else space.normalized_as(normalized).truncated(dim).fingerprint
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -158,6 +175,12 @@ class LocalBackend(Backend):
         if task.kind == "embed":
             logits, embedding = self.embed(x)
             return {LOGITS: logits, EMBEDDING: embedding}
+        if task.kind == "similarity":
+            heat, cosine, rest = self.similarity(x, task.query, task.target, task.rollout)
+            return {ROLLOUT: heat, COSINE: cosine, REST: rest}
+        if task.kind == "patch_tokens":
+            logits, embedding, tokens = self.patch_tokens(x, -1 if task.layer is None else task.layer)
+            return {LOGITS: logits, EMBEDDING: embedding, PATCH_TOKENS: tokens}
         return {ROLLOUT: np.stack([self.grad_rollout(x[i:i + 1], task.target) for i in range(x.shape[0])])}
 
     def staged(self, task: Task, x: np.ndarray) -> Staged | None:
@@ -201,6 +224,20 @@ class LocalBackend(Backend):
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         """x [1, 3, H, W] -> gradient rollout map [gh, gw] (torch backend only)."""
         raise NotImplementedError(f"grad_rollout needs the torch backend; this model runs on {self.name}")
+
+    def similarity(self, x: np.ndarray, query: tuple[float, ...] | None, label: int | None,
+                   rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x [B, 3, H, W] -> (map [B, gh, gw], cosine [B], rest [B]): each image's cosine with `query` (or the
+        zero-shot head's row `label`) split over its patches (`vit_serve.similarity`), times the rollout with
+        `rollout` settings (torch backend only)."""
+        raise NotImplementedError(f"similarity maps need the torch backend (serve the checkpoint); this model runs "
+                                  f"on {self.name}, whose graphs give no patch tokens")
+
+    def patch_tokens(self, x: np.ndarray, layer: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x [B, 3, H, W] -> (logits [B, K], embedding [B, E], block `layer`'s patch tokens [B, gh * gw, D])
+        (torch backend only)."""
+        raise NotImplementedError(f"patch tokens need the torch backend (serve the checkpoint); this model runs on "
+                                  f"{self.name}, whose graphs give no patch tokens")
 
     def ready(self) -> bool:
         """Loaded and able to answer."""

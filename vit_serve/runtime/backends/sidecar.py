@@ -108,6 +108,7 @@ def model_info(path: Path, side: ExportManifest, name: str | None, explain_side:
         scores=side.score_fn,
         embedding=side.embedding,
         token_merging=side.token_merging,
+        embedding_space=side.embedding_space,
         reference=None if side.reference is None or (side.reference.needs_embedding and not side.embedding_dim)
         else side.reference,
     )

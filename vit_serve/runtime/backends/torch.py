@@ -23,9 +23,11 @@ with it); explain and grad_rollout stay eager with --compile and --torchscript (
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -34,13 +36,15 @@ import numpy as np
 import torch
 
 from vit_serve.explain import explain_forward, explain_patches, grad_rollout
-from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of
+from vit_serve.fingerprint import weights_digest
+from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of, embedding_space_of
 from vit_serve.naflex import unpack
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo, Staged
 from vit_serve.runtime.spec import BOTH_FORWARDS
 from vit_serve.runtime.task import Task
 from vit_serve.runtime.torch_forwards import choose_forward, wanted
+from vit_serve.similarity import patch_tokens, similarity_map
 from vit_serve.tome import TomeR
 
 log = logging.getLogger("vit_serve.runtime")
@@ -197,6 +201,16 @@ class Stages:
         return stages
 
 
+@contextlib.contextmanager
+def _cannot() -> Iterator[None]:
+    """A ValueError of `vit_serve.similarity` (a model it cannot split, a layer it does not have) as the
+    NotImplementedError a backend raises for a task it cannot do for this model (a 400 with its message)."""
+    try:
+        yield
+    except ValueError as e:
+        raise NotImplementedError(str(e)) from None
+
+
 class TorchBackend(LocalBackend):
     """A checkpoint on PyTorch. `compile`: classify / embed run `compile_forward`'s callable; `torchscript`:
     `torchscript_forward`'s (not both). `choose` / `pin`: the runtime classify / embed run on, measured within
@@ -214,7 +228,9 @@ class TorchBackend(LocalBackend):
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = _device(device)
-        self.model = load(checkpoint).eval().to(self.device)
+        model = load(checkpoint).eval()
+        weights = weights_digest(model.state_dict())  # once, on the CPU copy: the embedding space's weights
+        self.model = model.to(self.device)
         cfg = self.model.cfg
         if tome is not None:
             try:
@@ -247,7 +263,7 @@ class TorchBackend(LocalBackend):
             if chosen is not None:  # one graph: no stages
                 self._forward, self._stages = chosen, None
         self._one_graph = self._forward is not eager
-        self.info = ModelInfo(
+        info = ModelInfo(
             name=name,
             resolution=res,
             patch_size=cfg.patch_size,
@@ -271,6 +287,8 @@ class TorchBackend(LocalBackend):
             reference=None if self.model.token_merging else self.model.reference,  # made without merging
             max_patches=cfg.extra.get("max_patches"),
         )
+        self.info = dataclasses.replace(info, embedding_space=embedding_space_of(
+            weights, cfg, info.preprocess, info.precision, info.token_merging))
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
         if not x.flags.writeable:  # e.g. a view of a request body; torch tensors must own writable memory
@@ -337,3 +355,33 @@ class TorchBackend(LocalBackend):
 
     def grad_rollout(self, x: np.ndarray, target: int | None = None) -> np.ndarray:
         return self._out(grad_rollout(self.model, self._input(x), target).map[0])
+
+    def similarity(self, x: np.ndarray, query: tuple[float, ...] | None, label: int | None,
+                   rollout: RolloutSettings | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`vit_serve.similarity.similarity_map`; with `rollout`, the map times the rollout scaled to a maximum of 1
+        per image (the cosine and the rest stay the plain split's)."""
+        images = self._input(x)
+        with torch.inference_mode(), _cannot():
+            s = similarity_map(self.model, images, self._query(query, label))
+            heat = s.map
+            if rollout is not None:
+                r = explain_forward(self.model, images, rollout.head_fusion, rollout.discard_ratio).heatmap.map
+                heat = heat * (r / r.amax(dim=(1, 2), keepdim=True).clamp(min=1e-12)).to(heat)
+        return self._out(heat), self._out(s.cosine), self._out(s.rest)
+
+    def _query(self, query: tuple[float, ...] | None, label: int | None) -> torch.Tensor:
+        """The query vector: as given, or the zero-shot head's row `label` (its label's text embedding)."""
+        if query is not None:
+            return torch.tensor(query, dtype=torch.float32, device=self.device)
+        if not self.model.cfg.embed_norm or label is None:
+            raise NotImplementedError(f"{self.info.name} has no zero-shot head (vit-serve convert --zero-shot "
+                                      f"writes one): ask with text= or query_id=")
+        return self.model.head.weight[label].detach()
+
+    def patch_tokens(self, x: np.ndarray, layer: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`vit_serve.similarity.patch_tokens` of block `layer`, and the logits and embedding of the same images."""
+        images = self._input(x)
+        with torch.inference_mode(), _cannot():
+            tokens = patch_tokens(self.model, images, layer)
+            logits, embedding = self.model.forward_embedding(images)
+        return self._out(logits), self._out(embedding), self._out(tokens)

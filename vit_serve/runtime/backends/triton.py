@@ -103,6 +103,7 @@ def model_info(model: str, config: dict[str, Any], source: str) -> ModelInfo:
         scores=meta.scores or "softmax",
         token_merging=meta.token_merging,
         embedding=meta.embedding,
+        embedding_space=None if embedding is None else meta.embedding_space,
         # a reference that scores the embedding needs the model to give it (a TensorRT model does not)
         reference=None if meta.reference is None or (meta.reference.needs_embedding and embedding is None)
         else meta.reference,

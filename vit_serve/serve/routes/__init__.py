@@ -10,4 +10,5 @@
 - `page`: GET /, the web page.
 - `v2`: the Open Inference Protocol under /v2.
 - `repository`: its model repository extension.
+- `openai`: OpenAI's embeddings API, POST /v1/embeddings and GET /v1/models.
 """

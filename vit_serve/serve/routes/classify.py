@@ -45,6 +45,12 @@ DESCRIPTION = inspect.cleandoc("""Classify one image.
     and the text tower's context length, labels x templates within VIT_SERVE_MAX_LABEL_PROMPTS (400 beyond; also
     for a model without a text tower or with explain=true: GET /explain?id= explains the image).
 
+    `?labels=...&abstain=true` adds `"abstention": {"abstained", "score", "threshold", "source"}`: abstained (the
+    answer is "none of these") when the best label's score is below `threshold=` ("request"), or without one
+    below the model's reference's calibrated threshold ("reference": the (1 - quantile) quantile of its held-out
+    images' top-1 scores, 5% of in-distribution images at the default 0.95; a model without a reference answers
+    400); the predictions stay, for clients that want them anyway.
+
     A model carrying a reference (`vit-export --reference-images DIR`, `vit-serve train`; GET /models shows it)
     adds `"ood": {"score", "flag", "method", "threshold"}`: how unlike the reference the image is, from the same
     pass (Mahalanobis distance of its embedding, or the energy of its logits), and whether it is above the
@@ -76,14 +82,23 @@ async def classify(
                                                     "(models served with a text tower, vit-export --text-tower)")
                       ] = None,
     max_patches: MaxPatchesQuery = None,
+    abstain: Annotated[bool, Query(description="with labels: answer \"none of these\" when the best label's score "
+                                               "is below the threshold")] = False,
+    threshold: Annotated[float | None, Query(ge=0.0, le=1.0, description="abstain=true: the threshold (default: "
+                                             "calibrated from the model's reference)")] = None,
 ) -> dict:
     """Classify one image (`DESCRIPTION`)."""
     if labels is not None and explain:
         raise BadRequestError("labels and explain=true do not go together: classify by labels, then explain the "
                               "image with GET /explain?id=")
-    ask = pipeline.Ask("classify", top_k_, labels, pipeline.Explain() if explain else None, max_patches=max_patches)
+    ask = pipeline.Ask("classify", top_k_, labels, pipeline.Explain() if explain else None, max_patches=max_patches,
+                       abstain=abstain, threshold=threshold)
     hooks = (answer_hooks.server_timing(response), answer_hooks.sampling(gateway, admission))
-    done = await pipeline.answer(request, choice, scope, admission, ask, hooks)
+    return _answer(await pipeline.answer(request, choice, scope, admission, ask, hooks))
+
+
+def _answer(done: pipeline.Answered) -> dict:
+    """The answer of POST /classify (`DESCRIPTION`)."""
     answer = {"id": done.image_id, "model": done.info.name, "version": done.version,
               "resolution": done.info.resolution, "predictions": done.answer.prediction_dicts(),
               "timing_ms": done.timings.timing_ms()}
@@ -91,4 +106,6 @@ async def classify(
         answer["ood"] = dataclasses.asdict(done.answer.ood)
     if done.answer.explanation is not None:
         answer["explanation"] = done.answer.explanation.payload()
+    if done.answer.abstention is not None:
+        answer["abstention"] = dataclasses.asdict(done.answer.abstention)
     return answer
