@@ -41,6 +41,8 @@ def load(spec: LoadSpec) -> Backend:
 def _build(spec: LoadSpec, backend: str, precision: str) -> Backend:
     """One contender of `backends.choice`: `spec` on `backend` (its `precision`: what a backend with several runs
     at), no choice of its own."""
+    if backend == "openvino":
+        spec = spec.replace(precision=choice.openvino_precision(precision))
     return _load_backend(spec.replace(backend=backend, choose_runtime=False, pin_runtime=None))
 
 

@@ -22,29 +22,36 @@ from vit_serve.runtime.spec import LoadSpec
 
 log = logging.getLogger("vit_serve.runtime")
 
-# The runtimes that serve a file, by suffix, as (backend, precision); the first is the fp32 reference.
+# The runtimes that serve a file, by suffix, as (backend, precision); the first is the fp32 reference. OpenVINO's
+# "auto" is the model's precision setting (itself "auto" unless set: the plugin's native, bf16 where the CPU has it).
 FILE_RUNTIMES: dict[str, tuple[tuple[str, str], ...]] = {
-    ".onnx": (("onnxruntime", "fp32"),),
+    ".onnx": (("onnxruntime", "fp32"), ("openvino", "auto")),
 }
+# The names OpenVINO's precision setting gives what the table calls fp32 and fp16.
+_OPENVINO_NAMES = {"fp32": "f32", "fp16": "f16"}
 ACCURACY_IMAGES = 8
 
 Build = Callable[[LoadSpec, str, str], Backend]  # (spec, backend, precision) -> the loaded backend
 
 
 def contenders(spec: LoadSpec) -> list[tuple[str, str]]:
-    """The (backend, precision) pairs installed for `spec.path`'s suffix, narrowed to `spec.pin_runtime`'s."""
-    pairs = [p for p in FILE_RUNTIMES.get(Path(spec.path).suffix.lower(), ())
-             if importlib.util.find_spec(p[0]) is not None]
+    """The (backend, precision) pairs installed for `spec.path`'s suffix ("auto": `spec.precision`), narrowed to
+    `spec.pin_runtime`'s."""
+    pairs = [(b, p) for b, p in FILE_RUNTIMES.get(Path(spec.path).suffix.lower(), ())
+             if importlib.util.find_spec(b) is not None]
     if spec.pin_runtime is not None:
-        runtime, precision = parse_pin(spec.pin_runtime)
-        pairs = [p for p in pairs if p[0] == runtime and precision in (None, p[1])][:1]
-    return pairs
+        runtime, want = parse_pin(spec.pin_runtime)
+        fits = [(b, want or p) for b, p in pairs if b == runtime and (want in (None, "auto") or p in ("auto", want))]
+        pairs = fits[:1]
+    return [(b, spec.precision if p == "auto" else p) for b, p in pairs]
 
 
 def wanted(spec: LoadSpec) -> bool:
     """Whether a choice is made for `spec`: asked for (`choose_runtime`, or a pin) and more than one contender, or
-    a pin among them."""
+    a pin among them; never when the model's `runtime` setting names its runtime."""
     pairs = FILE_RUNTIMES.get(Path(spec.path).suffix.lower(), ())
+    if spec.runtime is not None or spec.backend not in ("auto", *{b for b, _ in pairs}):
+        return False
     return (spec.pin_runtime is not None and len(pairs) > 1) or (spec.choose_runtime and len(contenders(spec)) > 1)
 
 
@@ -56,7 +63,7 @@ def choose_backend(spec: LoadSpec, build: Build) -> Backend:
     if not pairs:
         raise ValueError(f"pin_runtime {spec.pin_runtime!r} names none of {Path(spec.path).name}'s runtimes ("
                          f"{', '.join(':'.join(p) for p in FILE_RUNTIMES[Path(spec.path).suffix.lower()])})")
-    loaded: dict[str, LocalBackend] = {}
+    loaded: dict[str, LocalBackend] = {}  # by "runtime:precision", the precision it runs in ("auto" resolved)
     failed: list[Row] = []
     for name, precision in pairs:
         try:
@@ -67,7 +74,7 @@ def choose_backend(spec: LoadSpec, build: Build) -> Backend:
             failed.append(Row(name, precision, refused=f"cannot load: {' '.join(str(e).split())[:200]}"))
             continue
         assert isinstance(backend, LocalBackend)
-        loaded[f"{name}:{precision}"] = backend
+        loaded[f"{name}:{backend.info.precision}"] = backend
     ref = next(iter(loaded.values()))
     images = np.random.default_rng(0).standard_normal((ACCURACY_IMAGES, 3, *ref.info.resolution)).astype(np.float32)
     runs = {k: b.classify for k, b in loaded.items()}
@@ -80,7 +87,7 @@ def choose_backend(spec: LoadSpec, build: Build) -> Backend:
         agree, cos = accuracy(reference, backend.classify(images))
         rows.append(Row(name, precision, rates.get(key, {}), agree, cos, refusal(precision, agree, cos)))
     rows += failed
-    chosen = choose(rows, spec.pin_runtime)
+    chosen = choose(rows, None if spec.pin_runtime is None else parse_pin(spec.pin_runtime)[0])
     for key, backend in loaded.items():
         if key != chosen.key:
             backend.close()
@@ -90,3 +97,8 @@ def choose_backend(spec: LoadSpec, build: Build) -> Backend:
     served = loaded[chosen.key]
     served.info = dataclasses.replace(served.info, runtime_choice=table)
     return served
+
+
+def openvino_precision(precision: str) -> str:
+    """OpenVINO's name of a table's precision (fp32 -> f32, fp16 -> f16; the others as they are)."""
+    return _OPENVINO_NAMES.get(precision, precision)
