@@ -1,6 +1,7 @@
 """The gateway's load-time runtime choice (`choose_runtime`, `vit_serve.runtime.runtime_choice`) with two real
-runtimes, PyTorch eager and onnxruntime, on a random-weight checkpoint (no mocks): the version serves the fastest
-runtime that passes in the table it measured, GET /models shows that table, and a model's config.toml pins one."""
+runtimes, PyTorch eager and onnxruntime (and OpenVINO where installed), on a random-weight checkpoint (no mocks):
+the version serves the fastest runtime that passes in the table it measured, GET /models shows that table, and a
+model's config.toml pins one."""
 
 from __future__ import annotations
 
@@ -39,16 +40,18 @@ def test_the_fastest_passing_runtime_serves_and_models_shows_the_table(ckpt, pho
     choice = models["models"][0]["versions"][0]["runtime_choice"]
     assert choice["pinned"] is False and choice["threads"] == 1 and choice["seconds"] > 0
     rows = choice["rows"]
-    assert [(row["runtime"], row["precision"]) for row in rows] == [("eager", "fp32"), ("onnxruntime", "fp32")]
+    assert [(row["runtime"], row["precision"]) for row in rows[:2]] == [("eager", "fp32"), ("onnxruntime", "fp32")]
+    assert [row["runtime"] for row in rows[2:]] in ([], ["openvino"])  # in its native precision, if installed
     for row in rows:
-        assert set(row["images_per_s"]) == {"1", "4"} and row["refused"] is None
-        assert row["agreement"] == 1.0 and row["cosine"] > 0.9999
+        assert set(row["images_per_s"]) == {"1", "4"}
+    for row in rows[:2]:
+        assert row["refused"] is None and row["agreement"] == 1.0 and row["cosine"] > 0.9999
 
     def score(row):
         rates = list(row["images_per_s"].values())
         return (rates[0] * rates[1]) ** 0.5
 
-    fastest = max(rows, key=score)
+    fastest = max((row for row in rows if row["refused"] is None), key=score)
     assert choice["chosen"] == f"{fastest['runtime']}:{fastest['precision']}"
     assert r.status_code == 200, r.text
     ref = vit_serve.load(ckpt).eval()

@@ -1,13 +1,13 @@
-"""What a checkpoint's classify / embed can run on besides PyTorch eager (`FORWARDS`), and the choice among them
-when the torch backend loads it (`choose_forward`, `runtime.runtime_choice`).
+"""What a checkpoint's classify / embed can run on besides PyTorch eager (`FORWARDS`), and the choice among them when
+the torch backend loads it (`choose_forward`, `runtime.runtime_choice`).
 
-On a CPU, eager PyTorch is often not the fastest way to run a ViT: onnxruntime ran ViT-S/16 1.2-1.5x faster on
-2 AVX-512 cores. So on the CPU, in fp32, in eager mode (no --compile or --torchscript), the backend exports the
-model in memory with the TorchScript exporter (`torch.onnx.export(dynamo=False)`: ~2 s for a ViT-S/16 on 2 cores;
-logits and embedding, any batch) for each runtime installed, checks each one's logits against eager's on a fixed
-seeded batch (`runtime_choice.BOUNDS`), times them all at batch 1 and at the batch limit within a budget, and runs
-classify / embed through the fastest that passes. Explain, grad_rollout and NaFlex stay eager. A pin
-(`pin_runtime`) serves one without measuring. A runtime is one line in `FORWARDS`.
+On a CPU, eager PyTorch is often not the fastest way to run a ViT: onnxruntime ran ViT-S/16 1.2-1.5x faster on 2
+AVX-512 cores. So on the CPU, in fp32, in eager mode (no --compile or --torchscript), the backend exports the model
+in memory with the TorchScript exporter (`torch.onnx.export(dynamo=False)`: ~2 s for a ViT-S/16 on 2 cores; logits
+and embedding, any batch) for each runtime installed (onnxruntime; OpenVINO in its native precision), checks each
+one's logits against eager's on a fixed seeded batch (`runtime_choice.BOUNDS`), times them all at batch 1 and at the
+batch limit within a budget, and runs classify / embed through the fastest that passes. Explain, grad_rollout and
+NaFlex stay eager. A pin (`pin_runtime`) serves one without measuring. A runtime is one line in `FORWARDS`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from __future__ import annotations
 import importlib.util
 import io
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from vit_serve.runtime.runtime_choice import (
@@ -78,9 +80,37 @@ def onnxruntime_forward(model: torch.nn.Module, x: torch.Tensor, spinning: bool 
     return forward
 
 
-# The runtimes besides eager, by name: (the module that must be installed, the forward's builder, its precision).
+def openvino_forward(model: torch.nn.Module, x: torch.Tensor, spinning: bool = False) -> Forward:
+    """`model`'s in-memory export compiled by OpenVINO's CPU plugin in its native precision (bf16 where the CPU
+    has it; the `precision` attribute of the forward says which), on torch's intra-op threads, with no compiled
+    model cache (the graph is made anew at each load); an infer request per calling thread."""
+    import openvino as ov
+
+    from vit_serve.runtime.backends.openvino import OpenVINOOptions
+
+    core = ov.Core()
+    options = OpenVINOOptions(threads=torch.get_num_threads(), cache_dir="")
+    compiled = core.compile_model(core.read_model(onnx_bytes(model, x)), "CPU", options.config())
+    local = threading.local()
+    logits_out, embedding_out = compiled.output("logits"), compiled.output("embedding")
+
+    def forward(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        request = getattr(local, "request", None)
+        if request is None:
+            request = local.request = compiled.create_infer_request()
+        result = request.infer({"pixel_values": pixels.numpy()})
+        return torch.from_numpy(np.array(result[logits_out])), torch.from_numpy(np.array(result[embedding_out]))
+
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    forward.precision = {"f32": "fp32", "f16": "fp16"}.get(hint, hint)  # type: ignore[attr-defined]
+    return forward
+
+
+# The runtimes besides eager, by name: (the module that must be installed, the forward's builder, its precision:
+# "auto" is what the built forward says it runs in).
 FORWARDS: dict[str, tuple[str, Callable[..., Forward], str]] = {
     "onnxruntime": ("onnxruntime", onnxruntime_forward, "fp32"),
+    "openvino": ("openvino", openvino_forward, "auto"),
 }
 
 
@@ -135,9 +165,10 @@ def choose_forward(model: torch.nn.Module, resolution: tuple[int, int], *, pin: 
         rows = [Row(EAGER, "fp32", rates.get(EAGER, {}), 1.0, 1.0)]
         for n, f in built.items():
             agree, cos = accuracy(reference, f(images)[0].float().numpy())
-            rows.append(Row(n, FORWARDS[n][2], rates.get(n, {}), agree, cos, refusal(FORWARDS[n][2], agree, cos)))
+            precision = getattr(f, "precision", FORWARDS[n][2])
+            rows.append(Row(n, precision, rates.get(n, {}), agree, cos, refusal(precision, agree, cos)))
     rows += [Row(n, FORWARDS[n][2], refused=f"cannot run: {why}") for n, why in failed.items()]
-    chosen = choose(rows, pin)
+    chosen = choose(rows, None if pin is None else pin.removesuffix(":auto"))
     table = RuntimeChoice(tuple(rows), chosen.key, pin is not None, torch.get_num_threads(),
                           time.perf_counter() - t0)
     return (None if chosen.runtime == EAGER else built[chosen.runtime]), table
