@@ -15,6 +15,7 @@
 - `simplify`: onnxslim, kept only when outputs stay equal.
 - `parity`: the export against PyTorch, with onnxruntime.
 - `quantize`: int8 (dynamic or static) and what it costs and gains.
+- `openvino_ir`: the OpenVINO IR of both graphs (`--format openvino`), int8 by NNCF, and what int8 costs.
 - `sidecar`: the manifest written beside every export.
 - `text_tower`: a checkpoint's text tower as its own graph.
 - `naflex_graph`: a SigLIP 2 NaFlex model's patch graph (patches, spatial shapes, mask), any batch and budget.

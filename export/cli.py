@@ -2,7 +2,7 @@
 
 Errors are one line and a non-zero exit.
 
-    vit-export CKPT [--res 384 | 224x320 | dynamic] [--format onnx,tensorrt,triton] [--batch dynamic|N]
+    vit-export CKPT [--res 384 | 224x320 | dynamic] [--format onnx,openvino,tensorrt,triton] [--batch dynamic|N]
                [--precision fp32|fp16|int8] [--outputs logits[,embedding]] [--out DIR] [--repo DIR] [--name NAME]
                [--opset 18]
                [--check-images DIR] [--calibration-images DIR] [--int8-scheme dynamic|static] [--force]
@@ -14,10 +14,12 @@ Where things go:
     <out>/<name>.onnx, <out>/<name>_explain.onnx (+ <name>.json sidecars)   always (every format starts here)
     <out>/<name>_text.onnx, <name>_text.json, <name>_text_tokenizer/        --text-tower (CLIP / SigLIP)
     <out>/<name>_naflex.onnx   patches, spatial_shapes, mask -> logits, embedding   --naflex (SigLIP 2 NaFlex)
+    <out>/<name>_openvino/<name>.xml, <name>_explain.xml (+ .bin, .json)   --format openvino (int8: NNCF)
     <out>/<name>_tensorrt/model_sm<XY>.plan                                --format tensorrt
     <out>/<name>_tensorrt/<name>_<fp16|bf16>.onnx   the typed graph TensorRT 11 builds from (strongly typed only)
     <out>/tensorrt_sm<XY>_trt<version>.cache                               TensorRT's timing cache
-    <repo>/<name>_{onnx,explain_onnx,trt,py,explain_py,preprocess,ensemble}/ --format triton (versions added)
+    <repo>/<name>_{onnx,explain_onnx,trt,py,explain_py,preprocess,ensemble}/ --format triton (versions added;
+        <name>_openvino/ with --format openvino too)
 
 Exit codes: 0 done; 1 error or failed parity check (of the ONNX graphs: the engine and the Triton repository
 are then not written; of the engine: it is written with the failure in its sidecar, the repository is not);
@@ -81,10 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a vit-serve checkpoint to ONNX (plus an explain graph with attention rollout), "
         "verified against PyTorch with onnxruntime; optionally a TensorRT engine and a Triton model repository.",
         epilog="Layout: the ONNX files and sidecars always go to --out (<name>.onnx, <name>_explain.onnx); "
+        "openvino adds the OpenVINO IR of both in <out>/<name>_openvino/ (<name>.xml + .bin + .json; with "
+        "--precision int8 the logits graph quantized by NNCF on --calibration-images); "
         "tensorrt adds <out>/<name>_tensorrt/model_sm<XY>.plan (and a timing cache per GPU architecture and "
         "TensorRT version in --out); triton writes the models <name>_onnx, "
         "<name>_explain_onnx, <name>_trt (with an engine), <name>_py, <name>_explain_py, <name>_preprocess and "
-        "<name>_ensemble into --repo, adding a version when a model exists. Exit codes: 0 done, 1 error or "
+        "<name>_ensemble (and <name>_openvino with openvino) into --repo, adding a version when a model exists. "
+        "Exit codes: 0 done, 1 error or "
         "failed parity (of the ONNX graphs or the engine), 2 bad usage (or --tome with RoPE), 3 tensorrt "
         "requested but unavailable here (everything else written).",
     )
@@ -165,7 +170,8 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--calibration-images",
         metavar="DIR",
-        help=f"images that calibrate static int8 (default: --check-images; at most {MAX_CALIBRATION} are used)",
+        help=f"images that calibrate static int8 and OpenVINO's int8 (NNCF; --format openvino) (default: "
+             f"--check-images; at most {MAX_CALIBRATION} are used)",
     )
 
 

@@ -39,11 +39,12 @@ from vit_serve.tome import TomeR, parse_tome
 if TYPE_CHECKING:
     from vit_export.naflex_graph import WrittenNaFlex
     from vit_export.onnx_export import ExportedGraph
+    from vit_export.openvino_ir import WrittenIR
     from vit_export.parity import ParityReport
     from vit_export.text_tower import WrittenTextTower
     from vit_export.triton_repo import WrittenModel
 
-FORMATS = ("onnx", "tensorrt", "triton")
+FORMATS = ("onnx", "openvino", "tensorrt", "triton")
 PRECISIONS = ("fp32", "fp16", "int8")
 SCHEMES = ("dynamic", "static")  # = vit_export.quantize.SCHEMES (not imported: it loads onnxruntime)
 MAX_CALIBRATION = 256  # = vit_export.quantize.MAX_CALIBRATION
@@ -274,6 +275,15 @@ class ExportOptions:
             raise OptionError("reference_images", "<reference_images> needs the embedding output, which TensorRT "
                                                   "engines do not have: export it for onnx (and triton) without "
                                                   "tensorrt")
+        if "openvino" in self.formats and self.precision == "fp16":
+            raise OptionError("precision", "<formats> openvino writes f32 weights (OpenVINO picks the inference "
+                                           "precision: bf16 where the CPU has it) or int8 (<precision> int8, NNCF): "
+                                           "drop <precision> fp16")
+        if "openvino" in self.formats and self.precision == "int8" and not (
+                self.calibration_images or self.check_images):
+            raise OptionError("calibration_images", "<formats> openvino with <precision> int8 quantizes with NNCF, "
+                                                    "which calibrates on images: pass <calibration_images> DIR (or "
+                                                    "<check_images> DIR)")
         if self.calibration_images is not None and self.precision != "int8":
             raise OptionError("calibration_images", "<calibration_images> calibrates static int8: it needs "
                                                     "<precision> int8")
@@ -331,6 +341,7 @@ class ExportResult:
     source_checkpoint: Path | None = None
     text: WrittenTextTower | None = None  # `text_tower`: NAME_text.onnx and its manifest
     naflex: WrittenNaFlex | None = None  # `naflex`: NAME_naflex.onnx and its parity
+    openvino: WrittenIR | None = None  # `formats` openvino: NAME_openvino/NAME.xml, NAME_explain.xml
 
     @property
     def onnx(self) -> Path:
@@ -343,12 +354,13 @@ class ExportResult:
     @property
     def manifests(self) -> tuple[Path, ...]:
         engine = () if self.engine is None else (self.engine.manifest,)
-        return (self.graph.manifest, self.explain.manifest, *engine)
+        ir = () if self.openvino is None else (self.openvino.manifest, self.openvino.explain_manifest)
+        return (self.graph.manifest, self.explain.manifest, *ir, *engine)
 
     @property
     def graphs_ok(self) -> bool:
         return (self.graph.parity.ok and self.explain.parity.ok and (self.text is None or self.text.ok)
-                and (self.naflex is None or self.naflex.ok))
+                and (self.naflex is None or self.naflex.ok) and (self.openvino is None or self.openvino.ok))
 
     @property
     def engine_ok(self) -> bool | None:
@@ -414,10 +426,10 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
     ValueError (a repository that refuses the model). Failed parity checks are in the result, not raised.
     """
     job = _job(model, options or ExportOptions(), progress or log.info)
-    graph, explain = _write_graphs(job)
+    graph, explain, ir = _write_graphs(job)
     result = ExportResult(job.opts, job.name, job.res, graph, explain, source_checkpoint=job.checkpoint,
-                          text=_write_text_tower(job), naflex=_write_naflex(job, graph))
-    later = tuple(f for f in job.opts.formats if f != "onnx")
+                          text=_write_text_tower(job), naflex=_write_naflex(job, graph), openvino=ir)
+    later = tuple(f for f in job.opts.formats if f not in ("onnx", "openvino"))
     if not result.graphs_ok:
         return dataclasses.replace(result, skipped=later)
     if "tensorrt" in job.opts.formats:
@@ -429,7 +441,7 @@ def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions 
             result = dataclasses.replace(result, skipped=("triton",))
         return result
     if "triton" in job.opts.formats:
-        result = dataclasses.replace(result, triton=_triton(job, result.engine))
+        result = dataclasses.replace(result, triton=_triton(job, result.engine, result.openvino))
     return result
 
 
@@ -477,6 +489,10 @@ def _job(model: VisionTransformer | str | os.PathLike, opts: ExportOptions, say:
             raise OptionError("naflex", "<naflex> needs a NaFlex model (SigLIP 2 NaFlex, e.g. a transformers siglip2 "
                                         "folder); this one takes fixed-size images")
         existing += [p for p in (naflex_target(opts.out, name),) if p.exists()]
+    if "openvino" in opts.formats:
+        from vit_export.openvino_ir import bin_path, ir_targets
+
+        existing += [p for x in ir_targets(opts.out, name) for p in (x, bin_path(x), manifest_path(x)) if p.exists()]
     if existing and not opts.force:
         raise OutputExistsError(existing[0])
     return job
@@ -608,12 +624,32 @@ def _write_text_tower(job: _Job) -> WrittenTextTower | None:
     return written
 
 
-def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph]:
-    """Both ONNX graphs, each exported, checked, (int8: quantized) and described by its manifest."""
+def _write_graphs(job: _Job) -> tuple[WrittenGraph, WrittenGraph, WrittenIR | None]:
+    """Both ONNX graphs, each exported, checked, (int8: quantized) and described by its manifest; then, with
+    `formats` openvino and both checks passed, their IR (from the fp32 graphs, which int8 keeps in `tmp`)."""
     with tempfile.TemporaryDirectory(prefix="vit-export-") as tmp:
         graph, explain = (_write_graph(job, target, kind == "explain", Path(tmp))
                           for kind, target in zip(("graph", "explain"), job.targets, strict=True))
-        return graph, explain
+        ir = None
+        if "openvino" in job.opts.formats and graph.parity.ok and explain.parity.ok:
+            ir = _write_ir(job, graph, explain, Path(tmp))
+        return graph, explain, ir
+
+
+def _write_ir(job: _Job, graph: WrittenGraph, explain: WrittenGraph, tmp: Path) -> WrittenIR:
+    """`formats` openvino: both graphs' IR (`vit_export.openvino_ir.write_ir`) from the fp32 graphs (int8 keeps
+    them in `tmp`), calibrated (int8) on at most MAX_CALIBRATION of the calibration images."""
+    from vit_export.openvino_ir import GraphWritten, IRJob, write_ir
+
+    opts = job.opts
+    picked = None if job.calibration is None else _spread(job.calibration, MAX_CALIBRATION)
+    note = None if picked is None else f"{len(picked)} images of {opts.calibration_images or opts.check_images}"
+    labels = None if job.images is None else _labels_of(job.images, job.model.labels)
+    ir_job = IRJob(job.model, opts.out, job.name, job.res, opts.precision, opts.force, opts.tol, job.images, labels,
+                   picked, note, job.say)
+    fp32 = [tmp / t.name if opts.precision == "int8" else t for t in job.targets]
+    written = [GraphWritten(g.path, g.record, g.parity) for g in (graph, explain)]  # type: ignore[arg-type]
+    return write_ir(ir_job, written[0], written[1], fp32[0], fp32[1])
 
 
 def _write_graph(job: _Job, target: Path, explain: bool, tmp: Path) -> WrittenGraph:
@@ -719,7 +755,7 @@ def report_engine_parity(parity: Parity | dict, engine: str, progress: Progress 
     return report.ok
 
 
-def _triton(job: _Job, engine: WrittenEngine | None) -> tuple[WrittenModel, ...]:
+def _triton(job: _Job, engine: WrittenEngine | None, ir: WrittenIR | None = None) -> tuple[WrittenModel, ...]:
     from vit_export.triton_repo import write_repository
 
     opts, say = job.opts, job.say
@@ -738,6 +774,7 @@ def _triton(job: _Job, engine: WrittenEngine | None) -> tuple[WrittenModel, ...]
         onnx_device=opts.triton_device,
         queue_delay_us=opts.queue_delay_us,
         max_queue=opts.max_queue,
+        openvino=None if ir is None else ir.path,
     )
     say(f"Triton model repository {opts.repo}:")
     for w in written:

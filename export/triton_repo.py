@@ -6,6 +6,8 @@ For an export named NAME (`NAME.onnx`, `NAME_explain.onnx` and their sidecars), 
                                                        (+ embedding [D] with `vit-export --outputs logits,embedding`)
     NAME_explain_onnx/    platform onnxruntime_onnx    pixel_values -> logits [K], rollout [gh, gw]
     NAME_trt/             platform tensorrt_plan       (only with an engine) model_smXY.plan per compute capability
+    NAME_openvino/        backend openvino             (only with `--format openvino`) the logits graph's IR,
+                                                       model.xml + model.bin (f32, or NNCF int8), CPU
     NAME_py/              backend python               the ONNX graph run by onnxruntime inside Triton's Python
     NAME_explain_py/      backend python               backend (servers that have only that backend)
     NAME_preprocess/      backend python               image [1] (encoded bytes) -> pixel_values [3, H, W]
@@ -98,6 +100,7 @@ def model_names(name: str) -> dict[str, str]:
         "onnx": f"{name}_onnx",
         "explain_onnx": f"{name}_explain_onnx",
         "trt": f"{name}_trt",
+        "openvino": f"{name}_openvino",
         "py": f"{name}_py",
         "explain_py": f"{name}_explain_py",
         "preprocess": f"{name}_preprocess",
@@ -289,6 +292,27 @@ def _engine_plan(c: _Contract, engine: EngineFiles, s: ModelSettings) -> _Plan:
     return _Plan(c.names["trt"], cfg, {engine.file: engine.path}, dict(c.labels))
 
 
+# The OpenVINO backend's names for an IR in a version folder (its default_model_filename is model.xml).
+OPENVINO_XML, OPENVINO_BIN = "model.xml", "model.bin"
+
+
+def _openvino_plan(c: _Contract, xml: Path, s: ModelSettings) -> _Plan:
+    """The OpenVINO backend's model of the logits graph's IR (CPU; OpenVINO picks the inference precision, bf16
+    where the CPU has it). The backend's own parameters: a latency hint (Triton's dynamic batcher forms the
+    batches, one request per instance at a time) and the threads of each instance."""
+    ir = read_manifest(xml)
+    cfg = model_config(
+        c.names["openvino"], [c.pixels], list(c.heads), s.batching, backend="openvino", instances=s.instances,
+        kind="cpu", warmup=list(c.warmup),
+        parameters={"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": str(s.threads),
+                    **c.meta(kind="logits", runtime="openvino", precision=ir.precision,
+                             explain_model=c.names["explain_onnx"])},
+    )
+    files: dict[str, Path | bytes] = {OPENVINO_XML: xml, OPENVINO_BIN: xml.with_suffix(".bin"),
+                                      TRITON_MANIFEST: manifest_path(xml)}
+    return _Plan(c.names["openvino"], cfg, files, dict(c.labels))
+
+
 def _preprocess_plan(c: _Contract, s: ModelSettings) -> _Plan:
     """The Python model that decodes image bytes into pixel_values."""
     cfg = model_config(
@@ -320,12 +344,14 @@ def _ensemble_plan(c: _Contract, plans: list[_Plan], target: str, batching: Batc
 
 
 def _plans(name: str, onnx_path: Path, explain_path: Path, engine: EngineFiles | None, settings: ModelSettings,
-           ensemble_target: str) -> list[_Plan]:
+           ensemble_target: str, openvino: Path | None = None) -> list[_Plan]:
     """Every model of one export, in the order they are written (the ensemble last)."""
     c = _contract(name, onnx_path, explain_path, settings.batching)
     plans = _graph_plans(c, onnx_path, explain_path, settings)
     if engine is not None:
         plans.append(_engine_plan(c, engine, settings))
+    if openvino is not None:
+        plans.append(_openvino_plan(c, openvino, settings))
     plans.append(_preprocess_plan(c, settings))
     plans.append(_ensemble_plan(c, plans, ensemble_target, settings.batching))
     return plans
@@ -433,6 +459,7 @@ def write_repository(
     max_queue: int = 128,
     threads: int = 1,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    openvino: str | os.PathLike | None = None,
 ) -> list[WrittenModel]:
     """Write (or add a version of) the Triton models of one export into `repo`; returns what was written.
 
@@ -442,7 +469,8 @@ def write_repository(
     ensemble_target: which classifier the ensemble calls, "onnx" | "trt" | "py" (default "trt" with an engine,
     else "onnx"). onnx_device: instance kind of the onnxruntime models, "cpu" | "gpu" (TensorRT is always GPU,
     Python models CPU). threads: intra-op threads of each onnxruntime session. max_pixels: the preprocess
-    model's decoded-size limit.
+    model's decoded-size limit. openvino: the logits graph's IR (`vit_export.openvino_ir`, with its manifest):
+    adds the OpenVINO backend's model NAME_openvino.
     """
     onnx_path, explain_path, repo = Path(onnx_path), Path(explain_path), Path(repo)
     name = name or onnx_path.stem
@@ -458,7 +486,7 @@ def write_repository(
     settings = ModelSettings(Batching(max_batch, queue_delay_us, max_queue), instances, onnx_device, threads,
                              max_pixels)
     files = None if engine is None else EngineFiles.of(engine)
-    plans = _plans(name, onnx_path, explain_path, files, settings, target)
+    plans = _plans(name, onnx_path, explain_path, files, settings, target, None if openvino is None else Path(openvino))
     repo.mkdir(parents=True, exist_ok=True)
     versions = [_next_version(repo, p) for p in plans]  # every check before the first write
     return [_write(repo, p, v) for p, v in zip(plans, versions, strict=True)]

@@ -124,6 +124,8 @@ def test_the_record_reads_back_and_refuses_a_forged_fingerprint(model):
     assert EmbeddingSpace.from_dict(doc) == space and doc["fingerprint"] == space.fingerprint
     with pytest.raises(ValueError, match="is not that of its fields"):
         EmbeddingSpace.from_dict({**doc, "precision": "fp16"})
+    older = {**doc, "fingerprint": "vs0-" + "0" * 32}  # another algorithm's: read, and hashed as this one does
+    assert EmbeddingSpace.from_dict(older).fingerprint == space.fingerprint
     with pytest.raises(ValueError, match="not an embedding space record"):
         EmbeddingSpace.from_dict({k: v for k, v in doc.items() if k != "weights"})
 

@@ -28,8 +28,9 @@ the decode path ("fast" or "exact": the gateway's setting, two ways of making th
 of `preprocess` so that an export's manifest and the gateway serving it agree whichever the operator picks).
 
 A CLIP-family model's text vectors (its text tower, `vit_serve.runtime.text_tower`) are trained into its image
-space and carry the image space's fingerprint (normalised as given). Plain Python and hashlib: this module
-imports nothing of vit-serve, so every layer (manifest, backends, gateway, predict) may use it.
+space and carry the image space's fingerprint (normalised as given); their tower's own weights are not hashed (it
+comes with the checkpoint the image tower comes from). Plain Python and hashlib (numpy or torch only to read the
+tensors handed to `weights_digest`): this module imports nothing of vit-serve, so every layer may use it.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class EmbeddingSpace:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EmbeddingSpace:
         """`to_dict`'s layout back; ValueError when a field is missing or of the wrong type, or when a stored
-        fingerprint is not that of the fields (a record edited by hand, or written by another algorithm)."""
+        fingerprint of this `VERSION` is not that of the fields (a record edited by hand)."""
         try:
             tm = data["token_merging"]
             space = cls(str(data["weights"]), str(data["kind"]), str(data["pool"]), int(data["dim"]),
@@ -147,7 +148,8 @@ class EmbeddingSpace:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not an embedding space record ({type(e).__name__}: {e})") from None
         stored = data.get("fingerprint")
-        if stored is not None and stored != space.fingerprint:
+        # one of another VERSION was made by another algorithm: the fields are what counts, hashed as this one does
+        if isinstance(stored, str) and stored.startswith(f"{VERSION}-") and stored != space.fingerprint:
             raise ValueError(f"its fingerprint {stored} is not that of its fields ({space.fingerprint})")
         return space
 

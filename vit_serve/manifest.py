@@ -1,6 +1,7 @@
 """The export manifest: what `vit-export` writes beside every graph and engine, and what every reader reads.
 
     <name>.onnx -> <name>.json    <name>_explain.onnx -> <name>_explain.json    model_smXY.plan -> model_smXY.json
+    <name>_openvino/<name>.xml -> <name>_openvino/<name>.json   (format "openvino": the OpenVINO IR, + .bin)
 
 each an `ExportManifest` as JSON; every model config of a Triton repository written by `vit-export` carries a
 `TritonMeta` as its "vit_serve" parameter (so that a gateway needs nothing but `get_model_config`). The exporter
@@ -47,7 +48,7 @@ SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 VERSION_KEY = "manifest_version"
 V1_VERSION_KEY = "sidecar_version"
-FORMATS = ("onnx", "tensorrt")
+FORMATS = ("onnx", "tensorrt", "openvino")
 TRITON_KINDS = ("logits", "explain", "preprocess", "ensemble")
 SCORES = ("softmax", "sigmoid")  # = vit_serve.config.SCORES
 # Which image embedding a model gives: timm's pre-logits (the 2020 ViT, DeiT), Hugging Face's pooler_output
@@ -545,7 +546,7 @@ class ExportManifest:
 
     file: str
     file_sha256: str
-    format: Literal["onnx", "tensorrt"]
+    format: Literal["onnx", "tensorrt", "openvino"]
     source_checkpoint: SourceCheckpoint | None
     architecture: Architecture
     resolution: Resolution

@@ -23,8 +23,8 @@ def test_unknown_format_lists_the_known_ones(ckpt, capsys):
         main([str(ckpt), "--format", "onnx,coreml"])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and len(err.splitlines()) == 1
-    assert "unknown format 'coreml'; known formats: onnx, tensorrt, triton" in err
-    assert FORMATS == ("onnx", "tensorrt", "triton")
+    assert "unknown format 'coreml'; known formats: onnx, openvino, tensorrt, triton" in err
+    assert FORMATS == ("onnx", "openvino", "tensorrt", "triton")
 
 
 def test_formats_are_deduplicated_in_pipeline_order():

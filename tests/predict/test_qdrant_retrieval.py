@@ -1,9 +1,11 @@
 """Acceptance (issue 42): a real vector database client nobody here wrote, `qdrant-client` in local mode, indexes the
 embeddings `vit-serve predict --task embed` wrote to Parquet for a folder of real photos (scikit-image's sample
 pictures and matplotlib's grace_hopper.jpg), from a CLIP-family checkpoint (open_clip, random weights, converted by
-`vit-serve convert`), and text queries embedded by `vit-serve predict --task embed-text` (the checkpoint's own text
-tower) rank the photos exactly as brute-force cosine over the same vectors does. The rows carry the embedding
-space's fingerprint, which the queries share, and the client refuses a query of another space as the docs say."""
+`vit-serve convert`), and text queries embedded through the gateway's `POST /v1/embeddings` (the official `openai`
+SDK; the checkpoint's own text tower) rank the photos exactly as brute-force cosine over the same vectors does.
+The rows carry the embedding space's fingerprint, which /v1's answer shares; `vit-serve predict --task embed-text`
+writes the same query vectors offline (and open_clip's `encode_text`), and a query of another space finds nothing
+among the points of the index's, as the docs say."""
 
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ from vit_serve.cli import main as vit_serve_main
 
 qdrant = pytest.importorskip("qdrant_client")
 open_clip = pytest.importorskip("open_clip")
+openai = pytest.importorskip("openai")
 pq = pytest.importorskip("pyarrow.parquet")
 skdata = pytest.importorskip("skimage.data")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "export"))
+TESTS = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(TESTS / "export"), str(TESTS / "serve")]
+from gateway_helpers import live_app, settings_for  # noqa: E402
 from test_text_tower import ARCH, tiny_clip  # noqa: E402
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "cat", "immunohistochemistry")
@@ -44,7 +49,8 @@ def written(tmp_path_factory, randomize) -> tuple[Path, Path, torch.nn.Module]:
         (photos / "grace_hopper.jpg").write_bytes(f.read())
     model = tiny_clip(randomize, seed=11)
     torch.save(model.state_dict(), folder / "oc.pt")
-    ckpt = folder / "clip.safetensors"
+    (folder / "repo").mkdir()
+    ckpt = folder / "repo" / "clip.safetensors"
     assert vit_serve_main(["convert", str(folder / "oc.pt"), str(ckpt), "--arch", ARCH]) == 0
     (folder / "queries.txt").write_text("\n".join(QUERIES) + "\n")
     images, texts = folder / "images.parquet", folder / "queries.parquet"
@@ -73,27 +79,39 @@ def _search(client, row: dict, limit: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def index(written) -> tuple[object, list[dict], list[dict]]:
-    """(a local qdrant client holding the photos' rows, the photos' rows, the queries' rows)."""
+def index(written) -> tuple[object, list[dict]]:
+    """(a local qdrant client holding the photos' rows, the photos' rows)."""
     from qdrant_client import QdrantClient, models
 
-    images, texts = (pq.read_table(p).to_pylist() for p in written[:2])
+    images = pq.read_table(written[0]).to_pylist()
     client = QdrantClient(":memory:")
     client.create_collection(COLLECTION, vectors_config=models.VectorParams(size=len(images[0]["embedding"]),
                                                                             distance=models.Distance.COSINE))
     client.upsert(COLLECTION, points=[models.PointStruct(id=i, vector=r["embedding"], payload={
         "path": r["path"], "embedding_fingerprint": r["embedding_fingerprint"]}) for i, r in enumerate(images)])
-    return client, images, texts
+    return client, images
 
 
-def test_qdrant_ranks_predicts_photos_as_brute_force_cosine(index):
-    client, images, texts = index
-    assert len(images) == len(PHOTOS) + 1 and [r["text"] for r in texts] == QUERIES
+@pytest.fixture(scope="module")
+def queries(written) -> list[dict]:
+    """The queries through the gateway's POST /v1/embeddings (the openai SDK, its default base64), serving the
+    checkpoint predict read: rows of {text, embedding, embedding_fingerprint}."""
+    with live_app(settings_for(written[0].parent / "repo", default_model="clip")) as (url, _):
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = sdk.embeddings.create(model="clip", input=QUERIES)
+    space = answer.model_extra["embedding_fingerprint"]
+    return [{"text": q, "embedding": d.embedding, "embedding_fingerprint": space}
+            for q, d in zip(QUERIES, answer.data, strict=True)]
+
+
+def test_qdrant_ranks_predicts_photos_as_brute_force_cosine(index, queries):
+    client, images = index
+    assert len(images) == len(PHOTOS) + 1
     space = images[0]["embedding_fingerprint"]
-    assert space and all(r["embedding_fingerprint"] == space for r in images + texts)
+    assert space and all(r["embedding_fingerprint"] == space for r in images + queries)
     vectors = np.array([r["embedding"] for r in images], np.float32)
     orders = set()
-    for row in texts:
+    for row in queries:
         query = np.asarray(row["embedding"], np.float32)
         hits = _search(client, row, len(images))
         want, cos = _ranking(vectors, query)
@@ -104,11 +122,15 @@ def test_qdrant_ranks_predicts_photos_as_brute_force_cosine(index):
     assert len(orders) > 1  # the queries rank the photos differently: the ranking is the text's, not a constant
 
 
-def test_the_rows_are_open_clips_vectors_and_a_query_of_another_space_finds_nothing(written, index, tmp_path):
-    """The query rows are open_clip's `encode_text`, normalised (within 1e-4); a query embedded without
-    --normalize has another fingerprint, and the search among points of its space finds none."""
+def test_predicts_queries_are_v1s_and_open_clips_and_another_space_finds_nothing(written, index, queries, tmp_path):
+    """predict --task embed-text's rows are /v1/embeddings' vectors with its fingerprint, and open_clip's
+    `encode_text`, normalised (within 1e-4); a query embedded without --normalize has another fingerprint, and the
+    search among points of its space finds none."""
     images_path, texts_path, model = written
     texts = pq.read_table(texts_path).to_pylist()
+    assert [r["text"] for r in texts] == QUERIES
+    assert [r["embedding_fingerprint"] for r in texts] == [q["embedding_fingerprint"] for q in queries]
+    np.testing.assert_allclose([r["embedding"] for r in texts], [q["embedding"] for q in queries], atol=1e-5)
     with torch.no_grad():
         ref = torch.nn.functional.normalize(model.encode_text(open_clip.tokenize(QUERIES)), dim=-1).numpy()
     got = np.array([r["embedding"] for r in texts])
@@ -116,11 +138,11 @@ def test_the_rows_are_open_clips_vectors_and_a_query_of_another_space_finds_noth
     assert np.abs(got - ref).max() <= 1e-4
     import json
 
-    ckpt = images_path.parent / "clip.safetensors"
+    ckpt = images_path.parent / "repo" / "clip.safetensors"
     raw = tmp_path / "raw.jsonl"
     assert vit_serve_main(["predict", str(ckpt), str(images_path.parent / "queries.txt"), "--out", str(raw),
                            "--task", "embed-text", "--quiet"]) == 0
     other = json.loads(raw.read_text().splitlines()[0])
     assert other["embedding_fingerprint"] != texts[0]["embedding_fingerprint"]
-    client, images, _ = index
+    client, images = index
     assert _search(client, other, len(images)) == [] and len(_search(client, texts[0], len(images))) == len(images)

@@ -122,6 +122,8 @@ def test_native_precision_passes_the_gate_within_its_bounds(exported, ort, pixel
     assert gate.check.n == len(gate_images(native.info.preprocess)) >= 30
     min_agree, min_cos = BOUNDS["bf16"]
     assert gate.check.agreement >= min_agree and gate.check.cosine >= min_cos
+    # the explain graph's maps in bf16 against f32's on the same photos, reported beside
+    assert gate.rollout_max_abs is not None and 0 < gate.rollout_max_abs < 1
     logits, emb = native.embed(pixels)
     ref_logits, ref_emb = ort.embed(pixels)
     assert (logits.argmax(1) == ref_logits.argmax(1)).all()
@@ -166,6 +168,7 @@ def test_int8_needs_a_quantized_graph_and_is_measured_against_fp32(exported, tmp
     assert gate.check.cosine == pytest.approx(float(cosine), abs=1e-5)
     assert gate.check.ok == (gate.check.agreement >= 0.98 and gate.check.cosine >= 0.99)
     assert gate.forced == (not gate.check.ok)
+    assert gate.rollout_max_abs is not None  # against the fp32 export's explain graph beside it
 
 
 def test_the_model_cache_serves_a_restart(exported, tmp_path, pixels, f32):
@@ -221,3 +224,14 @@ def test_the_suffix_and_the_runtime_setting_pick_openvino(exported, tmp_path):
     (folder / "ir.onnx").write_bytes(exported.read_bytes())
     entries = scan(folder)
     assert list(entries) == ["ir"] and entries["ir"].versions[1].backend == "onnxruntime"
+
+
+def test_a_triton_config_of_the_openvino_backend_means_openvino(tmp_path):
+    pytest.importorskip("tritonclient.grpc")
+    from vit_serve.runtime.discovery import read_triton_config
+
+    config = tmp_path / "config.pbtxt"
+    config.write_text('name: "m"\nbackend: "openvino"\nmax_batch_size: 8\n')
+    assert read_triton_config(config).config.runtime == "openvino"
+    config.write_text('name: "m"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    assert read_triton_config(config).config.runtime is None

@@ -53,6 +53,39 @@ def test_abstains_below_the_threshold_it_reports(ckpt, photos):
     assert no_labels.status_code == 400 and "needs labels=" in no_labels.json()["detail"]
 
 
+def test_the_reference_calibrates_the_served_threshold(tmp_path, photos):
+    """convert --zero-shot --reference-images: without threshold=, the gateway compares with the reference's
+    calibrated threshold and says so."""
+    import io
+
+    from PIL import Image
+
+    import vit_serve
+
+    folder = tmp_path / "ref"
+    folder.mkdir()
+    for i, data in enumerate(list(photos.values()) * 3):  # 9 images: crops of the photos
+        im = Image.open(io.BytesIO(data)).convert("RGB")
+        im.crop((i * 7, i * 5, im.width // 2 + i * 7, im.height // 2 + i * 5)).save(folder / f"{i}.png")
+    tiny_clip.register(tmp_path)
+    save_file(tiny_clip.state_dict(tiny_clip.randomized("tiny-clip", seed=3)), tmp_path / "oc.safetensors")
+    dst = tmp_path / "zsref.safetensors"
+    convert(tmp_path / "oc.safetensors", dst, arch="open_clip:tiny-clip", zero_shot=["a", "b"],
+            reference_images=folder)
+    want = monitor.abstain_threshold(vit_serve.load(dst).reference)
+
+    async def scenario():
+        async with serving(settings_for(dst)) as (client, _):
+            return await client.post("/classify?labels=tabby cat,espresso&abstain=true",
+                                     content=photos["chelsea.jpg"], headers=JPEG)
+
+    r = run(scenario())
+    assert r.status_code == 200, r.text
+    a = r.json()["abstention"]
+    assert a["source"] == "reference" and a["threshold"] == pytest.approx(want)
+    assert a["score"] == r.json()["predictions"][0]["score"] and a["abstained"] == (a["score"] < want)
+
+
 def test_reference_threshold_is_the_calibration_quantile():
     rng = np.random.default_rng(0)
     fit, calib = rng.normal(size=(200, 8)).astype(np.float32), rng.normal(size=(400, 8)).astype(np.float32)

@@ -7,7 +7,9 @@ on the torch backend (the text tower the checkpoint stores) and its export with 
 of each photo (the gateway decodes by the model's contract) and `encode_text` of open_clip's tokenizer, both
 L2-normalised. Also: a mixed request's vectors equal each item's alone, OpenAI's error classes and shape for bad
 input, a model without a text tower, `dimensions` on a model that declares Matryoshka training and one that does
-not, keys (401), a key's rate charged per item (429), a deadline (504), and the body limit before routing (413)."""
+not, the embedding-space fingerprint (/embed?normalize=true's; another for a truncation), keys (401), a key's rate
+charged per item (429), a deadline (504), and the body limit before routing (413); and the text embeddings of /v2
+and gRPC (a `text` BYTES input, through tritonclient)."""
 
 from __future__ import annotations
 
@@ -59,8 +61,8 @@ def repo(tmp_path_factory, randomize):
 
 @pytest.fixture(scope="module")
 def served(repo):
-    """(base URL, the app) of a gateway over REPO without keys."""
-    with live_app(settings_for(repo[0], default_model="clip")) as (url, app):
+    """(base URL, the app) of a gateway over REPO without keys, with gRPC."""
+    with live_app(settings_for(repo[0], default_model="clip", grpc_port=0)) as (url, app):
         yield url, app
 
 
@@ -121,6 +123,12 @@ def test_jina_items_and_the_raw_json(served, reference, photos):
     assert body["object"] == "list" and body["model_version"] == "1"
     got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in body["data"]])
     assert float(np.abs(got - np.stack([images[1], texts[1], images[1]])).max()) <= TOL
+    # the space: /embed?normalize=true's, the export's the same (same weights, contract and precision)
+    unit = httpx.post(f"{served[0]}/embed", params={"model": "clip", "normalize": "true"},
+                      files={"file": ("coffee.jpg", photos["coffee.jpg"])}, timeout=60).json()
+    other = httpx.post(f"{served[0]}/v1/embeddings", json={"model": "clipx", "input": "a cat"}, timeout=60).json()
+    assert body["embedding_fingerprint"] == unit["embedding_fingerprint"] == other["embedding_fingerprint"]
+    assert body["embedding_fingerprint"].startswith("vs1-")
 
 
 def test_langchain_embeds_texts(served, reference):
@@ -132,6 +140,26 @@ def test_langchain_embeds_texts(served, reference):
     _, texts = reference
     assert float(np.abs(docs - texts[[0, 1, 3]]).max()) <= TOL
     assert float(np.abs(query - texts[1]).max()) <= TOL
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_v2_and_grpc_embed_texts(served, reference, transport):
+    """The Open Inference Protocol's `text` BYTES input (tritonclient, binary BYTES): the `embedding` output of each
+    text, the tower's own (not normalised), open_clip's encode_text once normalised."""
+    lib = pytest.importorskip(f"tritonclient.{transport}")
+    url, app = served
+    client = lib.InferenceServerClient(url.removeprefix("http://") if transport == "http" else app.state.grpc.address)
+    assert {"name": "text", "datatype": "BYTES", "shape": [-1]} in [
+        {**t, "shape": [int(d) for d in t["shape"]]} for t in
+        (client.get_model_metadata("clip", as_json=True) if transport == "grpc" else
+         client.get_model_metadata("clip"))["inputs"]]
+    inp = lib.InferInput("text", [len(TEXTS)], "BYTES")
+    inp.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=np.object_))
+    got = client.infer("clip", [inp], outputs=[lib.InferRequestedOutput("embedding")]).as_numpy("embedding")
+    assert got.shape == (len(TEXTS), 32)
+    assert float(np.abs(got / np.linalg.norm(got, axis=1, keepdims=True) - reference[1]).max()) <= TOL
+    with pytest.raises(Exception, match="answers the embedding output alone"):
+        client.infer("clip", [inp], outputs=[lib.InferRequestedOutput("logits")])
 
 
 def test_models_list(client):
@@ -148,6 +176,7 @@ def test_bad_input_is_the_sdks_bad_request_error(client, photos):
         ({"model": "clip", "input": " ".join(["word"] * 100)}, "over the text tower's context length of 77"),
         ({"model": "clip", "input": [{"image": "https://example.com/cat.jpg"}]}, "image URLs are not enabled"),
         ({"model": "clip", "input": []}, "input is empty"),
+        ({"model": "clip", "input": ["a"] * 17}, "17 items in one request, over the limit of 16"),  # max_batch
     ]
     for kwargs, message in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -160,12 +189,32 @@ def test_bad_input_is_the_sdks_bad_request_error(client, photos):
         client.embeddings.create(model="clip", input=_uri(photos["coffee.jpg"][:300]))
 
 
+def test_classify_by_labels_on_the_torch_checkpoint_is_the_same_space(client, served, photos):
+    """?labels= on the converted checkpoint served with torch (its stored text tower, no NAME_text.onnx) answers,
+    and its scores are the softmax of exp(logit_scale) x the cosines of /v1's image and prompt vectors."""
+    import httpx
+
+    labels = ["cat", "teapot", "lighthouse"]
+    r = httpx.post(f"{served[0]}/classify", params={"model": "clip", "labels": ",".join(labels), "top_k": 3},
+                   files={"file": ("chelsea.jpg", photos["chelsea.jpg"])}, timeout=60)
+    assert r.status_code == 200, r.text
+    vectors = [d.embedding for d in client.embeddings.create(
+        model="clip", input=[_uri(photos["chelsea.jpg"]), *(f"a photo of a {c}." for c in labels)]).data]
+    logits = (1 / 0.07) * np.array(vectors[1:]) @ np.array(vectors[0])  # the fixture's logit scale
+    want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    got = {p["label"]: p["score"] for p in r.json()["predictions"]}
+    assert max(abs(got[c] - want[i]) for i, c in enumerate(labels)) <= TOL
+
+
 def test_dimensions_on_a_matryoshka_model(client, photos):
     uri = _uri(photos["astronaut.png"])
     full = np.array(client.embeddings.create(model="mat", input=uri, encoding_format="float").data[0].embedding)
     short = np.array(client.embeddings.create(model="mat", input=uri, encoding_format="float",
                                               dimensions=48).data[0].embedding)
     assert full.shape == (192,) and short.shape == (48,)
+    spaces = [client.embeddings.create(model="mat", input=uri, **kw).embedding_fingerprint
+              for kw in ({}, {"dimensions": 48}, {"dimensions": 96})]
+    assert len(set(spaces)) == 3 and None not in spaces  # a truncated vector is another space
     assert float(np.abs(short - full[:48] / np.linalg.norm(full[:48])).max()) <= 1e-6
     with pytest.raises(openai.BadRequestError, match="dimensions must be from 48 to 192"):
         client.embeddings.create(model="mat", input=uri, dimensions=8)

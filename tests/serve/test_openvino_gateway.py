@@ -5,13 +5,14 @@ plugin reports and the accuracy gate's numbers."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import httpx
 import numpy as np
 import pytest
-from gateway_helpers import live_app, settings_for
+from gateway_helpers import live_app, run, serving, settings_for
 
 from vit_serve.accuracy_bounds import BOUNDS
 
@@ -63,6 +64,7 @@ def test_models_shows_precision_device_and_accuracy(served):
         assert acc["ok"] and not acc["forced"] and acc["precision"] == precision and acc["n"] >= 30
         assert acc["agreement"] >= acc["min_agreement"] == BOUNDS[precision][0]
         assert acc["cosine"] >= acc["min_cosine"] == BOUNDS[precision][1]
+        assert isinstance(acc["rollout_max_abs"], float)  # the explain graph's maps against f32's, reported
 
 
 def test_v2_and_grpc_equal_onnxruntime(served, backend, pixels):
@@ -102,3 +104,23 @@ def test_classify_and_explain_over_http_equal_onnxruntime(served, backend, pixel
         heat = httpx.post(f"{live.url}/explain?format=json", files={"file": (name, data)}, timeout=60)
         assert heat.status_code == 200, heat.text
         _assert_within(np.array(heat.json()["map"])[None], ref_rollout[i:i + 1], precision)
+
+
+def test_a_models_config_toml_picks_openvino_in_a_repository(tiny_onnx, tmp_path):
+    """REPO/ov/config.toml says runtime = "openvino" (f32); REPO/plain has none: onnxruntime serves it."""
+    for name in ("ov", "plain"):
+        version = tmp_path / name / "1"
+        version.mkdir(parents=True)
+        for f in tiny_onnx.parent.iterdir():
+            if f.name.startswith("tiny"):
+                shutil.copy(f, version / f.name)
+    (tmp_path / "ov" / "config.toml").write_text('runtime = "openvino"\nprecision = "f32"\n')
+
+    async def scenario():
+        async with serving(settings_for(tmp_path, openvino_cache_dir="")) as (client, _):
+            return (await client.get("/models")).json()
+
+    versions = {m["name"]: m["versions"][0] for m in run(scenario())["models"]}
+    assert versions["ov"]["backend"] == "openvino" and versions["ov"]["precision"] == "fp32"
+    assert versions["ov"]["device"] == ov.Core().get_property("CPU", "FULL_DEVICE_NAME")
+    assert versions["plain"]["backend"] == "onnxruntime" and versions["plain"]["device"] == "cpu"

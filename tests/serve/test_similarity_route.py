@@ -129,3 +129,31 @@ def test_refusals(clip, photos, tiny_onnx):
     assert floats.status_code == 400 and "VIT_SERVE_MAX_PATCH_TOKEN_FLOATS = 100" in floats.json()["detail"]
     for r in run(on_onnx()):
         assert r.status_code == 400 and "needs the torch backend" in r.json()["detail"], r.text
+
+
+def test_v1_embeddings_patch_tokens(clip, photos):
+    """POST /v1/embeddings with "tokens": "patch" (the SDK's extra_body): each image item's tokens equal the
+    library's, as floats and as base64; text items have none; beyond the floats bound a 400 in OpenAI's shape."""
+    import base64
+
+    ckpt, model, _ = clip
+    cat = photos["chelsea.jpg"]
+    uri = "data:image/jpeg;base64," + base64.b64encode(cat).decode()
+    body = {"input": [uri, "a photo of a cat", uri], "tokens": "patch", "layer": 0}
+
+    async def scenario():
+        async with serving(settings_for(ckpt, max_patch_token_floats=2 * 16 * 64)) as (client, _):
+            return [await client.post("/v1/embeddings", json={**body, **extra})
+                    for extra in ({}, {"encoding_format": "base64"}, {"input": [uri] * 3})]
+
+    floats, b64, over = run(scenario())
+    assert floats.status_code == b64.status_code == 200, floats.text
+    with torch.no_grad():
+        want = patch_tokens(model, _pixels(model, cat), 0)[0].numpy()
+    image, text = floats.json()["data"][:2]
+    assert image["layer"] == 0 and image["grid"] == [4, 4]
+    np.testing.assert_allclose(np.array(image["patch_tokens"]), want, atol=1e-5)
+    assert "patch_tokens" not in text
+    packed = np.frombuffer(base64.b64decode(b64.json()["data"][2]["patch_tokens"]), "<f4").reshape(16, 64)
+    np.testing.assert_allclose(packed, want, atol=1e-5)
+    assert over.status_code == 400 and "MAX_PATCH_TOKEN_FLOATS" in over.json()["error"]["message"]

@@ -4,7 +4,8 @@ too); a precision that misses them is refused with the numbers (`PrecisionRefuse
 
 The images (`gate_images`) are scikit-image's sample photos and matplotlib's grace_hopper (whichever is
 installed), each in `VIEWS` crops, preprocessed with the model's own contract: real photos, the same every
-load. The cosine is of the logits and, where the graph gives one, of the embedding too (the smaller).
+load. The cosine is of the logits and, where the graph gives one, of the embedding too (the smaller). Where the
+model has an explain graph, its rollout maps' largest difference from fp32's is measured and reported beside.
 """
 
 from __future__ import annotations
@@ -36,13 +37,23 @@ class PrecisionRefusedError(ValueError):
 
 @dataclass(frozen=True)
 class GateResult:
-    """The gate's `check` of a model's precision, and whether it was `forced` (served although it missed)."""
+    """The gate's `check` of a model's precision, whether it was `forced` (served although it missed), and the
+    largest |difference| of its explain graph's rollout maps from fp32's on the same images (None: no explain
+    graph; reported, not judged)."""
 
     check: AccuracyCheck
     forced: bool = False
+    rollout_max_abs: float | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {**self.check.to_dict(), "forced": self.forced}
+        return {**self.check.to_dict(), "forced": self.forced, "rollout_max_abs": self.rollout_max_abs}
+
+
+def rollout_difference(reference: Callable[[np.ndarray], np.ndarray], candidate: Callable[[np.ndarray], np.ndarray],
+                       x: np.ndarray) -> float:
+    """The largest |difference| between two explain graphs' rollout maps (x [B, 3, H, W] -> [B, gh, gw]) on `x`."""
+    return max(float(np.abs(reference(x[i:i + BATCH]) - candidate(x[i:i + BATCH])).max())
+               for i in range(0, len(x), BATCH))
 
 
 def gate_photos() -> list[np.ndarray]:
@@ -102,15 +113,16 @@ def measure(precision: str, reference: Forward, candidate: Forward, x: np.ndarra
     return judge(ref_logits, logits, precision, embedding)
 
 
-def enforce(check: AccuracyCheck, model: str, force: bool) -> GateResult:
+def enforce(check: AccuracyCheck, model: str, force: bool, rollout_max_abs: float | None = None) -> GateResult:
     """`check` when it passed; PrecisionRefusedError with its numbers when it missed, unless `force` (then
-    logged as a warning and marked forced)."""
+    logged as a warning and marked forced). `rollout_max_abs`: the explain graph's difference, reported."""
     if check.ok:
-        log.info("%s: accuracy gate passed, %s", model, check.describe())
-        return GateResult(check)
+        log.info("%s: accuracy gate passed, %s%s", model, check.describe(), "" if rollout_max_abs is None
+                 else f"; rollout max |Δ| {rollout_max_abs:.2e}")
+        return GateResult(check, rollout_max_abs=rollout_max_abs)
     if not force:
         raise PrecisionRefusedError(f"{model}: against fp32 on the real photos of the accuracy gate, "
                                     f"{check.describe()}: refused; serve it in f32 (precision f32), or force it "
                                     f"(force_precision)")
     log.warning("%s: accuracy gate missed, served as forced: %s", model, check.describe())
-    return GateResult(check, forced=True)
+    return GateResult(check, forced=True, rollout_max_abs=rollout_max_abs)

@@ -40,7 +40,8 @@ class LoadSpec:
     checkpoint's classify / embed forward through `torch.compile` (inductor; the torch backend only), compiled
     and checked against eager at load (`runtime.backends.torch.compile_forward`); torchscript: through a
     TorchScript trace instead, which runs without Python's GIL (`runtime.backends.torch.torchscript_forward`;
-    not both). spinning: onnxruntime's
+    not both). compile_precision: "fp32", "bf16" (CPU autocast, refused below the bf16 accuracy bounds) or
+    "auto" (bf16 where the CPU has it and it passes; `compile_forward`). spinning: onnxruntime's
     intra-op threads spin between parallel sections (`runtime.backends.onnxruntime.session_options`).
     runtime: what runs an ONNX export (onnxruntime or openvino; None: by the file, `resolve_backend`).
     OpenVINO (`runtime.backends.openvino.OpenVINOOptions`): precision ("auto": the plugin's native), performance
@@ -72,6 +73,7 @@ class LoadSpec:
     streams: int | None = None
     cache_dir: str | None = None
     force_precision: bool = False
+    compile_precision: str = "fp32"
     choose_runtime: bool = False
     choice_budget_s: float = 10.0
     pin_runtime: str | None = None

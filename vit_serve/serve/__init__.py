@@ -53,10 +53,12 @@ The Open Inference Protocol:
   shaped from the answer.
 - `grpc`: the gRPC service.
 
-OpenAI's embeddings API:
+Embeddings for retrieval (OpenAI's embeddings API, Weaviate's multi2vec contract):
 
-- `openai_schema`: its request, response and error bodies; a request's items (texts, data-URI images).
-- `embeddings`: one /v1/embeddings request: texts through the text tower, images through the batcher.
+- `openai_schema`: its request, response and error bodies; a request's items (texts, data-URI images, URLs).
+- `embeddings`: one embedding request (/v1/embeddings, Weaviate's /vectorize): texts through the text tower, images
+  through the batcher, image URLs fetched where allowed.
+- `image_urls`: image URLs fetched under the operator's allow-list, size cap and timeout (the SSRF guard).
 
 Folders:
 

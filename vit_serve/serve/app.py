@@ -31,7 +31,7 @@ from vit_serve.serve.middleware import (
     RequestIdFilter,
     RequestMetrics,
 )
-from vit_serve.serve.routes import classify, embed, explain, health, metrics, models, openai, page, v2
+from vit_serve.serve.routes import classify, embed, explain, health, metrics, models, openai, page, v2, weaviate
 from vit_serve.serve.routes.page import STATIC
 from vit_serve.serve.schemas import StrictJSONResponse
 from vit_serve.serve.security import ApiKeys, KeyRing
@@ -50,7 +50,8 @@ DESCRIPTION = """Classify images with a Vision Transformer and see what it atten
 `GET /explain?id=...` draws the attention rollout of that image; `POST /embed` answers its embedding;
 `?model=&version=` pick a model of the repository (`GET /models` lists them). The Open Inference Protocol
 (KServe v2, with the binary tensor and classification extensions and Triton's model repository extension) is
-under `/v2`; OpenAI's embeddings API (images and texts) under `/v1` (`POST /v1/embeddings`, `GET /v1/models`).
+under `/v2`; OpenAI's embeddings API (images and texts) under `/v1` (`POST /v1/embeddings`, `GET /v1/models`);
+Weaviate's multi2vec inference contract under `/weaviate/` (the default model) and `/weaviate/{model}/`.
 Health: `/healthz`, `/readyz`; Prometheus metrics: `/metrics`.
 """
 
@@ -66,6 +67,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.warning("--allow-any-key-admin: %s may load and unload models (POST /v2/repository/models/NAME/load, "
                     "unload; gRPC RepositoryModelLoad, RepositoryModelUnload)",
                     "any valid API key" if ring.on else "anyone (no API key is set)")
+    if s.security.open_weaviate:
+        log.warning("--open-weaviate: /weaviate/ (Weaviate's multi2vec contract: /vectorize, /meta) answers %s; "
+                    "let only Weaviate reach this port (the docs' NetworkPolicy)",
+                    "without an API key" if ring.on else "anyone (no API key is set)")
     try:
         await gateway.start()
         if gateway.settings.grpc_port is not None:
@@ -102,7 +107,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     gateway = Gateway(settings)
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in (classify, embed, explain, health, metrics, models, v2, openai, page):  # v2: all of /v2
+    for module in (classify, embed, explain, health, metrics, models, v2, openai, weaviate, page):  # v2: all of /v2
         app.include_router(module.router)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -17,24 +17,31 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from vit_serve.manifest import EMBEDDING
 from vit_serve.runtime.errors import ModelTimeoutError, QueueFullError
-from vit_serve.runtime.task import Task
+from vit_serve.runtime.task import PATCH_TOKENS, Task
+from vit_serve.serve import image_urls
 from vit_serve.serve.admission import Admission, deadline_exceeded
 from vit_serve.serve.deps import ModelChoice
-from vit_serve.serve.errors import BadRequestError, RateLimitedError
+from vit_serve.serve.errors import BadRequestError, RateLimitedError, TooLargeError
+from vit_serve.serve.image_urls import UrlPolicy
 from vit_serve.serve.model_version import ModelVersion
 from vit_serve.serve.openai_schema import InputError, Item
 from vit_serve.serve.rate_limit import RateLimits
 from vit_serve.serve.v2_protocol import IMAGES_SETTING
 
+T = TypeVar("T")
+
 # A text item's UTF-8 bytes per token of the tower's context length, at most: beyond, it cannot fit (and is not
 # tokenized on the event loop to find out).
 BYTES_PER_TOKEN = 64
-URLS_OFF = "image URLs are not enabled on this server: send the image as a data:image/...;base64, URI"
+URLS_OFF = ("image URLs are not enabled on this server (image_url_hosts): send the image as a data:image/...;base64, "
+            "URI")
+FETCHES_AT_ONCE = 4  # image URLs of one request fetched at a time
 
 
 class InputRefusedError(BadRequestError):
@@ -47,13 +54,18 @@ class InputRefusedError(BadRequestError):
 
 @dataclass(frozen=True)
 class Embedded:
-    """A request answered: by which version, its vectors [n, D] (normalised; D: `dimensions` when asked), and
-    the tokens it counts (text tokens + image patches)."""
+    """A request answered: by which version, its vectors [n, D] (normalised; D: `dimensions` when asked), the
+    tokens it counts (text tokens + image patches) and the fingerprint of the space its vectors are in (texts and
+    images alike: `vit_serve.fingerprint`; None: unknown)."""
 
     model: str
     version: str
     vectors: np.ndarray
     prompt_tokens: int
+    fingerprint: str | None = None
+    patch_tokens: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # item -> [gh * gw, D]
+    layer: int | None = None  # the block they come from (tokens=patch)
+    grid: tuple[int, int] | None = None  # and the patch grid
 
 
 def _param(items: list[Item], i: int) -> str:
@@ -118,6 +130,34 @@ def _check_dimensions(mv: ModelVersion, dimensions: int | None) -> None:
                            f"{', '.join(map(str, trained))}), got {dimensions}", "dimensions")
 
 
+async def fetched(items: list[Item], policy: UrlPolicy, max_bytes: int) -> list[Item]:
+    """The items, each image URL replaced by the image it names, fetched under `policy` (`image_urls`: the hosts,
+    the SSRF guard, the size cap, the timeout), `FETCHES_AT_ONCE` at a time and at most `max_bytes` in all (413
+    beyond: as if they had been sent in the body); unchanged when the policy fetches nothing (`check_items` then
+    refuses them)."""
+    urls = [i for i, it in enumerate(items) if it.url is not None]
+    if not urls or not policy.on:
+        return items
+    gate, total = asyncio.Semaphore(FETCHES_AT_ONCE), 0
+
+    async def one(i: int) -> bytes:
+        nonlocal total
+        param = _param(items, i)
+        async with gate:
+            try:
+                data = await image_urls.fetch(items[i].url or "", policy, param)
+            except image_urls.UrlRefusedError as e:
+                raise InputRefusedError(str(e), param) from None
+        total += len(data)
+        if total > max_bytes:
+            raise TooLargeError(f"{param}: the images fetched for this request are over {max_bytes} bytes in all "
+                                f"(max_body_bytes)")
+        return data
+
+    found = dict(zip(urls, await _all([one(i) for i in urls]), strict=True))
+    return [Item(image=found[i]) if i in found else it for i, it in enumerate(items)]
+
+
 def charge(limits: RateLimits | None, scope: str, items: int) -> None:
     """Charge the items beyond the first to the key's bucket (the request itself took one); 429 when the bucket is
     already below zero."""
@@ -130,34 +170,52 @@ def charge(limits: RateLimits | None, scope: str, items: int) -> None:
                                f"{verdict.retry_after_s} s", {"Retry-After": str(verdict.retry_after_s)})
 
 
+def _task(mv: ModelVersion, images: int, layer: int | None, max_floats: int) -> Task | None:
+    """The images' task: /embed's, or with `layer` its patch tokens too (`max_floats` for them all)."""
+    if not images:
+        return None
+    if layer is None:
+        return dataclasses.replace(mv.embed_task(), max_patches=mv.patch_budget(None))
+    if mv.patch_budget(None) is not None:
+        raise InputRefusedError(f"tokens=patch: {mv.name} is a NaFlex model, whose patch tokens are not served",
+                                "tokens")
+    return mv.patch_tokens_task(layer, max_floats // images)
+
+
 async def embed_items(choice: ModelChoice, admission: Admission, items: list[Item], dimensions: int | None,
-                      limits: RateLimits | None = None, scope: str = "") -> Embedded:
+                      limits: RateLimits | None = None, scope: str = "", layer: int | None = None,
+                      max_floats: int = 0) -> Embedded:
     """`items` through the version `choice` names (the module's order): their vectors in input order, normalised
-    (and truncated to `dimensions`, renormalised)."""
+    (and truncated to `dimensions`, renormalised); with `layer`, each image's patch tokens of that block too (at
+    most `max_floats` floats in all)."""
     with choice.use() as mv:
         own = mv.runner.limits
         tokens = check_items(mv, items, dimensions, own.max_images_per_request or own.max_batch)
         images = [i for i, it in enumerate(items) if it.image is not None]
-        task = dataclasses.replace(mv.embed_task(), max_patches=mv.patch_budget(None)) if images else None
+        task = _task(mv, len(images), layer, max_floats)
         admission.check(mv)
         if task is not None:
             mv.runner.check_arrival(task, admission)
         charge(limits, scope, len(items))
         gate = asyncio.Semaphore(max(2, choice.gateway.settings.decode_workers))
-        jobs: list[Awaitable[np.ndarray]] = [_image(mv, task, items[i].image, admission, gate)  # type: ignore[arg-type]
+        jobs: list[Awaitable[dict[str, np.ndarray] | np.ndarray]] = [_image(mv, task, items[i].image, admission, gate)  # type: ignore[arg-type]
                                              for i in images]
         texts = [i for i, it in enumerate(items) if it.text is not None]
         if texts:
-            jobs.append(_texts(mv, [items[i].text for i in texts], admission))  # type: ignore[misc]
+            jobs.append(encode_texts(mv, [items[i].text for i in texts], admission))  # type: ignore[misc]
         done = await _all(jobs)
         rows: list[np.ndarray | None] = [None] * len(items)
-        for i, vector in zip(images, done, strict=False):
-            rows[i] = vector
+        for i, outputs in zip(images, done, strict=False):
+            rows[i] = outputs[EMBEDDING][0]
         if texts:
             for i, vector in zip(texts, done[-1], strict=True):
                 rows[i] = vector
         patches = _patches(mv, task) * len(images)
-        return Embedded(mv.name, str(mv.version), _normalised(np.stack(rows), dimensions), sum(tokens) + patches)
+        found = {i: outputs[PATCH_TOKENS][0] for i, outputs in zip(images, done, strict=False)
+                 if PATCH_TOKENS in outputs}
+        return Embedded(mv.name, str(mv.version), _normalised(np.stack(rows), dimensions), sum(tokens) + patches,
+                        mv.info.embedding_fingerprint(True, dimensions), found,
+                        task.layer if task is not None else None, mv.info.grid if found else None)
 
 
 def _patches(mv: ModelVersion, task: Task | None) -> int:
@@ -178,7 +236,7 @@ def _normalised(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     return (v / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
-async def _all(jobs: list[Awaitable[np.ndarray]]) -> list[np.ndarray]:
+async def _all(jobs: list[Awaitable[T]]) -> list[T]:
     """Every job's result in order; the first failure cancels the others and is raised."""
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
@@ -191,8 +249,9 @@ async def _all(jobs: list[Awaitable[np.ndarray]]) -> list[np.ndarray]:
 
 
 async def _image(mv: ModelVersion, task: Task, data: bytes, admission: Admission, gate: asyncio.Semaphore
-                 ) -> np.ndarray:
-    """One image through `mv` as POST /embed runs it: its own arrival, decoded, queued and batched; [E]."""
+                 ) -> dict[str, np.ndarray]:
+    """One image through `mv` as POST /embed runs it: its own arrival, decoded, queued and batched; its outputs
+    (embedding [1, E], and patch_tokens [1, gh * gw, D] with tokens=patch)."""
     with mv.arriving(admission.priority) as arrival:
         async with gate:
             admission.at("decode", mv)
@@ -201,11 +260,12 @@ async def _image(mv: ModelVersion, task: Task, data: bytes, admission: Admission
         result = await mv.infer(task, decoded.x, arrival, admission)
     if mv.monitor is not None:
         mv.monitor.observe(result.outputs)  # the drift window, as /embed's
-    return result.outputs[EMBEDDING][0]
+    return result.outputs
 
 
-async def _texts(mv: ModelVersion, texts: list[str], admission: Admission) -> np.ndarray:
-    """The texts through the text tower's thread under the request's level and deadline; [n, E]."""
+async def encode_texts(mv: ModelVersion, texts: list[str], admission: Admission) -> np.ndarray:
+    """The texts (checked by `check_items`) through the text tower's thread under the request's level and deadline;
+    [n, E], not normalised."""
     text = mv.text
     assert text is not None  # `check_items` checked it
     try:

@@ -3,11 +3,12 @@
 
 The runtime raises its own errors (`vit_serve.runtime.errors`, which know no protocol); the gateway raises the
 classes below, one per answer, each a runtime error as well (a `GatewayError` takes `headers` as it always did).
-Under /v2 (`V2`: the Open Inference Protocol's router group, routes.v2) errors answer `{"error": message}`, the
-protocol's error body; under /v1 (OpenAI's embeddings API, routes.openai) OpenAI's `{"error": {"message", "type",
-"param", "code"}}`; elsewhere FastAPI's `{"detail": message}`: `envelope(scope)` chooses, for the exception
-handlers here and for the middleware that answers before routing (the key check, the body limit). Anything
-unexpected is logged and answered 500 by `ErrorBoundary` (middleware).
+Under /v2 (`V2`: the Open Inference Protocol's router group, routes.v2) and /weaviate/ errors answer
+`{"error": message}`, the protocol's error body (and what Weaviate's module reads); under /v1 (OpenAI's embeddings
+API, routes.openai) OpenAI's `{"error": {"message", "type", "param", "code"}}`; elsewhere FastAPI's `{"detail":
+message}`: `envelope(scope)` chooses, for the exception handlers here and for the middleware that answers before
+routing (the key check, the body limit). Anything unexpected is logged and answered 500 by `ErrorBoundary`
+(middleware).
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ def body_limit_message(limit: int) -> str:
 
 
 V2 = "/v2"  # the Open Inference Protocol's sub-tree (routes.v2's router prefix), with its own error envelope
+WEAVIATE = "/weaviate/"  # Weaviate's multi2vec contract (routes.weaviate): its module reads `{"error": message}`
 
 
 @dataclass(frozen=True)
@@ -234,10 +236,10 @@ OPENAI = OpenAIEnvelope("error", flat=True, invalid_status=400)
 
 def envelope(scope: Scope) -> Envelope:
     """The envelope of an error answer to `scope`, by its routed path (--root-path and mounts left out): /v2's
-    for anything under /v2, routed or not (an unknown path there, a 413 before routing), OpenAI's under /v1,
-    FastAPI's elsewhere."""
+    for anything under /v2 or /weaviate/ (Weaviate's module reads the same `{"error": message}`), routed or not
+    (an unknown path there, a 413 before routing), OpenAI's under /v1, FastAPI's elsewhere."""
     path = get_route_path(scope)
-    if path.startswith(V2):
+    if path.startswith((V2, WEAVIATE)):
         return OPEN_INFERENCE
     return OPENAI if path == V1 or path.startswith(V1 + "/") else DETAIL
 

@@ -276,7 +276,7 @@ class ModelVersion:
         ref = self.info.reference
         if ref is None or len(ref.confidences) == 0:
             raise BadRequestError(f"abstain=true: {self.name} has no reference to calibrate the threshold from "
-                                  f"(vit-export --reference-images DIR); give threshold=")
+                                  f"(vit-serve convert or vit-export --reference-images DIR); give threshold=")
         return abstain_threshold(ref), "reference"
 
     def needs_tokens(self, what: str) -> None:

@@ -50,6 +50,10 @@ class EmbeddingsRequest(BaseModel):
         "truncate each vector to this many leading dimensions and renormalise: only for models whose manifest "
         "declares Matryoshka training (embedding.matryoshka_dims), else 400"))
     user: str | None = Field(None, description="ignored (OpenAI's end-user id)")
+    tokens: Literal["none", "patch"] = Field("none", description=(
+        "patch (not OpenAI's: the SDK's extra_body): each image item also gets the patch tokens of block `layer`, "
+        "as POST /embed?tokens=patch (the torch backend only); text items get none"))
+    layer: int = Field(-1, description="tokens=patch: the block, 0-based (negative: from the last, -1)")
 
 
 class EmbeddingData(BaseModel):
@@ -57,6 +61,11 @@ class EmbeddingData(BaseModel):
     index: int
     embedding: list[float] | str = Field(description="the L2-normalised vector (a base64 string with "
                                                       "encoding_format=base64)")
+    layer: int | None = Field(None, description="tokens=patch, an image item: the block (absent otherwise)")
+    grid: tuple[int, int] | None = Field(None, description="tokens=patch, an image item: the patch grid (gh, gw)")
+    patch_tokens: list[list[float]] | str | None = Field(None, description=(
+        "tokens=patch, an image item: gh * gw rows of the block's D floats, row-major, before the final norm, not "
+        "normalised (with encoding_format=base64: all of them as one base64 string of little-endian float32)"))
 
 
 class Usage(BaseModel):
@@ -71,6 +80,10 @@ class EmbeddingsResponse(BaseModel):
     model: str
     usage: Usage
     model_version: str = Field(description="the version of the model that answered (not OpenAI's)")
+    embedding_fingerprint: str | None = Field(None, description=(
+        "the embedding space's fingerprint (not OpenAI's; vit_serve.fingerprint): the vectors, texts and images "
+        "alike, compare only with vectors of the same fingerprint (POST /embed?normalize=true's, predict's files); "
+        "null: unknown"))
 
 
 class ModelCard(BaseModel):

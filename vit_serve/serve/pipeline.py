@@ -379,7 +379,8 @@ async def answer_tensors(choice: ModelChoice, admission: Admission, source: Tens
     """The request `source` reads through the version `choice` names, in the module's order: announce, read, choose
     once (404 / 503 before the body is read); then on the held version parse it within its bounds (400), apply its
     `timeout` and `priority` to `admission` (504 now when its deadline has passed), resolve what it asks
-    (`v2_model.resolve`), decode its input (`v2_model.pixels`), infer and post-process (`_infer_tensors`)."""
+    (`v2_model.resolve`), decode its input (`v2_model.pixels`), infer and post-process (`_infer_tensors`); a `text`
+    input goes to the text tower instead (`v2_model.text_embeddings`)."""
     arrived, _ = await _announce_and_read(choice, None, source.clock, admission, source.read)
     run = _keep_or_choose_again(arrived, None, choice, admission, None, 0.0)
     mv, settings = run.mv, choice.gateway.settings
@@ -388,6 +389,9 @@ async def answer_tensors(choice: ModelChoice, admission: Admission, source: Tens
         req = source.parse(arrived.body, v2_model.request_bounds(mv, settings.limits))
         admission.v2_parameters(req.parameters, settings.priority_levels)  # timeout (µs), priority
         admission.check(mv)
+        if v2_model.TEXT in req.inputs:  # texts, through the text tower
+            wanted, answer = await v2_model.text_embeddings(mv, req, admission)
+            return TensorsAnswered(mv.name, str(mv.version), req, wanted, answer)
         caller = await source.caller()
         wanted = v2_model.resolve(mv, req)
         x = await v2_model.pixels(mv, req.inputs, settings.decode_workers, wanted.tasks[0].max_patches)

@@ -230,6 +230,9 @@ class AccuracyInfo(BaseModel):
     min_cosine: float = Field(description="the precision's bound on cosine")
     ok: bool = Field(description="whether both bounds were met")
     forced: bool = Field(description="served although it missed (force_precision)")
+    rollout_max_abs: float | None = Field(None, description="the largest |difference| of its explain graph's rollout "
+                                          "maps from fp32's on the same photos (reported, not judged; null: no "
+                                          "explain graph)")
 
 
 class VersionInfo(BaseModel):

@@ -12,8 +12,10 @@ Paths are matched as Starlette routes them (`get_route_path`: the path without `
 under a proxy prefix (`--root-path /vit`) or mounted in another app guards the same routes as at `/`.
 
 Open without a key: the web page and its files, the OpenAPI document and /docs (the page asks for a key when
-the API needs one), and, unless `open_probes` is off, health and readiness, so that probes keep working when keys
-are switched on. /metrics needs a key (a scraper without one uses `metrics_port`: vit_serve.serve.metrics_listener).
+the API needs one), and, unless `open_probes` is off, health and readiness (Weaviate's /weaviate/.well-known/ready
+and live among them), so that probes keep working when keys are switched on; with `open_weaviate`, a request to
+/weaviate/ without a key goes on as anyone (Weaviate's multi2vec module sends none), one with a key is verified.
+/metrics needs a key (a scraper without one uses `metrics_port`: vit_serve.serve.metrics_listener).
 
 One request has one identity: it sends at most one key header (two X-API-Key, two Authorization, or one of each
 are a 400 / INVALID_ARGUMENT, `presented_key`), the key is verified once (`KeyRing.identify`), and the verified
@@ -22,8 +24,9 @@ step reads: the explain scope, the label cache, the rate bucket, the payload sam
 `Admission`. A presented `sha256:HEX` is never a key (`keys.presented_hash`). A key with a rate (`rate_limit`)
 is refused 429 with `Retry-After` once its bucket is empty, and its answers carry the IETF draft's `RateLimit-*`
 headers; a key with `max_concurrent_per_key` requests in flight is refused 429 too (`in_flight`). Only the
-requests that run the model count (`rated`: /classify, /embed, /explain, /v1/embeddings and /v2, not the probes or
-the page), in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and caps are per replica.
+requests that run the model count (`rated`: /classify, /embed, /explain, /v1/embeddings, /v2 and /weaviate/'s
+vectorize, not the probes or the page), in `vit_serve_key_requests_total{key,result}` by the key's name. Rates and
+caps are per replica.
 
 The key files are read again on SIGHUP and when they change (`KeyRing.refresh`), so that a key is revoked
 without a restart; a file that cannot be read keeps the keys read before.
@@ -66,8 +69,8 @@ if TYPE_CHECKING:
     from vit_serve.serve.metrics import GatewayMetrics
 
 __all__ = ["ADMIN_PATH", "GRPC_ADMIN_METHODS", "GRPC_PROBE_METHODS", "HASH_PREFIX", "KEY_HEADERS", "PAGE_PATHS",
-           "PROBE_PATHS", "RATED_PATHS", "REALM", "ApiKeys", "KeyRing", "KeySet", "KeySources", "TwoKeysError",
-           "key_hash", "middle_level", "presented_key", "rated", "read_key_file"]
+           "PROBE_PATHS", "RATED_PATHS", "REALM", "WEAVIATE", "ApiKeys", "KeyRing", "KeySet", "KeySources",
+           "TwoKeysError", "key_hash", "middle_level", "presented_key", "rated", "read_key_file"]
 
 log = logging.getLogger("vit_serve.serve")
 
@@ -80,6 +83,9 @@ GRPC_ADMIN_METHODS = ("RepositoryModelLoad", "RepositoryModelUnload")
 GRPC_PROBE_METHODS = ("ServerLive", "ServerReady", "ModelReady")
 # with all of /v2 but its health probes: what rates count
 RATED_PATHS = ("/classify", "/embed", "/explain", "/v1/embeddings")
+WEAVIATE = "/weaviate/"  # Weaviate's multi2vec contract (routes.weaviate): its default model's and each model's
+WEAVIATE_PROBE = re.compile(r"^/weaviate/(?:[^/]+/)?\.well-known/(?:ready|live)$")
+WEAVIATE_RATED = re.compile(r"^/weaviate/(?:[^/]+/)?vectorize$")
 KEY_HEADERS = ("authorization", "x-api-key")  # HTTP header names, and gRPC metadata keys
 CHECK_EVERY_S = 1.0  # how often, at most, the key files are looked at for a change
 
@@ -88,7 +94,7 @@ def rated(path: str) -> bool:
     """Whether a request to `path` (as routed) counts against its key's rate."""
     if path in PROBE_PATHS:
         return False
-    return path in RATED_PATHS or path == "/v2" or path.startswith("/v2/")
+    return path in RATED_PATHS or path == "/v2" or path.startswith("/v2/") or bool(WEAVIATE_RATED.match(path))
 
 
 class TwoKeysError(BadRequestError):
@@ -204,9 +210,9 @@ class KeyRing:
 
     def __init__(self, keys: Iterable[str] = (), admin: Iterable[str] = (), open_probes: bool = True,
                  any_key_admin: bool = False, *, keys_file: str | None = None, admin_file: str | None = None,
-                 default_priority: int | None = None, max_in_flight: int = 0) -> None:
+                 default_priority: int | None = None, max_in_flight: int = 0, open_weaviate: bool = False) -> None:
         self.sources = KeySources(tuple(keys), tuple(admin), keys_file, admin_file, default_priority)
-        self.open_probes, self.any_key_admin = open_probes, any_key_admin
+        self.open_probes, self.any_key_admin, self.open_weaviate = open_probes, any_key_admin, open_weaviate
         self.in_flight = InFlight(max_in_flight)
         self._lock = threading.Lock()
         self._stamps = self.sources.stamps()  # before reading: a change while it is read is read next time
@@ -222,7 +228,8 @@ class KeyRing:
             s, repository_api = s.security, s.repository.repository_api
         return cls(s.api_keys, s.admin_api_keys, s.open_probes, s.allow_any_key_admin or not repository_api,
                    keys_file=s.api_keys_file, admin_file=s.admin_api_keys_file,
-                   default_priority=s.default_key_priority, max_in_flight=s.max_concurrent_per_key)
+                   default_priority=s.default_key_priority, max_in_flight=s.max_concurrent_per_key,
+                   open_weaviate=s.open_weaviate)
 
     @property
     def on(self) -> bool:
@@ -307,10 +314,15 @@ class KeyRing:
         return ("loading and unloading models is off: this gateway has no admin key (--admin-api-key); start it "
                 "with --allow-any-key-admin to let any caller load and unload")
 
+    def keyless(self, path: str) -> bool:
+        """Whether a request to `path` without a key goes on as anyone (`open_weaviate`: /weaviate/, whose
+        Weaviate module sends no key); one with a key is verified as anywhere else."""
+        return self.open_weaviate and path.startswith(WEAVIATE)
+
     def is_open(self, path: str) -> bool:
         if path in PAGE_PATHS or path.startswith("/static/"):
             return True
-        return self.open_probes and path in PROBE_PATHS
+        return self.open_probes and (path in PROBE_PATHS or bool(WEAVIATE_PROBE.match(path)))
 
 
 def count_refusal(counts: KeyCounts | None, name: str, result: str) -> None:
@@ -348,6 +360,10 @@ class ApiKeys:
             key = presented_key(scope["headers"])
         except TwoKeysError as e:
             await _answer(scope, send, 400, str(e), [])
+            return
+        if key is None and ring.keyless(path):
+            scope[IDENTITY] = ANYONE  # the shared scope, no key's rate nor cap
+            await self.app(scope, receive, send)
             return
         identity = ring.identify(key)
         if identity is None or not ring.admits(identity, admin):

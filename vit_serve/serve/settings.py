@@ -28,6 +28,7 @@ flat names. Precedence: keywords (flags) > VIT_SERVE_* > the file > the defaults
 
 from __future__ import annotations
 
+import ipaddress
 import warnings
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -110,6 +111,24 @@ class SecuritySettings(BaseSettings):
     open_probes: Annotated[bool, Flag(hidden=True)] = Field(
         True, description="health and readiness answer without a key, so that probes keep working (/metrics needs "
         "one on the main port: scrapers use metrics_port, or send a key)")
+    open_weaviate: Annotated[bool, Flag()] = Field(
+        False, description="let requests to /weaviate/ (Weaviate's multi2vec contract: /vectorize, /meta) through "
+        "without an API key, for Weaviate's module, which sends none (a key that is sent is still checked; the rest "
+        "of the API keeps its keys; a warning is logged at startup): give Weaviate a gateway of its own that only "
+        "Weaviate's pods reach, as the serving guide's NetworkPolicy does")
+    image_url_hosts: Annotated[list[str], NoDecode, Flag(name="--image-url-host", metavar="HOST")] = Field(
+        default_factory=list, description="hosts whose http(s):// image URLs a request may name (POST "
+        "/v1/embeddings), fetched by the gateway; *.example.com allows its subdomains. None: image URLs are "
+        "refused. Loopback, link-local, private and unspecified addresses are refused after DNS resolution and at "
+        "every redirect, even for a host named here, unless image_url_networks names them")
+    image_url_networks: Annotated[list[str], NoDecode, Flag(name="--image-url-network", metavar="CIDR",
+                                                             hidden=True)] = Field(
+        default_factory=list, description="networks (CIDR) an allowed host may resolve to although they are not "
+        "public (an image store on the cluster's own network, e.g. 10.0.12.0/24); none: public addresses only")
+    image_url_max_bytes: int = Field(
+        8 * 2**20, ge=1, description="largest image fetched from a URL, in bytes (the answer is refused beyond)")
+    image_url_timeout_s: float = Field(
+        5.0, gt=0, description="seconds a URL's image may take to fetch, its DNS lookups and redirects included")
     cors_origins: Annotated[list[str], NoDecode, Flag(name="--cors-origin",
         metavar="ORIGIN")] = Field(
         default_factory=list, description="origins browsers may call from (Starlette's CORSMiddleware; * for "
@@ -119,7 +138,8 @@ class SecuritySettings(BaseSettings):
     ssl_keyfile: Annotated[str | None, Flag()] = Field(
         None, description="TLS private key (PEM) for HTTPS and gRPC")
 
-    @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "admin_api_keys", "cors_origins", "image_url_hosts", "image_url_networks",
+                     mode="before")
     @classmethod
     def _comma_list(cls, v: object) -> object:
         return env_list(v)  # VIT_SERVE_API_KEYS=a,b as well as a JSON list
@@ -128,6 +148,16 @@ class SecuritySettings(BaseSettings):
     @classmethod
     def _hash_keys(cls, v: list[str]) -> list[str]:
         return [key_hash(k) for k in v]  # the keys themselves are never kept (nor shown by model_dump)
+
+    @field_validator("image_url_hosts")
+    @classmethod
+    def _lower_hosts(cls, v: list[str]) -> list[str]:
+        return [h.strip().lower().rstrip(".") for h in v if h.strip()]
+
+    @field_validator("image_url_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(n.strip(), strict=False)) for n in v if n.strip()]  # ValueError: not a CIDR
 
     @model_validator(mode="after")
     def _tls_pair(self) -> SecuritySettings:

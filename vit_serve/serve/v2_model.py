@@ -4,7 +4,8 @@ Metadata: inputs `pixel_values` FP32 [-1, 3, H, W] and `image` BYTES [-1] (a req
 FP32 [-1, K], when the backend can explain `rollout` FP32 [-1, gh, gw], and when the model has one `embedding`
 FP32 [-1, D] (the pre-logits representation, `vit_serve.embedding`), and for a model with a reference (monitoring
 on) `ood_score` FP32 [-1] (`vit_serve.monitor`: from the same pass; answered only when asked for by name); a model
-served with its text tower takes the request parameter `labels` (logits over those labels, zero-shot). A parsed
+served with its text tower takes the request parameter `labels` (logits over those labels, zero-shot), and the input
+`text` BYTES [-1] instead of an image: the `embedding` of each text (`text_embeddings`). A parsed
 request (`v2_protocol.InferRequest`) runs through the one request pipeline (`pipeline.answer_tensors`, whichever
 transport): `resolve` says what it asks of a version, `pixels` decodes its input, and `output_tensors` shapes the
 typed answer into its outputs (`classification = k` on an output: Triton's classification extension).
@@ -32,15 +33,19 @@ from vit_serve.runtime.backends.base import ModelInfo
 from vit_serve.runtime.postprocess import Answer
 from vit_serve.runtime.settings import RunnerLimits
 from vit_serve.runtime.task import CLASSIFY, EMBED, Task
+from vit_serve.serve import embeddings
+from vit_serve.serve.admission import Admission
 from vit_serve.serve.errors import BadRequestError, ForbiddenError, NotReadyError
 from vit_serve.serve.gateway import Gateway
 from vit_serve.serve.model_version import ModelVersion
+from vit_serve.serve.openai_schema import Item
 from vit_serve.serve.repository import ModelRepository
 from vit_serve.serve.v2_protocol import IMAGE, InferRequest, OutputTensor, RequestBounds, Tensor, classify
 
 SERVER_NAME = "vit-serve"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 INPUTS = (PIXEL_VALUES, IMAGE)  # a request sends one of them
+TEXT = "text"  # BYTES [n] of UTF-8 texts, for a model served with its text tower: the `embedding` output of each
 
 
 def server_metadata() -> dict[str, Any]:
@@ -88,9 +93,11 @@ def model_metadata(mv: ModelVersion, versions: list[str]) -> dict[str, Any]:
         "versions": versions,
         "platform": f"vit-serve_{mv.backend.name}",
         "inputs": [{"name": PIXEL_VALUES, "datatype": "FP32", "shape": [-1, 3, h, w]},
-                   {"name": IMAGE, "datatype": "BYTES", "shape": [-1]}],
+                   {"name": IMAGE, "datatype": "BYTES", "shape": [-1]},
+                   *([{"name": TEXT, "datatype": "BYTES", "shape": [-1]}] if mv.text is not None else [])],
         "outputs": outputs,
-        "parameters": {"input": f"send {PIXEL_VALUES} or {IMAGE}, not both",
+        "parameters": {"input": f"send {PIXEL_VALUES} or {IMAGE}" + (f" or {TEXT}" if mv.text is not None else "")
+                                + ", one of them",
                        "preprocess": info.preprocess.to_dict(), "labels": info.labels,
                        "text_tower": mv.text_info(),
                        # the space of the embedding output's vectors (`vit_serve.fingerprint`)
@@ -233,6 +240,29 @@ def resolve(mv: ModelVersion, req: InferRequest) -> Wanted:
                                   "served by POST /explain?max_patches=, not as a /v2 output")
         tasks = [dataclasses.replace(t, max_patches=budget) for t in tasks]
     return Wanted(wanted, tuple(tasks), labels, labels if labels is not None else mv.info.labels)
+
+
+async def text_embeddings(mv: ModelVersion, req: InferRequest, admission: Admission) -> tuple[Wanted, Answer]:
+    """A request whose input is `text` (BYTES, UTF-8): the text tower's embedding of each, [n, E] FP32 as the
+    `embedding` output (not normalised, as the images' `embedding`), in the text tower's thread under the request's
+    level and deadline (`embeddings.encode_texts`); 400 for another input beside it, another output, labels, or a
+    text that is not UTF-8 or over the tower's context length."""
+    if set(req.inputs) != {TEXT}:
+        raise BadRequestError(f"send {TEXT} alone (got {sorted(req.inputs)})")
+    t = req.inputs[TEXT]
+    if t.datatype != "BYTES" or not t.data:
+        raise BadRequestError(f"{TEXT} must be BYTES holding at least one UTF-8 text")
+    wanted = req.outputs if req.outputs is not None else [{"name": EMBEDDING}]
+    if [o["name"] for o in wanted] != [EMBEDDING] or "labels" in req.parameters:
+        raise BadRequestError(f"a {TEXT} input answers the {EMBEDDING} output alone (no labels)")
+    try:
+        texts = [bytes(v).decode("utf-8") for v in t.data]
+    except UnicodeDecodeError:
+        raise BadRequestError(f"{TEXT}: not UTF-8 text") from None
+    limits = mv.runner.limits
+    embeddings.check_items(mv, [Item(text=v) for v in texts], None, limits.max_images_per_request or limits.max_batch)
+    vectors = await embeddings.encode_texts(mv, texts, admission)
+    return Wanted(wanted, (), None, None), Answer(tensors={EMBEDDING: vectors})
 
 
 def output_tensors(req: InferRequest, wanted: Wanted, answer: Answer) -> list[OutputTensor]:

@@ -58,8 +58,8 @@ def _load_backend(spec: LoadSpec) -> Backend:
         from vit_serve.runtime.backends.torch import TorchBackend
 
         return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile,
-                            torchscript=spec.torchscript, choose=spec.choose_runtime,
-                            pin=spec.pin_runtime, choice_budget_s=spec.choice_budget_s,
+                            torchscript=spec.torchscript, compile_precision=spec.compile_precision,
+                            choose=spec.choose_runtime, pin=spec.pin_runtime, choice_budget_s=spec.choice_budget_s,
                             max_batch=spec.limits.max_batch, spinning=spec.spinning)
     if backend == "onnxruntime":
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend

@@ -73,7 +73,11 @@ class OpenVINOOptions:
             config["INFERENCE_NUM_THREADS"] = self.threads
         cache = default_cache_dir() if self.cache_dir is None else self.cache_dir
         if cache:
-            config["CACHE_DIR"] = cache
+            try:
+                os.makedirs(cache, exist_ok=True)
+                config["CACHE_DIR"] = cache
+            except OSError as e:  # a read-only home: compile every time rather than refuse the model
+                log.warning("OpenVINO's model cache %s cannot be made (%s): compiling without it", cache, e)
         return config
 
 
@@ -162,6 +166,7 @@ class OpenVINOBackend(LocalBackend):
         hint = _precision_hint(options.precision, quantized, path)
         self.session = _Compiled(core, path, options.config(hint))
         self.explain_session = _Compiled(core, explain, options.config(hint)) if explain is not None else None
+        self.explain_path = explain
         precision = "int8" if quantized else _short(self.session.precision())
         if hint is not None and _short(hint) != precision:
             log.warning("%s: OpenVINO's %s plugin computes %s in %s (this CPU has no %s arithmetic)", self.info.name,
@@ -196,7 +201,22 @@ class OpenVINOBackend(LocalBackend):
             return run
 
         check = accuracy_gate.measure(precision, forward(reference), forward(self.session), x)
-        return accuracy_gate.enforce(check, self.info.name, self.options.force)
+        return accuracy_gate.enforce(check, self.info.name, self.options.force,
+                                     self._rollout_difference(core, reference_path, x))
+
+    def _rollout_difference(self, core: Any, reference_path: Path, x: np.ndarray) -> float | None:
+        """The explain graph's largest rollout difference from the fp32 one's: the same graph's in f32, or, for a
+        quantized model, the fp32 export's (None: no explain graph here or there)."""
+        explain = self.explain_session
+        if explain is None or self.explain_path is None:
+            return None
+        same = reference_path == Path(self.info.source)
+        reference = self.explain_path if same else explain_path_of(reference_path)
+        if not reference.is_file():
+            return None
+        fp32 = _Compiled(core, reference, dataclasses.replace(self.options, cache_dir="").config("f32"))
+        return accuracy_gate.rollout_difference(lambda b: fp32.run(b, (ROLLOUT,))[0],
+                                                lambda b: explain.run(b, (ROLLOUT,))[0], x)
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         return self.session.run(x, (LOGITS,))[0]

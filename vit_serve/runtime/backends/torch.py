@@ -35,6 +35,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from vit_serve.accuracy_bounds import AccuracyCheck, judge
 from vit_serve.explain import explain_forward, explain_patches, grad_rollout
 from vit_serve.fingerprint import weights_digest
 from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingRecord, embedding_of, embedding_space_of
@@ -74,15 +75,97 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float) -> tuple[float,
     return (diff, tol) if not diff <= tol else None  # NaN fails
 
 
-def compile_forward(model: torch.nn.Module, resolution: tuple[int, int], device: torch.device, name: str
-                    ) -> Forward:
+COMPILE_PRECISIONS = ("fp32", "bf16", "auto")
+GATE_IMAGES = 64  # held-out digits scans the bf16 gate measures on
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512_BF16 or AMX), as oneDNN (which inductor's bf16 matmuls
+    call) reports it."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _bf16(forward: Forward) -> Forward:
+    """`forward` under CPU bf16 autocast (matmuls in bf16, LayerNorm and softmax in fp32, as autocast lists them),
+    its outputs back in fp32."""
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, emb = forward(x)
+        return logits.float(), emb.float()
+
+    return run
+
+
+def gate_inputs(resolution: tuple[int, int], n: int = GATE_IMAGES) -> tuple[torch.Tensor, str]:
+    """The fixed set a reduced precision is judged on: `n` held-out digits scans (real images, scikit-learn's),
+    resized to `resolution` with the library's default contract; seeded N(0, 1) inputs when scikit-learn is not
+    installed (said in the description)."""
+    try:
+        from vit_serve.data import digits_tensors
+
+        x, _ = digits_tensors("test", PreprocessConfig(input_size=resolution))
+        return x[:n], f"{min(n, len(x))} held-out digits scans"
+    except ImportError:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn((n, 3, *resolution), generator=gen), f"{n} N(0, 1) inputs (no scikit-learn for scans)"
+
+
+def bf16_gate(model: torch.nn.Module, forward: Forward, resolution: tuple[int, int], device: torch.device,
+              batch: int = 8) -> AccuracyCheck:
+    """`forward` (bf16) against eager fp32 on `gate_inputs`, judged by the bf16 bounds (>= 99.5% top-1
+    agreement, cosine >= 0.999, logits and embedding)."""
+    x, _ = gate_inputs(resolution)
+    got, want = [], []
+    with torch.inference_mode():
+        for i in range(0, len(x), batch):
+            xb = x[i : i + batch].to(device)
+            got.append([t.float().cpu().numpy() for t in forward(xb)])
+            want.append([t.float().cpu().numpy() for t in model.forward_embedding(xb)])
+    cat = lambda rows, k: np.concatenate([r[k] for r in rows])  # noqa: E731
+    return judge(cat(want, 0), cat(got, 0), "bf16", (cat(want, 1), cat(got, 1)))
+
+
+def compile_forward(model: torch.nn.Module, resolution: tuple[int, int], device: torch.device, name: str,
+                    precision: str = "fp32", force: bool = False) -> Forward:
     """`model.forward_embedding` through `torch.compile` (inductor), compiled at batch 1 (its own static graph:
     dynamo specialises sizes of 1) and batch 2 with the batch dimension dynamic (one graph for every batch of 2
     or more: no recompile as the batcher's sizes vary), each graph's logits and embedding checked against eager
     on a seeded N(0, 1) input. Returns the compiled callable in dynamo's run-only mode: an input no checked
     graph fits (another dtype, say) runs eager, never a graph compiled later unchecked. ValueError (one line)
-    when compiling fails or a graph's outputs differ from eager's beyond `PARITY_RTOL`."""
-    compiled = torch.compile(model.forward_embedding, backend="inductor")
+    when compiling fails or a graph's outputs differ from eager's beyond `PARITY_RTOL`.
+
+    precision: "fp32"; "bf16" (CPU autocast, on a CPU with bf16), its accuracy measured against eager fp32 by
+    `bf16_gate` and refused with the numbers below the bounds unless `force`; "auto": bf16 where the CPU has it
+    and it passes the gate, else fp32 (logged)."""
+    if precision not in COMPILE_PRECISIONS:
+        raise ValueError(f"compile precision {precision!r} is not one of {', '.join(COMPILE_PRECISIONS)}")
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cpu" and cpu_has_bf16())
+    if bf16 and (device.type != "cpu" or not cpu_has_bf16()):
+        why = "CPU has no bf16 (AVX512_BF16 or AMX)" if device.type == "cpu" else "device is not the CPU"
+        raise ValueError(f"--compile in bf16: this {why}; compile {name} in fp32")
+    forward = _bf16(model.forward_embedding) if bf16 else model.forward_embedding
+    compiled = _compiled(model, forward, resolution, device, name, bf16)
+    if bf16:
+        check = bf16_gate(model, compiled, resolution, device)
+        log.info("--compile %s in bf16 autocast: %s", name, check.describe())
+        if not check.ok and precision == "auto":
+            log.warning("--compile %s: bf16 is below its bounds (%s); compiled in fp32", name, check.describe())
+            return compile_forward(model, resolution, device, name, "fp32")
+        if not check.ok and not force:
+            raise ValueError(f"--compile {name} in bf16 is refused: {check.describe()} against eager fp32; "
+                             "compile it in fp32 or force it")
+    return torch._dynamo.run(compiled)
+
+
+def _compiled(model: torch.nn.Module, forward: Forward, resolution: tuple[int, int], device: torch.device,
+              name: str, bf16: bool) -> Forward:
+    """`forward` compiled at batch 1 and 2 (dynamic), each graph checked against eager (bf16: at bf16's
+    tolerance, a check for a wrong graph; its accuracy is `bf16_gate`'s)."""
+    compiled = torch.compile(forward, backend="inductor")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for batch in (1, 2):
@@ -95,15 +178,15 @@ def compile_forward(model: torch.nn.Module, resolution: tuple[int, int], device:
                 why = " ".join(str(e).split())[:300]
                 raise ValueError(f"--compile: torch.compile (inductor) failed on {name}: {type(e).__name__}: "
                                  f"{why}: serve it without --compile") from e
-            _check_parity(got, model, x, "--compile", "compiled", name)
-    return torch._dynamo.run(compiled)
+            _check_parity(got, model, x, "--compile", "compiled", name, torch.bfloat16 if bf16 else None)
+    return compiled
 
 
 def _check_parity(got: tuple[torch.Tensor, torch.Tensor], model: torch.nn.Module, x: torch.Tensor, option: str,
-                  what_ran: str, name: str) -> None:
+                  what_ran: str, name: str, dtype: torch.dtype | None = None) -> None:
     """ValueError (one line naming `option`) when `got`, the (logits, embedding) of `x` from a compiled or traced
-    forward, differ from eager's beyond `PARITY_RTOL`."""
-    rtol = PARITY_RTOL.get(next(model.parameters()).dtype, 2e-2)
+    forward, differ from eager's beyond `PARITY_RTOL` (of `dtype`, default the model's)."""
+    rtol = PARITY_RTOL.get(dtype or next(model.parameters()).dtype, 2e-2)
     want = model.forward_embedding(x)
     for what, g, w in zip(("logits", "embedding"), got, want, strict=True):
         bad = mismatch(g, w, rtol)
@@ -221,8 +304,9 @@ class TorchBackend(LocalBackend):
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
                  threads: int | None = None, tome: TomeR | None = None, compile: bool = False,
-                 torchscript: bool = False, *, choose: bool = False, pin: str | None = None,
-                 choice_budget_s: float = 10.0, max_batch: int = 1, spinning: bool = False) -> None:
+                 torchscript: bool = False, compile_precision: str = "fp32", *, choose: bool = False,
+                 pin: str | None = None, choice_budget_s: float = 10.0, max_batch: int = 1,
+                 spinning: bool = False) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -246,7 +330,7 @@ class TorchBackend(LocalBackend):
         if compile and torchscript:
             raise ValueError(BOTH_FORWARDS)
         if compile:
-            self._forward = compile_forward(self.model, res, self.device, name)
+            self._forward = compile_forward(self.model, res, self.device, name, compile_precision)
         elif torchscript:
             self._forward = torchscript_forward(self.model, res, self.device, name)
         # a staged run (`staged`) traced where the whole forward is; none with --compile (one graph) or merging,

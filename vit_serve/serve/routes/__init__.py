@@ -11,4 +11,5 @@
 - `v2`: the Open Inference Protocol under /v2.
 - `repository`: its model repository extension.
 - `openai`: OpenAI's embeddings API, POST /v1/embeddings and GET /v1/models.
+- `weaviate`: Weaviate's multi2vec inference contract under /weaviate/ (/vectorize, /meta, /.well-known/ready|live).
 """

@@ -96,7 +96,7 @@ def _monitoring(gateway: Gateway, mv: ModelVersion) -> dict | str:
 
 
 def _loaded(gateway: Gateway, mv: ModelVersion) -> dict:
-    """What /models shows of a loaded version besides its number, state and reason."""
+    """What /models shows of a loaded version (`schemas.VersionInfo`'s fields past its state)."""
     info = mv.info
     return dict(backend=mv.backend.name, resolution=info.resolution, num_classes=info.num_classes,
                 explain=info.explain, explain_support=explain_support(mv), memory_bytes=mv.memory_bytes,
@@ -104,8 +104,7 @@ def _loaded(gateway: Gateway, mv: ModelVersion) -> dict:
                 token_merging=None if info.token_merging is None else {
                     "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
                 batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,
-                monitoring=_monitoring(gateway, mv), precision=info.precision,
-                device=info.device_name or info.device,
+                monitoring=_monitoring(gateway, mv), precision=info.precision, device=info.device_name or info.device,
                 accuracy=None if info.accuracy is None else info.accuracy.to_dict(),
                 runtime_choice=None if info.runtime_choice is None else asdict(info.runtime_choice))
 
