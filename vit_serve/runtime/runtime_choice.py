@@ -54,7 +54,8 @@ class Row:
 @dataclass(frozen=True)
 class RuntimeChoice:
     """The table of a choice: its `rows` (the first is the reference), the `chosen` row's key, whether it was
-    `pinned` (nothing measured then), the `threads` the contenders ran on and the `seconds` the choice took."""
+    `pinned` (nothing measured then), the `threads` the contenders ran on (0: each runtime's default) and the
+    `seconds` the choice took."""
 
     rows: tuple[Row, ...]
     chosen: str
@@ -74,7 +75,8 @@ class RuntimeChoice:
                 f", agreement {r.agreement:.3f}, cosine {r.cosine:.6f}"
             tail = " <- chosen" if r.key == self.chosen else (f" (refused: {r.refused})" if r.refused else "")
             parts.append(f"{r.key} {speed}{acc}{tail}")
-        how = "pinned" if self.pinned else f"measured in {self.seconds:.1f} s on {self.threads} threads"
+        threads = f"{self.threads} threads" if self.threads else "each runtime's own threads"
+        how = "pinned" if self.pinned else f"measured in {self.seconds:.1f} s on {threads}"
         return f"{'; '.join(parts)} ({how})"
 
 

@@ -189,7 +189,7 @@ class RuntimeChoiceInfo(BaseModel):
 
     chosen: str = Field(description="runtime:precision of the one that serves")
     pinned: bool = Field(description="pinned by pin_runtime (nothing measured)")
-    threads: int = Field(description="intra-op threads the runtimes ran on")
+    threads: int = Field(description="intra-op threads the runtimes ran on (0: each runtime's default)")
     seconds: float = Field(description="how long the choice took at load")
     rows: list[RuntimeRowInfo] = Field(description="every runtime considered, the reference first")
 
