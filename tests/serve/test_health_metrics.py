@@ -78,13 +78,13 @@ def test_openapi_documents_bodies_and_answers(tiny_ckpt):
     classify = schema["paths"]["/classify"]["post"]
     assert set(classify["requestBody"]["content"]) == {"multipart/form-data", "image/*"}
     assert {p["name"] for p in classify["parameters"]} == {"top_k", "model", "version", "explain", "labels",
-                                                           "max_patches", "timeout_ms", "x-request-timeout-ms",
-                                                           "x-session-id"}
+                                                           "max_patches", "abstain", "threshold", "timeout_ms",
+                                                           "x-request-timeout-ms", "x-session-id"}
     ok = classify["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert ok.endswith("/ClassifyResponse")
     props = schema["components"]["schemas"]["ClassifyResponse"]["properties"]
     assert set(props) == {"id", "model", "version", "resolution", "predictions", "timing_ms", "explanation",
-                          "ood"}
+                          "ood", "abstention"}
     assert {"415", "413", "422", "503", "504"} <= set(classify["responses"])
     explain = schema["paths"]["/explain"]
     assert {"get", "post"} <= set(explain)
