@@ -23,8 +23,8 @@ AVX-512 / VNNI / AMX flags: report the tables with it.
    dynamic-batch graphs, checked against eager) vs onnxruntime fp32 (the `vit-export` graph), all in inference
    mode on `--threads` threads, medians over interleaved rounds; the compile's wall time with inductor's cache
    cold (a fresh TORCHINDUCTOR_CACHE_DIR) and warm (after `torch._dynamo.reset()`: a restart's cost), each
-   contender's max |logits - eager's|, and what the start-up probe (`vit_serve.runtime.torch_probe.measure`)
-   measures and costs.
+   contender's max |logits - eager's|, and what the load-time runtime choice
+   (`vit_serve.runtime.torch_forwards.choose_forward`, batch 1 and 8) measures and costs.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def export_time_table(model_name: str, res: int, threads: int, work: Path) -> li
 
 def torch_table(model_name: str, res: int, threads: int, rounds: int, work: Path) -> list[str]:
     from vit_serve.runtime.backends.torch import compile_forward
-    from vit_serve.runtime.torch_probe import measure
+    from vit_serve.runtime.torch_forwards import choose_forward
 
     torch.set_num_threads(threads)
     model = nontrivial_weights(vit_serve.create_model(model_name, img_size=res)).eval()
@@ -237,7 +237,7 @@ def torch_table(model_name: str, res: int, threads: int, rounds: int, work: Path
             for name, v in med.items():
                 d = "-" if name == "PyTorch eager" else f"{delta[name]:.1e}"
                 rows.append(f"| {model_name} {res} | {batch} | {name} | {v:.1f} | {v / base:.2f}x | {d} |")
-        probe = measure(model, torch.randn(1, 3, res, res, generator=torch.Generator().manual_seed(0)))
+        _, choice = choose_forward(model, (res, res), max_batch=8)
     return [
         f"\nThe torch backend ({threads} threads, median of {rounds} interleaved rounds, inference mode; "
         f"logits std {float(np.std(want)):.2f})\n",
@@ -246,8 +246,7 @@ def torch_table(model_name: str, res: int, threads: int, rounds: int, work: Path
         *rows,
         f"\ntorch.compile wall time (batch-1 and dynamic-batch graphs, parity-checked): {cold:.1f} s with "
         f"inductor's cache cold, {warm:.1f} s warm (a restart)",
-        f"start-up probe (batch 1, in-memory TorchScript export): eager {probe.eager_ips:.1f} images/s, "
-        f"onnxruntime {probe.ort_ips:.1f} ({probe.ratio:.2f}x) over {probe.rounds} rounds, {probe.seconds:.1f} s",
+        f"load-time runtime choice (in-memory TorchScript export): {choice.describe()}",
     ]
 
 

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from vit_export import ExportResult
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
-# The torch backend's start-up comparison with onnxruntime (vit_serve.runtime.torch_probe) adds some 0.25 s to
-# every checkpoint the tests load; tests/runtime/test_torch_probe.py runs it on purpose.
-os.environ.setdefault("VIT_SERVE_TORCH_PROBE", "0")
+# The gateway's load-time runtime choice (vit_serve.runtime.runtime_choice) exports and times every checkpoint it
+# loads; tests/runtime/test_torch_forwards.py and tests/serve/test_runtime_choice_gateway.py run it on purpose.
+os.environ.setdefault("VIT_SERVE_CHOOSE_RUNTIME", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per xdist worker: two workers with two threads each on two cores run several
     # times slower than one thread each (subprocesses the tests start inherit this too).

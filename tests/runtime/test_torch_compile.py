@@ -38,12 +38,12 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def compiled(ckpt):
-    return load(LoadSpec(str(ckpt), device="cpu", threads=1, compile=True))
+    return load(LoadSpec(str(ckpt), device="cpu", threads=1, compile=True, choose_runtime=True))
 
 
 @pytest.fixture(scope="module")
 def traced(ckpt):
-    return load(LoadSpec(str(ckpt), device="cpu", threads=1, torchscript=True))
+    return load(LoadSpec(str(ckpt), device="cpu", threads=1, torchscript=True, choose_runtime=True))
 
 
 @pytest.fixture(params=["compiled", "traced"])
@@ -74,14 +74,14 @@ def _check_every_batch_size(backend, reference, rtol: float) -> None:
 
 
 def test_compiled_logits_match_eager_at_every_batch_size_without_recompiling(compiled, reference):
-    assert compiled.info.compiled and compiled.probe is None  # no eager-vs-onnxruntime probe when compiled
+    assert compiled.info.compiled and compiled.info.runtime_choice is None  # asked, but no runtime choice compiled
     graphs = _graphs()
     _check_every_batch_size(compiled, reference, 1e-4)
     assert _graphs() == graphs  # the graphs compiled (and checked) at load serve every size
 
 
 def test_traced_logits_match_eager_at_every_batch_size(traced, reference):
-    assert traced.info.torchscript and not traced.info.compiled and traced.probe is None
+    assert traced.info.torchscript and not traced.info.compiled and traced.info.runtime_choice is None
     _check_every_batch_size(traced, reference, 1e-5)  # eager's own kernels
 
 

@@ -25,9 +25,10 @@ Modules:
   an injected clock and an events protocol instead of metrics.
 * `settings`: the runtime's settings groups (`RunnerLimits`, `TritonClientSettings`, `RepositorySettings`).
 * `batch_curve`: what batching buys a backend (time per image at each batch size, measured at warm-up).
+* `runtime_choice`: which runtime serves a model, chosen by measurement at load (the table, the chooser).
+* `torch_forwards`: what a checkpoint's classify / embed can run on besides eager, and the choice among them.
 * `accuracy_gate`: a reduced precision against fp32 on real photos at load (top-1 agreement, cosine), refused
   with the numbers when it misses its bounds unless forced.
-* `torch_probe`: eager PyTorch against onnxruntime on this CPU, when a checkpoint loads.
 * `payload_sampler`: an opt-in sample of what is served (Parquet parts or a Redis stream).
 * `password_file`: a password read from a mounted file.
 * `metrics`: the labels and buckets every model metric shares.

@@ -55,12 +55,12 @@ _ZERO_IS_NONE = ("max_batch", "max_queue", "instances")
 class ModelConfig:
     """A model's own settings (None: the server's). Limits and batching: max_batch, max_delay_ms, max_queue,
     request_timeout_s, retry_after_s, max_images_per_request, batch_curve, batch_curve_budget_s; instances;
-    compute: threads, intra_op_spinning, device, compile, compile_precision, torchscript, tome; the runtime of
-    its exports (onnxruntime or openvino) and OpenVINO's precision, performance_hint, streams and force_precision
-    (also --compile's bf16); decode ("fast", "exact" or "contract"); monitoring (OOD scores and drift on or off)
-    and drift_window; version_policy (which versions are served); on Ray Serve, its deployment's replicas,
-    max_replicas (autoscaling), replica_cpus and replica_gpus (`deployment`). Each means what the server setting
-    of the same name means."""
+    compute: threads, intra_op_spinning, device, compile, compile_precision, torchscript, tome, choose_runtime,
+    choose_runtime_budget_s, pin_runtime; the runtime of its exports (onnxruntime or openvino) and OpenVINO's
+    precision, performance_hint, streams and force_precision (also --compile's bf16); decode ("fast", "exact" or
+    "contract"); monitoring (OOD scores and drift on or off) and drift_window; version_policy (which versions are
+    served); on Ray Serve, its deployment's replicas, max_replicas (autoscaling), replica_cpus and replica_gpus
+    (`deployment`). Each means what the server setting of the same name means."""
 
     max_batch: Annotated[int, Field(ge=0)] | None = None
     max_delay_ms: Annotated[float, Field(ge=0)] | None = None
@@ -77,6 +77,9 @@ class ModelConfig:
     compile: bool | None = None
     compile_precision: Literal["fp32", "bf16", "auto"] | None = None
     torchscript: bool | None = None
+    choose_runtime: bool | None = None
+    choose_runtime_budget_s: Annotated[float, Field(gt=0)] | None = None
+    pin_runtime: str | None = None
     tome: str | None = None
     runtime: Literal["onnxruntime", "openvino"] | None = None
     precision: Literal["auto", "f32", "bf16", "f16", "int8"] | None = None
@@ -115,8 +118,10 @@ class ModelConfig:
     def spec(self, spec: S) -> S:
         """`spec` (the server's, for this model) with this model's compute and decoding in their place."""
         compute = ("threads", "compile", "compile_precision", "torchscript", "device", "runtime", "precision",
-                   "performance_hint", "streams", "force_precision")
+                   "performance_hint", "streams", "force_precision", "choose_runtime", "pin_runtime")
         changes: dict[str, Any] = {k: getattr(self, k) for k in compute if getattr(self, k) is not None}
+        if self.choose_runtime_budget_s is not None:
+            changes["choice_budget_s"] = self.choose_runtime_budget_s
         if self.intra_op_spinning is not None:
             changes["spinning"] = self.intra_op_spinning
         if self.tome is not None:

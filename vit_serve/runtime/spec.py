@@ -47,6 +47,10 @@ class LoadSpec:
     OpenVINO (`runtime.backends.openvino.OpenVINOOptions`): precision ("auto": the plugin's native), performance
     hint, streams, cache_dir (its compiled-model cache; None: the default folder, "": none) and force_precision (serve
     a precision that missed its accuracy bounds).
+    choose_runtime: time the runtimes installed for this model at load (within
+    `choice_budget_s`, at batch 1 and `limits.max_batch`) and serve the fastest that meets its accuracy bounds
+    (`runtime.runtime_choice`); pin_runtime ("runtime" or "runtime:precision", e.g. "onnxruntime", "eager"):
+    serve that one, unmeasured.
     """
 
     path: str
@@ -70,14 +74,16 @@ class LoadSpec:
     cache_dir: str | None = None
     force_precision: bool = False
     compile_precision: str = "fp32"
+    choose_runtime: bool = False
+    choice_budget_s: float = 10.0
+    pin_runtime: str | None = None
 
     @classmethod
     def of(cls, settings: SettingsLike, **changes: object) -> LoadSpec:
         """The spec of a gateway's settings (`vit_serve.serve.settings.ServeSettings`: its model, backend, name,
         device, threads, decode, triton and limits groups, otel, engine, tome, compile, compile_precision,
         torchscript, intra_op_spinning, runtime, precision, performance_hint, streams, openvino_cache_dir,
-        force_precision), with
-        `changes`."""
+        force_precision, choose_runtime, choose_runtime_budget_s, pin_runtime), with `changes`."""
         spec = cls(path=str(settings.model), backend=settings.backend, name=settings.model_name,
                    device=settings.device, threads=settings.threads, decode=settings.decode,
                    triton=settings.triton, limits=settings.limits, trace=settings.otel, engine=settings.engine,
@@ -87,7 +93,9 @@ class LoadSpec:
                    runtime=settings.runtime, precision=settings.precision,
                    performance_hint=settings.performance_hint,
                    streams=settings.streams, cache_dir=settings.openvino_cache_dir,
-                   force_precision=settings.force_precision)
+                   force_precision=settings.force_precision,
+                   choose_runtime=settings.choose_runtime, choice_budget_s=settings.choose_runtime_budget_s,
+                   pin_runtime=settings.pin_runtime)
         return dataclasses.replace(spec, **changes) if changes else spec
 
     def replace(self, **changes: object) -> LoadSpec:
@@ -119,6 +127,9 @@ class SettingsLike(Protocol):
     streams: int | None
     openvino_cache_dir: str | None
     force_precision: bool
+    choose_runtime: bool
+    choose_runtime_budget_s: float
+    pin_runtime: str | None
 
 
 _COMPILE_REFUSAL = ("--compile runs checkpoints through torch.compile (the torch backend), not {what} ({backend}): "

@@ -171,6 +171,29 @@ class BatchingInfo(BaseModel):
                            "instance_group count; the curve is one instance's)")
 
 
+class RuntimeRowInfo(BaseModel):
+    """One runtime timed when a version loaded (`vit_serve.runtime.runtime_choice.Row`)."""
+
+    runtime: str = Field(description="eager, onnxruntime, ...")
+    precision: str = Field(description="fp32, bf16, int8, ...")
+    images_per_s: dict[int, float] = Field(description="images/s by batch size (batch 1 and the batch limit; "
+                                           "empty: not measured)")
+    agreement: float | None = Field(description="top-1 agreement with the fp32 reference on a fixed batch")
+    cosine: float | None = Field(description="mean cosine of its logits with the reference's")
+    refused: str | None = Field(description="why it may not serve (its accuracy bounds, a failed build); null: a "
+                                "contender")
+
+
+class RuntimeChoiceInfo(BaseModel):
+    """Which runtime serves a version and why (`vit_serve.runtime.runtime_choice.RuntimeChoice`)."""
+
+    chosen: str = Field(description="runtime:precision of the one that serves")
+    pinned: bool = Field(description="pinned by pin_runtime (nothing measured)")
+    threads: int = Field(description="intra-op threads the runtimes ran on (0: each runtime's default)")
+    seconds: float = Field(description="how long the choice took at load")
+    rows: list[RuntimeRowInfo] = Field(description="every runtime considered, the reference first")
+
+
 class MonitoringInfo(BaseModel):
     """What a version's reference watches (`vit_serve.monitor.Reference`)."""
 
@@ -230,6 +253,8 @@ class VersionInfo(BaseModel):
     batching: BatchingInfo | None = Field(None, description="its batcher (null: a server that batches, e.g. Triton)")
     compiled: bool | None = Field(None, description="whether the torch backend runs it through torch.compile")
     torchscript: bool | None = Field(None, description="whether the torch backend runs it as a TorchScript trace")
+    runtime_choice: RuntimeChoiceInfo | None = Field(None, description="the runtimes timed at load and the one "
+                                                     "chosen (null: no choice made, e.g. --no-choose-runtime)")
     monitoring: MonitoringInfo | str | None = Field(None, description="its reference (OOD scores, drift), or a line "
                                                     "saying why it has none (loaded versions)")
     precision: str | None = Field(None, description="the precision it computes in (fp32, bf16, fp16, int8)")

@@ -489,6 +489,18 @@ class ServeSettings(BaseSettings):
         False, description="trace the checkpoints the torch backend loads with torch.jit (classify / embed; "
         "explain stays eager), checked against eager at load: the model threads then run without Python's GIL; "
         "exports are unaffected; not with compile")
+    choose_runtime: Annotated[bool, Flag(section="model")] = Field(
+        True, description="at load, time the runtimes installed for each model at batch 1 and max_batch (a "
+        "checkpoint on the CPU in fp32: eager PyTorch and its in-memory export on onnxruntime and OpenVINO; "
+        "NAME.onnx: onnxruntime and OpenVINO at its precision setting), check each one's logits against the fp32 "
+        "reference, and serve the fastest that meets its precision's accuracy bounds "
+        "(vit_serve.runtime.runtime_choice); the table is logged and in GET /models. A model's runtime setting "
+        "pins its export's runtime")
+    choose_runtime_budget_s: float = Field(10.0, gt=0, description="longest time the runtimes' timing may take "
+                                           "at load (the exports and the accuracy check come on top)")
+    pin_runtime: Annotated[str | None, Flag(section="model", metavar="RUNTIME[:PRECISION]")] = Field(
+        None, description="serve this runtime, unmeasured: eager, onnxruntime or openvino for a checkpoint on the "
+        "CPU; onnxruntime, openvino or openvino:bf16 (f32, fp16, int8) for NAME.onnx")
     repository: RepositorySettings = Field(default_factory=RepositorySettings)
     explain_store: StoreSettings = Field(default_factory=StoreSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)

@@ -9,19 +9,16 @@ overrun the budget can be stopped (its files are then removed); its output is ke
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vit_serve.tune.load import NO_TORCH_PROBE, Tick, last_line
+from vit_serve.tune.load import Tick, last_line
 
 OFFLINE_BATCH = 8
 CHECK_CHUNK = 16
@@ -104,29 +101,13 @@ def export_candidate(ckpt: Path, out: Path, stem: str, cand: Candidate, log: Pat
     return dataclasses.replace(cand, model=onnx, export_s=took)
 
 
-@contextmanager
-def _no_torch_probe() -> Iterator[None]:
-    """The torch backend's load-time comparison with onnxruntime skipped (tune measures that itself)."""
-    name, value = NO_TORCH_PROBE
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def _load(cand: Candidate, device: str, threads: int) -> Any:
     from vit_serve.runtime import LoadSpec, load
 
     assert cand.model is not None
     spec = LoadSpec(path=str(cand.model), backend=cand.backend, device=device, threads=threads,  # type: ignore[arg-type]
                     tome=cand.tome if cand.backend == "torch" and cand.tome else None)
-    with _no_torch_probe():
-        return load(spec)
+    return load(spec)  # the spec's runtime, no load-time choice (LoadSpec.choose_runtime is off)
 
 
 def top1(backend: Any, x: np.ndarray) -> np.ndarray:

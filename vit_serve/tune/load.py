@@ -41,8 +41,9 @@ CHECK_VIEWS: tuple[tuple[tuple[float, float, float, float], bool], ...] = (
     ((0, 0.3, 0.7, 1), False), ((0.3, 0.3, 1, 1), False), ((0.2, 0.2, 0.8, 0.8), False), ((0.2, 0.2, 0.8, 0.8), True))
 
 
-# The variable that skips the torch backend's load-time probe (vit_serve.runtime.torch_probe), and its value.
-NO_TORCH_PROBE = ("VIT_SERVE_TORCH_PROBE", "0")
+# The variable that turns the load-time runtime choice off (vit_serve.runtime.runtime_choice), and its value: a
+# trial serves the runtime it names.
+NO_RUNTIME_CHOICE = ("VIT_SERVE_CHOOSE_RUNTIME", "false")
 
 
 class TrialError(RuntimeError):
@@ -125,15 +126,15 @@ def unique_jpeg(jpeg: bytes, i: int, tag: str = "vit-serve tune") -> bytes:
 
 def _serve(config: str, port: int, log: str) -> None:
     """A trial's gateway process: `vit-serve serve --config CONFIG` on 127.0.0.1:PORT (no drain on SIGTERM), its
-    output into `log`, the caller's VIT_SERVE_* variables ignored (a trial runs what its file says), and the torch
-    backend's load-time comparison with onnxruntime skipped (advice at start-up, seconds of it, no serving)."""
+    output into `log`, the caller's VIT_SERVE_* variables ignored (a trial runs what its file says), and the
+    load-time runtime choice off (a trial serves the runtime it names)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     for k in list(os.environ):
         if k.upper().startswith("VIT_SERVE_"):
             del os.environ[k]
-    os.environ[NO_TORCH_PROBE[0]] = NO_TORCH_PROBE[1]
+    os.environ[NO_RUNTIME_CHOICE[0]] = NO_RUNTIME_CHOICE[1]
     from vit_serve.runtime import LoadSpec, check
     from vit_serve.serve.app import run
     from vit_serve.serve.config_file import serve_settings

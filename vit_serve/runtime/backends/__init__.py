@@ -13,12 +13,14 @@ path means, and the checks made before loading). Each backend's module is import
 - `triton`: a model on a Triton Inference Server (tritonclient, asyncio).
 - `ray`: a model version in its own Ray Serve deployment.
 - `sidecar`: the manifest beside an export -> `ModelInfo`.
+- `choice`: which backend serves a file that several can, chosen by measurement at load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from vit_serve.runtime.backends import choice
 from vit_serve.runtime.backends.base import Backend, ModelInfo
 from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.spec import LoadSpec, check
@@ -36,18 +38,30 @@ def load(spec: LoadSpec) -> Backend:
     return backend
 
 
+def _build(spec: LoadSpec, backend: str, precision: str) -> Backend:
+    """One contender of `backends.choice`: `spec` on `backend` (its `precision`: what a backend with several runs
+    at), no choice of its own."""
+    if backend == "openvino":
+        spec = spec.replace(precision=choice.openvino_precision(precision))
+    return _load_backend(spec.replace(backend=backend, choose_runtime=False, pin_runtime=None))
+
+
 def _load_backend(spec: LoadSpec) -> Backend:
     if spec.engine == "ray":  # the model runs in its own Ray Serve deployment (vit_serve.deploy.ray)
         from vit_serve.runtime.backends.ray import RayModelBackend
 
         return RayModelBackend(spec)
     backend = check(spec)
+    if choice.wanted(spec):  # several runtimes serve this file: the fastest that passes (`backends.choice`)
+        return choice.choose_backend(spec, _build)
     if backend == "torch":
         from vit_serve.runtime.backends.torch import TorchBackend
 
         return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile,
                             torchscript=spec.torchscript, compile_precision=spec.compile_precision,
-                            force_precision=spec.force_precision)
+                            force_precision=spec.force_precision, choose=spec.choose_runtime, pin=spec.pin_runtime,
+                            choice_budget_s=spec.choice_budget_s, max_batch=spec.limits.max_batch,
+                            spinning=spec.spinning)
     if backend == "onnxruntime":
         from vit_serve.runtime.backends.onnxruntime import OnnxRuntimeBackend
 

@@ -22,6 +22,7 @@ from vit_serve.manifest import EMBEDDING, LOGITS, ROLLOUT, Embedding, RolloutSet
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.reference_sketch import Reference
 from vit_serve.runtime.accuracy_gate import GateResult
+from vit_serve.runtime.runtime_choice import RuntimeChoice
 from vit_serve.runtime.task import COSINE, GRID, PATCH_TOKENS, REST, Outputs, Task
 
 __all__ = ["Backend", "LocalBackend", "ModelInfo", "RemoteBackend", "Staged"]
@@ -53,6 +54,8 @@ class ModelInfo:
     embedding_space: what decides its embedding vectors, as the model gives them (`vit_serve.fingerprint`; its
     `fingerprint` is what every embedding answer carries: `embedding_fingerprint`); None: an export from before
     manifests stated it.
+    runtime_choice: the table of the runtimes timed at load and the one chosen (`runtime.runtime_choice`; None: no
+    choice was made).
     """
 
     name: str
@@ -84,6 +87,7 @@ class ModelInfo:
     device_name: str = ""
     accuracy: GateResult | None = None
     embedding_space: EmbeddingSpace | None = None
+    runtime_choice: RuntimeChoice | None = None
 
     def embedding_fingerprint(self, normalized: bool = False, dim: int | None = None) -> str | None:
         """The fingerprint of its embedding vectors, L2-normalised or as the model gives them, cut to their first

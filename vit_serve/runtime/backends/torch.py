@@ -7,9 +7,9 @@ operators; while the gateway's event loop holds it (a storm of requests) the mod
 it runs far slower than the cores it gets allow. A traced module runs the whole forward in TorchScript's
 interpreter, which releases the GIL for the call.
 
-On the CPU in eager mode the backend measures at load how onnxruntime compares on this CPU
-(`runtime.torch_probe`; VIT_SERVE_TORCH_PROBE=0 skips it) and logs a WARNING with the ratio and the command
-that serves the export instead when onnxruntime is clearly faster; `TorchBackend.probe` keeps the measurement.
+On the CPU in fp32 and eager mode, with `choose` (the gateway's choose_runtime) or a `pin`, classify and embed run
+on the runtime measured fastest at load among eager and the in-memory exports of `runtime.torch_forwards` (the
+table in `info.runtime_choice`, logged); explain, grad_rollout and NaFlex stay eager.
 
 classify and embed also run in stages (`staged`, `Stages`: the stem, each encoder block, the tail; traced one by
 one with --torchscript), which the batching runner steps through for a less urgent batch that may have to give
@@ -44,7 +44,7 @@ from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo, Staged
 from vit_serve.runtime.spec import BOTH_FORWARDS
 from vit_serve.runtime.task import Task
-from vit_serve.runtime.torch_probe import ProbeResult, advice, probe, wanted
+from vit_serve.runtime.torch_forwards import choose_forward, wanted
 from vit_serve.similarity import patch_tokens, similarity_map
 from vit_serve.tome import TomeR
 
@@ -296,16 +296,17 @@ def _cannot() -> Iterator[None]:
 
 class TorchBackend(LocalBackend):
     """A checkpoint on PyTorch. `compile`: classify / embed run `compile_forward`'s callable; `torchscript`:
-    `torchscript_forward`'s (not both). `probe`: the eager vs onnxruntime measurement made at load
-    (`runtime.torch_probe`), None when none was made."""
+    `torchscript_forward`'s (not both). `choose` / `pin`: the runtime classify / embed run on, measured within
+    `choice_budget_s` at batch 1 and `max_batch`, or pinned (`runtime.torch_forwards.choose_forward`)."""
 
     name = "torch"
     supports_grad_rollout = True
 
     def __init__(self, checkpoint: str | Path, model_name: str | None = None, device: str = "auto",
                  threads: int | None = None, tome: TomeR | None = None, compile: bool = False,
-                 torchscript: bool = False, compile_precision: str = "fp32", force_precision: bool = False
-                 ) -> None:
+                 torchscript: bool = False, compile_precision: str = "fp32", force_precision: bool = False, *,
+                 choose: bool = False, pin: str | None = None, choice_budget_s: float = 10.0, max_batch: int = 1,
+                 spinning: bool = False) -> None:
         from vit_serve.checkpoints import load
 
         if threads is not None:
@@ -325,6 +326,7 @@ class TorchBackend(LocalBackend):
         name = model_name or Path(checkpoint).stem
         dtype = next(self.model.parameters()).dtype
         self._forward: Forward = self.model.forward_embedding
+        eager = self._forward
         if compile and torchscript:
             raise ValueError(BOTH_FORWARDS)
         if compile:
@@ -337,13 +339,14 @@ class TorchBackend(LocalBackend):
         if not compile and self.model.token_merging is None and getattr(self.model, "rope", None) is None:
             self._stages = (Stages.traced(self.model, res, self.device, name) if torchscript
                             else Stages.eager(self.model))
-        self.probe: ProbeResult | None = None
-        if not (compile or torchscript) and wanted(self.device, dtype):
-            self.probe = probe(self.model, torch.randn(1, 3, *res, generator=torch.Generator().manual_seed(0)),
-                               name)
-            message = None if self.probe is None else advice(self.probe, name, str(checkpoint), tome)
-            if message:
-                log.warning(message)
+        choice = None
+        if (choose or pin is not None) and not (compile or torchscript) and wanted(self.device, dtype):
+            chosen, choice = choose_forward(self.model, res, pin=pin, budget_s=choice_budget_s,
+                                            max_batch=max_batch, spinning=spinning)
+            log.info("%s: runtime %s", name, choice.describe())
+            if chosen is not None:  # one graph: no stages
+                self._forward, self._stages = chosen, None
+        self._one_graph = self._forward is not eager
         info = ModelInfo(
             name=name,
             resolution=res,
@@ -364,6 +367,7 @@ class TorchBackend(LocalBackend):
             token_merging=TokenMergingRecord.of(self.model.token_merging),
             compiled=compile,
             torchscript=torchscript,
+            runtime_choice=choice,
             reference=None if self.model.token_merging else self.model.reference,  # made without merging
             max_patches=cfg.extra.get("max_patches"),
         )
@@ -381,7 +385,7 @@ class TorchBackend(LocalBackend):
 
     def classify(self, x: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            if self.info.compiled or self.info.torchscript:  # one graph serves both: its embedding costs nothing
+            if self._one_graph:  # one graph serves both: its embedding costs nothing
                 return self._out(self._forward(self._input(x))[0])
             return self._out(self.model(self._input(x)))
 

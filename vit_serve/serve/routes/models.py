@@ -105,7 +105,8 @@ def _loaded(gateway: Gateway, mv: ModelVersion) -> dict:
                     "r": list(info.token_merging.r), "prop_attn": info.token_merging.prop_attn},
                 batching=_batching(mv), compiled=info.compiled, torchscript=info.torchscript,
                 monitoring=_monitoring(gateway, mv), precision=info.precision, device=info.device_name or info.device,
-                accuracy=None if info.accuracy is None else info.accuracy.to_dict())
+                accuracy=None if info.accuracy is None else info.accuracy.to_dict(),
+                runtime_choice=None if info.runtime_choice is None else asdict(info.runtime_choice))
 
 
 @router.get("/models", response_model=ModelsResponse)
@@ -113,11 +114,12 @@ async def models(gateway: GatewayDep) -> dict:
     """Every model of the repository: `{"default_model", "model_control", "models": [{"name", "default",
     "versions": [{"version", "state", "reason", "backend", "resolution", "num_classes", "explain", "explain_support",
     "memory_bytes", "in_flight", "token_merging", "batching", "compiled", "torchscript", "monitoring", "precision",
-    "device", "accuracy"}]}]}`. States
+    "device", "accuracy", "runtime_choice"}]}]}`. States
     are Triton's (READY, LOADING, UNLOADING, UNAVAILABLE with its reason); a model never loaded has one entry with
     version and state null. `explain_support`: the /explain methods and rollout settings it answers.
     `batching`: the batch limit and wait its batch curve set (`schemas.BatchingInfo`). `traffic`: its traffic
-    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `monitoring`: the reference
+    policy (`{"traffic": {version: weight}, "shadow", "primary"}`, null without one). `runtime_choice`: the
+    runtimes timed at load and the one that serves (`schemas.RuntimeChoiceInfo`). `monitoring`: the reference
     its OOD scores and drift compare with (`schemas.MonitoringInfo`), or a line saying why there is none."""
     repo = _repository(gateway)
     default = repo.default_name
