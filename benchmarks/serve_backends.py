@@ -41,11 +41,14 @@ def run_backends(args: argparse.Namespace, onnx: Path, levels: list[int]) -> tup
     bf16 = cpu_has_bf16()
     bound = BF16_BOUND if bf16 else F32_BOUND
     rows, checks = compare_table(tp, levels, "openvino auto / onnxruntime fp32", bound)
-    ov = shown[ov_name]["models"][0]["versions"][0]
+    served = {t: shown[t]["models"][0]["versions"][0] for t in (ort_name, ov_name)}
+    ov = served[ov_name]
     accuracy = ov.get("accuracy") or {}
-    passed = accuracy.get("passed", ov.get("precision") == "f32")
-    checks.append(("openvino's precision passed its accuracy bounds at load", str(accuracy or ov.get("precision")),
-                   "passed", bool(passed)))
+    passed = accuracy.get("ok", ov.get("precision") == "f32")
+    checks.append(("each gateway serves the backend it names", ", ".join(v["backend"] for v in served.values()),
+                   "onnxruntime, openvino", [v["backend"] for v in served.values()] == ["onnxruntime", "openvino"]))
+    gate = f"{ov.get('precision')}: agreement {accuracy.get('agreement')}, cosine {accuracy.get('cosine')}"
+    checks.append(("openvino's precision passed its accuracy bounds at load", gate, "ok", bool(passed)))
     head = (f"OpenVINO at {ov.get('precision')} on {ov.get('device')} (CPU bf16: {'yes' if bf16 else 'no'}); the "
             f"same intra-op threads in both; max_batch {args.max_batch}, max_delay_ms {args.max_delay_ms:g}; unique "
             f"small photos, fast decode; {args.rounds} rounds taking turns")

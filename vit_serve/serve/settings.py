@@ -494,8 +494,8 @@ class ServeSettings(BaseSettings):
         "checkpoint on the CPU in fp32: eager PyTorch and its in-memory export on onnxruntime and OpenVINO; "
         "NAME.onnx: onnxruntime and OpenVINO at its precision setting), check each one's logits against the fp32 "
         "reference, and serve the fastest that meets its precision's accuracy bounds "
-        "(vit_serve.runtime.runtime_choice); the table is logged and in GET /models. A model's runtime setting "
-        "pins its export's runtime")
+        "(vit_serve.runtime.runtime_choice); the table is logged and in GET /models. Only with --backend auto: "
+        "an explicit --backend, or a model's runtime setting, names what serves")
     choose_runtime_budget_s: float = Field(10.0, gt=0, description="longest time the runtimes' timing may take "
                                            "at load (the exports and the accuracy check come on top)")
     pin_runtime: Annotated[str | None, Flag(section="model", metavar="RUNTIME[:PRECISION]")] = Field(

@@ -150,6 +150,8 @@ class VersionLoader:
         backend = "openvino" if self.spec.backend == "openvino" and source.backend == "onnxruntime" else source.backend
         spec = self.spec.replace(path=str(source.path), backend=backend, name=source.name,
                                  threads=self._threads(models, limits.instances), limits=limits)
+        if self.spec.backend == "auto" and resolve_backend(spec.replace(backend="auto")) == backend:
+            spec = spec.replace(backend="auto")  # left to the file: the runtime may be chosen by measurement
         if not self.one_model and resolve_backend(spec) != "torch":  # --tome, --compile, --torchscript: checkpoints
             spec = spec.replace(tome=None, compile=False, torchscript=False)
         spec = config.spec(spec)

@@ -59,7 +59,8 @@ def _load_backend(spec: LoadSpec) -> Backend:
 
         return TorchBackend(spec.path, spec.name, spec.device, spec.threads, spec.tome, compile=spec.compile,
                             torchscript=spec.torchscript, compile_precision=spec.compile_precision,
-                            force_precision=spec.force_precision, choose=spec.choose_runtime, pin=spec.pin_runtime,
+                            force_precision=spec.force_precision,
+                            choose=spec.choose_runtime and spec.backend == "auto", pin=spec.pin_runtime,
                             choice_budget_s=spec.choice_budget_s, max_batch=spec.limits.max_batch,
                             spinning=spec.spinning)
     if backend == "onnxruntime":

@@ -47,12 +47,15 @@ def contenders(spec: LoadSpec) -> list[tuple[str, str]]:
 
 
 def wanted(spec: LoadSpec) -> bool:
-    """Whether a choice is made for `spec`: asked for (`choose_runtime`, or a pin) and more than one contender, or
-    a pin among them; never when the model's `runtime` setting names its runtime."""
+    """Whether a choice is made for `spec`: a pin among several runtimes, or `choose_runtime` with the backend left
+    to "auto" and more than one contender; never when the model's `runtime` setting or an explicit backend
+    (`--backend onnxruntime`) names its runtime: what a user names is what serves."""
     pairs = FILE_RUNTIMES.get(Path(spec.path).suffix.lower(), ())
     if spec.runtime is not None or spec.backend not in ("auto", *{b for b, _ in pairs}):
         return False
-    return (spec.pin_runtime is not None and len(pairs) > 1) or (spec.choose_runtime and len(contenders(spec)) > 1)
+    if spec.pin_runtime is not None:
+        return len(pairs) > 1
+    return spec.backend == "auto" and spec.choose_runtime and len(contenders(spec)) > 1
 
 
 def choose_backend(spec: LoadSpec, build: Build) -> Backend:
