@@ -43,7 +43,7 @@ DEPRECATED_FLAGS = {"grpc_max_message_bytes": "--grpc-max-message-bytes",
                     "triton_timeout_s": "--triton-timeout-s", "triton_startup_timeout_s": "--triton-startup-timeout-s",
                     "repository_poll_s": "--repository-poll-s", "unload_grace_s": "--unload-grace-s",
                     "store_password_file": "--store-password-file", "sample_redis_url": "--sample-redis-url",
-                    "request_ids": "--no-request-ids"}
+                    "request_ids": "--no-request-ids", "ingress_replicas": "--ingress-replicas"}
 
 
 def _without_deprecated(name: str, usage: str) -> str:

@@ -30,6 +30,9 @@ HIDDEN = {
     "store_password_file": (["--store-password-file", "/run/secrets/redis"], "/run/secrets/redis"),
     "sample_redis_url": (["--sample-redis-url", "redis://cache:6379/0"], "redis://cache:6379/0"),
     "request_ids": (["--no-request-ids"], False),
+    "image_url_networks": (["--image-url-network", "10.0.12.0/24"], ["10.0.12.0/24"]),
+    "openvino_cache_dir": (["--openvino-cache-dir", "/var/cache/ov"], "/var/cache/ov"),
+    "ingress_replicas": (["--ingress-replicas", "3"], 3),
 }
 
 

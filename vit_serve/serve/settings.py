@@ -300,7 +300,7 @@ class RayDeploymentSettings(BaseSettings):
         1, ge=1, description="Ray Serve (--engine ray): replicas of each model deployment")
     max_replicas: Annotated[int | None, Flag(section="model")] = Field(
         None, ge=1, description="Ray Serve: autoscale each model deployment from replicas up to this")
-    ingress_replicas: Annotated[int, Flag(section="ray")] = Field(
+    ingress_replicas: Annotated[int, Flag(section="ray", hidden=True)] = Field(
         1, ge=1, description="gateway replicas (more need --store redis://... for GET /explain?id=)")
     replica_cpus: Annotated[float, Flag(section="model")] = Field(
         1.0, ge=0, description="Ray Serve: CPUs of each model replica (ray_actor_options num_cpus)")
@@ -467,7 +467,7 @@ class ServeSettings(BaseSettings):
         "throughput (several streams, for instances > 1)")
     streams: Annotated[int | None, Flag(section="model")] = Field(
         None, ge=1, description="OpenVINO's NUM_STREAMS (default: the performance hint's)")
-    openvino_cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+    openvino_cache_dir: Annotated[str | None, Flag(metavar="DIR", hidden=True)] = Field(
         None, description="where OpenVINO caches compiled models, so that a restart does not compile again "
         "(default: $XDG_CACHE_HOME/vit-serve/openvino; empty: no cache)")
     force_precision: Annotated[bool, Flag(section="model")] = Field(
