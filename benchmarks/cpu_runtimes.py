@@ -247,17 +247,29 @@ def main(argv: list[str] | None = None) -> int:
     host = cpu()
     per_cycle = args.flops_per_cycle or host.flops_per_cycle()
     peak = args.threads * host.ghz * per_cycle  # GFLOP/s
-    print(f"CPU: {host.model}; {host.ghz:.2f} GHz; ISA: {', '.join(f for f in ISA if f in host.flags) or 'none'}")
-    print(f"threads {args.threads}; fp32 peak {peak:.0f} GFLOP/s ({args.threads} x {host.ghz:.2f} GHz x "
-          f"{per_cycle} FLOP/cycle{'' if args.flops_per_cycle else ', estimated from the ISA'}); "
-          f"{args.crops} photo crops; medians of {args.rounds} interleaved rounds x {args.iters} calls")
-    print("| model | batch | runtime | precision | img/s | img/s/core | vs ort fp32 (or eager) | top-1 agr. | cosine | "
-          "bounds | GFLOP/s | of peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    isa = ", ".join(f for f in ISA if f in host.flags) or "none"
+    lines = [f"CPU: {host.model}; {host.ghz:.2f} GHz; ISA: {isa}",
+             f"threads {args.threads}; fp32 peak {peak:.0f} GFLOP/s ({args.threads} x {host.ghz:.2f} GHz x "
+             f"{per_cycle} FLOP/cycle{'' if args.flops_per_cycle else ', estimated from the ISA'}); "
+             f"{args.crops} photo crops; medians of {args.rounds} interleaved rounds x {args.iters} calls",
+             "| model | batch | runtime | precision | img/s | img/s/core | vs ort fp32 (or eager) | top-1 agr. | "
+             "cosine | bounds | GFLOP/s | of peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines))
+    checks = []
     for name in args.models.split(","):
         for row in bench_model(name.strip(), args, host, peak or 1.0):
             print(row, flush=True)
-    return 0
+            lines.append(row)
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            if cells[9] in ("pass", "FAIL"):  # a reduced precision, judged by vit_serve.accuracy_bounds
+                checks.append((f"{cells[0]} batch {cells[1]} {cells[2]} ({cells[3]}): top-1 agreement, cosine",
+                               f"{cells[7]}, {cells[8]}", "the precision's bounds", cells[9] == "pass"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py, a sibling of this script
+    from harness import save_results
+
+    data = {"cpu": host.model, "ghz": host.ghz, "isa": isa, "threads": args.threads, "peak_gflops": peak}
+    return save_results("cpu_runtimes", lines, checks, data, args, script="cpu_runtimes.py")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ BENCHMARKS = (
               "A repository of three models routed by `?model=` against a single-model gateway."),
     Benchmark("serve_security", "serve_load.py", "python benchmarks/serve_load.py --mode security",
               "API keys and request ids on against off: throughput and server CPU per image."),
+    Benchmark("cpu_runtimes", "cpu_runtimes.py", "python benchmarks/cpu_runtimes.py"),
     Benchmark("serve_backends", "serve_backends.py", "python benchmarks/serve_load.py --mode backends"),
     Benchmark("serve_embeddings", "serve_embeddings.py", "python benchmarks/serve_embeddings.py"),
     Benchmark("serve_abuse", "serve_abuse.py", "python benchmarks/serve_load.py --mode abuse",
