@@ -129,6 +129,13 @@ def test_native_precision_passes_the_gate_within_its_bounds(exported, ort, pixel
     assert (logits.argmax(1) == ref_logits.argmax(1)).all()
     assert cosines(ref_emb, emb).min() >= min_cos and cosines(ref_logits, logits).min() >= min_cos
     assert np.abs(logits - ref_logits).max() > 0  # computed in bf16 indeed, not f32
+    # the vectors moved with the arithmetic: another embedding space than the export's fp32 (vit_serve.fingerprint)
+    assert native.info.embedding_space.precision == "bf16"
+    assert native.info.embedding_fingerprint() != ort.info.embedding_fingerprint() is not None
+
+
+def test_f32_keeps_the_exports_embedding_space(f32, ort):
+    assert f32.info.embedding_fingerprint() == ort.info.embedding_fingerprint() is not None
 
 
 def test_a_precision_missing_its_bounds_is_refused_with_the_numbers(tmp_path, save_tiny):

@@ -255,3 +255,24 @@ def test_keys_rates_and_the_body_limit_answer_in_openais_shape(keyed):
     with pytest.raises(openai.RateLimitError) as e:  # the bucket is below zero: the next request waits
         limited.embeddings.create(model="clip", input="a")
     assert e.value.body["code"] == "rate_limit_exceeded"
+
+
+def test_openvino_serves_the_clip_tower_within_its_precisions_bounds(repo, reference, photos):
+    """The export's image tower on OpenVINO at its automatic precision (bf16 on a CPU with it, issue 43): its image
+    vectors against open_clip's normalised encode_image on the photos, within that precision's cosine bound
+    (`vit_serve.accuracy_bounds`), the accuracy gate passed at load, and its fingerprint that precision's."""
+    pytest.importorskip("openvino")
+    from vit_serve.accuracy_bounds import BOUNDS, cosines
+    from vit_serve.runtime.backends import LoadSpec, load
+
+    backend = load(LoadSpec(path=str(repo[0] / "clipx.onnx"), backend="openvino", threads=1, cache_dir=""))
+    info = backend.info
+    x = np.stack([preprocess(data, info.preprocess).numpy() for data in photos.values()])
+    _, vectors = backend.embed(x)
+    images, _ = reference
+    cos = cosines(images, vectors.astype(np.float64))
+    bound = BOUNDS[info.precision][1] if info.precision in BOUNDS else 1 - 1e-6
+    print(f"OpenVINO {info.precision}: cosine to open_clip's encode_image >= {cos.min():.6f} (bound {bound})")
+    assert cos.min() >= bound
+    assert info.precision == "fp32" or (info.accuracy is not None and info.accuracy.check.ok)
+    assert info.embedding_space.precision == info.precision

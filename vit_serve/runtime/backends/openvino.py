@@ -175,9 +175,13 @@ class OpenVINOBackend(LocalBackend):
         if precision != "fp32":
             check = self._gate(core, path, precision)
         has_embedding = EMBEDDING in self.session.outputs
+        space = self.info.embedding_space  # the export's, in its precision: the vectors move with the arithmetic
+        if space is not None and not quantized and space.precision != precision:
+            space = space.with_precision(precision)
         self.info = dataclasses.replace(
-            self.info, precision=precision, device="cpu", device_name=core.get_property(DEVICE, "FULL_DEVICE_NAME"),
-            providers=(DEVICE,), embedding_dim=self.info.embedding_dim if has_embedding else 0, accuracy=check)
+            self.info, precision=precision, embedding_space=space, device="cpu",
+            device_name=core.get_property(DEVICE, "FULL_DEVICE_NAME"), providers=(DEVICE,),
+            embedding_dim=self.info.embedding_dim if has_embedding else 0, accuracy=check)
 
     def _gate(self, core: Any, path: Path, precision: str) -> accuracy_gate.GateResult | None:
         """The accuracy gate of this compiled precision against the fp32 graph (itself in f32, or, for a quantized

@@ -42,6 +42,7 @@ from vit_serve.manifest import EMBEDDING, LOGITS, RolloutSettings, TokenMergingR
 from vit_serve.naflex import unpack
 from vit_serve.preprocess import PreprocessConfig
 from vit_serve.runtime.backends.base import LocalBackend, ModelInfo, Staged
+from vit_serve.runtime.runtime_choice import RuntimeChoice
 from vit_serve.runtime.spec import BOTH_FORWARDS
 from vit_serve.runtime.task import Task
 from vit_serve.runtime.torch_forwards import choose_forward, wanted
@@ -294,6 +295,15 @@ def _cannot() -> Iterator[None]:
         raise NotImplementedError(str(e)) from None
 
 
+def _precision(dtype: torch.dtype, choice: RuntimeChoice | None) -> str:
+    """The arithmetic the answers come out of: the weights' dtype, or the precision of the runtime chosen by
+    measurement (`choice`, when another runtime than eager serves: e.g. OpenVINO in bf16), which the embedding
+    space's fingerprint and /models then name."""
+    if choice is not None and choice.chosen.count(":") == 1:
+        return choice.chosen.split(":")[1]
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+
+
 class TorchBackend(LocalBackend):
     """A checkpoint on PyTorch. `compile`: classify / embed run `compile_forward`'s callable; `torchscript`:
     `torchscript_forward`'s (not both). `choose` / `pin`: the runtime classify / embed run on, measured within
@@ -363,7 +373,7 @@ class TorchBackend(LocalBackend):
             embedding_dim=self.model.num_features,
             scores=cfg.scores,
             embedding=embedding_of(cfg),
-            precision={torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32"),
+            precision=_precision(dtype, choice if self._one_graph else None),
             token_merging=TokenMergingRecord.of(self.model.token_merging),
             compiled=compile,
             torchscript=torchscript,
