@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,9 +354,9 @@ class TextTower:
         scope as they are made); QueueFullError when the queue is full."""
         return self.scheduler.submit(self._steps(job), priority, deadline)
 
-    def _steps(self, job: TextJob) -> Iterator[None]:
-        templates = self.templates
-        texts = zeroshot.prompts(job.todo, templates)
+    def _chunks(self, texts: list[str]) -> Generator[None, None, np.ndarray | None]:
+        """Encode `texts` `chunk_size` at a time, yielding between chunks (the scheduler's turn); returns their
+        text_embeds [n, E] (None for no texts)."""
         embeds: np.ndarray | None = None
         for start in range(0, len(texts), self.chunk_size):
             chunk = self.embed_texts(texts[start:start + self.chunk_size], strict=True)
@@ -365,6 +365,11 @@ class TextTower:
             embeds[start:start + len(chunk)] = chunk
             if start + self.chunk_size < len(texts):
                 yield
+        return embeds
+
+    def _steps(self, job: TextJob) -> Iterator[None]:
+        templates = self.templates
+        embeds = yield from self._chunks(zeroshot.prompts(job.todo, templates))
         found = dict(job.found)
         if embeds is not None:
             for label, row in zip(job.todo, zeroshot.class_embeddings(embeds, len(templates)), strict=True):
@@ -380,14 +385,7 @@ class TextTower:
         return self.scheduler.submit(self._text_steps(list(texts)), priority, deadline)
 
     def _text_steps(self, texts: list[str]) -> Iterator[None]:
-        embeds: np.ndarray | None = None
-        for start in range(0, len(texts), self.chunk_size):
-            chunk = self.embed_texts(texts[start:start + self.chunk_size], strict=True)
-            if embeds is None:
-                embeds = np.empty((len(texts), chunk.shape[1]), np.float32)
-            embeds[start:start + len(chunk)] = chunk
-            if start + self.chunk_size < len(texts):
-                yield
+        embeds = yield from self._chunks(texts)
         assert embeds is not None
         return embeds
 
