@@ -45,6 +45,13 @@ CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conform
 # its fix lands; a listed failure that no longer occurs is reported as a warning, so the list cannot go stale.
 # Example entry: ("content_type_conformance", "GET /v2/health/live", "Missing Content-Type header").
 KNOWN_FAILURES: set[tuple[str, str, str]] = set()
+# Weaviate's readiness probe is open to anyone, so with keys on it answers an unknown model as one not ready (its
+# documented 503) rather than 404, which would tell anyone which models exist: not a server error.
+OPEN_PROBES = {"GET /weaviate/.well-known/ready", "GET /weaviate/{model}/.well-known/ready"}
+
+
+def _documented_probe_503(f: Failure) -> bool:
+    return f.check == "not_a_server_error" and f.operation in OPEN_PROBES and f.response.startswith("503 ")
 
 MODEL_NAME = "tiny"
 RES = 32
@@ -312,7 +319,8 @@ def run(api) -> Run:
 def test_no_server_error_and_every_answer_conforms(run):
     """Each of CHECKS held for every request of every phase, apart from KNOWN_FAILURES (routes fixed elsewhere)."""
     assert not run.errors, "schemathesis reported errors:\n" + "\n".join(run.errors)
-    new = [f for f in run.failures if (f.check, f.operation, f.title) not in KNOWN_FAILURES]
+    new = [f for f in run.failures
+           if (f.check, f.operation, f.title) not in KNOWN_FAILURES and not _documented_probe_503(f)]
     seen = {(f.check, f.operation, f.title) for f in run.failures}
     for gone in sorted(KNOWN_FAILURES - seen):
         warnings.warn(f"known schemathesis failure no longer seen, remove it from KNOWN_FAILURES: {gone}",

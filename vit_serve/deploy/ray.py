@@ -418,9 +418,10 @@ def _build(settings: ServeSettings, num_replicas: int | None = None, autoscaling
         }
         # --backend openvino runs the ONNX exports too, and a model's own runtime and precision hold, as locally.
         backend = "openvino" if settings.backend == "openvino" and source.backend == "onnxruntime" else source.backend
-        own = {k: v for k, v in entry.config.given().items()
-               if k in ("runtime", "precision", "performance_hint", "streams", "force_precision")}
-        spec = LoadSpec.of(settings, path=str(source.path), backend=backend, name=entry.name, engine="local", **own)
+        runtime = {k: v for k, v in entry.config.given().items()
+                   if k in ("runtime", "precision", "performance_hint", "streams", "force_precision")}
+        spec = LoadSpec.of(settings, path=str(source.path), backend=backend, name=entry.name, engine="local",
+                           **runtime)
         if Path(settings.model).is_dir() and resolve_backend(spec) != "torch":  # as the local repository does:
             spec = spec.replace(tome=None, compile=False, torchscript=False)  # for its checkpoints only
         models.append(MODEL_DEPLOYMENT.options(**options).bind(spec, source.version, max_batch, delay_ms))

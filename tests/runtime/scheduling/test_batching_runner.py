@@ -311,3 +311,21 @@ def test_stop_answers_what_waits_and_runs_not_ready():
         return h.outcome("blocker"), h.outcome("a"), h.runner.depth
 
     assert run(scenario()) == ("NotReadyError", "NotReadyError", 0)
+
+
+def test_stop_ends_the_collector_when_its_wakeup_and_the_cancel_land_in_one_step():
+    """Python 3.11's asyncio.wait_for returns the awaited result instead of raising when a cancellation and the
+    awaited event land in the same step; stop() still ends the collector (offline predict once hung here)."""
+    async def scenario():
+        h = Harness(max_batch=4, max_delay_ms=1000)
+        h.runner.start()
+        h.runner.arriving(1)  # more is coming: the collector waits for the batch to fill
+        await h.submit("first", 1)
+        assert not h.thread.waiting  # it waits: nothing runs yet
+        h.runner.arrivals.news.set()  # its wait ends in the step where stop()'s cancel lands
+        stop = asyncio.ensure_future(h.runner.stop())
+        ended, _ = await asyncio.wait({stop}, timeout=5)  # a timeout that does not cancel stop() (that would help)
+        stop.cancel()
+        return bool(ended), h.outcome("first")
+
+    assert run(scenario()) == (True, "NotReadyError")

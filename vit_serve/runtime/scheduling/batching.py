@@ -62,6 +62,7 @@ class BatchingRunner(RunnerBase):
         self.group = Instances(instances, clock, self.events)  # the instance group and its batches
         self.seen: dict[int, float] = {}  # priority level -> when its latest request was queued
         self._collector: asyncio.Task[None] | None = None
+        self._stopping = False  # stop() is waiting for the collector to end
         self._runs: set[asyncio.Task[None]] = set()
 
     @property
@@ -104,10 +105,16 @@ class BatchingRunner(RunnerBase):
 
     async def stop(self) -> None:
         if self._collector is not None:
-            self._collector.cancel()
+            self._stopping = True
+            # Cancelled until it is done: Python 3.11's asyncio.wait_for returns the inner result instead of
+            # raising when a cancellation and the awaited event coincide, so one cancel() can be swallowed.
+            while not self._collector.done():
+                self._collector.cancel()
+                await asyncio.wait({self._collector}, timeout=0.05)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._collector
             self._collector = None
+            self._stopping = False
         for item in [*self.group.entries, *self.pending]:
             if not item.future.done():
                 item.future.set_exception(NotReadyError("the model is being unloaded"))
@@ -219,7 +226,7 @@ class BatchingRunner(RunnerBase):
         self.events.queued(len(self.pending))
 
     async def _collect(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._next_batch()
             except asyncio.CancelledError:
