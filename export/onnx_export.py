@@ -35,7 +35,7 @@ import onnx
 import torch
 import torch.nn as nn
 from vit_export.graph_info import GraphInfo, load_proto
-from vit_export.memory import release_memory
+from vit_export.memory import on_young_heap, release_memory
 from vit_export.proto_file import save_proto
 from vit_export.simplify import simplify as simplify_graph
 
@@ -236,6 +236,7 @@ class ExportedGraph:
     io: IOSpec
 
 
+@on_young_heap
 def export_graph(
     model: VisionTransformer,
     path: str | Path,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from vit_export.graph_info import GraphInfo
-from vit_export.memory import release_memory
+from vit_export.memory import on_young_heap, release_memory
 from vit_export.onnx_export import heads_fused
 
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, explain_forward, rollout
@@ -339,6 +339,7 @@ def _top_agreement(got: np.ndarray, ref: np.ndarray, k: int = TOP_CELLS) -> floa
     return float(min(len(set(a) & set(b)) / k for a, b in zip(top_ref, top_got, strict=True)))
 
 
+@on_young_heap
 def check_parity(
     model: VisionTransformer,
     onnx_path: str | Path,

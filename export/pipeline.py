@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from vit_export.memory import on_young_heap
+
 from vit_serve.config import ViTConfig
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, HEAD_FUSIONS
 from vit_serve.fingerprint import weights_digest
@@ -415,6 +417,7 @@ class _Job:
         return out / f"{self.name}.onnx", out / f"{self.name}_explain.onnx"
 
 
+@on_young_heap
 def export(model: VisionTransformer | str | os.PathLike, options: ExportOptions | None = None, *,
            progress: Progress | None = None) -> ExportResult:
     """Export `model` (a loaded VisionTransformer, or a checkpoint path: loaded with `vit_serve.checkpoints.load`,

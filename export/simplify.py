@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from vit_export.memory import release_memory
+from vit_export.memory import on_young_heap, release_memory
 from vit_export.proto_file import save_proto
 
 from vit_serve.manifest import PIXEL_VALUES
@@ -30,6 +30,7 @@ def _run(path: Path, x: np.ndarray) -> list[np.ndarray]:
     return sess.run(None, {PIXEL_VALUES: x})
 
 
+@on_young_heap
 def simplify(proto: onnx.ModelProto, example_shape: tuple[int, int, int, int], tol: float = 1e-6
              ) -> tuple[onnx.ModelProto, str]:
     """proto -> (simplified or original proto, what happened: "onnxslim", "skipped: <why>").
