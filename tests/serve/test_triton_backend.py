@@ -43,7 +43,7 @@ from vit_serve.runtime.errors import BackendUnavailableError
 from vit_serve.runtime.settings import TritonClientSettings
 from vit_serve.runtime.task import CLASSIFY, Task
 from vit_serve.serve.settings import ServeSettings
-from vit_serve.tune.server_process import free_port
+from vit_serve.tune.server_process import ServerProcess, free_port
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -459,29 +459,34 @@ def test_without_a_model_name_every_vit_model_of_the_triton_server_is_served(ser
     assert explain.status_code == 200 and len(explain.json()["map"]) == RES // 16
 
 
-def test_gateway_survives_a_triton_restart(gateway, server, photos, reference):
+def test_gateway_survives_a_triton_restart(server, photos, reference):
     """Triton goes away: /readyz and /classify answer 503; it comes back on the same ports: both recover,
-    without restarting the gateway."""
+    without restarting the gateway. The gateway is `vit-serve serve` in a process of its own, as deployed (and
+    so that a gateway dying here fails this test with its exit code rather than taking the test worker along)."""
     data, name = photos["astronaut.png"], "astronaut.png"
-    first = httpx.get(f"{gateway}/readyz", timeout=5)
-    assert first.status_code == 200, first.text
-    server.stop()
-    try:
-        r = httpx.get(f"{gateway}/readyz", timeout=10)
-        assert r.status_code == 503 and r.json()["ready"] is False
-        r = _post(gateway, "/classify", data, name)
-        assert r.status_code == 503, r.text
-        assert "unavailable" in r.json()["detail"] and r.headers.get("retry-after")
-    finally:
-        t0 = time.monotonic()
-        server.start(timeout=90)
-        started = time.monotonic() - t0
-    deadline = time.monotonic() + 20
-    while httpx.get(f"{gateway}/readyz", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "the gateway did not become ready within 20 s of Triton's restart"
-        time.sleep(0.05)
-    ready_after = time.monotonic() - t0 - started
-    r = _post(gateway, "/classify", data, name, top_k=10)
-    assert r.status_code == 200, r.text
-    _check_predictions(r.json(), reference[name]["logits"])
+    args = [MODEL, "--backend", "triton", "--triton-url", server.http_url, "--threads", "1", "--decode", "contract"]
+    with ServerProcess.serve(args) as proc:
+        gateway = proc.url
+        first = httpx.get(f"{gateway}/readyz", timeout=5)
+        assert first.status_code == 200, first.text
+        server.stop()
+        try:
+            r = httpx.get(f"{gateway}/readyz", timeout=10)
+            assert r.status_code == 503 and r.json()["ready"] is False
+            r = _post(gateway, "/classify", data, name)
+            assert r.status_code == 503, r.text
+            assert "unavailable" in r.json()["detail"] and r.headers.get("retry-after")
+        finally:
+            t0 = time.monotonic()
+            server.start(timeout=90)
+            started = time.monotonic() - t0
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{gateway}/readyz", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the gateway did not become ready within 20 s of Triton's restart"
+            time.sleep(0.05)
+        ready_after = time.monotonic() - t0 - started
+        r = _post(gateway, "/classify", data, name, top_k=10)
+        assert r.status_code == 200, r.text
+        _check_predictions(r.json(), reference[name]["logits"])
+        assert proc.alive(), f"the gateway exited with {proc.exitcode}"
     print(f"\nTriton restarted in {started:.2f} s; gateway ready {ready_after:.3f} s after that")
