@@ -18,6 +18,7 @@ import collections
 import contextlib
 import io
 import json
+import multiprocessing
 import re
 import shutil
 import time
@@ -459,38 +460,64 @@ def test_without_a_model_name_every_vit_model_of_the_triton_server_is_served(ser
     assert explain.status_code == 200 and len(explain.json()["map"]) == RES // 16
 
 
+def _restart_scenario(repo: str, data: bytes, name: str, results: multiprocessing.Queue) -> None:
+    """In a process of its own: a Triton, a `vit-serve serve` gateway in front of it, Triton stopped and started
+    again on the same ports; what the gateway answered at each step goes to `results`."""
+    out: dict = {}
+    server = TritonServer(Path(repo), models=[MODEL, f"{NAME}_explain_py"]).start(timeout=90)
+    args = [MODEL, "--backend", "triton", "--triton-url", server.http_url, "--threads", "1", "--decode", "contract"]
+    try:
+        with ServerProcess.serve(args) as proc:
+            gateway = proc.url
+            out["first"] = httpx.get(f"{gateway}/readyz", timeout=5).status_code
+            server.stop()
+            try:
+                r = httpx.get(f"{gateway}/readyz", timeout=10)
+                out["down_readyz"] = (r.status_code, r.json().get("ready"))
+                r = _post(gateway, "/classify", data, name)
+                out["down_classify"] = (r.status_code, r.text, r.headers.get("retry-after"))
+            finally:
+                t0 = time.monotonic()
+                server.start(timeout=90)
+                out["started_s"] = time.monotonic() - t0
+            deadline = time.monotonic() + 20
+            while (ready := httpx.get(f"{gateway}/readyz", timeout=10).status_code) != 200 and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["ready_again"], out["ready_after_s"] = ready == 200, time.monotonic() - t0 - out["started_s"]
+            r = _post(gateway, "/classify", data, name, top_k=10)
+            out["after"] = (r.status_code, r.json() if r.status_code == 200 else r.text)
+            out["gateway_exit"] = proc.exitcode
+    finally:
+        server.close()
+        results.put(out)
+
+
 def test_gateway_survives_a_triton_restart(exported, photos, reference):
     """Triton goes away: /readyz and /classify answer 503; it comes back on the same ports: both recover,
     without restarting the gateway. The gateway is `vit-serve serve` in a process of its own, as deployed, on a
-    Triton of its own (the module's gateway never sees this restart): a gateway dying here fails this test with
-    its exit code rather than taking the test worker along."""
+    Triton of its own, and the whole scenario runs in a spawned process: in the full suite a test worker died
+    while this test stopped Triton (never when this file ran alone), and a worker that dies stalls pytest-xdist's
+    loadfile scheduling; here such a death fails this test with its exit code."""
     if reason := available():
         pytest.skip(f"no tritonserver here: {reason}")
     data, name = photos["astronaut.png"], "astronaut.png"
-    server = TritonServer(exported["repo"], models=[MODEL, f"{NAME}_explain_py"]).start(timeout=90)
-    args = [MODEL, "--backend", "triton", "--triton-url", server.http_url, "--threads", "1", "--decode", "contract"]
-    with contextlib.closing(server), ServerProcess.serve(args) as proc:
-        gateway = proc.url
-        first = httpx.get(f"{gateway}/readyz", timeout=5)
-        assert first.status_code == 200, first.text
-        server.stop()
-        try:
-            r = httpx.get(f"{gateway}/readyz", timeout=10)
-            assert r.status_code == 503 and r.json()["ready"] is False
-            r = _post(gateway, "/classify", data, name)
-            assert r.status_code == 503, r.text
-            assert "unavailable" in r.json()["detail"] and r.headers.get("retry-after")
-        finally:
-            t0 = time.monotonic()
-            server.start(timeout=90)
-            started = time.monotonic() - t0
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{gateway}/readyz", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "the gateway did not become ready within 20 s of Triton's restart"
-            time.sleep(0.05)
-        ready_after = time.monotonic() - t0 - started
-        r = _post(gateway, "/classify", data, name, top_k=10)
-        assert r.status_code == 200, r.text
-        _check_predictions(r.json(), reference[name]["logits"])
-        assert proc.alive(), f"the gateway exited with {proc.exitcode}"
-    print(f"\nTriton restarted in {started:.2f} s; gateway ready {ready_after:.3f} s after that")
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_restart_scenario, args=(str(exported["repo"]), data, name, results))
+    child.start()
+    try:
+        out = results.get(timeout=400)
+    finally:
+        child.join(60)
+    assert child.exitcode == 0, f"the scenario's process exited with {child.exitcode}: {out}"
+    assert out["first"] == 200, out
+    assert out["down_readyz"] == (503, False), out
+    status, text, retry_after = out["down_classify"]
+    assert status == 503 and "unavailable" in text and retry_after, out["down_classify"]
+    assert out["ready_again"], "the gateway did not become ready within 20 s of Triton's restart"
+    status, body = out["after"]
+    assert status == 200, body
+    _check_predictions(body, reference[name]["logits"])
+    assert out["gateway_exit"] is None, f"the gateway exited with {out['gateway_exit']}"
+    print(f"\nTriton restarted in {out['started_s']:.2f} s; gateway ready {out['ready_after_s']:.3f} s after that")
