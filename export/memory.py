@@ -12,6 +12,7 @@ import ctypes
 import functools
 import gc
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
@@ -40,7 +41,8 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-_depth = 0
+_depth = 0  # young_heap's nesting, process-wide as gc.freeze is
+_depth_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -49,15 +51,17 @@ def young_heap() -> Iterator[None]:
     (`gc.freeze`). A full collection walks every tracked object, about 0.3 s once torch and onnx are imported,
     and an export collects about 30 times; the export's own garbage is all made inside. Nests."""
     global _depth
-    if _depth == 0:
-        gc.freeze()
-    _depth += 1
+    with _depth_lock:
+        if _depth == 0:
+            gc.freeze()
+        _depth += 1
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
-            gc.unfreeze()
+        with _depth_lock:
+            _depth -= 1
+            if _depth == 0:
+                gc.unfreeze()
 
 
 def on_young_heap(fn: Callable[P, R]) -> Callable[P, R]:
