@@ -62,7 +62,6 @@ class BatchingRunner(RunnerBase):
         self.group = Instances(instances, clock, self.events)  # the instance group and its batches
         self.seen: dict[int, float] = {}  # priority level -> when its latest request was queued
         self._collector: asyncio.Task[None] | None = None
-        self._stopping = False  # stop() is waiting for the collector to end
         self._runs: set[asyncio.Task[None]] = set()
 
     @property
@@ -105,7 +104,6 @@ class BatchingRunner(RunnerBase):
 
     async def stop(self) -> None:
         if self._collector is not None:
-            self._stopping = True
             # Cancelled until it is done: Python 3.11's asyncio.wait_for returns the inner result instead of
             # raising when a cancellation and the awaited event coincide, so one cancel() can be swallowed.
             while not self._collector.done():
@@ -114,7 +112,6 @@ class BatchingRunner(RunnerBase):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._collector
             self._collector = None
-            self._stopping = False
         for item in [*self.group.entries, *self.pending]:
             if not item.future.done():
                 item.future.set_exception(NotReadyError("the model is being unloaded"))
@@ -226,7 +223,7 @@ class BatchingRunner(RunnerBase):
         self.events.queued(len(self.pending))
 
     async def _collect(self) -> None:
-        while not self._stopping:
+        while True:
             try:
                 await self._next_batch()
             except asyncio.CancelledError:
