@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import vit_serve
+from vit_serve import signal_stack
 from vit_serve.accuracy_bounds import BOUNDS, cosines
 
 RUNTIMES = ("eager", "compiled", "compiled-bf16", "ort", "ort-int8-dynamic", "ort-int8-static", "ov-f32", "ov-bf16",
@@ -105,7 +106,8 @@ def _ov(path: Path, threads: int, precision: str | None) -> tuple[Callable[[np.n
     config: dict = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
     if precision:
         config["INFERENCE_PRECISION_HINT"] = precision
-    compiled = ov.Core().compile_model(str(path), "CPU", config)
+    with signal_stack.kept():  # see vit_serve.signal_stack
+        compiled = ov.Core().compile_model(str(path), "CPU", config)
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")
     got = hint.to_string() if hasattr(hint, "to_string") else str(hint)
     out = compiled.outputs[0]

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vit_serve import signal_stack
 from vit_serve.accuracy_bounds import AccuracyCheck, judge
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES
 
@@ -94,7 +95,8 @@ def quantize_ir(onnx_path: str | os.PathLike, xml_path: str | os.PathLike, calib
         raise ValueError(f"calibration needs a non-empty [N, 3, H, W] batch, got shape {x.shape}")
     model = ov.convert_model(str(onnx_path))
     data = nncf.Dataset([{PIXEL_VALUES: x[i : i + 1]} for i in range(len(x))])
-    quantized = nncf.quantize(model, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(x))
+    with signal_stack.kept():  # NNCF compiles the model to collect its statistics (see vit_serve.signal_stack)
+        quantized = nncf.quantize(model, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(x))
     return _save(quantized, Path(xml_path), overwrite)
 
 
@@ -106,7 +108,8 @@ class IRRunner:
         import openvino as ov
 
         config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}
-        self.compiled = ov.Core().compile_model(str(path), "CPU", config)
+        with signal_stack.kept():  # see vit_serve.signal_stack
+            self.compiled = ov.Core().compile_model(str(path), "CPU", config)
         self.names = [o.get_any_name() for o in self.compiled.outputs]
 
     def run(self, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ from vit_export.graph_info import GraphInfo
 from vit_export.memory import on_young_heap, release_memory
 from vit_export.onnx_export import heads_fused
 
+from vit_serve import signal_stack
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, explain_forward, rollout
 from vit_serve.manifest import PIXEL_VALUES, RolloutSettings
 from vit_serve.model import VisionTransformer
@@ -79,7 +80,8 @@ class OpenVINOSession:
         import openvino as ov
 
         config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}
-        self.model = ov.Core().compile_model(str(onnx_path), "CPU", config)
+        with signal_stack.kept():  # see vit_serve.signal_stack
+            self.model = ov.Core().compile_model(str(onnx_path), "CPU", config)
 
     def run(self, output_names: None, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         result = self.model(feed)

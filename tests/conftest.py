@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import math
 import os
@@ -34,6 +35,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' teardown, where ray.shutdown() runs
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Ray's core worker (an in-process `ray.init`) puts its own handlers on SIGSEGV and the other fatal signals
+    and leaves them at SIG_DFL after `ray.shutdown()`: faulthandler is re-armed, so that a later crash in this
+    worker still prints its stack instead of ending it silently."""
+    if "ray" in sys.modules and faulthandler.is_enabled():
+        faulthandler.disable()
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 _POSITIONS = ("pos_embed", "position_embeddings", "pos_embedding")
 _CLASS_TOKENS = ("cls_token", "class_token")

@@ -29,6 +29,7 @@
 - `manifest`: the export manifest every reader reads.
 - `accuracy_bounds`: how close bf16, fp16 and int8 must stay to fp32 (top-1 agreement, cosine), measured.
 - `tensorrt_engine`: a serialized TensorRT engine run on torch CUDA buffers.
+- `signal_stack`: the thread's alternate signal stack, kept across OpenVINO's compiles (which unmap theirs).
 - `data`: data sets (the embedded digits, image folders, CIFAR) and their loaders.
 - `quickstart`: `vit-serve quickstart`, train -> fine-tune at 2x -> export -> serve.
 - `flag`, `cli_parser`: how a typed field is spelled as a flag; the one-line-error argument parser.

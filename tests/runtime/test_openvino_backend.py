@@ -2,10 +2,15 @@
 (logits, embedding, the explain graph's rollout within 1e-4, dynamic resolution and batch); its native precision
 passes the accuracy gate and stays within the bounds; a precision that misses them is refused with the numbers
 unless forced; int8 needs an NNCF-quantized graph, measured against the fp32 export; the model cache serves a
-restart; instances run at once; `.xml` and the `runtime` setting pick it."""
+restart; instances run at once; `.xml` and the `runtime` setting pick it; a process that released its models
+still turns Ctrl-C into KeyboardInterrupt (vit_serve.signal_stack)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -187,6 +192,30 @@ def test_the_model_cache_serves_a_restart(exported, tmp_path, pixels, f32):
     assert sorted(p.name for p in cache.iterdir()) == blobs  # read back, not compiled anew
     np.testing.assert_allclose(again.classify(pixels), first.classify(pixels), atol=1e-6)
     np.testing.assert_allclose(again.classify(pixels), f32.classify(pixels), atol=1e-5)
+
+
+def test_ctrl_c_after_two_models_were_released_is_a_keyboard_interrupt(exported):
+    """Two backends loaded and released first-made first (a reload), then SIGINT: Python's handler runs and raises
+    KeyboardInterrupt. Without signal_stack.kept() around the plugin's compiles, the plugin left this thread on an
+    unmapped alternate stack and the kernel killed the process with a SIGSEGV instead."""
+    code = textwrap.dedent(f"""
+        import faulthandler, gc, os, signal
+        from vit_serve.runtime import LoadSpec, load
+        faulthandler.enable()
+        spec = LoadSpec(path={str(exported)!r}, backend="openvino", precision="f32", threads=1, cache_dir="")
+        first = load(spec)
+        second = load(spec)
+        del first; gc.collect()
+        del second; gc.collect()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pause()
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != -signal.SIGSEGV, r.stderr[-3000:]
+    assert (r.returncode, r.stdout.split()) == (0, ["interrupted"]), r.stderr[-3000:]
 
 
 def test_instances_run_at_once(f32, pixels):

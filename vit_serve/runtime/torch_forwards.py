@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vit_serve import signal_stack
 from vit_serve.runtime.runtime_choice import (
     BUDGET_S,
     Row,
@@ -90,7 +91,8 @@ def openvino_forward(model: torch.nn.Module, x: torch.Tensor, spinning: bool = F
 
     core = ov.Core()
     options = OpenVINOOptions(threads=torch.get_num_threads(), cache_dir="")
-    compiled = core.compile_model(core.read_model(onnx_bytes(model, x)), "CPU", options.config())
+    with signal_stack.kept():  # see vit_serve.signal_stack
+        compiled = core.compile_model(core.read_model(onnx_bytes(model, x)), "CPU", options.config())
     local = threading.local()
     logits_out, embedding_out = compiled.output("logits"), compiled.output("embedding")
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from vit_serve import signal_stack
 from vit_serve.manifest import EMBEDDING, LOGITS, PIXEL_VALUES, ROLLOUT, RolloutSettings, read_manifest
 from vit_serve.runtime import accuracy_gate
 from vit_serve.runtime.backends.base import LocalBackend
@@ -99,7 +100,8 @@ class _Compiled:
 
     def __init__(self, core: Any, path: Path, config: dict[str, Any]) -> None:
         try:
-            self.model = core.compile_model(str(path), DEVICE, config)
+            with signal_stack.kept():  # see vit_serve.signal_stack: the plugin's stack is unmapped on release
+                self.model = core.compile_model(str(path), DEVICE, config)
         except Exception as e:  # OpenVINO raises RuntimeError subclasses of its own for unreadable models
             raise ValueError(f"OpenVINO cannot compile {path.name}: {' '.join(str(e).split())}") from e
         self.outputs = {name for o in self.model.outputs for name in o.get_names()}
@@ -130,8 +132,9 @@ class GraphSession:
         import openvino as ov
 
         try:
-            self.model = ov.Core().compile_model(str(path), DEVICE, OpenVINOOptions(
-                "f32", threads=threads, cache_dir="").config("f32"))
+            with signal_stack.kept():
+                self.model = ov.Core().compile_model(str(path), DEVICE, OpenVINOOptions(
+                    "f32", threads=threads, cache_dir="").config("f32"))
         except Exception as e:  # OpenVINO's own exception types
             raise ValueError(f"OpenVINO cannot compile {path.name}: {' '.join(str(e).split())}") from e
         self._local = threading.local()
