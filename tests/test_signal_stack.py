@@ -36,7 +36,10 @@ SCENARIO = textwrap.dedent("""
     first, second = compiled(), compiled()
     del first; gc.collect()
     del second; gc.collect()
-    print("stack", signal_stack.current() == own, flush=True)
+    now = signal_stack.current()
+    mapped = any(int(a, 16) <= now.address < int(b, 16)
+                 for a, b in (line.split()[0].split("-") for line in open("/proc/self/maps")))
+    print("own", now == own, "mapped", mapped, flush=True)
     signal.signal(signal.SIGCHLD, lambda *a: None)
     subprocess.run(["true"], check=True)
     print("survived", flush=True)
@@ -52,14 +55,18 @@ def _scenario(kept: bool) -> subprocess.CompletedProcess:
 def test_kept_compiles_survive_a_signal_after_their_models_are_released():
     r = _scenario(kept=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.split() == ["stack", "True", "survived"]
+    assert r.stdout.split() == ["own", "True", "mapped", "True", "survived"]
 
 
-def test_without_it_openvino_leaves_the_thread_on_an_unmapped_stack():
-    """What `kept()` is for; if an OpenVINO release fixes its plugin, this fails and the guard can go."""
+def test_without_it_openvino_leaves_the_thread_on_a_stack_it_unmapped():
+    """What `kept()` is for; if an OpenVINO release fixes its plugin, this fails and the guard can go. The signal
+    then usually kills the process with a SIGSEGV that no handler reports (the CI worker's death); it survives
+    when something else has been mapped at that address meanwhile, and the frame overwrote that memory."""
     r = _scenario(kept=False)
-    assert r.returncode == -signal.SIGSEGV, r.stdout + r.stderr
-    assert r.stdout.split() == ["stack", "False"]  # killed by the kernel: no handler, so no faulthandler report
+    assert r.stdout.split()[:2] == ["own", "False"], r.stdout + r.stderr
+    assert r.returncode in (0, -signal.SIGSEGV), r.stdout + r.stderr
+    if r.returncode == -signal.SIGSEGV:
+        assert "Fatal Python error" not in r.stderr  # the kernel's kill: faulthandler's handler never ran
 
 
 def test_kept_restores_a_stack_the_body_replaced():
