@@ -131,13 +131,14 @@ def save_tiny() -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def export_tiny(randomize) -> Callable[..., tuple[ExportResult, Path]]:
-    """`export_tiny(folder, res, seed, labels, **options) -> (result, checkpoint)`: a 2-block Ti/16 at res x res with
-    random non-trivial weights and `labels`, saved as folder/tiny.safetensors, then `vit_export.export(checkpoint,
-    ExportOptions(**options))` on one torch thread."""
+    """`export_tiny(folder, res, seed, labels, contract=False, **options) -> (result, checkpoint)`: a 2-block Ti/16 at
+    `res` with random non-trivial weights and `labels` (`save_tiny_`), saved as folder/tiny.safetensors, then
+    `vit_export.export(checkpoint, ExportOptions(**options))` on one torch thread."""
     import vit_export
 
-    def export(folder: Path, res: int, seed: int, labels: list[str], **options: Any) -> tuple[ExportResult, Path]:
-        ckpt = save_tiny_(folder / "tiny.safetensors", res, seed, labels, contract=False)
+    def export(folder: Path, res: int | tuple[int, int], seed: int, labels: list[str], contract: bool = False,
+               **options: Any) -> tuple[ExportResult, Path]:
+        ckpt = save_tiny_(folder / "tiny.safetensors", res, seed, labels, contract=contract)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

@@ -12,6 +12,8 @@ our state dict (parameter names are timm's), loaded bit-exactly. The CLIP with p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,3 +92,18 @@ def reference(fam: Family, ref: torch.nn.Module, model: VisionTransformer, x: to
             return ref.forward_head(feats), emb
         emb = emb @ model.proj.weight.T
         return model.head(emb), emb
+
+
+def triton_export(folder: Path, model: VisionTransformer, name: str, **options: Any) -> Path:
+    """`model` saved as folder/NAME.safetensors and exported by vit_export as ONNX and a Triton repository
+    (logits and embedding, `options` added); the repository's folder."""
+    import vit_export
+
+    import vit_serve
+
+    ckpt = vit_serve.save(model, folder / f"{name}.safetensors")
+    result = vit_export.export(ckpt, vit_export.ExportOptions(
+        out=folder / "exports", repo=folder / "repo", name=name, formats=("onnx", "triton"),
+        outputs="logits,embedding", **options))
+    assert result.ok
+    return folder / "repo"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.family_models import FAMILIES, ours, reference, timm_model
+from tests.family_models import FAMILIES, ours, reference, timm_model, triton_export
 
 pytest.importorskip("onnxscript")
 pytest.importorskip("timm")
@@ -22,18 +22,13 @@ NAME = "siglip"
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    import vit_export
-
     import vit_serve
 
     d = tmp_path_factory.mktemp("triton_family")
     fam = FAMILIES["siglip"]
     ref = timm_model(fam)
-    ckpt = vit_serve.save(ours(fam, ref), d / "siglip.safetensors")
-    result = vit_export.export(ckpt, vit_export.ExportOptions(
-        out=d / "exports", repo=d / "repo", name=NAME, formats=("onnx", "triton"), outputs="logits,embedding"))
-    assert result.ok
-    return fam, ref, vit_serve.load(ckpt).eval(), d / "repo"
+    repo = triton_export(d, ours(fam, ref), NAME)
+    return fam, ref, vit_serve.load(d / f"{NAME}.safetensors").eval(), repo
 
 
 def test_configs_carry_embedding_and_scores(exported):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.family_models import triton_export
 from tests.rope_models import ours_rope, timm_rope
 
 pytest.importorskip("onnxscript")
@@ -21,18 +22,8 @@ NAME = "dinov3"
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    import vit_export
-
-    import vit_serve
-
-    d = tmp_path_factory.mktemp("triton_rope")
     ref = timm_rope("dinov3")
-    ckpt = vit_serve.save(ours_rope("dinov3", ref), d / "dinov3.safetensors")
-    result = vit_export.export(ckpt, vit_export.ExportOptions(
-        out=d / "exports", repo=d / "repo", name=NAME, formats=("onnx", "triton"), outputs="logits,embedding",
-        res="dynamic"))
-    assert result.ok
-    return ref, d / "repo"
+    return ref, triton_export(tmp_path_factory.mktemp("triton_rope"), ours_rope("dinov3", ref), NAME, res="dynamic")
 
 
 def test_configs_parse_with_triton_s_schema(exported):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from vit_serve.cli import main
@@ -18,17 +17,10 @@ LABELS = [f"class_{i}" for i in range(10)]
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, save_tiny) -> tuple[Path, Path]:
+def exported(tmp_path_factory, export_tiny) -> tuple[Path, Path]:
     """(checkpoint, its export): a 2-block Ti/16 at 32x48, random non-trivial weights."""
-    import vit_export
-
-    ckpt = save_tiny(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors", (32, 48), 7, LABELS)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result = vit_export.export(ckpt, vit_export.ExportOptions(out=tmp_path_factory.mktemp("export"), name="tiny"))
-    finally:
-        torch.set_num_threads(n)
+    folder = tmp_path_factory.mktemp("export")
+    result, ckpt = export_tiny(folder, (32, 48), 7, LABELS, contract=True, out=folder, name="tiny")
     assert result.ok
     return ckpt, result.onnx
 
