@@ -20,7 +20,7 @@ folder's size, so the difference gives each engine's images/s with the fixed cos
 from run to run: a difference of n/2 files, one second of work, was lost in it.) Reported: both, end to end too.
 Target: Ray's images/s >= 0.7x the local engine's.
 
-    python benchmarks/predict.py --images 64 --rounds 3 --out /tmp/predict_bench       # about 5 minutes on 2 cores
+    python benchmarks/predict.py --images 64 --rounds 3 --out /tmp/predict_bench       # a few minutes on 2 cores
     python benchmarks/predict.py --images 8 --rounds 1 --res 64 --no-ray --out /tmp/pb   # a smoke run
 
 Exit status: 0 when every check passes, 1 when one fails (the table is printed either way).
