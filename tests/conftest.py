@@ -36,7 +36,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-
 @pytest.hookimpl(trylast=True)  # after the fixtures' teardown, where ray.shutdown() runs
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     """Ray's core worker (an in-process `ray.init`) puts its own handlers on SIGSEGV and the other fatal signals
@@ -45,6 +44,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     if "ray" in sys.modules and faulthandler.is_enabled():
         faulthandler.disable()
         faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
 
 _POSITIONS = ("pos_embed", "position_embeddings", "pos_embedding")
 _CLASS_TOKENS = ("cls_token", "class_token")
