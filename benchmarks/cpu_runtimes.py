@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 import vit_serve
-from vit_serve import signal_stack
 from vit_serve.accuracy_bounds import BOUNDS, cosines
+from vit_serve.runtime.backends.openvino import compile_model
 
 RUNTIMES = ("eager", "compiled", "compiled-bf16", "ort", "ort-int8-dynamic", "ort-int8-static", "ov-f32", "ov-bf16",
             "ov-int8")
@@ -101,13 +101,10 @@ def _ort(path: Path, threads: int) -> Callable[[np.ndarray], np.ndarray]:
 
 def _ov(path: Path, threads: int, precision: str | None) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
     """An OpenVINO CPU model (precision None: the plugin's own) and the inference precision it reports."""
-    import openvino as ov
-
     config: dict = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
     if precision:
         config["INFERENCE_PRECISION_HINT"] = precision
-    with signal_stack.kept():  # see vit_serve.signal_stack
-        compiled = ov.Core().compile_model(str(path), "CPU", config)
+    compiled = compile_model(path, config)
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")
     got = hint.to_string() if hasattr(hint, "to_string") else str(hint)
     out = compiled.outputs[0]

@@ -14,7 +14,9 @@
     reference's calibration set (the trainer calibrates on its validation split, which is the digits test split),
     so the honest version is also shown: calibrated on one half of the held-out digits, streaming the other.
 (c) Cost: /classify images/s at concurrency 16 with unique JPEG uploads through two real gateways (`vit-serve
-    serve MODEL --no-batch-curve`, the same with `--no-monitoring`), rounds alternated; target ratio >= 0.97.
+    serve MODEL --no-batch-curve --pin-runtime onnxruntime`, the same with `--no-monitoring`), rounds
+    alternated; target ratio >= 0.97. Both serve the runtime `--runtime` names: each gateway otherwise times the
+    runtimes at load, and on a shared machine that measurement can pick different ones for the two.
 
 Needs scikit-image (photos) and, for (c), httpx. Prints markdown tables.
 """
@@ -225,12 +227,13 @@ class Gateway(ServerProcess):
             raise ServerExitedError(f"the gateway exited: {self.log.read().decode(errors='replace')[-2000:]}") \
                 from None
 
-    def batching(self) -> str:
-        """How its batcher runs, from GET /models."""
+    def serving(self) -> str:
+        """The runtime that serves and how its batcher runs, from GET /models."""
         import httpx
 
-        v = httpx.get(f"{self.url}/models", timeout=10.0).json()["models"][0]["versions"][0]["batching"]
-        return f"max batch {v['max_batch']}, wait {v['max_delay_ms']:g} ms"
+        v = httpx.get(f"{self.url}/models", timeout=10.0).json()["models"][0]["versions"][0]
+        choice, b = v.get("runtime_choice") or {}, v["batching"]
+        return f"{choice.get('chosen') or v['backend']}; max batch {b['max_batch']}, wait {b['max_delay_ms']:g} ms"
 
     def stop(self, grace: float = 30.0) -> int | None:
         code = super().stop(grace)
@@ -262,15 +265,15 @@ async def throughput(url: str, bodies: list[bytes], concurrency: int) -> float:
         return len(bodies) / (time.perf_counter() - t0)
 
 
-def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurrency: int, warmup: int
-         ) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """Images/s per round of the two gateways, rounds alternated (on, off, on, off, ...), every upload unique;
-    and how each batched."""
+def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurrency: int, warmup: int,
+         runtime: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Images/s per round of the two gateways serving `runtime`, rounds alternated (on, off, on, off, ...), every
+    upload unique; and what each served on and how it batched."""
     from vit_serve.tune.load import unique_jpeg
 
     # Both batch as configured: each gateway measures its batch curve at start-up, and on a shared machine that
     # measurement's noise (batches of 1 on one, of 16 on the other) would decide the comparison instead.
-    same = ["--no-batch-curve"]
+    same = ["--no-batch-curve", "--pin-runtime", runtime]
     gateways = {"monitoring on": Gateway(model, same), "monitoring off": Gateway(model, [*same, "--no-monitoring"])}
     out: dict[str, list[float]] = {k: [] for k in gateways}
     batching: dict[str, str] = {}
@@ -285,7 +288,7 @@ def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurren
         for g in gateways.values():
             g.wait_ready()
             asyncio.run(throughput(g.url, bodies(warmup), concurrency))
-        batching = {name: g.batching() for name, g in gateways.items()}
+        batching = {name: g.serving() for name, g in gateways.items()}
         for _ in range(rounds):
             for name, g in gateways.items():
                 out[name].append(asyncio.run(throughput(g.url, bodies(per_round), concurrency)))
@@ -333,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, help="(c) rounds per gateway (default 5; --quick 1)")
     p.add_argument("--per-round", type=int, help="(c) requests per round (default 2000; --quick 64)")
+    p.add_argument("--runtime", default="onnxruntime",
+                   help="(c) the runtime both gateways serve (their --pin-runtime; default onnxruntime)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     q = a.quick
@@ -414,11 +419,11 @@ def run(argv: list[str] | None = None) -> int:
     if "c" in args.parts:
         bases = [digit_jpeg(im) for im in te[:50]]
         res_c, batching = cost(Path(model_path), bases, args.rounds, args.per_round, args.concurrency,
-                     warmup=max(32, args.per_round // 10))
+                     warmup=max(32, args.per_round // 10), runtime=args.runtime)
         on, off = (float(np.median(res_c[k])) for k in ("monitoring on", "monitoring off"))
         print(f"(c) /classify images/s, concurrency {args.concurrency}, {args.rounds} rounds x {args.per_round} "
               f"unique uploads per gateway, alternated (median)\n")
-        print(table(["gateway", "images/s", "rounds", "batching"],
+        print(table(["gateway", "images/s", "rounds", "runtime; batching"],
                     [[k, f"{float(np.median(v)):.1f}", " ".join(f"{x:.1f}" for x in v), batching[k]]
                      for k, v in res_c.items()]))
         hit = on / off >= COST_TARGET

@@ -105,11 +105,9 @@ class IRRunner:
     name: array}."""
 
     def __init__(self, path: str | os.PathLike, threads: int = 2) -> None:
-        import openvino as ov
+        from vit_serve.runtime.backends.openvino import compile_model
 
-        config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}
-        with signal_stack.kept():  # see vit_serve.signal_stack
-            self.compiled = ov.Core().compile_model(str(path), "CPU", config)
+        self.compiled = compile_model(path, {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads})
         self.names = [o.get_any_name() for o in self.compiled.outputs]
 
     def run(self, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -28,7 +28,6 @@ from vit_export.graph_info import GraphInfo
 from vit_export.memory import on_young_heap, release_memory
 from vit_export.onnx_export import heads_fused
 
-from vit_serve import signal_stack
 from vit_serve.explain import DEFAULT_DISCARD_RATIO, DEFAULT_HEAD_FUSION, explain_forward, rollout
 from vit_serve.manifest import PIXEL_VALUES, RolloutSettings
 from vit_serve.model import VisionTransformer
@@ -77,11 +76,9 @@ class OpenVINOSession:
     otherwise infers in bf16 wherever the processor has AMX or AVX512-BF16)."""
 
     def __init__(self, onnx_path: str | Path, threads: int = 2) -> None:
-        import openvino as ov
+        from vit_serve.runtime.backends.openvino import compile_model
 
-        config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}
-        with signal_stack.kept():  # see vit_serve.signal_stack
-            self.model = ov.Core().compile_model(str(onnx_path), "CPU", config)
+        self.model = compile_model(onnx_path, {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads})
 
     def run(self, output_names: None, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         result = self.model(feed)

@@ -9,7 +9,9 @@ write the signal frame. Every Python-level handler runs there (CPython installs 
 the gateway's SIGTERM drain, torch DataLoader's SIGCHLD.
 
 `kept()` around such a call puts the thread's own stack back, so that the plugin's stack is never the current one
-when the plugin unmaps it. Linux only; elsewhere it does nothing.
+when the plugin unmaps it. The project's compiles all go through `runtime.backends.openvino.compile_model`, which
+holds it; NNCF's quantization (export.openvino_ir) compiles inside the library and is wrapped where it is called.
+Linux only; elsewhere it does nothing.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ still turns Ctrl-C into KeyboardInterrupt (vit_serve.signal_stack)."""
 
 from __future__ import annotations
 
+import ast
 import signal
 import subprocess
 import sys
@@ -216,6 +217,23 @@ def test_ctrl_c_after_two_models_were_released_is_a_keyboard_interrupt(exported)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != -signal.SIGSEGV, r.stderr[-3000:]
     assert (r.returncode, r.stdout.split()) == (0, ["interrupted"]), r.stderr[-3000:]
+
+
+def test_every_compile_of_the_project_keeps_the_signal_stack():
+    """The guard above lives in one place: each `compile_model` call of the project's sources is a call of
+    `backends.openvino.compile_model`, and only that helper calls the plugin's own."""
+    root = Path(__file__).resolve().parents[2]
+    plugin_calls = []
+    for folder in ("vit_serve", "export", "benchmarks"):
+        for path in (root / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            helper = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "compile_model"),
+                          None)
+            inside = {id(n) for n in ast.walk(helper)} if helper else set()
+            plugin_calls += [f"{path.relative_to(root)}:{n.lineno}" for n in ast.walk(tree)
+                             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                             and n.func.attr == "compile_model" and id(n) not in inside]
+    assert plugin_calls == [], f"OpenVINO compiles outside backends.openvino.compile_model: {plugin_calls}"
 
 
 def test_instances_run_at_once(f32, pixels):

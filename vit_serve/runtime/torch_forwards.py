@@ -23,7 +23,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vit_serve import signal_stack
 from vit_serve.runtime.runtime_choice import (
     BUDGET_S,
     Row,
@@ -87,12 +86,11 @@ def openvino_forward(model: torch.nn.Module, x: torch.Tensor, spinning: bool = F
     model cache (the graph is made anew at each load); an infer request per calling thread."""
     import openvino as ov
 
-    from vit_serve.runtime.backends.openvino import OpenVINOOptions
+    from vit_serve.runtime.backends.openvino import OpenVINOOptions, compile_model
 
     core = ov.Core()
     options = OpenVINOOptions(threads=torch.get_num_threads(), cache_dir="")
-    with signal_stack.kept():  # see vit_serve.signal_stack
-        compiled = core.compile_model(core.read_model(onnx_bytes(model, x)), "CPU", options.config())
+    compiled = compile_model(core.read_model(onnx_bytes(model, x)), options.config(), core)
     local = threading.local()
     logits_out, embedding_out = compiled.output("logits"), compiled.output("embedding")
 

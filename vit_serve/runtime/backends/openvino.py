@@ -95,13 +95,25 @@ def is_quantized(model: Any) -> bool:
     return any(op.get_type_name() == "FakeQuantize" for op in model.get_ops())
 
 
+def compile_model(source: str | os.PathLike | Any, config: dict[str, Any], core: Any = None) -> Any:
+    """`source` (a graph's path, or an `openvino.Model`) compiled by the CPU plugin with the properties `config`.
+    Every OpenVINO compile of the project goes through here: the plugin gives the compiling thread an alternate
+    signal stack of its own and unmaps it when the compiled model is released, so the thread's own stack is kept
+    around the call (`vit_serve.signal_stack`)."""
+    import openvino as ov
+
+    core = core if core is not None else ov.Core()
+    graph = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
+    with signal_stack.kept():
+        return core.compile_model(graph, DEVICE, config)
+
+
 class _Compiled:
     """A compiled model with an infer request per calling thread (a request runs one inference at a time)."""
 
     def __init__(self, core: Any, path: Path, config: dict[str, Any]) -> None:
         try:
-            with signal_stack.kept():  # see vit_serve.signal_stack: the plugin's stack is unmapped on release
-                self.model = core.compile_model(str(path), DEVICE, config)
+            self.model = compile_model(path, config, core)
         except Exception as e:  # OpenVINO raises RuntimeError subclasses of its own for unreadable models
             raise ValueError(f"OpenVINO cannot compile {path.name}: {' '.join(str(e).split())}") from e
         self.outputs = {name for o in self.model.outputs for name in o.get_names()}
@@ -129,12 +141,8 @@ class GraphSession:
 
     def __init__(self, path: Path, threads: int | None = None) -> None:
         require_openvino()
-        import openvino as ov
-
         try:
-            with signal_stack.kept():
-                self.model = ov.Core().compile_model(str(path), DEVICE, OpenVINOOptions(
-                    "f32", threads=threads, cache_dir="").config("f32"))
+            self.model = compile_model(path, OpenVINOOptions("f32", threads=threads, cache_dir="").config("f32"))
         except Exception as e:  # OpenVINO's own exception types
             raise ValueError(f"OpenVINO cannot compile {path.name}: {' '.join(str(e).split())}") from e
         self._local = threading.local()
