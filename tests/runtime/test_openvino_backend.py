@@ -199,14 +199,15 @@ def test_ctrl_c_after_two_models_were_released_is_a_keyboard_interrupt(exported)
     """Two backends loaded and released first-made first (a reload), then SIGINT: Python's handler runs and raises
     KeyboardInterrupt. Without signal_stack.kept() around the plugin's compiles, the plugin left this thread on an
     unmapped alternate stack and the kernel killed the process with a SIGSEGV instead."""
-    # raise_signal: delivered to this (the main) thread, whose alternate stack is the one at stake; a signal sent
-    # to the process may go to one of the plugin's threads and leave the main thread waiting. A hang dumps every
-    # thread's stack and exits.
+    # raise_signal: delivered to this (the main) thread, whose alternate stack is the one at stake. A hang dumps
+    # every thread's stack and exits.
     code = textwrap.dedent(f"""
         import faulthandler, gc, signal
         from vit_serve.runtime import LoadSpec, load
         faulthandler.enable()
         faulthandler.dump_traceback_later(120, exit=True)
+        # Python's own SIGINT handler, whatever this process inherited (a shell's background job ignores SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         spec = LoadSpec(path={str(exported)!r}, backend="openvino", precision="f32", threads=1, cache_dir="")
         first = load(spec)
         second = load(spec)
