@@ -276,7 +276,7 @@ def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurren
     same = ["--no-batch-curve", "--pin-runtime", runtime]
     gateways = {"monitoring on": Gateway(model, same), "monitoring off": Gateway(model, [*same, "--no-monitoring"])}
     out: dict[str, list[float]] = {k: [] for k in gateways}
-    batching: dict[str, str] = {}
+    serving: dict[str, str] = {}
     k = 0
 
     def bodies(n: int) -> list[bytes]:
@@ -288,14 +288,14 @@ def cost(model: Path, bases: list[bytes], rounds: int, per_round: int, concurren
         for g in gateways.values():
             g.wait_ready()
             asyncio.run(throughput(g.url, bodies(warmup), concurrency))
-        batching = {name: g.serving() for name, g in gateways.items()}
+        serving = {name: g.serving() for name, g in gateways.items()}
         for _ in range(rounds):
             for name, g in gateways.items():
                 out[name].append(asyncio.run(throughput(g.url, bodies(per_round), concurrency)))
     finally:
         for g in gateways.values():
             g.stop()
-    return out, batching
+    return out, serving
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -418,13 +418,13 @@ def run(argv: list[str] | None = None) -> int:
               f"windows is at most {args.significance} (Bonferroni is conservative)\n")
     if "c" in args.parts:
         bases = [digit_jpeg(im) for im in te[:50]]
-        res_c, batching = cost(Path(model_path), bases, args.rounds, args.per_round, args.concurrency,
+        res_c, serving = cost(Path(model_path), bases, args.rounds, args.per_round, args.concurrency,
                      warmup=max(32, args.per_round // 10), runtime=args.runtime)
         on, off = (float(np.median(res_c[k])) for k in ("monitoring on", "monitoring off"))
         print(f"(c) /classify images/s, concurrency {args.concurrency}, {args.rounds} rounds x {args.per_round} "
               f"unique uploads per gateway, alternated (median)\n")
         print(table(["gateway", "images/s", "rounds", "runtime; batching"],
-                    [[k, f"{float(np.median(v)):.1f}", " ".join(f"{x:.1f}" for x in v), batching[k]]
+                    [[k, f"{float(np.median(v)):.1f}", " ".join(f"{x:.1f}" for x in v), serving[k]]
                      for k, v in res_c.items()]))
         hit = on / off >= COST_TARGET
         ok &= hit
